@@ -1,0 +1,33 @@
+"""cxlkv: a CXL Type-3 shared-memory pool and a rack-scale, prefix-aware LLM KV cache.
+
+Public API (integrations and users rely only on these names):
+
+    cxlkv.Pool.open(path)           open a formatted pool (read-only with writable=False)
+    cxlkv.format_pool(path, params) format a file or device-dax device
+    cxlkv.FormatParams              format parameters
+    cxlkv.errors                    the exception tree (CxlkvError and subclasses)
+"""
+__version__ = "0.1.0"
+
+from cxlkv.errors import CxlkvError  # noqa: E402
+
+
+def __getattr__(name):
+    # Lazy: importing cxlkv must not need the C core (e.g. for --help).
+    if name == "Pool":
+        from cxlkv.pool.pool import Pool
+
+        return Pool
+    if name in ("format_pool", "init_pool", "create_pool_file"):
+        from cxlkv.pool import admin
+
+        return getattr(admin, name)
+    if name == "FormatParams":
+        from cxlkv.pool.format import FormatParams
+
+        return FormatParams
+    raise AttributeError(f"module 'cxlkv' has no attribute {name!r}")
+
+
+__all__ = ["__version__", "CxlkvError", "Pool", "format_pool", "init_pool", "create_pool_file",
+           "FormatParams"]

@@ -1,0 +1,34 @@
+"""The C core: the only code that touches pool memory.
+
+`Mapping` maps a pool (file or device-dax) or wraps a buffer; every access
+takes a byte offset from the pool base and is bounds-checked in C.
+"""
+from cxlkv.errors import PoolRangeError
+
+try:
+    from cxlkv._core import _native
+except ImportError as e:  # pragma: no cover - depends on the build
+    raise ImportError(
+        "cxlkv's C core is not built (cxlkv._core._native): "
+        "run `pip install -e .` (or ./scripts/setup) in the source tree"
+    ) from e
+
+#: The interface version this Python code was written against; a stale or
+#: foreign build of the extension is refused at import.
+EXPECTED_ABI = 1
+if _native.ABI_VERSION != EXPECTED_ABI:  # pragma: no cover - depends on the build
+    raise ImportError(
+        f"cxlkv C core ABI {_native.ABI_VERSION} does not match the Python code "
+        f"(expects {EXPECTED_ABI}): rebuild with `pip install -e .`"
+    )
+
+_native.set_error_types(PoolRangeError)
+
+Mapping = _native.Mapping
+fence = _native.fence
+sfence = _native.sfence
+cpu_info = _native.cpu_info
+layout = _native.layout
+constants = _native.constants
+
+__all__ = ["Mapping", "fence", "sfence", "cpu_info", "layout", "constants"]

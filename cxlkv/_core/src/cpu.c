@@ -1,0 +1,195 @@
+/* CPU feature detection and pool copies; see cpu.h. */
+#include "cpu.h"
+
+#include <stdlib.h>
+#include <strings.h>
+
+struct cxlkv_cpu cxlkv_cpu;
+
+const char *cxlkv_flush_name(enum cxlkv_flush_kind k)
+{
+    switch (k) {
+    case CXLKV_FLUSH_CLFLUSH: return "clflush";
+    case CXLKV_FLUSH_CLFLUSHOPT: return "clflushopt";
+    case CXLKV_FLUSH_CLWB: return "clwb";
+    case CXLKV_FLUSH_DC_CIVAC: return "dc civac";
+    default: return "none";
+    }
+}
+
+void cxlkv_cpu_init(void)
+{
+    memset(&cxlkv_cpu, 0, sizeof(cxlkv_cpu));
+#if defined(__x86_64__)
+    unsigned a, b, c, d;
+    if (__get_cpuid(1, &a, &b, &c, &d)) {
+        cxlkv_cpu.has_clflush = (d >> 19) & 1;
+        cxlkv_cpu.has_sse2 = (d >> 26) & 1;
+    }
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
+        cxlkv_cpu.has_clflushopt = (b >> 23) & 1;
+        cxlkv_cpu.has_clwb = (b >> 24) & 1;
+    }
+    __builtin_cpu_init();
+    cxlkv_cpu.has_avx2 = __builtin_cpu_supports("avx2");
+    cxlkv_cpu.has_avx512f = __builtin_cpu_supports("avx512f");
+
+    cxlkv_cpu.flush = cxlkv_cpu.has_clwb ? CXLKV_FLUSH_CLWB
+                    : cxlkv_cpu.has_clflushopt ? CXLKV_FLUSH_CLFLUSHOPT
+                    : CXLKV_FLUSH_CLFLUSH;
+    cxlkv_cpu.invalidate = cxlkv_cpu.has_clflushopt ? CXLKV_FLUSH_CLFLUSHOPT
+                         : CXLKV_FLUSH_CLFLUSH;
+
+    const char *force = getenv("CXLKV_FLUSH");
+    if (force && *force) {
+        if (!strcasecmp(force, "clflush"))
+            cxlkv_cpu.flush = cxlkv_cpu.invalidate = CXLKV_FLUSH_CLFLUSH;
+        else if (!strcasecmp(force, "clflushopt") && cxlkv_cpu.has_clflushopt)
+            cxlkv_cpu.flush = cxlkv_cpu.invalidate = CXLKV_FLUSH_CLFLUSHOPT;
+        else if (!strcasecmp(force, "clwb") && cxlkv_cpu.has_clwb)
+            cxlkv_cpu.flush = CXLKV_FLUSH_CLWB;
+        /* anything else (or an instruction this CPU lacks): keep the CPUID choice;
+         * the Python side reports what is in use. */
+    }
+#elif defined(__aarch64__)
+    cxlkv_cpu.flush = cxlkv_cpu.invalidate = CXLKV_FLUSH_DC_CIVAC;
+#endif
+}
+
+/* Lines below NT_MIN bytes are not worth streaming. */
+#define NT_MIN 256
+
+#if defined(__x86_64__)
+__attribute__((target("avx2")))
+static void nt_body_avx2(char *dst, const char *src, size_t n)
+{
+    /* dst is 64-byte aligned, n a multiple of 64 */
+    while (n >= 128) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)src);
+        __m256i b = _mm256_loadu_si256((const __m256i *)(src + 32));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(src + 64));
+        __m256i d = _mm256_loadu_si256((const __m256i *)(src + 96));
+        _mm256_stream_si256((__m256i *)dst, a);
+        _mm256_stream_si256((__m256i *)(dst + 32), b);
+        _mm256_stream_si256((__m256i *)(dst + 64), c);
+        _mm256_stream_si256((__m256i *)(dst + 96), d);
+        src += 128; dst += 128; n -= 128;
+    }
+    if (n) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)src);
+        __m256i b = _mm256_loadu_si256((const __m256i *)(src + 32));
+        _mm256_stream_si256((__m256i *)dst, a);
+        _mm256_stream_si256((__m256i *)(dst + 32), b);
+    }
+}
+
+__attribute__((target("avx2")))
+static void nt_zero_avx2(char *dst, size_t n)
+{
+    __m256i z = _mm256_setzero_si256();
+    for (; n; n -= 64, dst += 64) {
+        _mm256_stream_si256((__m256i *)dst, z);
+        _mm256_stream_si256((__m256i *)(dst + 32), z);
+    }
+}
+
+static void nt_body_sse2(char *dst, const char *src, size_t n)
+{
+    for (; n; n -= 64, src += 64, dst += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)src);
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+        _mm_stream_si128((__m128i *)dst, a);
+        _mm_stream_si128((__m128i *)(dst + 16), b);
+        _mm_stream_si128((__m128i *)(dst + 32), c);
+        _mm_stream_si128((__m128i *)(dst + 48), d);
+    }
+}
+
+static void nt_zero_sse2(char *dst, size_t n)
+{
+    __m128i z = _mm_setzero_si128();
+    for (; n; n -= 64, dst += 64) {
+        _mm_stream_si128((__m128i *)dst, z);
+        _mm_stream_si128((__m128i *)(dst + 16), z);
+        _mm_stream_si128((__m128i *)(dst + 32), z);
+        _mm_stream_si128((__m128i *)(dst + 48), z);
+    }
+}
+#endif
+
+/* Split [dst, dst+n) into an unaligned head, a 64-byte aligned body that is a
+ * multiple of 64 bytes, and a tail. */
+static inline void split64(const char *dst, size_t n, size_t *head, size_t *body)
+{
+    size_t h = (size_t)((64 - ((uintptr_t)dst & 63)) & 63);
+    if (h > n)
+        h = n;
+    *head = h;
+    *body = (n - h) & ~(size_t)63;
+}
+
+void cxlkv_copy_to_pool(void *dstv, const void *srcv, size_t n, int nt)
+{
+    char *dst = dstv;
+    const char *src = srcv;
+#if defined(__x86_64__)
+    if (nt && n >= NT_MIN) {
+        size_t head, body;
+        split64(dst, n, &head, &body);
+        size_t tail = n - head - body;
+        if (head) {
+            memcpy(dst, src, head);
+            cxlkv_line_op(cxlkv_cpu.flush, dst);
+        }
+        if (cxlkv_cpu.has_avx2)
+            nt_body_avx2(dst + head, src + head, body);
+        else
+            nt_body_sse2(dst + head, src + head, body);
+        if (tail) {
+            memcpy(dst + head + body, src + head + body, tail);
+            cxlkv_line_op(cxlkv_cpu.flush, dst + head + body);
+        }
+        cxlkv_sfence();
+        return;
+    }
+#endif
+    (void)nt;
+    memcpy(dst, src, n);
+    cxlkv_flush_range(dst, n);
+}
+
+void cxlkv_zero_pool(void *dstv, size_t n, int nt)
+{
+    char *dst = dstv;
+#if defined(__x86_64__)
+    if (nt && n >= NT_MIN) {
+        size_t head, body;
+        split64(dst, n, &head, &body);
+        size_t tail = n - head - body;
+        if (head) {
+            memset(dst, 0, head);
+            cxlkv_line_op(cxlkv_cpu.flush, dst);
+        }
+        if (cxlkv_cpu.has_avx2)
+            nt_zero_avx2(dst + head, body);
+        else
+            nt_zero_sse2(dst + head, body);
+        if (tail) {
+            memset(dst + head + body, 0, tail);
+            cxlkv_line_op(cxlkv_cpu.flush, dst + head + body);
+        }
+        cxlkv_sfence();
+        return;
+    }
+#endif
+    (void)nt;
+    memset(dst, 0, n);
+    cxlkv_flush_range(dst, n);
+}
+
+void cxlkv_copy_from_pool(void *dst, const void *src, size_t n)
+{
+    memcpy(dst, src, n);
+}

@@ -1,0 +1,939 @@
+/*
+ * cxlkv._core._native: the only code that touches pool memory.
+ *
+ * A Mapping is a pool mapped MAP_SHARED (a file or a device-dax character
+ * device) or, for pure formatting and tests, a borrowed writable buffer.
+ * Every access takes a byte offset from the pool base and is bounds-checked
+ * against the mapping before the pointer is formed: an offset read from the
+ * pool is untrusted input.  Out of range raises RangeError (an IndexError);
+ * nothing here can be made to touch memory outside the mapping.
+ *
+ * All pool accesses funnel through the pool_* helpers below, so that a
+ * different memory model (the non-coherence emulation) switches in at one
+ * place.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "cpu.h"
+#include "cxlkv_format.h"
+
+/* Bump when the Python-visible interface changes; cxlkv/_core/__init__.py
+ * refuses to import a build with a different number (a stale build must fail
+ * loudly, not strangely). */
+#define CXLKV_NATIVE_ABI 1
+
+/* Copies at least this large release the GIL. */
+#define GIL_RELEASE_MIN (64 * 1024)
+
+static PyObject *RangeError;   /* set by _native.set_error_types(), default IndexError subclass */
+
+/* ------------------------------------------------------------------ */
+/* Mapping object                                                      */
+
+typedef struct {
+    PyObject_HEAD
+    char *base;
+    uint64_t size;
+    int writable;
+    int owns_map;          /* 1: munmap on close; 0: borrowed buffer */
+    int closed;
+    Py_ssize_t exports;    /* live buffer exports (views) */
+    Py_ssize_t busy;       /* calls running with the GIL released */
+    Py_buffer borrowed;    /* when owns_map == 0 */
+    int nt_default;        /* use NT stores for large writes */
+    uint64_t nt_threshold;
+} Mapping;
+
+static PyTypeObject MappingType;
+static PyTypeObject SpanType;
+
+static int
+range_error(const Mapping *m, uint64_t off, uint64_t len, const char *what)
+{
+    PyErr_Format(RangeError,
+                 "%s: range [%llu, +%llu) is outside the pool mapping of %llu bytes",
+                 what, (unsigned long long)off, (unsigned long long)len,
+                 (unsigned long long)m->size);
+    return -1;
+}
+
+static int
+check_open(const Mapping *m)
+{
+    if (m->closed || m->base == NULL) {
+        PyErr_SetString(PyExc_ValueError, "pool mapping is closed");
+        return -1;
+    }
+    return 0;
+}
+
+/* The one bounds check.  off and len come from Python or from the pool. */
+static int
+check_range(const Mapping *m, uint64_t off, uint64_t len, const char *what)
+{
+    if (check_open(m) < 0)
+        return -1;
+    if (off > m->size || len > m->size - off)
+        return range_error(m, off, len, what);
+    return 0;
+}
+
+static int
+check_word(const Mapping *m, uint64_t off, const char *what)
+{
+    if (check_range(m, off, 8, what) < 0)
+        return -1;
+    if (off & 7) {
+        PyErr_Format(RangeError, "%s: offset %llu is not 8-byte aligned", what,
+                     (unsigned long long)off);
+        return -1;
+    }
+    return 0;
+}
+
+static int
+check_writable(const Mapping *m, const char *what)
+{
+    if (!m->writable) {
+        PyErr_Format(PyExc_PermissionError, "%s: pool is mapped read-only", what);
+        return -1;
+    }
+    return 0;
+}
+
+/* --- the pool access helpers (single switch point) ----------------- */
+
+static inline uint64_t pool_load64(Mapping *m, uint64_t off)
+{
+    return __atomic_load_n((uint64_t *)(m->base + off), __ATOMIC_ACQUIRE);
+}
+
+static inline void pool_store64(Mapping *m, uint64_t off, uint64_t v)
+{
+    __atomic_store_n((uint64_t *)(m->base + off), v, __ATOMIC_RELEASE);
+}
+
+static inline uint64_t pool_cas64(Mapping *m, uint64_t off, uint64_t expect, uint64_t desired)
+{
+    uint64_t e = expect;
+    __atomic_compare_exchange_n((uint64_t *)(m->base + off), &e, desired, 0,
+                                __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    return e;   /* old value; success iff == expect */
+}
+
+static inline uint64_t pool_fadd64(Mapping *m, uint64_t off, uint64_t delta)
+{
+    return __atomic_fetch_add((uint64_t *)(m->base + off), delta, __ATOMIC_SEQ_CST);
+}
+
+static inline void pool_flush(Mapping *m, uint64_t off, uint64_t len)
+{
+    cxlkv_flush_range(m->base + off, (size_t)len);
+}
+
+static inline void pool_invalidate(Mapping *m, uint64_t off, uint64_t len)
+{
+    cxlkv_invalidate_range(m->base + off, (size_t)len);
+}
+
+static inline void pool_write(Mapping *m, uint64_t off, const void *src, uint64_t len, int nt)
+{
+    cxlkv_copy_to_pool(m->base + off, src, (size_t)len, nt);
+}
+
+static inline void pool_zero(Mapping *m, uint64_t off, uint64_t len, int nt)
+{
+    cxlkv_zero_pool(m->base + off, (size_t)len, nt);
+}
+
+static inline void pool_read(Mapping *m, uint64_t off, void *dst, uint64_t len)
+{
+    cxlkv_copy_from_pool(dst, m->base + off, (size_t)len);
+}
+
+/* --- argument helpers ---------------------------------------------- */
+
+static int
+as_u64(PyObject *o, uint64_t *out, const char *what)
+{
+    if (!PyLong_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an int, not %.100s", what,
+                     Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            PyErr_Format(RangeError, "%s out of range: %R (must be 0 .. 2**64-1)", what, o);
+        }
+        return -1;
+    }
+    *out = (uint64_t)v;
+    return 0;
+}
+
+static int
+nargs_check(Py_ssize_t nargs, Py_ssize_t lo, Py_ssize_t hi, const char *name)
+{
+    if (nargs < lo || nargs > hi) {
+        if (lo == hi)
+            PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, lo, nargs);
+        else
+            PyErr_Format(PyExc_TypeError, "%s() takes %zd to %zd arguments (%zd given)", name,
+                         lo, hi, nargs);
+        return -1;
+    }
+    return 0;
+}
+
+/* tri-state nt argument: None -> mapping default by size */
+static int
+parse_nt(Mapping *m, PyObject *o, uint64_t len, int *nt)
+{
+    if (o == NULL || o == Py_None) {
+        *nt = m->nt_default && len >= m->nt_threshold;
+        return 0;
+    }
+    int t = PyObject_IsTrue(o);
+    if (t < 0)
+        return -1;
+    *nt = t;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ */
+
+static void
+mapping_release(Mapping *m)
+{
+    if (m->base) {
+        if (m->owns_map)
+            munmap(m->base, (size_t)m->size);
+        else
+            PyBuffer_Release(&m->borrowed);
+    }
+    m->base = NULL;
+    m->closed = 1;
+}
+
+static void
+Mapping_dealloc(Mapping *m)
+{
+    mapping_release(m);
+    Py_TYPE(m)->tp_free((PyObject *)m);
+}
+
+static PyObject *
+Mapping_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"fd", "size", "writable", "populate", NULL};
+    int fd, writable = 1, populate = 0;
+    unsigned long long size;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iK|pp:Mapping", kwlist, &fd, &size,
+                                     &writable, &populate))
+        return NULL;
+    if (size == 0 || size > (unsigned long long)PY_SSIZE_T_MAX) {
+        PyErr_Format(PyExc_ValueError, "cannot map %llu bytes", size);
+        return NULL;
+    }
+    int prot = PROT_READ | (writable ? PROT_WRITE : 0);
+    int flags = MAP_SHARED | (populate ? MAP_POPULATE : 0);
+    void *p;
+    Py_BEGIN_ALLOW_THREADS
+    p = mmap(NULL, (size_t)size, prot, flags, fd, 0);
+    Py_END_ALLOW_THREADS
+    if (p == MAP_FAILED)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Mapping *m = (Mapping *)type->tp_alloc(type, 0);
+    if (!m) {
+        munmap(p, (size_t)size);
+        return NULL;
+    }
+    m->base = p;
+    m->size = size;
+    m->writable = writable;
+    m->owns_map = 1;
+    m->nt_default = 1;
+    m->nt_threshold = 64 * 1024;
+    return (PyObject *)m;
+}
+
+static PyObject *
+Mapping_from_buffer(PyTypeObject *type, PyObject *obj)
+{
+    Mapping *m = (Mapping *)type->tp_alloc(type, 0);
+    if (!m)
+        return NULL;
+    if (PyObject_GetBuffer(obj, &m->borrowed, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        if (PyObject_GetBuffer(obj, &m->borrowed, PyBUF_C_CONTIGUOUS) < 0) {
+            m->closed = 1;
+            Py_DECREF(m);
+            return NULL;
+        }
+        m->writable = 0;
+    } else {
+        m->writable = 1;
+    }
+    if (m->borrowed.len == 0) {
+        PyBuffer_Release(&m->borrowed);
+        m->closed = 1;
+        Py_DECREF(m);
+        PyErr_SetString(PyExc_ValueError, "cannot use an empty buffer as a pool");
+        return NULL;
+    }
+    m->base = m->borrowed.buf;
+    m->size = (uint64_t)m->borrowed.len;
+    m->owns_map = 0;
+    m->nt_default = 1;
+    m->nt_threshold = 64 * 1024;
+    return (PyObject *)m;
+}
+
+static PyObject *
+Mapping_close(Mapping *m, PyObject *Py_UNUSED(ignored))
+{
+    if (m->closed)
+        Py_RETURN_NONE;
+    if (m->exports > 0) {
+        PyErr_Format(PyExc_BufferError,
+                     "cannot close the pool mapping: %zd view(s) of it are still alive",
+                     m->exports);
+        return NULL;
+    }
+    if (m->busy > 0) {
+        PyErr_SetString(PyExc_BufferError,
+                        "cannot close the pool mapping: a copy is running in another thread");
+        return NULL;
+    }
+    mapping_release(m);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Mapping_enter(Mapping *m, PyObject *Py_UNUSED(ignored))
+{
+    if (check_open(m) < 0)
+        return NULL;
+    Py_INCREF(m);
+    return (PyObject *)m;
+}
+
+static PyObject *
+Mapping_exit(Mapping *m, PyObject *args)
+{
+    (void)args;
+    return Mapping_close(m, NULL);
+}
+
+/* load64(off) -> int */
+static PyObject *
+Mapping_load64(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t off;
+    if (nargs_check(nargs, 1, 1, "load64") < 0 || as_u64(args[0], &off, "offset") < 0 ||
+        check_word(m, off, "load64") < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(pool_load64(m, off));
+}
+
+/* store64(off, value) */
+static PyObject *
+Mapping_store64(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t off, v;
+    if (nargs_check(nargs, 2, 2, "store64") < 0 || as_u64(args[0], &off, "offset") < 0 ||
+        as_u64(args[1], &v, "value") < 0 || check_word(m, off, "store64") < 0 ||
+        check_writable(m, "store64") < 0)
+        return NULL;
+    pool_store64(m, off, v);
+    Py_RETURN_NONE;
+}
+
+/* cas64(off, expected, new) -> old value (the swap happened iff old == expected) */
+static PyObject *
+Mapping_cas64(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t off, e, d;
+    if (nargs_check(nargs, 3, 3, "cas64") < 0 || as_u64(args[0], &off, "offset") < 0 ||
+        as_u64(args[1], &e, "expected") < 0 || as_u64(args[2], &d, "new") < 0 ||
+        check_word(m, off, "cas64") < 0 || check_writable(m, "cas64") < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(pool_cas64(m, off, e, d));
+}
+
+/* fetch_add64(off, delta) -> old value (wraps modulo 2**64; pass 2**64-1 to subtract 1) */
+static PyObject *
+Mapping_fetch_add64(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t off, d;
+    if (nargs_check(nargs, 2, 2, "fetch_add64") < 0 || as_u64(args[0], &off, "offset") < 0 ||
+        as_u64(args[1], &d, "delta") < 0 || check_word(m, off, "fetch_add64") < 0 ||
+        check_writable(m, "fetch_add64") < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(pool_fadd64(m, off, d));
+}
+
+/* add64_many(off, delta, count): count fetch-adds on one word (for tests and
+ * benchmarks of the atomics without per-call Python overhead) -> last old value */
+static PyObject *
+Mapping_add64_many(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t off, d, n, old = 0;
+    if (nargs_check(nargs, 3, 3, "add64_many") < 0 || as_u64(args[0], &off, "offset") < 0 ||
+        as_u64(args[1], &d, "delta") < 0 || as_u64(args[2], &n, "count") < 0 ||
+        check_word(m, off, "add64_many") < 0 || check_writable(m, "add64_many") < 0)
+        return NULL;
+    m->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    for (uint64_t i = 0; i < n; i++)
+        old = pool_fadd64(m, off, d);
+    Py_END_ALLOW_THREADS
+    m->busy--;
+    return PyLong_FromUnsignedLongLong(old);
+}
+
+static int
+range_args(Mapping *m, PyObject *const *args, Py_ssize_t nargs, const char *name,
+           uint64_t *off, uint64_t *len)
+{
+    if (nargs_check(nargs, 2, 2, name) < 0 || as_u64(args[0], off, "offset") < 0 ||
+        as_u64(args[1], len, "length") < 0 || check_range(m, *off, *len, name) < 0)
+        return -1;
+    return 0;
+}
+
+/* flush(off, length): write back the lines of the range, then sfence */
+static PyObject *
+Mapping_flush(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t off, len;
+    if (range_args(m, args, nargs, "flush", &off, &len) < 0)
+        return NULL;
+    pool_flush(m, off, len);
+    Py_RETURN_NONE;
+}
+
+/* invalidate(off, length): drop the lines so the next loads read memory */
+static PyObject *
+Mapping_invalidate(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t off, len;
+    if (range_args(m, args, nargs, "invalidate", &off, &len) < 0)
+        return NULL;
+    pool_invalidate(m, off, len);
+    Py_RETURN_NONE;
+}
+
+/* write(off, buffer, nt=None): copy a buffer into the pool; flushed on return */
+static PyObject *
+Mapping_write(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t off;
+    if (nargs_check(nargs, 2, 3, "write") < 0 || as_u64(args[0], &off, "offset") < 0)
+        return NULL;
+    Py_buffer b;
+    if (PyObject_GetBuffer(args[1], &b, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    int nt;
+    PyObject *ret = NULL;
+    if (check_range(m, off, (uint64_t)b.len, "write") < 0 || check_writable(m, "write") < 0 ||
+        parse_nt(m, nargs > 2 ? args[2] : NULL, (uint64_t)b.len, &nt) < 0)
+        goto out;
+    if (b.len >= GIL_RELEASE_MIN) {
+        m->busy++;
+        Py_BEGIN_ALLOW_THREADS
+        pool_write(m, off, b.buf, (uint64_t)b.len, nt);
+        Py_END_ALLOW_THREADS
+        m->busy--;
+    } else {
+        pool_write(m, off, b.buf, (uint64_t)b.len, nt);
+    }
+    ret = Py_NewRef(Py_None);
+out:
+    PyBuffer_Release(&b);
+    return ret;
+}
+
+/* zero(off, length, nt=None): zero a range; flushed on return */
+static PyObject *
+Mapping_zero(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t off, len;
+    int nt;
+    if (nargs_check(nargs, 2, 3, "zero") < 0 || as_u64(args[0], &off, "offset") < 0 ||
+        as_u64(args[1], &len, "length") < 0 || check_range(m, off, len, "zero") < 0 ||
+        check_writable(m, "zero") < 0 || parse_nt(m, nargs > 2 ? args[2] : NULL, len, &nt) < 0)
+        return NULL;
+    m->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    pool_zero(m, off, len, nt);
+    Py_END_ALLOW_THREADS
+    m->busy--;
+    Py_RETURN_NONE;
+}
+
+/* read(off, length) -> bytes */
+static PyObject *
+Mapping_read(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t off, len;
+    if (range_args(m, args, nargs, "read", &off, &len) < 0)
+        return NULL;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)len);
+    if (!out)
+        return NULL;
+    if (len >= GIL_RELEASE_MIN) {
+        m->busy++;
+        Py_BEGIN_ALLOW_THREADS
+        pool_read(m, off, PyBytes_AS_STRING(out), len);
+        Py_END_ALLOW_THREADS
+        m->busy--;
+    } else {
+        pool_read(m, off, PyBytes_AS_STRING(out), len);
+    }
+    return out;
+}
+
+/* readinto(off, buffer) -> bytes copied (len(buffer)) */
+static PyObject *
+Mapping_readinto(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t off;
+    if (nargs_check(nargs, 2, 2, "readinto") < 0 || as_u64(args[0], &off, "offset") < 0)
+        return NULL;
+    Py_buffer b;
+    if (PyObject_GetBuffer(args[1], &b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    PyObject *ret = NULL;
+    if (check_range(m, off, (uint64_t)b.len, "readinto") < 0)
+        goto out;
+    if (b.len >= GIL_RELEASE_MIN) {
+        m->busy++;
+        Py_BEGIN_ALLOW_THREADS
+        pool_read(m, off, b.buf, (uint64_t)b.len);
+        Py_END_ALLOW_THREADS
+        m->busy--;
+    } else {
+        pool_read(m, off, b.buf, (uint64_t)b.len);
+    }
+    ret = PyLong_FromSsize_t(b.len);
+out:
+    PyBuffer_Release(&b);
+    return ret;
+}
+
+/* ------------------------------------------------------------------ */
+/* Span: a sub-range exporter backing zero-copy views                   */
+
+typedef struct {
+    PyObject_HEAD
+    Mapping *map;
+    uint64_t off, len;
+    int writable;
+} Span;
+
+static void
+Span_dealloc(Span *s)
+{
+    Py_XDECREF(s->map);
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+static int
+Span_getbuffer(Span *s, Py_buffer *view, int flags)
+{
+    Mapping *m = s->map;
+    if (check_range(m, s->off, s->len, "view") < 0) {
+        view->obj = NULL;
+        return -1;
+    }
+    if ((flags & PyBUF_WRITABLE) && !s->writable) {
+        PyErr_SetString(PyExc_BufferError, "pool view is read-only");
+        view->obj = NULL;
+        return -1;
+    }
+    if (PyBuffer_FillInfo(view, (PyObject *)s, m->base + s->off, (Py_ssize_t)s->len,
+                          !s->writable, flags) < 0)
+        return -1;
+    m->exports++;
+    return 0;
+}
+
+static void
+Span_releasebuffer(Span *s, Py_buffer *view)
+{
+    (void)view;
+    s->map->exports--;
+}
+
+static PyBufferProcs Span_as_buffer = {
+    (getbufferproc)Span_getbuffer,
+    (releasebufferproc)Span_releasebuffer,
+};
+
+static PyTypeObject SpanType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cxlkv._core._native.Span",
+    .tp_basicsize = sizeof(Span),
+    .tp_dealloc = (destructor)Span_dealloc,
+    .tp_as_buffer = &Span_as_buffer,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Exporter of one pool range; use Mapping.view().",
+};
+
+/* view(off, length, writable=False) -> memoryview over the pool range */
+static PyObject *
+Mapping_view(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t off, len;
+    int writable = 0;
+    if (nargs_check(nargs, 2, 3, "view") < 0 || as_u64(args[0], &off, "offset") < 0 ||
+        as_u64(args[1], &len, "length") < 0 || check_range(m, off, len, "view") < 0)
+        return NULL;
+    if (nargs > 2 && (writable = PyObject_IsTrue(args[2])) < 0)
+        return NULL;
+    if (writable && check_writable(m, "view") < 0)
+        return NULL;
+    Span *s = PyObject_New(Span, &SpanType);
+    if (!s)
+        return NULL;
+    Py_INCREF(m);
+    s->map = m;
+    s->off = off;
+    s->len = len;
+    s->writable = writable;
+    PyObject *mv = PyMemoryView_FromObject((PyObject *)s);
+    Py_DECREF(s);
+    return mv;
+}
+
+static PyObject *
+Mapping_get_size(Mapping *m, void *c)
+{
+    (void)c;
+    return PyLong_FromUnsignedLongLong(m->closed ? 0 : m->size);
+}
+
+static PyObject *
+Mapping_get_writable(Mapping *m, void *c)
+{
+    (void)c;
+    return PyBool_FromLong(m->writable);
+}
+
+static PyObject *
+Mapping_get_closed(Mapping *m, void *c)
+{
+    (void)c;
+    return PyBool_FromLong(m->closed);
+}
+
+static PyObject *
+Mapping_get_exports(Mapping *m, void *c)
+{
+    (void)c;
+    return PyLong_FromSsize_t(m->exports);
+}
+
+static PyObject *
+Mapping_get_address(Mapping *m, void *c)
+{
+    (void)c;
+    if (check_open(m) < 0)
+        return NULL;
+    return PyLong_FromVoidPtr(m->base);
+}
+
+static PyObject *
+Mapping_get_nt_threshold(Mapping *m, void *c)
+{
+    (void)c;
+    return PyLong_FromUnsignedLongLong(m->nt_default ? m->nt_threshold : 0);
+}
+
+static int
+Mapping_set_nt_threshold(Mapping *m, PyObject *v, void *c)
+{
+    (void)c;
+    uint64_t t;
+    if (!v) {
+        PyErr_SetString(PyExc_AttributeError, "cannot delete nt_threshold");
+        return -1;
+    }
+    if (as_u64(v, &t, "nt_threshold") < 0)
+        return -1;
+    m->nt_default = t != 0;
+    m->nt_threshold = t;
+    return 0;
+}
+
+static PyGetSetDef Mapping_getset[] = {
+    {"size", (getter)Mapping_get_size, NULL, "bytes mapped", NULL},
+    {"writable", (getter)Mapping_get_writable, NULL, "mapped read-write", NULL},
+    {"closed", (getter)Mapping_get_closed, NULL, "unmapped", NULL},
+    {"exports", (getter)Mapping_get_exports, NULL, "live views", NULL},
+    {"address", (getter)Mapping_get_address, NULL,
+     "virtual address of the pool base in this process (for DMA registration)", NULL},
+    {"nt_threshold", (getter)Mapping_get_nt_threshold, (setter)Mapping_set_nt_threshold,
+     "writes at least this large use non-temporal stores by default; 0 = never", NULL},
+    {NULL},
+};
+
+#define FAST(name, doc) {#name, (PyCFunction)(void (*)(void))Mapping_##name, METH_FASTCALL, doc}
+
+static PyMethodDef Mapping_methods[] = {
+    FAST(load64, "load64(off) -> int: atomic 64-bit load (acquire)"),
+    FAST(store64, "store64(off, value): atomic 64-bit store (release)"),
+    FAST(cas64, "cas64(off, expected, new) -> old: compare-and-swap; swapped iff old == expected"),
+    FAST(fetch_add64, "fetch_add64(off, delta) -> old: atomic add modulo 2**64"),
+    FAST(add64_many, "add64_many(off, delta, count) -> old: count atomic adds, GIL released"),
+    FAST(flush, "flush(off, length): write back the cache lines of a range, then fence"),
+    FAST(invalidate, "invalidate(off, length): drop the cache lines of a range"),
+    FAST(write, "write(off, buffer, nt=None): copy into the pool; flushed on return"),
+    FAST(zero, "zero(off, length, nt=None): zero a range; flushed on return"),
+    FAST(read, "read(off, length) -> bytes"),
+    FAST(readinto, "readinto(off, buffer) -> int: copy out of the pool"),
+    FAST(view, "view(off, length, writable=False) -> memoryview (zero-copy)"),
+    {"from_buffer", (PyCFunction)Mapping_from_buffer, METH_O | METH_CLASS,
+     "from_buffer(obj) -> Mapping over an existing buffer (formatting without files, tests)"},
+    {"close", (PyCFunction)Mapping_close, METH_NOARGS, "unmap; refused while views are alive"},
+    {"__enter__", (PyCFunction)Mapping_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)Mapping_exit, METH_VARARGS, NULL},
+    {NULL},
+};
+
+static PyTypeObject MappingType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cxlkv._core._native.Mapping",
+    .tp_basicsize = sizeof(Mapping),
+    .tp_dealloc = (destructor)Mapping_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Mapping(fd, size, writable=True, populate=False): a pool mapped MAP_SHARED",
+    .tp_methods = Mapping_methods,
+    .tp_getset = Mapping_getset,
+    .tp_new = Mapping_new,
+};
+
+/* ------------------------------------------------------------------ */
+/* module functions                                                     */
+
+static PyObject *
+mod_fence(PyObject *self, PyObject *Py_UNUSED(ignored))
+{
+    (void)self;
+    cxlkv_mfence();
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+mod_sfence(PyObject *self, PyObject *Py_UNUSED(ignored))
+{
+    (void)self;
+    cxlkv_sfence();
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+mod_cpu_info(PyObject *self, PyObject *Py_UNUSED(ignored))
+{
+    (void)self;
+    return Py_BuildValue("{s:O,s:O,s:O,s:O,s:O,s:s,s:s}",
+                         "clflush", cxlkv_cpu.has_clflush ? Py_True : Py_False,
+                         "clflushopt", cxlkv_cpu.has_clflushopt ? Py_True : Py_False,
+                         "clwb", cxlkv_cpu.has_clwb ? Py_True : Py_False,
+                         "avx2", cxlkv_cpu.has_avx2 ? Py_True : Py_False,
+                         "avx512f", cxlkv_cpu.has_avx512f ? Py_True : Py_False,
+                         "flush", cxlkv_flush_name(cxlkv_cpu.flush),
+                         "invalidate", cxlkv_flush_name(cxlkv_cpu.invalidate));
+}
+
+static PyObject *
+mod_set_error_types(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *range;
+    if (!PyArg_ParseTuple(args, "O!:set_error_types", &PyType_Type, &range))
+        return NULL;
+    if (!PyType_IsSubtype((PyTypeObject *)range, (PyTypeObject *)PyExc_IndexError)) {
+        PyErr_SetString(PyExc_TypeError, "range error type must subclass IndexError");
+        return NULL;
+    }
+    Py_INCREF(range);
+    Py_XSETREF(RangeError, range);
+    Py_RETURN_NONE;
+}
+
+/* layout() -> {struct: {"size": n, "fields": {name: (offset, size)}}} from offsetof() */
+#define FIELD(d, S, f)                                                                   \
+    do {                                                                                 \
+        PyObject *t_ = Py_BuildValue("(nn)", (Py_ssize_t)offsetof(struct S, f),         \
+                                     (Py_ssize_t)sizeof(((struct S *)0)->f));            \
+        if (!t_ || PyDict_SetItemString(d, #f, t_) < 0) {                                \
+            Py_XDECREF(t_);                                                              \
+            goto fail;                                                                   \
+        }                                                                                \
+        Py_DECREF(t_);                                                                   \
+    } while (0)
+
+static int
+add_struct(PyObject *out, const char *name, Py_ssize_t size, PyObject *fields)
+{
+    PyObject *d = Py_BuildValue("{s:n,s:O}", "size", size, "fields", fields);
+    if (!d)
+        return -1;
+    int r = PyDict_SetItemString(out, name, d);
+    Py_DECREF(d);
+    return r;
+}
+
+static PyObject *
+mod_layout(PyObject *self, PyObject *Py_UNUSED(ignored))
+{
+    (void)self;
+    PyObject *out = PyDict_New(), *f = NULL;
+    if (!out)
+        return NULL;
+
+    if (!(f = PyDict_New()))
+        goto fail;
+    FIELD(f, cxlkv_superblock, magic);
+    FIELD(f, cxlkv_superblock, version);
+    FIELD(f, cxlkv_superblock, sb_size);
+    FIELD(f, cxlkv_superblock, seq);
+    FIELD(f, cxlkv_superblock, compat);
+    FIELD(f, cxlkv_superblock, incompat);
+    FIELD(f, cxlkv_superblock, ro_compat);
+    FIELD(f, cxlkv_superblock, uuid);
+    FIELD(f, cxlkv_superblock, pool_size);
+    FIELD(f, cxlkv_superblock, ctime_ns);
+    FIELD(f, cxlkv_superblock, sync_mode);
+    FIELD(f, cxlkv_superblock, max_nodes);
+    FIELD(f, cxlkv_superblock, chunk_size);
+    FIELD(f, cxlkv_superblock, lease_ms);
+    FIELD(f, cxlkv_superblock, hash_slots);
+    FIELD(f, cxlkv_superblock, hash_max_load_pct);
+    FIELD(f, cxlkv_superblock, flags);
+    FIELD(f, cxlkv_superblock, nchunks);
+    FIELD(f, cxlkv_superblock, regions);
+    FIELD(f, cxlkv_superblock, tenant_secret);
+    FIELD(f, cxlkv_superblock, label);
+    FIELD(f, cxlkv_superblock, creator);
+    FIELD(f, cxlkv_superblock, reserved);
+    FIELD(f, cxlkv_superblock, checksum);
+    if (add_struct(out, "superblock", sizeof(struct cxlkv_superblock), f) < 0)
+        goto fail;
+    Py_CLEAR(f);
+
+    if (!(f = PyDict_New()))
+        goto fail;
+    FIELD(f, cxlkv_region, off);
+    FIELD(f, cxlkv_region, size);
+    if (add_struct(out, "region", sizeof(struct cxlkv_region), f) < 0)
+        goto fail;
+    Py_CLEAR(f);
+
+    if (!(f = PyDict_New()))
+        goto fail;
+    FIELD(f, cxlkv_node, state);
+    FIELD(f, cxlkv_node, epoch);
+    FIELD(f, cxlkv_node, heartbeat);
+    FIELD(f, cxlkv_node, fence_epoch);
+    FIELD(f, cxlkv_node, line0_pad);
+    FIELD(f, cxlkv_node, pid);
+    FIELD(f, cxlkv_node, start_time_ns);
+    FIELD(f, cxlkv_node, attach_time_ns);
+    FIELD(f, cxlkv_node, format_version);
+    FIELD(f, cxlkv_node, flags);
+    FIELD(f, cxlkv_node, boot_id);
+    FIELD(f, cxlkv_node, hostname);
+    FIELD(f, cxlkv_node, sw_version);
+    FIELD(f, cxlkv_node, reserved);
+    if (add_struct(out, "node", sizeof(struct cxlkv_node), f) < 0)
+        goto fail;
+    Py_CLEAR(f);
+    return out;
+fail:
+    Py_XDECREF(f);
+    Py_DECREF(out);
+    return NULL;
+}
+
+static PyObject *
+mod_constants(PyObject *self, PyObject *Py_UNUSED(ignored))
+{
+    (void)self;
+    return Py_BuildValue(
+        "{s:y#,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I}",
+        "MAGIC", CXLKV_MAGIC, (Py_ssize_t)8,
+        "FORMAT_VERSION", CXLKV_FORMAT_VERSION,
+        "SB_SIZE", CXLKV_SB_SIZE,
+        "SB_COPIES", CXLKV_SB_COPIES,
+        "SYNC_CAS", CXLKV_SYNC_CAS,
+        "SYNC_MANAGER", CXLKV_SYNC_MANAGER,
+        "REGION_NODES", (unsigned)CXLKV_REGION_NODES,
+        "REGION_LOCKS", (unsigned)CXLKV_REGION_LOCKS,
+        "REGION_BITMAP", (unsigned)CXLKV_REGION_BITMAP,
+        "REGION_HEAPS", (unsigned)CXLKV_REGION_HEAPS,
+        "REGION_HASH", (unsigned)CXLKV_REGION_HASH,
+        "REGION_DATA", (unsigned)CXLKV_REGION_DATA,
+        "REGION_COUNT", (unsigned)CXLKV_REGION_COUNT,
+        "NODE_SIZE", CXLKV_NODE_SIZE,
+        "LOCK_HDR_SIZE", CXLKV_LOCK_HDR_SIZE,
+        "LOCK_ENTRY_SIZE", CXLKV_LOCK_ENTRY_SIZE,
+        "HEAP_SIZE", CXLKV_HEAP_SIZE,
+        "CHUNK_DESC_SIZE", CXLKV_CHUNK_DESC_SIZE,
+        "HASH_ENTRY_SIZE", CXLKV_HASH_ENTRY_SIZE,
+        "NODE_FREE", CXLKV_NODE_FREE,
+        "NODE_ATTACHED", CXLKV_NODE_ATTACHED);
+}
+
+static PyMethodDef module_methods[] = {
+    {"fence", mod_fence, METH_NOARGS, "full memory fence (mfence)"},
+    {"sfence", mod_sfence, METH_NOARGS, "store fence"},
+    {"cpu_info", mod_cpu_info, METH_NOARGS, "CPU features and the flush/invalidate instructions in use"},
+    {"layout", mod_layout, METH_NOARGS, "on-media structure offsets and sizes, from the C header"},
+    {"constants", mod_constants, METH_NOARGS, "on-media constants, from the C header"},
+    {"set_error_types", mod_set_error_types, METH_VARARGS,
+     "set_error_types(range_error): the exception class raised for out-of-range offsets"},
+    {NULL},
+};
+
+static struct PyModuleDef native_module = {
+    PyModuleDef_HEAD_INIT, "cxlkv._core._native",
+    "cxlkv C core: pool mapping, atomics, cache maintenance, copies.", -1, module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__native(void)
+{
+    cxlkv_cpu_init();
+    if (PyType_Ready(&MappingType) < 0 || PyType_Ready(&SpanType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&native_module);
+    if (!m)
+        return NULL;
+    RangeError = PyErr_NewException("cxlkv._core._native.RangeError", PyExc_IndexError, NULL);
+    if (!RangeError)
+        goto fail;
+    Py_INCREF(RangeError);
+    if (PyModule_AddObject(m, "RangeError", RangeError) < 0)
+        goto fail;
+    Py_INCREF(&MappingType);
+    if (PyModule_AddObject(m, "Mapping", (PyObject *)&MappingType) < 0)
+        goto fail;
+    if (PyModule_AddIntConstant(m, "ABI_VERSION", CXLKV_NATIVE_ABI) < 0)
+        goto fail;
+    return m;
+fail:
+    Py_DECREF(m);
+    return NULL;
+}

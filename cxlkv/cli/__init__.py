@@ -1,0 +1,86 @@
+"""cxlkv command line: the root group and main().
+
+Each subcommand lives in its own module and is imported only when it runs
+(so `cxlkv --help` stays fast); commands parse, call one layer below, render
+the result and leave errors to main(), which maps them to exit codes.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from cxlkv import __version__
+from cxlkv import errors as E
+from cxlkv.cli.app import Application, exit_codes_epilog
+
+COMMANDS = {
+    "init": ("cxlkv.cli.init", "init_cmd", "Create and format a pool in one step (idempotent)."),
+    "format": ("cxlkv.cli.format", "format_cmd", "Format a pool file or device-dax device."),
+    "inspect": ("cxlkv.cli.inspect", "inspect_cmd", "Show a pool: superblock, layout, usage."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx):
+        return list(COMMANDS)
+
+    def get_command(self, ctx, name):
+        if name not in COMMANDS:
+            return None
+        module, attr, _ = COMMANDS[name]
+        return getattr(importlib.import_module(module), attr)
+
+    def format_commands(self, ctx, formatter):
+        rows = [(name, help_) for name, (_, _, help_) in COMMANDS.items()]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, epilog=exit_codes_epilog(),
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="cxlkv")
+def cli():
+    """cxlkv: a CXL shared-memory pool and a rack-scale, prefix-aware LLM KV cache.
+
+    Start with `cxlkv init` (an emulated pool in /dev/shm when there is no CXL
+    device), then `cxlkv inspect --pool PATH`.  Every command takes --help;
+    man pages: cxlkv(1), cxlkv-VERB(1), cxlkv-pool(5).
+    """
+
+
+def main(argv: list[str] | None = None) -> int:
+    app = Application()
+    args = sys.argv[1:] if argv is None else argv
+    if args and not args[0].startswith("-"):
+        app.command = f"cxlkv {args[0]}"
+    try:
+        rv = cli.main(args=args, prog_name="cxlkv", obj=app, standalone_mode=False)
+        code = rv if isinstance(rv, int) else 0
+    except click.exceptions.Exit as e:
+        code = e.exit_code
+    except click.ClickException as e:
+        if app.json:
+            app.emit_json({"error": {"kind": "usage", "message": e.format_message(),
+                                     "exit_code": E.EXIT_USAGE}})
+        e.show(file=sys.stderr)
+        code = E.EXIT_USAGE if e.exit_code == 2 else e.exit_code
+    except click.exceptions.Abort:
+        app.err.print("aborted")
+        code = E.EXIT_REFUSED
+    except E.CxlkvError as e:
+        code = app.fail(e)
+    except KeyboardInterrupt:
+        app.err.print("interrupted")
+        code = 130
+    except BrokenPipeError:
+        code = 0
+    except Exception as e:  # noqa: BLE001 - last resort: never a bare traceback
+        code = app.internal(e)
+    sys.stdout.flush()
+    return code
+
+
+def entry() -> None:  # pragma: no cover - console script shim
+    sys.exit(main())

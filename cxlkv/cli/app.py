@@ -1,0 +1,106 @@
+"""The CLI's Application object: owns output, errors and exit codes.
+
+Data goes to stdout, messages to stderr.  With --json a command prints
+exactly one JSON document on stdout - its result, or {"error": {...}} when it
+fails - and nothing else.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from contextlib import contextmanager
+
+import click
+from rich.console import Console
+
+from cxlkv import errors as E
+
+
+class Application:
+    def __init__(self) -> None:
+        self.json = False
+        self.command = "cxlkv"
+        self.out = Console(file=sys.stdout, markup=False, highlight=False, soft_wrap=True)
+        self.err = Console(file=sys.stderr, markup=False, highlight=False, soft_wrap=True)
+        self._emitted = False
+
+    # -- output ----------------------------------------------------------
+    def emit_json(self, doc) -> None:
+        if self._emitted:  # pragma: no cover - a bug in a command
+            raise RuntimeError("a command tried to print two JSON documents")
+        self._emitted = True
+        sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False, default=str) + "\n")
+        sys.stdout.flush()
+
+    def info(self, text: str) -> None:
+        """A message for people, on stderr."""
+        self.err.print(text)
+
+    def warn(self, text: str) -> None:
+        self.err.print(f"{self.command}: warning: {text}")
+
+    @contextmanager
+    def progress(self, description: str, total: int):
+        """A progress bar on stderr (none with --json or when stderr is not a terminal).
+
+        Yields a callback (done, total).
+        """
+        if self.json or not self.err.is_terminal:
+            yield lambda done, total: None
+            return
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
+                                   TimeRemainingColumn)
+
+        with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+                      TimeRemainingColumn(), console=self.err, transient=True) as p:
+            task = p.add_task(description, total=total)
+            yield lambda done, tot: p.update(task, completed=done, total=tot)
+
+    # -- errors ----------------------------------------------------------
+    def fail(self, exc: E.CxlkvError) -> int:
+        if self.json and not self._emitted:
+            self.emit_json({"error": exc.to_json()})
+        self.err.print(f"{self.command}: error: {exc.message}")
+        if exc.hint:
+            self.err.print(f"{self.command}: hint: {exc.hint}")
+        return exc.exit_code
+
+    def internal(self, exc: BaseException) -> int:
+        msg = f"internal error: {type(exc).__name__}: {exc}"
+        if self.json and not self._emitted:
+            self.emit_json({"error": {"kind": "internal", "message": msg,
+                                      "exit_code": E.EXIT_INTERNAL}})
+        if os.environ.get("CXLKV_DEBUG"):
+            traceback.print_exc()
+        self.err.print(f"{self.command}: {msg}")
+        self.err.print(f"{self.command}: this is a bug; rerun with CXLKV_DEBUG=1 for a "
+                       "traceback and report it")
+        return E.EXIT_INTERNAL
+
+
+pass_app = click.make_pass_decorator(Application)
+
+
+def exit_codes_epilog(rows=E.EXIT_CODES) -> str:
+    """Exit-code table for a command's --help (kept verbatim by click via \\b)."""
+    lines = ["\b", "Exit codes:"] + [f"  {code:<3} {text}" for code, text in rows]
+    return "\n".join(lines)
+
+
+def pool_option(required: bool = True):
+    return click.option(
+        "--pool", "pool", metavar="PATH", envvar="CXLKV_POOL", required=required,
+        help="Pool file or /dev/daxX.Y device [env: CXLKV_POOL].")
+
+
+def json_option(f):
+    def set_json(ctx, param, value):
+        if value:
+            ctx.find_object(Application).json = True
+        return value
+
+    return click.option("--json", "as_json", is_flag=True, expose_value=True,
+                        callback=set_json, is_eager=True,
+                        help="Print one JSON document on stdout.")(f)

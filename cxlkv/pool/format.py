@@ -1,0 +1,207 @@
+"""Formatting: parameters, the region layout, and writing a fresh pool.
+
+`format_mapping` is a function of a Mapping (a mapped pool, or any buffer
+wrapped by Mapping.from_buffer) and parameters, so tests format a bytearray
+without files.  Order (famfs): the old superblocks are destroyed first, the
+tables are zeroed and flushed, the superblocks are written last - a crash
+half way leaves "not formatted", never a half-old pool.
+"""
+from __future__ import annotations
+
+import os
+import time
+import uuid as uuidlib
+from dataclasses import dataclass
+from typing import Callable
+
+from cxlkv import __version__
+from cxlkv.errors import UsageError
+from cxlkv.pool import layout as L
+from cxlkv.pool.superblock import Superblock
+
+KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+
+DEFAULT_SIZE = 1 * GiB
+DEFAULT_CHUNK = 2 * MiB
+DEFAULT_MAX_NODES = 128
+DEFAULT_LEASE_MS = 10_000
+DEFAULT_HASH_LOAD_PCT = 90
+#: one hash slot per this many pool bytes unless --hash-slots says otherwise
+HASH_BYTES_PER_SLOT = 16 * KiB
+MIN_HASH_SLOTS = 1024
+
+_SUFFIX = {"": 1, "b": 1, "k": KiB, "kb": KiB, "kib": KiB, "m": MiB, "mb": MiB, "mib": MiB,
+           "g": GiB, "gb": GiB, "gib": GiB, "t": TiB, "tb": TiB, "tib": TiB}
+
+
+def parse_size(text: str | int, what: str = "size") -> int:
+    """'1G', '512MiB', '4096' -> bytes (binary units)."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().lower().replace("_", "")
+    num = s.rstrip("kmgtib")
+    unit = s[len(num):]
+    if not num.isdigit() or unit not in _SUFFIX:
+        raise UsageError(f"invalid {what} {text!r}: use bytes or a K/M/G/T suffix (e.g. 2M, 1G)")
+    return int(num) * _SUFFIX[unit]
+
+
+def human_size(n: int) -> str:
+    for unit, div in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= div and n % (div // 1024 or 1) == 0:
+            v = n / div
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
+    return f"{n} B"
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True)
+class FormatParams:
+    """What `cxlkv format` / `cxlkv init` are asked for."""
+
+    size: int = DEFAULT_SIZE
+    sync: str = "cas"
+    chunk_size: int = DEFAULT_CHUNK
+    max_nodes: int = DEFAULT_MAX_NODES
+    lease_ms: int = DEFAULT_LEASE_MS
+    hash_slots: int | None = None          # None: derived from size
+    hash_max_load_pct: int = DEFAULT_HASH_LOAD_PCT
+    label: str = ""
+
+    def validate(self) -> None:
+        if self.sync not in L.SYNC_CODES:
+            raise UsageError(f"sync mode must be one of {', '.join(L.SYNC_CODES)}, "
+                             f"not {self.sync!r}")
+        if not _is_pow2(self.chunk_size) or not 64 * KiB <= self.chunk_size <= 1 * GiB:
+            raise UsageError(f"chunk size {self.chunk_size} must be a power of two "
+                             "between 64K and 1G")
+        if not 1 <= self.max_nodes <= 4096:
+            raise UsageError(f"max nodes {self.max_nodes} must be between 1 and 4096")
+        if not 100 <= self.lease_ms <= 3_600_000:
+            raise UsageError(f"lease {self.lease_ms} ms must be between 100 ms and 1 hour")
+        if self.hash_slots is not None and (not _is_pow2(self.hash_slots)
+                                            or self.hash_slots < 64):
+            raise UsageError(f"hash slots {self.hash_slots} must be a power of two >= 64")
+        if not 10 <= self.hash_max_load_pct <= 99:
+            raise UsageError("hash max load must be between 10 and 99 percent")
+        if len(self.label.encode()) > 63:
+            raise UsageError("label is longer than 63 bytes")
+        if self.size % L.PAGE:
+            raise UsageError(f"size {self.size} is not a multiple of 4 KiB")
+
+    def effective_hash_slots(self) -> int:
+        if self.hash_slots is not None:
+            return self.hash_slots
+        want = max(MIN_HASH_SLOTS, self.size // HASH_BYTES_PER_SLOT)
+        return 1 << (want - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class Layout:
+    regions: dict[str, tuple[int, int]]
+    nchunks: int
+    hash_slots: int
+
+
+def compute_layout(p: FormatParams) -> Layout:
+    """Where each region lies for these parameters (pure arithmetic)."""
+    p.validate()
+    hash_slots = p.effective_hash_slots()
+    # Metadata sized for every chunk the pool could hold; the data area then
+    # starts at the first chunk boundary after it.
+    max_chunks = p.size // p.chunk_size
+    sizes = {
+        "nodes": p.max_nodes * L.NODE_SIZE,
+        "locks": L.LOCK_HDR_SIZE + p.max_nodes * L.LOCK_ENTRY_SIZE,
+        "bitmap": _align((max_chunks + 63) // 64 * 8, 8),
+        "heaps": p.max_nodes * L.HEAP_SIZE + max_chunks * L.CHUNK_DESC_SIZE,
+        "hash": hash_slots * L.HASH_ENTRY_SIZE,
+    }
+    off = L.SB_COPIES * L.SB_SIZE
+    regions: dict[str, tuple[int, int]] = {}
+    for name in L.REGION_NAMES[:-1]:
+        size = _align(max(sizes[name], 1), L.PAGE)
+        regions[name] = (off, size)
+        off += size
+    data_off = _align(off, p.chunk_size)
+    nchunks = (p.size - data_off) // p.chunk_size if p.size > data_off else 0
+    if nchunks < 1:
+        need = data_off + p.chunk_size
+        raise UsageError(
+            f"a pool of {human_size(p.size)} is too small for these parameters: "
+            f"metadata needs {human_size(data_off)} and at least one {human_size(p.chunk_size)} "
+            f"chunk, so at least {human_size(need)} (or lower --max-nodes / --hash-slots / "
+            f"--chunk-size)")
+    regions["data"] = (data_off, nchunks * p.chunk_size)
+    return Layout(regions, nchunks, hash_slots)
+
+
+def build_superblock(p: FormatParams, *, pool_uuid: uuidlib.UUID | None = None,
+                     ctime_ns: int | None = None, secret: bytes | None = None) -> Superblock:
+    lay = compute_layout(p)
+    if secret is not None and len(secret) != 32:
+        raise ValueError("tenant secret must be 32 bytes")
+    return Superblock(
+        pool_size=p.size, sync=p.sync, chunk_size=p.chunk_size, max_nodes=p.max_nodes,
+        lease_ms=p.lease_ms, hash_slots=lay.hash_slots, hash_max_load_pct=p.hash_max_load_pct,
+        nchunks=lay.nchunks, regions=lay.regions,
+        uuid=pool_uuid or uuidlib.uuid4(),
+        ctime_ns=time.time_ns() if ctime_ns is None else ctime_ns,
+        tenant_secret=os.urandom(32) if secret is None else secret,
+        label=p.label, creator=f"cxlkv {__version__}", seq=1)
+
+
+Progress = Callable[[int, int], None]   # (bytes done, bytes total)
+
+
+def destroy_superblocks(m) -> None:
+    """Zero and flush both superblock copies: the pool stops being a pool."""
+    m.zero(0, L.SB_COPIES * L.SB_SIZE)
+
+
+def format_mapping(m, p: FormatParams, *, zero_data: bool = True,
+                   pool_uuid: uuidlib.UUID | None = None, ctime_ns: int | None = None,
+                   secret: bytes | None = None, progress: Progress | None = None) -> Superblock:
+    """Format the pool behind Mapping `m` with parameters `p`.
+
+    zero_data=False skips zeroing the data area (only for memory known to be
+    zero, e.g. a freshly allocated file); old tenant data must never survive
+    a format.
+    """
+    if p.size > m.size:
+        raise UsageError(f"size {p.size} is larger than the mapping ({m.size} bytes)")
+    sb = build_superblock(p, pool_uuid=pool_uuid, ctime_ns=ctime_ns, secret=secret)
+    destroy_superblocks(m)
+    data_off, data_size = sb.regions["data"]
+    meta_end = data_off
+    total = meta_end + (data_size if zero_data else 0)
+    done = L.SB_COPIES * L.SB_SIZE
+    step = 64 * MiB
+    for off in range(done, total, step):
+        n = min(step, total - off)
+        m.zero(off, n)
+        done = off + n
+        if progress:
+            progress(done, total)
+    raw = sb.encode()
+    # copy B first, then A: the same image with seq 1 in both
+    m.write(L.SB_OFFSETS[1], raw)
+    m.write(L.SB_OFFSETS[0], raw)
+    if progress:
+        progress(total, total)
+    return sb
+
+
+def format_buffer(buf, p: FormatParams, **kw) -> Superblock:
+    """Format a writable buffer (bytearray, numpy array, mmap) in place."""
+    from cxlkv._core import Mapping
+
+    with Mapping.from_buffer(buf) as m:
+        return format_mapping(m, p, **kw)

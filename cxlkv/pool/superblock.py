@@ -1,0 +1,292 @@
+"""Superblock: encode, decode and validate one copy; choose between the two.
+
+Decoding is a parser of untrusted bytes: whatever the input, it returns a
+Superblock or raises a PoolInvalid / PoolIncompatible subclass, never
+anything else (tests/test_superblock_fuzz.py throws random bytes at it).
+
+Rules (ndctl label index, PMDK pool header):
+* two copies, at 0 and 4096, each with a sequence number; the valid copy with
+  the higher number wins, so a torn write of one copy is survivable;
+* the checksum is xxh64 (seed 0) over the 4096 bytes with the checksum field
+  zeroed; it is checked before any other field is believed;
+* an unknown incompat feature refuses to open, an unknown ro_compat feature
+  opens read-only, an unknown compat feature is ignored.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import uuid as uuidlib
+from dataclasses import dataclass, field
+
+import xxhash
+
+from cxlkv.errors import (CxlkvError, NotFormatted, PoolCorrupt, PoolIncompatible,
+                          PoolInvalid, PoolTruncated, WrongMagic)
+from cxlkv.pool import layout as L
+
+_CSUM_OFF = L.field_offset(L.SuperblockStruct, "checksum")
+
+
+def checksum(raw: bytes | bytearray | memoryview) -> int:
+    """xxh64 of a superblock image with its checksum field taken as zero."""
+    mv = memoryview(raw)[: L.SB_SIZE]
+    h = xxhash.xxh64(seed=0)
+    h.update(mv[:_CSUM_OFF])
+    h.update(b"\0" * 8)
+    h.update(mv[_CSUM_OFF + 8:])
+    return h.intdigest()
+
+
+@dataclass(frozen=True)
+class Superblock:
+    """A decoded, validated superblock copy."""
+
+    pool_size: int
+    sync: str                     # "cas" | "manager"
+    chunk_size: int
+    max_nodes: int
+    lease_ms: int
+    hash_slots: int
+    hash_max_load_pct: int
+    nchunks: int
+    regions: dict[str, tuple[int, int]]   # name -> (offset, size)
+    uuid: uuidlib.UUID
+    ctime_ns: int
+    tenant_secret: bytes = field(repr=False)
+    label: str = ""
+    creator: str = ""
+    seq: int = 1
+    version: int = L.FORMAT_VERSION
+    compat: int = 0
+    incompat: int = 0
+    ro_compat: int = 0
+
+    @property
+    def read_only_features(self) -> int:
+        """ro_compat bits this software does not know (force read-only)."""
+        return self.ro_compat & ~L.RO_COMPAT_SUPPORTED
+
+    def replace(self, **changes) -> "Superblock":
+        return dataclasses.replace(self, **changes)
+
+    def encode(self) -> bytes:
+        s = L.SuperblockStruct()
+        s.magic = L.MAGIC
+        s.version = self.version
+        s.sb_size = L.SB_SIZE
+        s.seq = self.seq
+        s.compat, s.incompat, s.ro_compat = self.compat, self.incompat, self.ro_compat
+        s.uuid[:] = self.uuid.bytes
+        s.pool_size = self.pool_size
+        s.ctime_ns = self.ctime_ns
+        s.sync_mode = L.SYNC_CODES[self.sync]
+        s.max_nodes = self.max_nodes
+        s.chunk_size = self.chunk_size
+        s.lease_ms = self.lease_ms
+        s.hash_slots = self.hash_slots
+        s.hash_max_load_pct = self.hash_max_load_pct
+        s.nchunks = self.nchunks
+        for name, (off, size) in self.regions.items():
+            r = s.regions[L.REGION_INDEX[name]]
+            r.off, r.size = off, size
+        s.tenant_secret[:] = self.tenant_secret
+        s.label = _cstr(self.label, 64, "label")
+        s.creator = _cstr(self.creator, 32, "creator")
+        raw = bytearray(bytes(s))
+        raw[_CSUM_OFF:_CSUM_OFF + 8] = checksum(raw).to_bytes(8, "little")
+        return bytes(raw)
+
+    def to_json(self) -> dict:
+        return {
+            "uuid": str(self.uuid),
+            "label": self.label,
+            "format_version": self.version,
+            "seq": self.seq,
+            "pool_size": self.pool_size,
+            "created_ns": self.ctime_ns,
+            "sync": self.sync,
+            "chunk_size": self.chunk_size,
+            "nchunks": self.nchunks,
+            "max_nodes": self.max_nodes,
+            "lease_ms": self.lease_ms,
+            "hash_slots": self.hash_slots,
+            "hash_max_load_pct": self.hash_max_load_pct,
+            "features": {"compat": self.compat, "incompat": self.incompat,
+                         "ro_compat": self.ro_compat},
+            "creator": self.creator,
+            "regions": {name: {"offset": off, "size": size}
+                        for name, (off, size) in self.regions.items()},
+        }
+
+
+def _cstr(text: str, size: int, what: str) -> bytes:
+    b = text.encode("utf-8")
+    if len(b) >= size:
+        raise ValueError(f"{what} is longer than {size - 1} bytes")
+    return b
+
+
+class SuperblockCopyError(PoolInvalid):
+    """One copy is unusable; `seq` is set when its checksum was valid."""
+
+    def __init__(self, message: str, cause: CxlkvError, seq: int | None = None):
+        super().__init__(message)
+        self.cause = cause
+        self.seq = seq
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def decode(raw: bytes | bytearray | memoryview, *, copy: str = "A") -> Superblock:
+    """Decode and validate one superblock copy.
+
+    Raises NotFormatted (all zero), WrongMagic, PoolCorrupt (checksum or a
+    field out of range), PoolTruncated (short input) or PoolIncompatible
+    (a newer format version or an unknown incompat feature).
+    """
+    raw = bytes(memoryview(raw)[: L.SB_SIZE])
+    where = f"superblock copy {copy}"
+    if len(raw) < L.SB_SIZE:
+        raise PoolTruncated(f"{where}: only {len(raw)} of {L.SB_SIZE} bytes present")
+    if not any(raw):
+        raise NotFormatted(f"{where} is all zeros: not formatted")
+    if raw[:8] != L.MAGIC:
+        raise WrongMagic(f"{where}: wrong magic {raw[:8]!r} (expected {L.MAGIC!r})")
+    s = L.SuperblockStruct.from_buffer_copy(raw)
+    stored = s.checksum
+    if stored != checksum(raw):
+        raise PoolCorrupt(f"{where}: checksum mismatch (stored {stored:#018x}, "
+                          f"computed {checksum(raw):#018x})")
+    if s.version != L.FORMAT_VERSION:
+        if s.version > L.FORMAT_VERSION:
+            raise PoolIncompatible(
+                f"{where}: format version {s.version} is newer than this cxlkv supports "
+                f"({L.FORMAT_VERSION}); upgrade cxlkv to use this pool")
+        raise PoolCorrupt(f"{where}: invalid format version {s.version}")
+    unknown = s.incompat & ~L.INCOMPAT_SUPPORTED
+    if unknown:
+        raise PoolIncompatible(
+            f"{where}: unknown incompatible features {unknown:#x}; "
+            "this pool needs a newer cxlkv")
+    return _validate(s, where)
+
+
+def _validate(s: L.SuperblockStruct, where: str) -> Superblock:
+    def bad(msg: str) -> PoolCorrupt:
+        return PoolCorrupt(f"{where}: {msg}")
+
+    if s.sb_size != L.SB_SIZE:
+        raise bad(f"sb_size {s.sb_size} != {L.SB_SIZE}")
+    if s.sync_mode not in L.SYNC_NAMES:
+        raise bad(f"unknown sync mode {s.sync_mode}")
+    if not _is_pow2(s.chunk_size) or not (4096 <= s.chunk_size <= 1 << 40):
+        raise bad(f"chunk size {s.chunk_size} is not a power of two >= 4096")
+    if not 1 <= s.max_nodes <= 65536:
+        raise bad(f"max_nodes {s.max_nodes} out of range")
+    if s.lease_ms == 0:
+        raise bad("lease is 0")
+    if not _is_pow2(s.hash_slots):
+        raise bad(f"hash_slots {s.hash_slots} is not a power of two")
+    if not 1 <= s.hash_max_load_pct <= 100:
+        raise bad(f"hash_max_load_pct {s.hash_max_load_pct} out of range")
+    if s.pool_size < 2 * L.SB_SIZE or s.pool_size % L.PAGE:
+        raise bad(f"pool size {s.pool_size} invalid")
+    regions: dict[str, tuple[int, int]] = {}
+    prev_end = L.SB_COPIES * L.SB_SIZE
+    for i, name in enumerate(L.REGION_NAMES):
+        off, size = s.regions[i].off, s.regions[i].size
+        if off % L.PAGE or off < prev_end or size > s.pool_size or off > s.pool_size - size:
+            raise bad(f"region {name} [{off}, +{size}) is misplaced")
+        regions[name] = (off, size)
+        prev_end = off + size
+    for i in range(len(L.REGION_NAMES), L.REGION_COUNT):
+        if s.regions[i].off or s.regions[i].size:
+            raise bad(f"reserved region slot {i} is not empty")
+    need = {
+        "nodes": s.max_nodes * L.NODE_SIZE,
+        "locks": L.LOCK_HDR_SIZE + s.max_nodes * L.LOCK_ENTRY_SIZE,
+        "bitmap": (s.nchunks + 7) // 8,
+        "heaps": s.max_nodes * L.HEAP_SIZE + s.nchunks * L.CHUNK_DESC_SIZE,
+        "hash": s.hash_slots * L.HASH_ENTRY_SIZE,
+    }
+    for name, n in need.items():
+        if regions[name][1] < n:
+            raise bad(f"region {name} is {regions[name][1]} bytes, needs {n}")
+    data_off, data_size = regions["data"]
+    if s.nchunks == 0 or data_off % s.chunk_size or data_size != s.nchunks * s.chunk_size:
+        raise bad(f"data region [{data_off}, +{data_size}) does not hold {s.nchunks} "
+                  f"chunks of {s.chunk_size}")
+    try:
+        label = s.label.decode("utf-8")
+        creator = s.creator.decode("utf-8")
+    except UnicodeDecodeError:
+        raise bad("label or creator is not UTF-8") from None
+    return Superblock(
+        pool_size=s.pool_size, sync=L.SYNC_NAMES[s.sync_mode], chunk_size=s.chunk_size,
+        max_nodes=s.max_nodes, lease_ms=s.lease_ms, hash_slots=s.hash_slots,
+        hash_max_load_pct=s.hash_max_load_pct, nchunks=s.nchunks, regions=regions,
+        uuid=uuidlib.UUID(bytes=bytes(s.uuid)), ctime_ns=s.ctime_ns,
+        tenant_secret=bytes(s.tenant_secret), label=label, creator=creator, seq=s.seq,
+        version=s.version, compat=s.compat, incompat=s.incompat, ro_compat=s.ro_compat)
+
+
+@dataclass
+class Selection:
+    """Which copy won and what was wrong with the other."""
+
+    sb: Superblock
+    copy: str                         # "A" or "B"
+    problems: dict[str, str]          # copy -> what is wrong with it (empty if both good)
+
+
+def _seq_if_checksummed(raw: bytes) -> int | None:
+    if len(raw) >= L.SB_SIZE and raw[:8] == L.MAGIC:
+        s = L.SuperblockStruct.from_buffer_copy(raw[: L.SB_SIZE])
+        if s.checksum == checksum(raw):
+            return s.seq
+    return None
+
+
+# When both copies are bad, report the most telling reason.
+_SEVERITY = (PoolIncompatible, PoolCorrupt, PoolTruncated, WrongMagic, NotFormatted)
+
+
+def select(raw_a: bytes, raw_b: bytes) -> Selection:
+    """Choose the valid copy with the highest sequence number.
+
+    A copy whose checksum holds but whose format is newer still takes part in
+    the choice: if it is the newest, the pool is refused as incompatible
+    rather than silently read at an older state.
+    """
+    good: list[tuple[int, str, Superblock | CxlkvError]] = []
+    errors: dict[str, CxlkvError] = {}
+    for name, raw in (("A", raw_a), ("B", raw_b)):
+        try:
+            sb = decode(raw, copy=name)
+            good.append((sb.seq, name, sb))
+        except CxlkvError as e:
+            errors[name] = e
+            seq = _seq_if_checksummed(raw)
+            if seq is not None and isinstance(e, PoolIncompatible):
+                good.append((seq, name, e))
+    if good:
+        # highest seq wins; on a tie copy A (written last by format) wins
+        good.sort(key=lambda t: (t[0], t[1] == "A"), reverse=True)
+        _, name, winner = good[0]
+        if isinstance(winner, CxlkvError):
+            raise winner
+        return Selection(winner, name, {k: str(v) for k, v in errors.items()})
+    for cls in _SEVERITY:
+        hits = [e for e in errors.values() if isinstance(e, cls)]
+        if hits:
+            if cls is NotFormatted and len(hits) == 2:
+                raise NotFormatted("both superblock copies are all zeros: not a formatted pool")
+            if cls is WrongMagic and all(isinstance(e, (WrongMagic, NotFormatted))
+                                         for e in errors.values()):
+                raise WrongMagic(f"not a cxlkv pool: {hits[0]}")
+            detail = "; ".join(f"{e}" for e in errors.values())
+            raise cls(f"no valid superblock: {detail}")
+    raise PoolCorrupt("no valid superblock")  # pragma: no cover - errors is never empty

@@ -1,0 +1,29 @@
+"""Build of the C core (cxlkv._core._native); metadata lives in pyproject.toml.
+
+CXLKV_SANITIZE=1 builds the extension with AddressSanitizer and
+UndefinedBehaviorSanitizer (see README, "Sanitizer build").
+"""
+import os
+
+from setuptools import Extension, setup
+
+cflags = ["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror=implicit-function-declaration",
+          "-Wno-missing-field-initializers", "-fno-strict-aliasing"]
+ldflags = []
+if os.environ.get("CXLKV_SANITIZE") == "1":
+    san = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+           "-fno-omit-frame-pointer", "-g", "-O1"]
+    cflags += san
+    ldflags += ["-fsanitize=address,undefined"]
+
+setup(
+    ext_modules=[
+        Extension(
+            "cxlkv._core._native",
+            sources=["cxlkv/_core/src/module.c", "cxlkv/_core/src/cpu.c"],
+            depends=["cxlkv/_core/src/cpu.h", "cxlkv/_core/src/cxlkv_format.h"],
+            extra_compile_args=cflags,
+            extra_link_args=ldflags,
+        )
+    ]
+)
