@@ -18,7 +18,8 @@ from cxlkv.errors import (CxlkvError, DeviceError, LiveNodesError, NotFormatted,
                           ParameterMismatch, PoolExistsError, PoolIncompatible, PoolInvalid,
                           PoolNotFound, PoolTruncated, RefusedError, UsageError, WrongMagic)
 from cxlkv.pool import device, layout as L
-from cxlkv.pool.format import DEFAULT_SIZE, FormatParams, format_mapping, human_size
+from cxlkv.pool.format import (DEFAULT_SIZE, FormatParams, compute_layout, format_mapping,
+                               human_size)
 from cxlkv.pool.pool import Pool, read_superblocks
 from cxlkv.pool.superblock import Superblock, select
 
@@ -112,7 +113,7 @@ def _resolve_params(given: dict, default_size: int | None) -> FormatParams:
             raise UsageError("--size is required to create a new pool file")
         kw["size"] = default_size
     p = FormatParams(**kw)
-    p.validate()
+    compute_layout(p)      # validates, including "too small", before anything is touched
     return p
 
 

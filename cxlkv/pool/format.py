@@ -144,7 +144,8 @@ def compute_layout(p: FormatParams) -> Layout:
 
 
 def build_superblock(p: FormatParams, *, pool_uuid: uuidlib.UUID | None = None,
-                     ctime_ns: int | None = None, secret: bytes | None = None) -> Superblock:
+                     ctime_ns: int | None = None, secret: bytes | None = None,
+                     creator: str | None = None) -> Superblock:
     lay = compute_layout(p)
     if secret is not None and len(secret) != 32:
         raise ValueError("tenant secret must be 32 bytes")
@@ -155,7 +156,7 @@ def build_superblock(p: FormatParams, *, pool_uuid: uuidlib.UUID | None = None,
         uuid=pool_uuid or uuidlib.uuid4(),
         ctime_ns=time.time_ns() if ctime_ns is None else ctime_ns,
         tenant_secret=os.urandom(32) if secret is None else secret,
-        label=p.label, creator=f"cxlkv {__version__}", seq=1)
+        label=p.label, creator=creator or f"cxlkv {__version__}", seq=1)
 
 
 Progress = Callable[[int, int], None]   # (bytes done, bytes total)
@@ -168,7 +169,8 @@ def destroy_superblocks(m) -> None:
 
 def format_mapping(m, p: FormatParams, *, zero_data: bool = True,
                    pool_uuid: uuidlib.UUID | None = None, ctime_ns: int | None = None,
-                   secret: bytes | None = None, progress: Progress | None = None) -> Superblock:
+                   secret: bytes | None = None, creator: str | None = None,
+                   progress: Progress | None = None) -> Superblock:
     """Format the pool behind Mapping `m` with parameters `p`.
 
     zero_data=False skips zeroing the data area (only for memory known to be
@@ -177,7 +179,8 @@ def format_mapping(m, p: FormatParams, *, zero_data: bool = True,
     """
     if p.size > m.size:
         raise UsageError(f"size {p.size} is larger than the mapping ({m.size} bytes)")
-    sb = build_superblock(p, pool_uuid=pool_uuid, ctime_ns=ctime_ns, secret=secret)
+    sb = build_superblock(p, pool_uuid=pool_uuid, ctime_ns=ctime_ns, secret=secret,
+                          creator=creator)
     destroy_superblocks(m)
     data_off, data_size = sb.regions["data"]
     meta_end = data_off

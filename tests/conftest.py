@@ -1,0 +1,117 @@
+"""Shared fixtures: pool paths, a CLI runner, pool-damaging helpers."""
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import dataclass
+
+import pytest
+
+from cxlkv.cli import main
+from cxlkv.pool import layout as L
+from cxlkv.pool.format import FormatParams
+
+MiB = 1 << 20
+
+#: a small pool used across tests (fast to format)
+SMALL = dict(size=8 * MiB, chunk_size=64 * 1024, max_nodes=8, hash_slots=256)
+
+
+@dataclass
+class CliResult:
+    code: int
+    out: str
+    err: str
+
+    def json(self):
+        return json.loads(self.out)
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """Run `cxlkv ARGS...` in-process; returns code, stdout, stderr."""
+    monkeypatch.delenv("CXLKV_POOL", raising=False)
+
+    def run(*args: str, env: dict | None = None) -> CliResult:
+        for k, v in (env or {}).items():
+            monkeypatch.setenv(k, v)
+        capsys.readouterr()
+        code = main([str(a) for a in args])
+        cap = capsys.readouterr()
+        for k in env or {}:
+            monkeypatch.delenv(k, raising=False)
+        return CliResult(code, cap.out, cap.err)
+
+    return run
+
+
+@pytest.fixture
+def pool_path(tmp_path):
+    return str(tmp_path / "test.pool")
+
+
+@pytest.fixture
+def small_pool(pool_path):
+    """A formatted small pool file; returns its path."""
+    from cxlkv.pool.admin import init_pool
+
+    init_pool(pool_path, SMALL)
+    return pool_path
+
+
+def small_params(**kw) -> FormatParams:
+    return FormatParams(**{**SMALL, **kw})
+
+
+def patch_bytes(path: str, offset: int, data: bytes) -> None:
+    """Overwrite bytes of a pool file in place (a test helper that damages pools)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def rewrite_superblock(path: str, copy: str, **fields) -> None:
+    """Re-encode one superblock copy with changed fields (valid checksum)."""
+    from cxlkv.pool.superblock import checksum
+
+    off = L.SB_OFFSETS["AB".index(copy)]
+    with open(path, "r+b") as f:
+        f.seek(off)
+        raw = bytearray(f.read(L.SB_SIZE))
+        s = L.SuperblockStruct.from_buffer(raw)
+        for k, v in fields.items():
+            setattr(s, k, v)
+        s.checksum = 0
+        s.checksum = checksum(raw)
+        del s
+        f.seek(off)
+        f.write(raw)
+
+
+def fake_node(path: str, slot: int, *, pid: int, start_time_ns: int, boot_id: str,
+              hostname: str = "testhost", heartbeat: int = 1, state: int = L.NODE_ATTACHED):
+    """Write a node-table slot as an attached node would (test helper)."""
+    from cxlkv.pool.pool import Pool
+
+    with Pool.open(path, force=True) as pool:
+        off, _ = pool.region("nodes")
+        s = L.NodeStruct()
+        s.state, s.epoch, s.heartbeat = state, 1, heartbeat
+        s.pid, s.start_time_ns = pid, start_time_ns
+        s.format_version = 1
+        s.boot_id[:] = uuid.UUID(boot_id).bytes
+        s.hostname = hostname.encode()
+        s.sw_version = b"test"
+        pool.mapping.write(off + slot * L.NODE_SIZE, bytes(s))
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_env(monkeypatch):
+    for k in ("CXLKV_SYSFS_ROOT", "CXLKV_PROCFS_ROOT", "CXLKV_FLUSH"):
+        monkeypatch.delenv(k, raising=False)
+    yield
+
+
+def mode_of(path: str) -> int:
+    return os.stat(path).st_mode & 0o7777

@@ -1,0 +1,79 @@
+"""Layout pins: the C header and the Python mirror agree, and every offset is fixed.
+
+Changing the on-media format means editing this file on purpose (PMDK's
+obj_layout.c discipline), together with the C header, the mirror and the
+golden image.
+"""
+from __future__ import annotations
+
+import pytest
+
+from cxlkv import _core
+from cxlkv.pool import layout as L
+
+# (offset, size) of every field, written out by hand.
+PINNED = {
+    "superblock": (4096, {
+        "magic": (0, 8), "version": (8, 4), "sb_size": (12, 4), "seq": (16, 8),
+        "compat": (24, 8), "incompat": (32, 8), "ro_compat": (40, 8), "uuid": (48, 16),
+        "pool_size": (64, 8), "ctime_ns": (72, 8), "sync_mode": (80, 4), "max_nodes": (84, 4),
+        "chunk_size": (88, 8), "lease_ms": (96, 8), "hash_slots": (104, 8),
+        "hash_max_load_pct": (112, 4), "flags": (116, 4), "nchunks": (120, 8),
+        "regions": (128, 128), "tenant_secret": (256, 32), "label": (288, 64),
+        "creator": (352, 32), "reserved": (384, 3704), "checksum": (4088, 8),
+    }),
+    "region": (16, {"off": (0, 8), "size": (8, 8)}),
+    "node": (512, {
+        "state": (0, 8), "epoch": (8, 8), "heartbeat": (16, 8), "fence_epoch": (24, 8),
+        "line0_pad": (32, 32), "pid": (64, 8), "start_time_ns": (72, 8),
+        "attach_time_ns": (80, 8), "format_version": (88, 4), "flags": (92, 4),
+        "boot_id": (96, 16), "hostname": (112, 64), "sw_version": (176, 32),
+        "reserved": (208, 304),
+    }),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PINNED))
+def test_python_mirror_matches_pins(name):
+    size, fields = PINNED[name]
+    struct = L.STRUCTS[name]
+    assert L.field_layout(struct) == fields
+    import ctypes
+    assert ctypes.sizeof(struct) == size
+
+
+@pytest.mark.parametrize("name", sorted(PINNED))
+def test_c_header_matches_pins(name):
+    size, fields = PINNED[name]
+    c = _core.layout()[name]
+    assert c["size"] == size
+    assert {k: tuple(v) for k, v in c["fields"].items()} == fields
+
+
+def test_c_describes_every_struct_the_mirror_has():
+    assert set(_core.layout()) == set(L.STRUCTS) == set(PINNED)
+
+
+def test_constants_agree():
+    c = _core.constants()
+    assert c["MAGIC"] == L.MAGIC
+    pairs = {
+        "FORMAT_VERSION": L.FORMAT_VERSION, "SB_SIZE": L.SB_SIZE, "SB_COPIES": L.SB_COPIES,
+        "SYNC_CAS": L.SYNC_CAS, "SYNC_MANAGER": L.SYNC_MANAGER,
+        "REGION_COUNT": L.REGION_COUNT, "NODE_SIZE": L.NODE_SIZE,
+        "LOCK_HDR_SIZE": L.LOCK_HDR_SIZE, "LOCK_ENTRY_SIZE": L.LOCK_ENTRY_SIZE,
+        "HEAP_SIZE": L.HEAP_SIZE, "CHUNK_DESC_SIZE": L.CHUNK_DESC_SIZE,
+        "HASH_ENTRY_SIZE": L.HASH_ENTRY_SIZE, "NODE_FREE": L.NODE_FREE,
+        "NODE_ATTACHED": L.NODE_ATTACHED,
+    }
+    for k, v in pairs.items():
+        assert c[k] == v, k
+    for i, name in enumerate(L.REGION_NAMES):
+        assert c[f"REGION_{name.upper()}"] == i
+
+
+def test_pinned_values():
+    # literal values, so a change to both sides still fails here
+    assert L.MAGIC == b"CXLKVPOL"
+    assert (L.FORMAT_VERSION, L.SB_SIZE, L.NODE_SIZE, L.HASH_ENTRY_SIZE) == (1, 4096, 512, 64)
+    assert L.REGION_NAMES == ("nodes", "locks", "bitmap", "heaps", "hash", "data")
