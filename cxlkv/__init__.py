@@ -2,7 +2,8 @@
 
 Public API (integrations and users rely only on these names):
 
-    cxlkv.Pool.open(path)           open a formatted pool (read-only with writable=False)
+    cxlkv.open_pool(path)           open a pool and attach as a node (context manager)
+    cxlkv.Pool.open(path)           open a formatted pool without attaching
     cxlkv.format_pool(path, params) format a file or device-dax device
     cxlkv.FormatParams              format parameters
     cxlkv.errors                    the exception tree (CxlkvError and subclasses)
@@ -14,10 +15,10 @@ from cxlkv.errors import CxlkvError  # noqa: E402
 
 def __getattr__(name):
     # Lazy: importing cxlkv must not need the C core (e.g. for --help).
-    if name == "Pool":
-        from cxlkv.pool.pool import Pool
+    if name in ("Pool", "open_pool"):
+        from cxlkv.pool import pool
 
-        return Pool
+        return getattr(pool, name)
     if name in ("format_pool", "init_pool", "create_pool_file"):
         from cxlkv.pool import admin
 
@@ -29,5 +30,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'cxlkv' has no attribute {name!r}")
 
 
-__all__ = ["__version__", "CxlkvError", "Pool", "format_pool", "init_pool", "create_pool_file",
+__all__ = ["__version__", "CxlkvError", "Pool", "open_pool", "format_pool", "init_pool", "create_pool_file",
            "FormatParams"]

@@ -97,7 +97,7 @@ def fake_node(path: str, slot: int, *, pid: int, start_time_ns: int, boot_id: st
     with Pool.open(path, force=True) as pool:
         off, _ = pool.region("nodes")
         s = L.NodeStruct()
-        s.state, s.epoch, s.heartbeat = state, 1, heartbeat
+        s.control, s.heartbeat = L.node_control(state, 1), heartbeat
         s.pid, s.start_time_ns = pid, start_time_ns
         s.format_version = 1
         s.boot_id[:] = uuid.UUID(boot_id).bytes

@@ -24,11 +24,21 @@ PINNED = {
     }),
     "region": (16, {"off": (0, 8), "size": (8, 8)}),
     "node": (512, {
-        "state": (0, 8), "epoch": (8, 8), "heartbeat": (16, 8), "fence_epoch": (24, 8),
+        "control": (0, 8), "heartbeat": (8, 8), "claim_token": (16, 8), "grant_token": (24, 8),
         "line0_pad": (32, 32), "pid": (64, 8), "start_time_ns": (72, 8),
         "attach_time_ns": (80, 8), "format_version": (88, 4), "flags": (92, 4),
         "boot_id": (96, 16), "hostname": (112, 64), "sw_version": (176, 32),
         "reserved": (208, 304),
+    }),
+    "lock_hdr": (4096, {
+        "next_ticket": (0, 8), "line0_pad": (8, 56), "now_serving": (64, 8), "owner": (72, 8),
+        "acquisitions": (80, 8), "line1_pad": (88, 40), "mgr_token": (128, 8),
+        "mgr_epoch": (136, 8), "mgr_heartbeat": (144, 8), "mgr_pid": (152, 8),
+        "mgr_boot_id": (160, 16), "mgr_hostname": (176, 64), "reserved": (240, 3856),
+    }),
+    "lock_entry": (64, {
+        "state": (0, 8), "ticket": (8, 8), "epoch": (16, 8), "seq": (24, 8),
+        "reserved": (32, 32),
     }),
 }
 
@@ -64,7 +74,9 @@ def test_constants_agree():
         "LOCK_HDR_SIZE": L.LOCK_HDR_SIZE, "LOCK_ENTRY_SIZE": L.LOCK_ENTRY_SIZE,
         "HEAP_SIZE": L.HEAP_SIZE, "CHUNK_DESC_SIZE": L.CHUNK_DESC_SIZE,
         "HASH_ENTRY_SIZE": L.HASH_ENTRY_SIZE, "NODE_FREE": L.NODE_FREE,
-        "NODE_ATTACHED": L.NODE_ATTACHED,
+        "NODE_CLAIMED": L.NODE_CLAIMED, "NODE_ATTACHED": L.NODE_ATTACHED,
+        "NODE_FENCED": L.NODE_FENCED, "LOCK_IDLE": L.LOCK_IDLE,
+        "LOCK_WAITING": L.LOCK_WAITING, "LOCK_LOCKED": L.LOCK_LOCKED,
     }
     for k, v in pairs.items():
         assert c[k] == v, k

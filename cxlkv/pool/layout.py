@@ -43,9 +43,27 @@ CHUNK_DESC_SIZE = 128
 HASH_ENTRY_SIZE = 64
 
 NODE_FREE = 0
-NODE_ATTACHED = 1
-NODE_FENCED = 2
-NODE_STATE_NAMES = {NODE_FREE: "free", NODE_ATTACHED: "attached", NODE_FENCED: "fenced"}
+NODE_CLAIMED = 1
+NODE_ATTACHED = 2
+NODE_FENCED = 3
+NODE_STATE_BITS = 8
+NODE_STATE_MASK = 0xFF
+NODE_STATE_NAMES = {NODE_FREE: "free", NODE_CLAIMED: "claimed", NODE_ATTACHED: "attached",
+                    NODE_FENCED: "fenced"}
+
+LOCK_IDLE = 0
+LOCK_WAITING = 1
+LOCK_LOCKED = 2
+
+
+def node_control(state: int, epoch: int) -> int:
+    """Pack a node slot's control word."""
+    return state | epoch << NODE_STATE_BITS
+
+
+def node_state(control: int) -> tuple[int, int]:
+    """Unpack a control word into (state, epoch)."""
+    return control & NODE_STATE_MASK, control >> NODE_STATE_BITS
 
 
 class Region(ctypes.LittleEndianStructure):
@@ -86,10 +104,10 @@ class SuperblockStruct(ctypes.LittleEndianStructure):
 class NodeStruct(ctypes.LittleEndianStructure):
     _pack_ = 1
     _fields_ = [
-        ("state", c_uint64),
-        ("epoch", c_uint64),
+        ("control", c_uint64),
         ("heartbeat", c_uint64),
-        ("fence_epoch", c_uint64),
+        ("claim_token", c_uint64),
+        ("grant_token", c_uint64),
         ("line0_pad", c_uint8 * 32),
         ("pid", c_uint64),
         ("start_time_ns", c_uint64),
@@ -103,7 +121,38 @@ class NodeStruct(ctypes.LittleEndianStructure):
     ]
 
 
-STRUCTS = {"superblock": SuperblockStruct, "region": Region, "node": NodeStruct}
+class LockHdrStruct(ctypes.LittleEndianStructure):
+    _pack_ = 1
+    _fields_ = [
+        ("next_ticket", c_uint64),
+        ("line0_pad", c_uint8 * 56),
+        ("now_serving", c_uint64),
+        ("owner", c_uint64),
+        ("acquisitions", c_uint64),
+        ("line1_pad", c_uint8 * 40),
+        ("mgr_token", c_uint64),
+        ("mgr_epoch", c_uint64),
+        ("mgr_heartbeat", c_uint64),
+        ("mgr_pid", c_uint64),
+        ("mgr_boot_id", c_uint8 * 16),
+        ("mgr_hostname", c_char * 64),
+        ("reserved", c_uint8 * 3856),
+    ]
+
+
+class LockEntryStruct(ctypes.LittleEndianStructure):
+    _pack_ = 1
+    _fields_ = [
+        ("state", c_uint64),
+        ("ticket", c_uint64),
+        ("epoch", c_uint64),
+        ("seq", c_uint64),
+        ("reserved", c_uint8 * 32),
+    ]
+
+
+STRUCTS = {"superblock": SuperblockStruct, "region": Region, "node": NodeStruct,
+           "lock_hdr": LockHdrStruct, "lock_entry": LockEntryStruct}
 
 
 def field_layout(struct: type[ctypes.Structure]) -> dict[str, tuple[int, int]]:

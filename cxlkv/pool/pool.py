@@ -18,10 +18,9 @@ def read_superblocks(m) -> tuple[bytes, bytes]:
 
 
 class Pool:
-    """An open, formatted pool.
+    """An open, formatted pool; `attach()` makes this process a node.
 
-    Not yet attached as a node: attaching (node slot, heartbeats) builds on
-    this object.  `warnings` collects what --force overrode.
+    `warnings` collects what --force overrode.
     """
 
     def __init__(self, target: device.Target, mapping, selection: superblock.Selection,
@@ -31,6 +30,15 @@ class Pool:
         self._sel = selection
         self.read_only = read_only
         self.warnings = warnings
+        self.node = None          # Attachment once attached
+
+    def attach(self, **kw):
+        """Attach as a node: claim a slot and start heartbeating (see state.nodes)."""
+        from cxlkv.state.nodes import Attachment
+
+        if self.node is None:
+            self.node = Attachment(self, **kw)
+        return self.node
 
     # -- opening -------------------------------------------------------
     @classmethod
@@ -111,6 +119,9 @@ class Pool:
 
     # -- lifetime --------------------------------------------------------
     def close(self) -> None:
+        if self.node is not None:
+            self.node.detach()
+            self.node = None
         if self.mapping is not None and not self.mapping.closed:
             self.mapping.close()
 
@@ -122,3 +133,18 @@ class Pool:
 
     def __repr__(self) -> str:
         return f"<cxlkv.Pool {self.path} {self.sb.sync} {self.sb.pool_size} bytes>"
+
+
+def open_pool(path: str | os.PathLike, *, force: bool = False, heartbeat: bool = True,
+              populate: bool = False) -> Pool:
+    """Open a pool read-write and attach this process as a node.
+
+    The returned Pool is a context manager; leaving it (or close()) detaches.
+    """
+    pool = Pool.open(path, writable=True, force=force, populate=populate)
+    try:
+        pool.attach(heartbeat=heartbeat)
+    except BaseException:
+        pool.close()
+        raise
+    return pool

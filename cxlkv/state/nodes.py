@@ -1,21 +1,51 @@
-"""Node table: reading slots and judging whether their holders are alive.
+"""Node table: slots, attaching, heartbeats, liveness and reaping.
 
-Liveness is never judged by comparing wall clocks across hosts: a node on
-this host (same boot id) is alive iff its pid exists with the recorded start
-time; a node on another host is alive iff this observer, on its own monotonic
-clock, sees its heartbeat counter advance within one lease.
+Every attached process owns one slot.  A slot's control word packs its state
+with its epoch (layout.node_control); the epoch is bumped on every attach, so
+a holder that was reaped and wakes up later finds a different epoch and knows
+it is fenced.
+
+Liveness is never judged by comparing wall clocks across hosts:
+* a node on this host (same boot id) is dead as soon as its pid is gone or
+  belongs to a process with another start time (pid reuse) - that is certain;
+* any other node is dead when this observer, on its own monotonic clock, has
+  not seen its control word or heartbeat change for a whole lease.
+
+cas mode claims and fences slots with compare-and-swap on the control word.
+(manager mode, where slots are granted by the lock manager through
+claim_token / grant_token, is not implemented yet: attaching refuses.)
 """
 from __future__ import annotations
 
+import os
+import random
 import socket
+import threading
 import time
 import uuid as uuidlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import psutil
 
+from cxlkv import __version__
+from cxlkv.errors import CxlkvError, RefusedError
 from cxlkv.host import sysfs
 from cxlkv.pool import layout as L
+
+_CONTROL = L.field_offset(L.NodeStruct, "control")
+_HEARTBEAT = L.field_offset(L.NodeStruct, "heartbeat")
+
+
+class NodeFenced(CxlkvError):
+    """This process was reaped (its lease lapsed): it must not write live state."""
+
+    exit_code = 1
+    kind = "fenced"
+
+
+class PoolFull(RefusedError):
+    kind = "no-free-slot"
 
 
 @dataclass(frozen=True)
@@ -24,7 +54,6 @@ class NodeInfo:
     state: str
     epoch: int
     heartbeat: int
-    fence_epoch: int
     pid: int
     start_time_ns: int
     attach_time_ns: int
@@ -32,6 +61,7 @@ class NodeInfo:
     boot_id: str
     hostname: str
     sw_version: str
+    control: int = 0
 
     def to_json(self) -> dict:
         return {"slot": self.slot, "state": self.state, "epoch": self.epoch,
@@ -45,11 +75,15 @@ class NodeInfo:
 
 def local_boot_id() -> str:
     text = sysfs.read_attr(sysfs.proc_path("sys", "kernel", "random", "boot_id"))
-    return text or socket.gethostname()
+    try:
+        return str(uuidlib.UUID(text)) if text else _fallback_boot_id()
+    except ValueError:
+        return _fallback_boot_id()
 
 
-def _decode_str(b: bytes) -> str:
-    return b.decode("utf-8", "replace")
+def _fallback_boot_id() -> str:
+    return str(uuidlib.uuid5(uuidlib.NAMESPACE_DNS,
+                             f"{socket.gethostname()}-{psutil.boot_time()}"))
 
 
 def node_offset(pool, slot: int) -> int:
@@ -57,21 +91,22 @@ def node_offset(pool, slot: int) -> int:
     return off + slot * L.NODE_SIZE
 
 
+def _decode_str(b: bytes) -> str:
+    return b.decode("utf-8", "replace")
+
+
 def read_slot(pool, slot: int) -> NodeInfo:
     off = node_offset(pool, slot)
     m = pool.mapping
     m.invalidate(off, L.NODE_SIZE)
     s = L.NodeStruct.from_buffer_copy(m.read(off, L.NODE_SIZE))
-    try:
-        boot = str(uuidlib.UUID(bytes=bytes(s.boot_id)))
-    except ValueError:  # pragma: no cover - 16 bytes always make a UUID
-        boot = bytes(s.boot_id).hex()
+    state, epoch = L.node_state(s.control)
     return NodeInfo(
-        slot=slot, state=L.NODE_STATE_NAMES.get(s.state, f"unknown({s.state})"),
-        epoch=s.epoch, heartbeat=s.heartbeat, fence_epoch=s.fence_epoch, pid=s.pid,
-        start_time_ns=s.start_time_ns, attach_time_ns=s.attach_time_ns,
-        format_version=s.format_version, boot_id=boot, hostname=_decode_str(s.hostname),
-        sw_version=_decode_str(s.sw_version))
+        slot=slot, state=L.NODE_STATE_NAMES.get(state, f"unknown({state})"), epoch=epoch,
+        heartbeat=s.heartbeat, pid=s.pid, start_time_ns=s.start_time_ns,
+        attach_time_ns=s.attach_time_ns, format_version=s.format_version,
+        boot_id=str(uuidlib.UUID(bytes=bytes(s.boot_id))), hostname=_decode_str(s.hostname),
+        sw_version=_decode_str(s.sw_version), control=s.control)
 
 
 def read_nodes(pool, include_free: bool = False) -> list[NodeInfo]:
@@ -88,41 +123,261 @@ def process_start_ns(pid: int) -> int | None:
 
 
 def local_process_alive(pid: int, start_time_ns: int) -> bool:
+    if pid <= 0:
+        return False
     start = process_start_ns(pid)
     # psutil derives create_time from boot time + clock ticks: equal for the
     # same process, different after pid reuse; allow rounding of 1 ms.
     return start is not None and abs(start - start_time_ns) < 1_000_000
 
 
+def my_identity() -> tuple[int, int]:
+    pid = os.getpid()
+    return pid, process_start_ns(pid) or 0
+
+
+# -- liveness ------------------------------------------------------------------
+
+@dataclass
+class _Seen:
+    control: int
+    heartbeat: int
+    since: float          # observer's monotonic clock when they last changed
+
+
+@dataclass
+class Observer:
+    """Judges other nodes' liveness from what this process has seen change.
+
+    One per observing process; `verdicts()` is cheap and may be called often.
+    """
+
+    pool: object
+    clock: Callable[[], float] = time.monotonic
+    boot_id: str = field(default_factory=local_boot_id)
+    _seen: dict[int, _Seen] = field(default_factory=dict)
+
+    def verdict(self, n: NodeInfo, now: float | None = None) -> str:
+        """'alive', 'dead' or 'unknown' (remote, not yet watched for a lease)."""
+        now = self.clock() if now is None else now
+        if n.state == "free":
+            self._seen.pop(n.slot, None)
+            return "dead"
+        if n.state == "fenced":
+            return "dead"
+        if n.boot_id == self.boot_id and n.pid:
+            return "alive" if local_process_alive(n.pid, n.start_time_ns) else "dead"
+        seen = self._seen.get(n.slot)
+        if seen is None or seen.control != n.control or seen.heartbeat != n.heartbeat:
+            self._seen[n.slot] = _Seen(n.control, n.heartbeat, now)
+            return "alive" if seen is not None else "unknown"
+        lease = self.pool.sb.lease_ms / 1000.0
+        return "dead" if now - seen.since >= lease else "unknown"
+
+    def scan(self) -> list[tuple[NodeInfo, str]]:
+        now = self.clock()
+        return [(n, self.verdict(n, now)) for n in read_nodes(self.pool)]
+
+
 def live_nodes(pool, *, observe: bool = True, clock=time.monotonic,
                sleep=time.sleep) -> list[NodeInfo]:
-    """Attached nodes that are alive.
+    """Nodes that are (or may be) alive.
 
-    Local nodes are decided at once (pid + start time).  Remote nodes are
-    watched for up to one lease: a heartbeat that advances means alive.  With
-    observe=False remote nodes count as alive (the cautious answer).
+    Local nodes are decided at once.  Remote nodes are watched for up to one
+    lease; with observe=False they count as alive (the cautious answer).
     """
-    attached = [n for n in read_nodes(pool) if n.state == "attached"]
-    me = local_boot_id()
-    alive, remote = [], []
-    for n in attached:
-        if n.boot_id == me:
-            if local_process_alive(n.pid, n.start_time_ns):
-                alive.append(n)
-        else:
-            remote.append(n)
-    if remote and observe:
-        first = {n.slot: n.heartbeat for n in remote}
-        deadline = clock() + pool.sb.lease_ms / 1000.0
-        pending = {n.slot: n for n in remote}
-        while pending and clock() < deadline:
-            sleep(min(0.05, pool.sb.lease_ms / 20000.0))
-            for slot in list(pending):
-                now = read_slot(pool, slot)
-                if now.state != "attached":
-                    del pending[slot]
-                elif now.heartbeat != first[slot]:
-                    alive.append(pending.pop(slot))
-    elif remote:
-        alive.extend(remote)
+    obs = Observer(pool, clock=clock)
+    verdicts = obs.scan()
+    alive = [n for n, v in verdicts if v == "alive"]
+    pending = {n.slot for n, v in verdicts if v == "unknown"}
+    if pending and not observe:
+        alive += [n for n, v in verdicts if v == "unknown"]
+        pending = set()
+    deadline = clock() + pool.sb.lease_ms / 1000.0 + 0.05
+    while pending and clock() < deadline:
+        sleep(min(0.05, pool.sb.lease_ms / 20000.0))
+        for slot in list(pending):
+            n = read_slot(pool, slot)
+            v = obs.verdict(n)
+            if v != "unknown":
+                pending.discard(slot)
+                if v == "alive":
+                    alive.append(n)
     return sorted(alive, key=lambda n: n.slot)
+
+
+# -- attaching --------------------------------------------------------------------
+
+Recovery = Callable[[object, int, int], None]   # (pool, slot, epoch) -> None
+_recoveries: list[Recovery] = []
+
+
+def register_recovery(fn: Recovery) -> Recovery:
+    """Subsystems (locks, allocator, KV pins) register what to undo for a dead node.
+
+    Each is called with the pool, the dead slot and its epoch, while the slot
+    is FENCED; it must be idempotent (a reaper may die half way and another
+    one repeat the work).
+    """
+    if fn not in _recoveries:
+        _recoveries.append(fn)
+    return fn
+
+
+def reap(pool, slot: int, control: int) -> bool:
+    """Fence a dead node, undo what it held, free its slot.
+
+    `control` is the control word the caller judged dead; nothing happens if
+    the slot has changed since (another reaper, or the node re-attached).
+    Returns True when this call freed the slot.
+    """
+    m = pool.mapping
+    off = node_offset(pool, slot) + _CONTROL
+    state, epoch = L.node_state(control)
+    if state in (L.NODE_ATTACHED, L.NODE_CLAIMED):
+        fenced = L.node_control(L.NODE_FENCED, epoch)
+        if m.cas64(off, control, fenced) != control:
+            return False
+        control = fenced
+    elif state != L.NODE_FENCED:
+        return False
+    for fn in list(_recoveries):
+        fn(pool, slot, epoch)
+    return m.cas64(off, control, L.node_control(L.NODE_FREE, epoch)) == control
+
+
+class Attachment:
+    """This process's slot in the node table, and its heartbeat thread."""
+
+    def __init__(self, pool, *, heartbeat: bool = True, interval: float | None = None):
+        if pool.sb.sync != "cas":
+            raise RefusedError(
+                f"{pool.path}: attaching to a pool in sync mode {pool.sb.sync!r} is not "
+                "supported by this version of cxlkv yet (it needs the lock manager); "
+                "use a pool formatted with --sync cas", path=pool.path)
+        if pool.read_only:
+            raise RefusedError(f"{pool.path}: cannot attach to a pool opened read-only",
+                               path=pool.path)
+        self.pool = pool
+        self.observer = Observer(pool)
+        self.slot = -1
+        self.epoch = 0
+        self.fenced = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        lease = pool.sb.lease_ms / 1000.0
+        self.interval = interval if interval is not None else max(0.02, lease / 4)
+        self._claim()
+        self._reap_dead(local_only=True)
+        if heartbeat:
+            self._thread = threading.Thread(target=self._run, name="cxlkv-heartbeat",
+                                            daemon=True)
+            self._thread.start()
+
+    # -- slot claim -------------------------------------------------------
+    def _claim(self) -> None:
+        m, n = self.pool.mapping, self.pool.sb.max_nodes
+        start = random.randrange(n)
+        for attempt in range(2):
+            for i in range(n):
+                slot = (start + i) % n
+                off = node_offset(self.pool, slot)
+                m.invalidate(off, 64)
+                cur = m.load64(off + _CONTROL)
+                state, epoch = L.node_state(cur)
+                if state != L.NODE_FREE:
+                    continue
+                new_epoch = epoch + 1
+                claimed = L.node_control(L.NODE_CLAIMED, new_epoch)
+                if m.cas64(off + _CONTROL, cur, claimed) != cur:
+                    continue
+                self._write_identity(off)
+                attached = L.node_control(L.NODE_ATTACHED, new_epoch)
+                if m.cas64(off + _CONTROL, claimed, attached) != claimed:
+                    continue      # reaped while claiming (took longer than a lease)
+                self.slot, self.epoch = slot, new_epoch
+                return
+            # full table: free what dead local nodes hold, then try once more
+            if attempt == 0 and not self._reap_dead(local_only=True):
+                break
+        raise PoolFull(f"{self.pool.path}: all {n} node slots are in use by live nodes",
+                       path=self.pool.path,
+                       hint="detach idle processes, or reformat with a larger --max-nodes")
+
+    def _write_identity(self, off: int) -> None:
+        s = L.NodeStruct()
+        pid, start = my_identity()
+        s.pid, s.start_time_ns, s.attach_time_ns = pid, start, time.time_ns()
+        s.format_version = L.FORMAT_VERSION
+        s.boot_id[:] = uuidlib.UUID(self.observer.boot_id).bytes
+        s.hostname = socket.gethostname().encode()[:63]
+        s.sw_version = f"cxlkv {__version__}".encode()[:31]
+        ident = bytes(s)[64:]
+        m = self.pool.mapping
+        m.write(off + 64, ident)
+        m.store64(off + _HEARTBEAT, 0)
+        m.flush(off, L.NODE_SIZE)
+
+    # -- run time -----------------------------------------------------------
+    @property
+    def control(self) -> int:
+        return L.node_control(L.NODE_ATTACHED, self.epoch)
+
+    @property
+    def owner_token(self) -> int:
+        """(slot + 1) | epoch << 16: how locks and allocations name this node."""
+        return (self.slot + 1) | self.epoch << 16
+
+    def check(self) -> None:
+        """Raise NodeFenced if this node was reaped (call before publishing)."""
+        if self.fenced or self.slot < 0:
+            raise NodeFenced(f"{self.pool.path}: node {self.slot} is no longer attached "
+                             "(its lease lapsed and it was reaped); reattach")
+        m = self.pool.mapping
+        off = node_offset(self.pool, self.slot) + _CONTROL
+        m.invalidate(off, 8)
+        if m.load64(off) != self.control:
+            self.fenced = True
+            self.check()
+
+    def beat(self) -> None:
+        """One heartbeat: advance the counter, check we are still ourselves."""
+        off = node_offset(self.pool, self.slot)
+        self.pool.mapping.fetch_add64(off + _HEARTBEAT, 1)
+        self.pool.mapping.flush(off, 64)
+        self.check()
+
+    def _reap_dead(self, local_only: bool = False) -> int:
+        freed = 0
+        for n, verdict in self.observer.scan():
+            if n.slot == self.slot or verdict != "dead" or n.state == "free":
+                continue
+            if local_only and n.boot_id != self.observer.boot_id and n.state != "fenced":
+                continue
+            if reap(self.pool, n.slot, n.control):
+                freed += 1
+        return freed
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.beat()
+                self._reap_dead()
+            except NodeFenced:
+                return
+            except (ValueError, OSError):   # mapping closed under us
+                return
+
+    def detach(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        if self.slot < 0:
+            return
+        off = node_offset(self.pool, self.slot) + _CONTROL
+        if not self.fenced:
+            # run our own recovery first: nothing of ours must outlive the slot
+            for fn in list(_recoveries):
+                fn(self.pool, self.slot, self.epoch)
+            self.pool.mapping.cas64(off, self.control, L.node_control(L.NODE_FREE, self.epoch))
+        self.slot = -1

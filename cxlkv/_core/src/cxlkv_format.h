@@ -85,16 +85,24 @@ struct cxlkv_superblock {
 };
 
 /* Node table slot (CXLKV_NODE_SIZE bytes).  Line 0 holds what changes at run
- * time (one flush per heartbeat); the identity lines change only on attach. */
+ * time (one flush per heartbeat); the identity lines change only on attach.
+ *
+ * control packs the slot state (bits 0-7) with the slot's epoch (bits 8-63),
+ * so every transition is one compare-and-swap (cas mode) or one store by the
+ * single writer the protocol names (manager mode), and a stale holder is
+ * recognised by its epoch.  Epoch 0 never belongs to a node. */
 #define CXLKV_NODE_FREE        0u
-#define CXLKV_NODE_ATTACHED    1u
-#define CXLKV_NODE_FENCED      2u   /* reaped: must not write live state */
+#define CXLKV_NODE_CLAIMED     1u   /* being attached: identity being written */
+#define CXLKV_NODE_ATTACHED    2u
+#define CXLKV_NODE_FENCED      3u   /* reaped: must not write live state; recovery pending */
+#define CXLKV_NODE_STATE_BITS  8u
+#define CXLKV_NODE_STATE_MASK  0xffull
 
 struct cxlkv_node {
-    uint64_t state;             /*    0 CXLKV_NODE_* */
-    uint64_t epoch;             /*    8 bumped on every attach of this slot */
-    uint64_t heartbeat;         /*   16 counter; liveness = observed to advance */
-    uint64_t fence_epoch;       /*   24 epochs <= this are dead */
+    uint64_t control;           /*    0 state | epoch << 8 */
+    uint64_t heartbeat;         /*    8 counter; liveness = observed to advance */
+    uint64_t claim_token;       /*   16 manager mode: a claimant's request */
+    uint64_t grant_token;       /*   24 manager mode: written by the lock manager only */
     uint8_t  line0_pad[32];     /*   32 */
     uint64_t pid;               /*   64 */
     uint64_t start_time_ns;     /*   72 process start time (pid reuse guard) */
@@ -105,6 +113,40 @@ struct cxlkv_node {
     char     hostname[64];      /*  112 */
     char     sw_version[32];    /*  176 */
     uint8_t  reserved[304];     /*  208 */
+};
+
+/* Lock area: a header, then one entry per node slot.
+ * cas mode: a ticket lock (next_ticket / now_serving on separate lines);
+ * each waiter records its ticket in its entry so that a dead waiter's or
+ * holder's ticket can be skipped once its node is fenced.
+ * manager mode: entries carry IDLE / WAITING / LOCKED, granted by the lock
+ * manager, whose lease lives in the header. */
+#define CXLKV_LOCK_IDLE        0u
+#define CXLKV_LOCK_WAITING     1u
+#define CXLKV_LOCK_LOCKED      2u
+
+struct cxlkv_lock_hdr {
+    uint64_t next_ticket;       /*    0 cas: next ticket to hand out */
+    uint8_t  line0_pad[56];
+    uint64_t now_serving;       /*   64 cas: ticket that may enter */
+    uint64_t owner;             /*   72 holder: (slot + 1) | epoch << 16; 0 = none */
+    uint64_t acquisitions;      /*   80 count of grants (stats) */
+    uint8_t  line1_pad[40];
+    uint64_t mgr_token;         /*  128 manager lease: holder's random token, 0 = none */
+    uint64_t mgr_epoch;         /*  136 bumped by every new active manager */
+    uint64_t mgr_heartbeat;     /*  144 advanced by the active manager */
+    uint64_t mgr_pid;           /*  152 */
+    uint8_t  mgr_boot_id[16];   /*  160 */
+    char     mgr_hostname[64];  /*  176 */
+    uint8_t  reserved[3856];    /*  240 */
+};
+
+struct cxlkv_lock_entry {
+    uint64_t state;             /*    0 CXLKV_LOCK_* */
+    uint64_t ticket;            /*    8 cas: ticket taken */
+    uint64_t epoch;             /*   16 the node epoch that took it */
+    uint64_t seq;               /*   24 manager: request sequence */
+    uint8_t  reserved[32];      /*   32 */
 };
 
 #ifdef __cplusplus
@@ -118,5 +160,7 @@ CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_superblock) == CXLKV_SB_SIZE, "superbloc
 CXLKV_STATIC_ASSERT(offsetof(struct cxlkv_superblock, regions) == 128, "regions offset");
 CXLKV_STATIC_ASSERT(offsetof(struct cxlkv_superblock, checksum) == 4088, "checksum offset");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_node) == CXLKV_NODE_SIZE, "node size");
+CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_lock_hdr) == CXLKV_LOCK_HDR_SIZE, "lock header size");
+CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_lock_entry) == CXLKV_LOCK_ENTRY_SIZE, "lock entry size");
 
 #endif /* CXLKV_FORMAT_H */

@@ -843,10 +843,10 @@ mod_layout(PyObject *self, PyObject *Py_UNUSED(ignored))
 
     if (!(f = PyDict_New()))
         goto fail;
-    FIELD(f, cxlkv_node, state);
-    FIELD(f, cxlkv_node, epoch);
+    FIELD(f, cxlkv_node, control);
     FIELD(f, cxlkv_node, heartbeat);
-    FIELD(f, cxlkv_node, fence_epoch);
+    FIELD(f, cxlkv_node, claim_token);
+    FIELD(f, cxlkv_node, grant_token);
     FIELD(f, cxlkv_node, line0_pad);
     FIELD(f, cxlkv_node, pid);
     FIELD(f, cxlkv_node, start_time_ns);
@@ -858,6 +858,36 @@ mod_layout(PyObject *self, PyObject *Py_UNUSED(ignored))
     FIELD(f, cxlkv_node, sw_version);
     FIELD(f, cxlkv_node, reserved);
     if (add_struct(out, "node", sizeof(struct cxlkv_node), f) < 0)
+        goto fail;
+    Py_CLEAR(f);
+
+    if (!(f = PyDict_New()))
+        goto fail;
+    FIELD(f, cxlkv_lock_hdr, next_ticket);
+    FIELD(f, cxlkv_lock_hdr, line0_pad);
+    FIELD(f, cxlkv_lock_hdr, now_serving);
+    FIELD(f, cxlkv_lock_hdr, owner);
+    FIELD(f, cxlkv_lock_hdr, acquisitions);
+    FIELD(f, cxlkv_lock_hdr, line1_pad);
+    FIELD(f, cxlkv_lock_hdr, mgr_token);
+    FIELD(f, cxlkv_lock_hdr, mgr_epoch);
+    FIELD(f, cxlkv_lock_hdr, mgr_heartbeat);
+    FIELD(f, cxlkv_lock_hdr, mgr_pid);
+    FIELD(f, cxlkv_lock_hdr, mgr_boot_id);
+    FIELD(f, cxlkv_lock_hdr, mgr_hostname);
+    FIELD(f, cxlkv_lock_hdr, reserved);
+    if (add_struct(out, "lock_hdr", sizeof(struct cxlkv_lock_hdr), f) < 0)
+        goto fail;
+    Py_CLEAR(f);
+
+    if (!(f = PyDict_New()))
+        goto fail;
+    FIELD(f, cxlkv_lock_entry, state);
+    FIELD(f, cxlkv_lock_entry, ticket);
+    FIELD(f, cxlkv_lock_entry, epoch);
+    FIELD(f, cxlkv_lock_entry, seq);
+    FIELD(f, cxlkv_lock_entry, reserved);
+    if (add_struct(out, "lock_entry", sizeof(struct cxlkv_lock_entry), f) < 0)
         goto fail;
     Py_CLEAR(f);
     return out;
@@ -872,7 +902,7 @@ mod_constants(PyObject *self, PyObject *Py_UNUSED(ignored))
 {
     (void)self;
     return Py_BuildValue(
-        "{s:y#,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I}",
+        "{s:y#,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I}",
         "MAGIC", CXLKV_MAGIC, (Py_ssize_t)8,
         "FORMAT_VERSION", CXLKV_FORMAT_VERSION,
         "SB_SIZE", CXLKV_SB_SIZE,
@@ -893,7 +923,12 @@ mod_constants(PyObject *self, PyObject *Py_UNUSED(ignored))
         "CHUNK_DESC_SIZE", CXLKV_CHUNK_DESC_SIZE,
         "HASH_ENTRY_SIZE", CXLKV_HASH_ENTRY_SIZE,
         "NODE_FREE", CXLKV_NODE_FREE,
-        "NODE_ATTACHED", CXLKV_NODE_ATTACHED);
+        "NODE_CLAIMED", CXLKV_NODE_CLAIMED,
+        "NODE_ATTACHED", CXLKV_NODE_ATTACHED,
+        "NODE_FENCED", CXLKV_NODE_FENCED,
+        "LOCK_IDLE", CXLKV_LOCK_IDLE,
+        "LOCK_WAITING", CXLKV_LOCK_WAITING,
+        "LOCK_LOCKED", CXLKV_LOCK_LOCKED);
 }
 
 static PyMethodDef module_methods[] = {
