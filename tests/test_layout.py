@@ -77,6 +77,7 @@ def test_constants_agree():
         "NODE_CLAIMED": L.NODE_CLAIMED, "NODE_ATTACHED": L.NODE_ATTACHED,
         "NODE_FENCED": L.NODE_FENCED, "LOCK_IDLE": L.LOCK_IDLE,
         "LOCK_WAITING": L.LOCK_WAITING, "LOCK_LOCKED": L.LOCK_LOCKED,
+        "LOCK_ABANDONED": L.LOCK_ABANDONED,
     }
     for k, v in pairs.items():
         assert c[k] == v, k

@@ -54,6 +54,7 @@ NODE_STATE_NAMES = {NODE_FREE: "free", NODE_CLAIMED: "claimed", NODE_ATTACHED: "
 LOCK_IDLE = 0
 LOCK_WAITING = 1
 LOCK_LOCKED = 2
+LOCK_ABANDONED = 3
 
 
 def node_control(state: int, epoch: int) -> int:

@@ -31,6 +31,21 @@ class Pool:
         self.read_only = read_only
         self.warnings = warnings
         self.node = None          # Attachment once attached
+        self._lock = None
+
+    def lock(self, timeout: float | None = None):
+        """The pool lock as a context manager: `with pool.lock(): ...`.
+
+        Needs an attached node (cxlkv.open_pool).  timeout=None waits for ever
+        (a dead holder's lock is broken once its node is reaped).
+        """
+        if self._lock is None:
+            from cxlkv.state.locks import PoolLock
+
+            self._lock = PoolLock(self)
+        if timeout is None:
+            return self._lock
+        return _TimedLock(self._lock, timeout)
 
     def attach(self, **kw):
         """Attach as a node: claim a slot and start heartbeating (see state.nodes)."""
@@ -133,6 +148,20 @@ class Pool:
 
     def __repr__(self) -> str:
         return f"<cxlkv.Pool {self.path} {self.sb.sync} {self.sb.pool_size} bytes>"
+
+
+class _TimedLock:
+    __slots__ = ("_lock", "_timeout")
+
+    def __init__(self, lock, timeout):
+        self._lock, self._timeout = lock, timeout
+
+    def __enter__(self):
+        self._lock.acquire(self._timeout)
+        return self._lock
+
+    def __exit__(self, *exc):
+        self._lock.release()
 
 
 def open_pool(path: str | os.PathLike, *, force: bool = False, heartbeat: bool = True,

@@ -231,6 +231,8 @@ def reap(pool, slot: int, control: int) -> bool:
     the slot has changed since (another reaper, or the node re-attached).
     Returns True when this call freed the slot.
     """
+    from cxlkv.state import locks  # noqa: F401 - registers its recovery
+
     m = pool.mapping
     off = node_offset(pool, slot) + _CONTROL
     state, epoch = L.node_state(control)
@@ -376,6 +378,8 @@ class Attachment:
             return
         off = node_offset(self.pool, self.slot) + _CONTROL
         if not self.fenced:
+            from cxlkv.state import locks  # noqa: F401 - registers its recovery
+
             # run our own recovery first: nothing of ours must outlive the slot
             for fn in list(_recoveries):
                 fn(self.pool, self.slot, self.epoch)

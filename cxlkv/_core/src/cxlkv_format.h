@@ -124,6 +124,7 @@ struct cxlkv_node {
 #define CXLKV_LOCK_IDLE        0u
 #define CXLKV_LOCK_WAITING     1u
 #define CXLKV_LOCK_LOCKED      2u
+#define CXLKV_LOCK_ABANDONED   3u   /* cas: ticket given up (timeout, dead node) */
 
 struct cxlkv_lock_hdr {
     uint64_t next_ticket;       /*    0 cas: next ticket to hand out */

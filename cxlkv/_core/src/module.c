@@ -27,7 +27,7 @@
 /* Bump when the Python-visible interface changes; cxlkv/_core/__init__.py
  * refuses to import a build with a different number (a stale build must fail
  * loudly, not strangely). */
-#define CXLKV_NATIVE_ABI 1
+#define CXLKV_NATIVE_ABI 2
 
 /* Copies at least this large release the GIL. */
 #define GIL_RELEASE_MIN (64 * 1024)
@@ -532,6 +532,137 @@ out:
 }
 
 /* ------------------------------------------------------------------ */
+/* cas-mode ticket lock (the hot path of pool.lock())                   */
+
+#define LH_NEXT      offsetof(struct cxlkv_lock_hdr, next_ticket)
+#define LH_SERVING   offsetof(struct cxlkv_lock_hdr, now_serving)
+#define LH_OWNER     offsetof(struct cxlkv_lock_hdr, owner)
+#define LH_ACQ       offsetof(struct cxlkv_lock_hdr, acquisitions)
+#define LE_STATE     offsetof(struct cxlkv_lock_entry, state)
+#define LE_TICKET    offsetof(struct cxlkv_lock_entry, ticket)
+#define LE_EPOCH     offsetof(struct cxlkv_lock_entry, epoch)
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__)
+    _mm_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield" ::: "memory");
+#endif
+}
+
+static int
+lock_args(Mapping *m, PyObject *const *args, uint64_t *hdr, uint64_t *entry, const char *name)
+{
+    if (as_u64(args[0], hdr, "lock header offset") < 0 ||
+        as_u64(args[1], entry, "lock entry offset") < 0 ||
+        check_range(m, *hdr, CXLKV_LOCK_HDR_SIZE, name) < 0 ||
+        check_range(m, *entry, CXLKV_LOCK_ENTRY_SIZE, name) < 0 ||
+        check_writable(m, name) < 0)
+        return -1;
+    if ((*hdr | *entry) & 63) {
+        PyErr_Format(RangeError, "%s: lock header and entry must be 64-byte aligned", name);
+        return -1;
+    }
+    return 0;
+}
+
+/* Spin until now_serving == ticket, at most `spins` times; 1 if it is ours. */
+static int
+ticket_spin(Mapping *m, uint64_t hdr, uint64_t ticket, uint64_t spins, uint64_t *serving)
+{
+    uint64_t s = pool_load64(m, hdr + LH_SERVING);
+    for (uint64_t i = 0; s != ticket && i < spins; i++) {
+        cpu_relax();
+        s = pool_load64(m, hdr + LH_SERVING);
+    }
+    *serving = s;
+    return s == ticket;
+}
+
+static void
+ticket_granted(Mapping *m, uint64_t hdr, uint64_t entry, uint64_t token)
+{
+    pool_store64(m, hdr + LH_OWNER, token);
+    pool_fadd64(m, hdr + LH_ACQ, 1);
+    pool_store64(m, entry + LE_STATE, CXLKV_LOCK_LOCKED);
+}
+
+/* ticket_acquire(hdr, entry, token, epoch, spins, control_off, control)
+ *   -> (acquired, ticket, now_serving), or None when the word at control_off
+ *      (the caller's node control word) is no longer `control`: the node was
+ *      fenced and must not take the lock. */
+static PyObject *
+Mapping_ticket_acquire(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t hdr, entry, token, epoch, spins, serving, ctl_off, ctl;
+    if (nargs_check(nargs, 7, 7, "ticket_acquire") < 0 ||
+        lock_args(m, args, &hdr, &entry, "ticket_acquire") < 0 ||
+        as_u64(args[2], &token, "token") < 0 || as_u64(args[3], &epoch, "epoch") < 0 ||
+        as_u64(args[4], &spins, "spins") < 0 || as_u64(args[5], &ctl_off, "control offset") < 0 ||
+        as_u64(args[6], &ctl, "control") < 0 || check_word(m, ctl_off, "ticket_acquire") < 0)
+        return NULL;
+    if (pool_load64(m, ctl_off) != ctl)
+        Py_RETURN_NONE;
+    /* record who waits for which ticket before taking it is impossible (the
+     * number is unknown); the entry is written right after, and a ticket that
+     * no entry claims for a whole lease is skipped by the waiters. */
+    pool_store64(m, entry + LE_EPOCH, epoch);
+    uint64_t t = pool_fadd64(m, hdr + LH_NEXT, 1);
+    pool_store64(m, entry + LE_TICKET, t);
+    pool_store64(m, entry + LE_STATE, CXLKV_LOCK_WAITING);
+    int got = ticket_spin(m, hdr, t, 64, &serving);
+    if (!got && spins > 64) {
+        m->busy++;
+        Py_BEGIN_ALLOW_THREADS
+        got = ticket_spin(m, hdr, t, spins, &serving);
+        Py_END_ALLOW_THREADS
+        m->busy--;
+    }
+    if (got)
+        ticket_granted(m, hdr, entry, token);
+    return Py_BuildValue("(OKK)", got ? Py_True : Py_False, (unsigned long long)t,
+                         (unsigned long long)serving);
+}
+
+/* ticket_wait(hdr, entry, ticket, token, spins) -> (acquired, now_serving) */
+static PyObject *
+Mapping_ticket_wait(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t hdr, entry, ticket, token, spins, serving;
+    if (nargs_check(nargs, 5, 5, "ticket_wait") < 0 ||
+        lock_args(m, args, &hdr, &entry, "ticket_wait") < 0 ||
+        as_u64(args[2], &ticket, "ticket") < 0 || as_u64(args[3], &token, "token") < 0 ||
+        as_u64(args[4], &spins, "spins") < 0)
+        return NULL;
+    int got;
+    m->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    got = ticket_spin(m, hdr, ticket, spins, &serving);
+    Py_END_ALLOW_THREADS
+    m->busy--;
+    if (got)
+        ticket_granted(m, hdr, entry, token);
+    return Py_BuildValue("(OK)", got ? Py_True : Py_False, (unsigned long long)serving);
+}
+
+/* ticket_release(hdr, entry, ticket, token) -> True, or False when the lock
+ * was no longer ours (our ticket was skipped: this node was judged dead) */
+static PyObject *
+Mapping_ticket_release(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t hdr, entry, ticket, token;
+    if (nargs_check(nargs, 4, 4, "ticket_release") < 0 ||
+        lock_args(m, args, &hdr, &entry, "ticket_release") < 0 ||
+        as_u64(args[2], &ticket, "ticket") < 0 || as_u64(args[3], &token, "token") < 0)
+        return NULL;
+    pool_store64(m, entry + LE_STATE, CXLKV_LOCK_IDLE);
+    pool_cas64(m, hdr + LH_OWNER, token, 0);
+    int ok = pool_cas64(m, hdr + LH_SERVING, ticket, ticket + 1) == ticket;
+    return PyBool_FromLong(ok);
+}
+
+/* ------------------------------------------------------------------ */
 /* Span: a sub-range exporter backing zero-copy views                   */
 
 typedef struct {
@@ -696,6 +827,9 @@ static PyMethodDef Mapping_methods[] = {
     FAST(cas64, "cas64(off, expected, new) -> old: compare-and-swap; swapped iff old == expected"),
     FAST(fetch_add64, "fetch_add64(off, delta) -> old: atomic add modulo 2**64"),
     FAST(add64_many, "add64_many(off, delta, count) -> old: count atomic adds, GIL released"),
+    FAST(ticket_acquire, "ticket_acquire(hdr, entry, token, epoch, spins, control_off, control) -> (acquired, ticket, serving) | None if fenced"),
+    FAST(ticket_wait, "ticket_wait(hdr, entry, ticket, token, spins) -> (acquired, serving); GIL released"),
+    FAST(ticket_release, "ticket_release(hdr, entry, ticket, token) -> bool: False if it was not ours"),
     FAST(flush, "flush(off, length): write back the cache lines of a range, then fence"),
     FAST(invalidate, "invalidate(off, length): drop the cache lines of a range"),
     FAST(write, "write(off, buffer, nt=None): copy into the pool; flushed on return"),
@@ -902,7 +1036,7 @@ mod_constants(PyObject *self, PyObject *Py_UNUSED(ignored))
 {
     (void)self;
     return Py_BuildValue(
-        "{s:y#,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I}",
+        "{s:y#,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I}",
         "MAGIC", CXLKV_MAGIC, (Py_ssize_t)8,
         "FORMAT_VERSION", CXLKV_FORMAT_VERSION,
         "SB_SIZE", CXLKV_SB_SIZE,
@@ -928,7 +1062,8 @@ mod_constants(PyObject *self, PyObject *Py_UNUSED(ignored))
         "NODE_FENCED", CXLKV_NODE_FENCED,
         "LOCK_IDLE", CXLKV_LOCK_IDLE,
         "LOCK_WAITING", CXLKV_LOCK_WAITING,
-        "LOCK_LOCKED", CXLKV_LOCK_LOCKED);
+        "LOCK_LOCKED", CXLKV_LOCK_LOCKED,
+        "LOCK_ABANDONED", CXLKV_LOCK_ABANDONED);
 }
 
 static PyMethodDef module_methods[] = {

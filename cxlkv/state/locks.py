@@ -1,0 +1,209 @@
+"""The pool lock, `pool.lock()`.
+
+cas mode (coherent memory): a ticket lock in the lock area.  Two tiers as in
+TraCT: a host-local (process) lock lets one thread per node compete, then the
+node takes a ticket.  Each node records the ticket it holds or waits for in
+its own lock entry, so waiters can tell a live holder from a dead one:
+
+* the holder (or the waiter whose turn it is) is alive as long as its node
+  slot still shows ATTACHED with the entry's epoch;
+* once its node is fenced (reaped after its lease, or at once when the
+  process is certainly gone from this host), the waiters skip its ticket;
+* a ticket given up after a timeout (entry ABANDONED) is skipped at once;
+* a ticket that no entry claims (its taker died between taking the number
+  and recording it) is skipped after one lease.
+
+Spinning is bounded: the C core spins a few thousand times with the GIL
+released, then the waiter sleeps with exponential backoff (capped at 1 ms),
+so contention never pins a core.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from cxlkv.errors import CxlkvError
+from cxlkv.pool import layout as L
+from cxlkv.state import nodes as N
+
+SPINS = 4000
+BACKOFF_MAX = 0.001
+
+_ENTRY_DTYPE = np.dtype([("state", "<u8"), ("ticket", "<u8"), ("epoch", "<u8"),
+                         ("seq", "<u8"), ("reserved", "V32")])
+assert _ENTRY_DTYPE.itemsize == L.LOCK_ENTRY_SIZE
+_SERVING = L.field_offset(L.LockHdrStruct, "now_serving")
+_OWNER = L.field_offset(L.LockHdrStruct, "owner")
+_NEXT = L.field_offset(L.LockHdrStruct, "next_ticket")
+
+
+class LockTimeout(CxlkvError):
+    exit_code = 1
+    kind = "lock-timeout"
+
+
+class LockLost(CxlkvError):
+    """The lock was taken from this node while it held it (it was judged dead)."""
+
+    exit_code = 1
+    kind = "lock-lost"
+
+
+def lock_offsets(pool) -> tuple[int, int]:
+    """(header offset, first entry offset) of the lock area."""
+    off, _ = pool.region("locks")
+    return off, off + L.LOCK_HDR_SIZE
+
+
+def entry_offset(pool, slot: int) -> int:
+    return lock_offsets(pool)[1] + slot * L.LOCK_ENTRY_SIZE
+
+
+def read_entries(pool) -> np.ndarray:
+    _, first = lock_offsets(pool)
+    n = pool.sb.max_nodes * L.LOCK_ENTRY_SIZE
+    pool.mapping.invalidate(first, n)
+    return np.frombuffer(pool.mapping.read(first, n), dtype=_ENTRY_DTYPE)
+
+
+def _node_live(pool, slot: int, epoch: int) -> bool:
+    off = N.node_offset(pool, slot) + L.field_offset(L.NodeStruct, "control")
+    pool.mapping.invalidate(off, 8)
+    return pool.mapping.load64(off) == L.node_control(L.NODE_ATTACHED, epoch)
+
+
+def skip_dead_ticket(pool, serving: int, unclaimed_for: float) -> bool:
+    """Advance now_serving past `serving` if its holder is certainly gone.
+
+    unclaimed_for: how long (observer's clock) now_serving has shown this
+    ticket with no entry claiming it.  Returns True if this call skipped it.
+    """
+    hdr, _ = lock_offsets(pool)
+    ents = read_entries(pool)
+    holders = np.nonzero((ents["ticket"] == serving) &
+                         ((ents["state"] == L.LOCK_WAITING) | (ents["state"] == L.LOCK_LOCKED)))[0]
+    m = pool.mapping
+    for slot in holders:
+        slot = int(slot)
+        if _node_live(pool, slot, int(ents["epoch"][slot])):
+            return False
+        # dead holder: drop whatever it owned, then pass its turn on
+        token = (slot + 1) | int(ents["epoch"][slot]) << 16
+        m.cas64(hdr + _OWNER, token, 0)
+        return m.cas64(hdr + _SERVING, serving, serving + 1) == serving
+    abandoned = np.nonzero((ents["ticket"] == serving) &
+                           (ents["state"] == L.LOCK_ABANDONED))[0]
+    if len(abandoned) == 0 and unclaimed_for < pool.sb.lease_ms / 1000.0:
+        return False
+    return m.cas64(hdr + _SERVING, serving, serving + 1) == serving
+
+
+@N.register_recovery
+def _recover_lock_entry(pool, slot: int, epoch: int) -> None:
+    """A dead node's lock entry: pass its turn on if it is up, else mark its
+    ticket abandoned so the waiters skip it when it comes up."""
+    if pool.sb.sync != "cas":
+        return
+    off = entry_offset(pool, slot)
+    m = pool.mapping
+    e = L.LockEntryStruct.from_buffer_copy(m.read(off, L.LOCK_ENTRY_SIZE))
+    if e.epoch != epoch or e.state == L.LOCK_IDLE:
+        return
+    hdr, _ = lock_offsets(pool)
+    m.cas64(hdr + _OWNER, (slot + 1) | epoch << 16, 0)
+    m.store64(off, L.LOCK_ABANDONED)
+    m.cas64(hdr + _SERVING, e.ticket, e.ticket + 1)
+
+
+def describe_owner(pool) -> str:
+    hdr, _ = lock_offsets(pool)
+    pool.mapping.invalidate(hdr + _OWNER, 8)
+    owner = pool.mapping.load64(hdr + _OWNER)
+    if not owner:
+        return "nobody"
+    slot, epoch = (owner & 0xFFFF) - 1, owner >> 16
+    try:
+        n = N.read_slot(pool, slot)
+    except Exception:   # noqa: BLE001 - a damaged owner word still gets a message
+        return f"slot {slot} epoch {epoch}"
+    return f"{n.describe()} epoch {epoch}"
+
+
+class PoolLock:
+    """The pool lock of one attached node: not reentrant; a context manager."""
+
+    def __init__(self, pool):
+        node = pool.node
+        if node is None:
+            raise CxlkvError("pool.lock() needs an attached node: use cxlkv.open_pool()")
+        self.pool = pool
+        self._local = threading.Lock()          # tier 1: one thread per node
+        self._hdr, _ = lock_offsets(pool)
+        # fixed while attached: the hot path passes them straight to C
+        self._entry = entry_offset(pool, node.slot)
+        self._token = node.owner_token
+        self._epoch = node.epoch
+        self._ctl = N.node_offset(pool, node.slot) + L.field_offset(L.NodeStruct, "control")
+        self._ctl_val = node.control
+        self._acquire = pool.mapping.ticket_acquire
+        self._release = pool.mapping.ticket_release
+        self._ticket = None
+
+    def acquire(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._local.acquire(timeout=-1 if timeout is None else timeout):
+            raise LockTimeout(f"{self.pool.path}: timed out waiting for the pool lock "
+                              "(held by another thread of this process)")
+        try:
+            r = self._acquire(self._hdr, self._entry, self._token, self._epoch, SPINS,
+                              self._ctl, self._ctl_val)
+            if r is None:
+                self.pool.node.fenced = True
+                self.pool.node.check()
+            ok, t, serving = r
+            self._ticket = t if ok else self._wait(t, serving, deadline)
+        except BaseException:
+            self._local.release()
+            raise
+
+    def _wait(self, t: int, serving: int, deadline) -> int:
+        m = self.pool.mapping
+        backoff = 1e-5
+        last, since = serving, time.monotonic()
+        while True:
+            ok, serving = m.ticket_wait(self._hdr, self._entry, t, self._token, SPINS)
+            if ok:
+                return t
+            now = time.monotonic()
+            if serving != last:
+                last, since = serving, now
+            elif now - since > 0.002:
+                if skip_dead_ticket(self.pool, serving, now - since):
+                    continue
+            if deadline is not None and now >= deadline:
+                # give the ticket up: waiters skip it; if our turn came meanwhile, pass it on
+                m.store64(self._entry, L.LOCK_ABANDONED)
+                m.cas64(self._hdr + _SERVING, t, t + 1)
+                raise LockTimeout(
+                    f"{self.pool.path}: timed out waiting for the pool lock (ticket {t}, "
+                    f"now serving {serving}, held by {describe_owner(self.pool)})")
+            time.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX)
+
+    def release(self) -> None:
+        t, self._ticket = self._ticket, None
+        try:
+            if t is not None and not self._release(self._hdr, self._entry, t, self._token):
+                raise LockLost(f"{self.pool.path}: the pool lock was taken from node "
+                               f"{self.pool.node.slot} while it held it (its lease lapsed)")
+        finally:
+            self._local.release()
+
+    def __enter__(self) -> "PoolLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -1,0 +1,87 @@
+"""A separate process attached to a pool as its own node, driven over a pipe.
+
+Tests stand several of these in for several hosts.  Each command is one JSON
+line on stdin; each reply one JSON line on stdout.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+DRIVER = r'''
+import json, os, sys, time
+import cxlkv
+pool = None
+lock = None
+for line in sys.stdin:
+    cmd = json.loads(line)
+    op = cmd["op"]
+    try:
+        if op == "attach":
+            pool = cxlkv.open_pool(cmd["path"])
+            if cmd.get("interval"):
+                pool.node.interval = cmd["interval"]
+            r = {"slot": pool.node.slot, "epoch": pool.node.epoch, "pid": os.getpid()}
+        elif op == "lock":
+            lock = pool.lock(timeout=cmd.get("timeout"))
+            lock.__enter__()
+            r = {"locked": True}
+        elif op == "unlock":
+            lock.__exit__(None, None, None)
+            r = {"unlocked": True}
+        elif op == "incr":
+            off, n = cmd["offset"], cmd["n"]
+            m = pool.mapping
+            for _ in range(n):
+                with pool.lock():
+                    v = m.load64(off)          # a plain read-modify-write, guarded by the lock
+                    m.store64(off, v + 1)
+            r = {"done": n}
+        elif op == "exit":
+            if pool is not None:
+                pool.close()
+            print(json.dumps({"bye": True}), flush=True)
+            break
+        else:
+            r = {"error": "unknown op " + op}
+    except Exception as e:
+        r = {"error": type(e).__name__, "message": str(e)}
+    print(json.dumps(r), flush=True)
+'''
+
+
+class NodeProc:
+    def __init__(self):
+        self.p = subprocess.Popen([sys.executable, "-c", DRIVER], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def send(self, **cmd) -> None:
+        self.p.stdin.write(json.dumps(cmd) + "\n")
+        self.p.stdin.flush()
+
+    def reply(self) -> dict:
+        line = self.p.stdout.readline()
+        if not line:
+            raise AssertionError(f"node process died: {self.p.stderr.read()}")
+        return json.loads(line)
+
+    def call(self, **cmd) -> dict:
+        self.send(**cmd)
+        return self.reply()
+
+    def attach(self, path, **kw) -> dict:
+        r = self.call(op="attach", path=path, **kw)
+        assert "slot" in r, r
+        self.slot, self.epoch = r["slot"], r["epoch"]
+        return r
+
+    def close(self) -> None:
+        if self.p.poll() is None:
+            self.send(op="exit")
+            self.p.stdin.close()
+            self.p.wait(30)
+
+    def kill(self) -> None:
+        self.p.kill()
+        self.p.wait(30)

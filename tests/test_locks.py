@@ -1,0 +1,144 @@
+"""The pool lock in cas mode: mutual exclusion across processes, dead holders,
+timeouts, fencing."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import cxlkv
+from cxlkv.pool import layout as L
+from cxlkv.pool.admin import init_pool
+from cxlkv.pool.pool import Pool
+from cxlkv.state import locks as K
+from cxlkv.state import nodes as N
+
+from conftest import fake_node
+from nodeproc import NodeProc
+
+LEASE_MS = 300
+
+
+@pytest.fixture
+def lease_pool(pool_path):
+    init_pool(pool_path, {"size": 8 << 20, "chunk_size": 64 << 10, "max_nodes": 8,
+                          "lease_ms": LEASE_MS})
+    return pool_path
+
+
+def data_word(path) -> int:
+    with Pool.open(path) as p:
+        return p.region("data")[0]
+
+
+def test_mutual_exclusion_four_processes(lease_pool):
+    off = data_word(lease_pool)
+    procs = [NodeProc() for _ in range(4)]
+    try:
+        for p in procs:
+            p.attach(lease_pool)
+        for p in procs:
+            p.send(op="incr", offset=off, n=3000)
+        for p in procs:
+            assert p.reply() == {"done": 3000}
+    finally:
+        for p in procs:
+            p.close()
+    with Pool.open(lease_pool) as pool:
+        assert pool.mapping.load64(off) == 4 * 3000
+        hdr, _ = K.lock_offsets(pool)
+        # every ticket handed out was served; nobody holds the lock
+        assert pool.mapping.load64(hdr) == pool.mapping.load64(hdr + 64) == 4 * 3000
+        assert pool.mapping.load64(hdr + 72) == 0
+
+
+def test_holder_killed_lock_is_broken(lease_pool):
+    holder = NodeProc()
+    holder.attach(lease_pool)
+    assert holder.call(op="lock") == {"locked": True}
+    holder.kill()                                   # dies holding the lock
+    with cxlkv.open_pool(lease_pool) as pool:
+        pool.node.interval = 0.02
+        with pool.lock(timeout=30):
+            assert K.describe_owner(pool).startswith(f"node {pool.node.slot}")
+        assert N.read_slot(pool, holder.slot).state == "free"
+
+
+def test_remote_holder_broken_after_its_lease_never_before(lease_pool):
+    # a node on another host holds ticket 0; its heartbeat never moves
+    fake_node(lease_pool, 7, pid=1, start_time_ns=1, hostname="far-host",
+              boot_id="00000000-0000-0000-0000-0000000000aa")
+    with Pool.open(lease_pool) as p:
+        hdr, _ = K.lock_offsets(p)
+        m = p.mapping
+        m.store64(hdr, 1)                                     # next_ticket
+        m.store64(hdr + 72, (7 + 1) | 1 << 16)                # owner
+        e = K.entry_offset(p, 7)
+        m.store64(e + 8, 0)                                   # ticket 0
+        m.store64(e + 16, 1)                                  # epoch 1
+        m.store64(e, L.LOCK_LOCKED)
+    with cxlkv.open_pool(lease_pool) as pool:
+        pool.node.interval = 0.02
+        t0 = time.monotonic()
+        with pytest.raises(K.LockTimeout, match="far-host"):
+            with pool.lock(timeout=LEASE_MS / 1000 / 3):
+                pass
+        with pool.lock(timeout=30):
+            waited = time.monotonic() - t0
+        assert waited >= LEASE_MS / 1000                      # not broken before the lease
+        assert N.read_slot(pool, 7).state == "free"
+
+
+def test_timeout_gives_the_ticket_up(lease_pool):
+    a = NodeProc()
+    try:
+        a.attach(lease_pool)
+        assert a.call(op="lock") == {"locked": True}
+        with cxlkv.open_pool(lease_pool) as pool:
+            with pytest.raises(K.LockTimeout, match=f"node {a.slot}"):
+                with pool.lock(timeout=0.05):
+                    pass
+            # a third party queues behind our abandoned ticket
+            b = NodeProc()
+            b.attach(lease_pool)
+            b.send(op="lock", timeout=LEASE_MS / 1000 / 2)
+            assert a.call(op="unlock") == {"unlocked": True}
+            # our abandoned ticket is skipped at once, well within a lease
+            assert b.reply() == {"locked": True}
+            assert b.call(op="unlock") == {"unlocked": True}
+            b.close()
+            with pool.lock(timeout=5):
+                pass
+    finally:
+        a.close()
+
+
+def test_fenced_node_cannot_take_the_lock(lease_pool):
+    with cxlkv.open_pool(lease_pool, heartbeat=False) as pool:
+        with pool.lock():
+            pass
+        N.reap(pool, pool.node.slot, pool.node.control)
+        with pytest.raises(N.NodeFenced):
+            with pool.lock():
+                pass
+
+
+def test_lock_needs_an_attached_node(lease_pool):
+    with Pool.open(lease_pool) as p:
+        with pytest.raises(cxlkv.CxlkvError, match="attached node"):
+            p.lock()
+
+
+def test_no_waiter_starves(lease_pool):
+    """A ticket lock serves in order: every process gets its share."""
+    off = data_word(lease_pool) + 64
+    procs = [NodeProc() for _ in range(5)]
+    try:
+        for p in procs:
+            p.attach(lease_pool)
+        for p in procs:
+            p.send(op="incr", offset=off, n=500)
+        assert [p.reply() for p in procs] == [{"done": 500}] * 5
+    finally:
+        for p in procs:
+            p.close()
