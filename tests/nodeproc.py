@@ -38,6 +38,34 @@ for line in sys.stdin:
                     v = m.load64(off)          # a plain read-modify-write, guarded by the lock
                     m.store64(off, v + 1)
             r = {"done": n}
+        elif op == "churn":
+            import random
+            import numpy as np
+            rng = random.Random(cmd["seed"])
+            nb, kept, bad = cmd["nbytes"], [], 0
+            tag = bytes([pool.node.slot + 1]) * nb
+            for _ in range(cmd["rounds"]):
+                offs = pool.alloc_batch(nb, rng.randint(1, 40))
+                for o in offs.tolist():
+                    pool.mapping.write(o, tag)
+                kept += offs.tolist()
+                rng.shuffle(kept)
+                for o in kept[cmd["keep"]:]:
+                    bad += pool.mapping.read(o, nb) != tag
+                pool.free_batch(kept[cmd["keep"]:])
+                kept = kept[:cmd["keep"]]
+            bad += sum(pool.mapping.read(o, nb) != tag for o in kept)
+            r = {"kept": kept, "bad": bad}
+        elif op == "alloc_publish":
+            nb = cmd["nbytes"]
+            res = [pool.alloc(nb) for _ in range(cmd["reserved"])]
+            pub = [pool.alloc(nb) for _ in range(cmd["published"])]
+            for o in res:
+                pool.mapping.write(o, b"RESV" * (nb // 4))
+            for o in pub:
+                pool.mapping.write(o, b"PUBL" * (nb // 4))
+            pool.publish(pub)
+            r = {"reserved": res, "published": pub}
         elif op == "exit":
             if pool is not None:
                 pool.close()

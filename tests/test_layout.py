@@ -36,6 +36,11 @@ PINNED = {
         "mgr_epoch": (136, 8), "mgr_heartbeat": (144, 8), "mgr_pid": (152, 8),
         "mgr_boot_id": (160, 16), "mgr_hostname": (176, 64), "reserved": (240, 3856),
     }),
+    "chunk": (256, {
+        "control": (0, 8), "owner": (8, 8), "slot_size": (16, 8), "nslots": (24, 8),
+        "nchunks": (32, 8), "used": (40, 8), "pad": (48, 16), "alloc_bits": (64, 64),
+        "pub_bits": (128, 64), "dirty_bits": (192, 64),
+    }),
     "lock_entry": (64, {
         "state": (0, 8), "ticket": (8, 8), "epoch": (16, 8), "seq": (24, 8),
         "reserved": (32, 32),
@@ -77,7 +82,9 @@ def test_constants_agree():
         "NODE_CLAIMED": L.NODE_CLAIMED, "NODE_ATTACHED": L.NODE_ATTACHED,
         "NODE_FENCED": L.NODE_FENCED, "LOCK_IDLE": L.LOCK_IDLE,
         "LOCK_WAITING": L.LOCK_WAITING, "LOCK_LOCKED": L.LOCK_LOCKED,
-        "LOCK_ABANDONED": L.LOCK_ABANDONED,
+        "LOCK_ABANDONED": L.LOCK_ABANDONED, "CHUNK_FREE": L.CHUNK_FREE,
+        "CHUNK_HEAD": L.CHUNK_HEAD, "CHUNK_TAIL": L.CHUNK_TAIL,
+        "CHUNK_RELEASING": L.CHUNK_RELEASING, "SLAB_MAX_SLOTS": L.SLAB_MAX_SLOTS,
     }
     for k, v in pairs.items():
         assert c[k] == v, k
@@ -89,4 +96,5 @@ def test_pinned_values():
     # literal values, so a change to both sides still fails here
     assert L.MAGIC == b"CXLKVPOL"
     assert (L.FORMAT_VERSION, L.SB_SIZE, L.NODE_SIZE, L.HASH_ENTRY_SIZE) == (1, 4096, 512, 64)
+    assert L.CHUNK_DESC_SIZE == 256
     assert L.REGION_NAMES == ("nodes", "locks", "bitmap", "heaps", "hash", "data")

@@ -39,7 +39,7 @@ NODE_SIZE = 512
 LOCK_HDR_SIZE = 4096
 LOCK_ENTRY_SIZE = 64
 HEAP_SIZE = 1024
-CHUNK_DESC_SIZE = 128
+CHUNK_DESC_SIZE = 256
 HASH_ENTRY_SIZE = 64
 
 NODE_FREE = 0
@@ -152,8 +152,31 @@ class LockEntryStruct(ctypes.LittleEndianStructure):
     ]
 
 
+CHUNK_FREE = 0
+CHUNK_HEAD = 1
+CHUNK_TAIL = 2
+CHUNK_RELEASING = 3
+SLAB_MAX_SLOTS = 512
+
+
+class ChunkStruct(ctypes.LittleEndianStructure):
+    _pack_ = 1
+    _fields_ = [
+        ("control", c_uint64),
+        ("owner", c_uint64),
+        ("slot_size", c_uint64),
+        ("nslots", c_uint64),
+        ("nchunks", c_uint64),
+        ("used", c_uint64),
+        ("pad", c_uint8 * 16),
+        ("alloc_bits", c_uint64 * 8),
+        ("pub_bits", c_uint64 * 8),
+        ("dirty_bits", c_uint64 * 8),
+    ]
+
+
 STRUCTS = {"superblock": SuperblockStruct, "region": Region, "node": NodeStruct,
-           "lock_hdr": LockHdrStruct, "lock_entry": LockEntryStruct}
+           "lock_hdr": LockHdrStruct, "lock_entry": LockEntryStruct, "chunk": ChunkStruct}
 
 
 def field_layout(struct: type[ctypes.Structure]) -> dict[str, tuple[int, int]]:

@@ -32,6 +32,34 @@ class Pool:
         self.warnings = warnings
         self.node = None          # Attachment once attached
         self._lock = None
+        self._alloc = None
+
+    @property
+    def allocator(self):
+        if self._alloc is None:
+            from cxlkv.state.alloc import Allocator
+
+            self._alloc = Allocator(self)
+        return self._alloc
+
+    def alloc(self, nbytes: int, zero: bool = True) -> int:
+        """Reserve a slot of at least nbytes (64-byte aligned); returns its offset."""
+        return self.allocator.alloc(nbytes, zero)
+
+    def alloc_batch(self, nbytes: int, count: int, zero: bool = True):
+        """Reserve `count` slots of one size; a numpy uint64 array of offsets."""
+        return self.allocator.alloc_batch(nbytes, count, zero)
+
+    def free(self, offset: int, zero: bool = True) -> None:
+        """Free a slot (zeroed now, or with zero=False before its next use)."""
+        self.allocator.free(offset, zero)
+
+    def free_batch(self, offsets, zero: bool = True) -> int:
+        return self.allocator.free_batch(offsets, zero)
+
+    def publish(self, offsets) -> int:
+        """Mark reserved slots published: they outlive this node."""
+        return self.allocator.publish(offsets)
 
     def lock(self, timeout: float | None = None):
         """The pool lock as a context manager: `with pool.lock(): ...`.
@@ -52,7 +80,14 @@ class Pool:
         from cxlkv.state.nodes import Attachment
 
         if self.node is None:
-            self.node = Attachment(self, **kw)
+            node = Attachment(self, **kw)
+            self.node = node
+            try:
+                node.start()
+            except BaseException:
+                self.node = None
+                node.detach()
+                raise
         return self.node
 
     # -- opening -------------------------------------------------------
@@ -137,6 +172,7 @@ class Pool:
         if self.node is not None:
             self.node.detach()
             self.node = None
+            self._lock = self._alloc = None
         if self.mapping is not None and not self.mapping.closed:
             self.mapping.close()
 

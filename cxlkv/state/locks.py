@@ -68,13 +68,28 @@ def read_entries(pool) -> np.ndarray:
     return np.frombuffer(pool.mapping.read(first, n), dtype=_ENTRY_DTYPE)
 
 
-def _node_live(pool, slot: int, epoch: int) -> bool:
+def _holder_alive(pool, slot: int, epoch: int, observer: N.Observer | None) -> bool:
+    """Is the node that took a ticket still the live holder of that slot?
+
+    Fences it (so recovery runs) when this waiter can tell it is dead: a
+    local process that is gone, or - with an observer - a node whose control
+    word and heartbeat have not moved for a whole lease on our clock.
+    """
     off = N.node_offset(pool, slot) + L.field_offset(L.NodeStruct, "control")
     pool.mapping.invalidate(off, 8)
-    return pool.mapping.load64(off) == L.node_control(L.NODE_ATTACHED, epoch)
+    control = L.node_control(L.NODE_ATTACHED, epoch)
+    if pool.mapping.load64(off) != control:
+        return False
+    n = N.read_slot(pool, slot)
+    verdict = (observer or N.Observer(pool)).verdict(n)
+    if verdict == "dead" and n.control == control:
+        pool.mapping.cas64(off, control, L.node_control(L.NODE_FENCED, epoch))
+        return False
+    return True
 
 
-def skip_dead_ticket(pool, serving: int, unclaimed_for: float) -> bool:
+def skip_dead_ticket(pool, serving: int, unclaimed_for: float,
+                     observer: N.Observer | None = None) -> bool:
     """Advance now_serving past `serving` if its holder is certainly gone.
 
     unclaimed_for: how long (observer's clock) now_serving has shown this
@@ -87,7 +102,7 @@ def skip_dead_ticket(pool, serving: int, unclaimed_for: float) -> bool:
     m = pool.mapping
     for slot in holders:
         slot = int(slot)
-        if _node_live(pool, slot, int(ents["epoch"][slot])):
+        if _holder_alive(pool, slot, int(ents["epoch"][slot]), observer):
             return False
         # dead holder: drop whatever it owned, then pass its turn on
         token = (slot + 1) | int(ents["epoch"][slot]) << 16
@@ -100,7 +115,7 @@ def skip_dead_ticket(pool, serving: int, unclaimed_for: float) -> bool:
     return m.cas64(hdr + _SERVING, serving, serving + 1) == serving
 
 
-@N.register_recovery
+@N.register_recovery(order=10)
 def _recover_lock_entry(pool, slot: int, epoch: int) -> None:
     """A dead node's lock entry: pass its turn on if it is up, else mark its
     ticket abandoned so the waiters skip it when it comes up."""
@@ -150,6 +165,7 @@ class PoolLock:
         self._acquire = pool.mapping.ticket_acquire
         self._release = pool.mapping.ticket_release
         self._ticket = None
+        self._observer = N.Observer(pool)
 
     def acquire(self, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -180,7 +196,7 @@ class PoolLock:
             if serving != last:
                 last, since = serving, now
             elif now - since > 0.002:
-                if skip_dead_ticket(self.pool, serving, now - since):
+                if skip_dead_ticket(self.pool, serving, now - since, self._observer):
                     continue
             if deadline is not None and now >= deadline:
                 # give the ticket up: waiters skip it; if our turn came meanwhile, pass it on

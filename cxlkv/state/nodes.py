@@ -210,18 +210,31 @@ def live_nodes(pool, *, observe: bool = True, clock=time.monotonic,
 
 Recovery = Callable[[object, int, int], None]   # (pool, slot, epoch) -> None
 _recoveries: list[Recovery] = []
+_order: dict[Recovery, int] = {}
 
 
-def register_recovery(fn: Recovery) -> Recovery:
+def _load_recoveries() -> None:
+    """Import the subsystems that register recoveries (their `order` puts the
+    lock first - a dead holder's turn is passed on - then the allocator, which
+    takes the lock)."""
+    from cxlkv.state import alloc, locks  # noqa: F401
+
+
+def register_recovery(fn: Recovery | None = None, *, order: int = 50):
     """Subsystems (locks, allocator, KV pins) register what to undo for a dead node.
 
     Each is called with the pool, the dead slot and its epoch, while the slot
     is FENCED; it must be idempotent (a reaper may die half way and another
-    one repeat the work).
+    one repeat the work).  Lower `order` runs first.  Usable as a decorator.
     """
-    if fn not in _recoveries:
-        _recoveries.append(fn)
-    return fn
+    def add(f: Recovery) -> Recovery:
+        if f not in _recoveries:
+            _order[f] = order
+            _recoveries.append(f)
+            _recoveries.sort(key=lambda g: _order.get(g, 50))
+        return f
+
+    return add(fn) if fn is not None else add
 
 
 def reap(pool, slot: int, control: int) -> bool:
@@ -231,8 +244,7 @@ def reap(pool, slot: int, control: int) -> bool:
     the slot has changed since (another reaper, or the node re-attached).
     Returns True when this call freed the slot.
     """
-    from cxlkv.state import locks  # noqa: F401 - registers its recovery
-
+    _load_recoveries()
     m = pool.mapping
     off = node_offset(pool, slot) + _CONTROL
     state, epoch = L.node_state(control)
@@ -262,16 +274,24 @@ class Attachment:
                                path=pool.path)
         self.pool = pool
         self.observer = Observer(pool)
+        self._thread: threading.Thread | None = None
         self.slot = -1
         self.epoch = 0
         self.fenced = False
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         lease = pool.sb.lease_ms / 1000.0
         self.interval = interval if interval is not None else max(0.02, lease / 4)
+        self._heartbeat = heartbeat
         self._claim()
+
+    def start(self) -> None:
+        """Recover what dead local nodes left, then start heartbeating.
+
+        Called by Pool.attach once pool.node is set (recovery may take the
+        pool lock, which needs this node).
+        """
         self._reap_dead(local_only=True)
-        if heartbeat:
+        if self._heartbeat and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="cxlkv-heartbeat",
                                             daemon=True)
             self._thread.start()
@@ -378,8 +398,7 @@ class Attachment:
             return
         off = node_offset(self.pool, self.slot) + _CONTROL
         if not self.fenced:
-            from cxlkv.state import locks  # noqa: F401 - registers its recovery
-
+            _load_recoveries()
             # run our own recovery first: nothing of ours must outlive the slot
             for fn in list(_recoveries):
                 fn(self.pool, self.slot, self.epoch)

@@ -49,7 +49,7 @@ enum cxlkv_region_id {
 #define CXLKV_LOCK_HDR_SIZE    4096u
 #define CXLKV_LOCK_ENTRY_SIZE  64u
 #define CXLKV_HEAP_SIZE        1024u   /* per-node heap header */
-#define CXLKV_CHUNK_DESC_SIZE  128u    /* per data chunk */
+#define CXLKV_CHUNK_DESC_SIZE  256u    /* per data chunk */
 #define CXLKV_HASH_ENTRY_SIZE  64u
 
 struct cxlkv_region {
@@ -150,6 +150,36 @@ struct cxlkv_lock_entry {
     uint8_t  reserved[32];      /*   32 */
 };
 
+/* Allocator.  The data area is nchunks chunks; the global bitmap has one bit
+ * per chunk (1 = part of a slab).  A slab is a run of `nchunks` contiguous
+ * chunks carved into `nslots` slots of exactly `slot_size` bytes (64-byte
+ * multiples; at most 512 slots); its head chunk's descriptor holds the slot
+ * bitmaps, the other chunks' descriptors point back to the head.
+ *
+ * Per slot: alloc bit (reserved or published), pub bit (published: survives
+ * its allocator's death), dirty bit (freed without zeroing: zeroed before the
+ * slot is handed out again unless the new owner overwrites all of it).
+ * owner is the token ((slot + 1) | epoch << 16) of the node whose heap the
+ * slab belongs to; 0 = orphaned (its node died), adoptable by anyone. */
+#define CXLKV_CHUNK_FREE       0u
+#define CXLKV_CHUNK_HEAD       1u
+#define CXLKV_CHUNK_TAIL       2u   /* control = TAIL | head index << 8 */
+#define CXLKV_CHUNK_RELEASING  3u   /* head being returned to the bitmap */
+#define CXLKV_SLAB_MAX_SLOTS   512u
+
+struct cxlkv_chunk {
+    uint64_t control;           /*    0 kind | (tail: head index) << 8 */
+    uint64_t owner;             /*    8 owner token, 0 = orphan */
+    uint64_t slot_size;         /*   16 bytes per slot */
+    uint64_t nslots;            /*   24 slots in the slab */
+    uint64_t nchunks;           /*   32 chunks in the slab */
+    uint64_t used;              /*   40 allocated slots */
+    uint8_t  pad[16];           /*   48 */
+    uint64_t alloc_bits[8];     /*   64 */
+    uint64_t pub_bits[8];       /*  128 */
+    uint64_t dirty_bits[8];     /*  192 */
+};
+
 #ifdef __cplusplus
 #define CXLKV_STATIC_ASSERT static_assert
 #else
@@ -163,5 +193,6 @@ CXLKV_STATIC_ASSERT(offsetof(struct cxlkv_superblock, checksum) == 4088, "checks
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_node) == CXLKV_NODE_SIZE, "node size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_lock_hdr) == CXLKV_LOCK_HDR_SIZE, "lock header size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_lock_entry) == CXLKV_LOCK_ENTRY_SIZE, "lock entry size");
+CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_chunk) == CXLKV_CHUNK_DESC_SIZE, "chunk descriptor size");
 
 #endif /* CXLKV_FORMAT_H */

@@ -12,44 +12,26 @@
  * different memory model (the non-coherence emulation) switches in at one
  * place.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "core.h"
 
 #include <errno.h>
-#include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "cpu.h"
-#include "cxlkv_format.h"
-
 /* Bump when the Python-visible interface changes; cxlkv/_core/__init__.py
  * refuses to import a build with a different number (a stale build must fail
  * loudly, not strangely). */
-#define CXLKV_NATIVE_ABI 2
+#define CXLKV_NATIVE_ABI 3
 
 /* Copies at least this large release the GIL. */
 #define GIL_RELEASE_MIN (64 * 1024)
 
-static PyObject *RangeError;   /* set by _native.set_error_types(), default IndexError subclass */
+PyObject *cxlkv_RangeError;   /* set by _native.set_error_types() */
+#define RangeError cxlkv_RangeError
 
 /* ------------------------------------------------------------------ */
 /* Mapping object                                                      */
-
-typedef struct {
-    PyObject_HEAD
-    char *base;
-    uint64_t size;
-    int writable;
-    int owns_map;          /* 1: munmap on close; 0: borrowed buffer */
-    int closed;
-    Py_ssize_t exports;    /* live buffer exports (views) */
-    Py_ssize_t busy;       /* calls running with the GIL released */
-    Py_buffer borrowed;    /* when owns_map == 0 */
-    int nt_default;        /* use NT stores for large writes */
-    uint64_t nt_threshold;
-} Mapping;
 
 static PyTypeObject MappingType;
 static PyTypeObject SpanType;
@@ -64,7 +46,7 @@ range_error(const Mapping *m, uint64_t off, uint64_t len, const char *what)
     return -1;
 }
 
-static int
+int
 check_open(const Mapping *m)
 {
     if (m->closed || m->base == NULL) {
@@ -75,7 +57,7 @@ check_open(const Mapping *m)
 }
 
 /* The one bounds check.  off and len come from Python or from the pool. */
-static int
+int
 check_range(const Mapping *m, uint64_t off, uint64_t len, const char *what)
 {
     if (check_open(m) < 0)
@@ -85,7 +67,7 @@ check_range(const Mapping *m, uint64_t off, uint64_t len, const char *what)
     return 0;
 }
 
-static int
+int
 check_word(const Mapping *m, uint64_t off, const char *what)
 {
     if (check_range(m, off, 8, what) < 0)
@@ -98,7 +80,7 @@ check_word(const Mapping *m, uint64_t off, const char *what)
     return 0;
 }
 
-static int
+int
 check_writable(const Mapping *m, const char *what)
 {
     if (!m->writable) {
@@ -108,59 +90,9 @@ check_writable(const Mapping *m, const char *what)
     return 0;
 }
 
-/* --- the pool access helpers (single switch point) ----------------- */
-
-static inline uint64_t pool_load64(Mapping *m, uint64_t off)
-{
-    return __atomic_load_n((uint64_t *)(m->base + off), __ATOMIC_ACQUIRE);
-}
-
-static inline void pool_store64(Mapping *m, uint64_t off, uint64_t v)
-{
-    __atomic_store_n((uint64_t *)(m->base + off), v, __ATOMIC_RELEASE);
-}
-
-static inline uint64_t pool_cas64(Mapping *m, uint64_t off, uint64_t expect, uint64_t desired)
-{
-    uint64_t e = expect;
-    __atomic_compare_exchange_n((uint64_t *)(m->base + off), &e, desired, 0,
-                                __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
-    return e;   /* old value; success iff == expect */
-}
-
-static inline uint64_t pool_fadd64(Mapping *m, uint64_t off, uint64_t delta)
-{
-    return __atomic_fetch_add((uint64_t *)(m->base + off), delta, __ATOMIC_SEQ_CST);
-}
-
-static inline void pool_flush(Mapping *m, uint64_t off, uint64_t len)
-{
-    cxlkv_flush_range(m->base + off, (size_t)len);
-}
-
-static inline void pool_invalidate(Mapping *m, uint64_t off, uint64_t len)
-{
-    cxlkv_invalidate_range(m->base + off, (size_t)len);
-}
-
-static inline void pool_write(Mapping *m, uint64_t off, const void *src, uint64_t len, int nt)
-{
-    cxlkv_copy_to_pool(m->base + off, src, (size_t)len, nt);
-}
-
-static inline void pool_zero(Mapping *m, uint64_t off, uint64_t len, int nt)
-{
-    cxlkv_zero_pool(m->base + off, (size_t)len, nt);
-}
-
-static inline void pool_read(Mapping *m, uint64_t off, void *dst, uint64_t len)
-{
-    cxlkv_copy_from_pool(dst, m->base + off, (size_t)len);
-}
-
 /* --- argument helpers ---------------------------------------------- */
 
-static int
+int
 as_u64(PyObject *o, uint64_t *out, const char *what)
 {
     if (!PyLong_Check(o)) {
@@ -180,7 +112,7 @@ as_u64(PyObject *o, uint64_t *out, const char *what)
     return 0;
 }
 
-static int
+int
 nargs_check(Py_ssize_t nargs, Py_ssize_t lo, Py_ssize_t hi, const char *name)
 {
     if (nargs < lo || nargs > hi) {
@@ -830,6 +762,10 @@ static PyMethodDef Mapping_methods[] = {
     FAST(ticket_acquire, "ticket_acquire(hdr, entry, token, epoch, spins, control_off, control) -> (acquired, ticket, serving) | None if fenced"),
     FAST(ticket_wait, "ticket_wait(hdr, entry, ticket, token, spins) -> (acquired, serving); GIL released"),
     FAST(ticket_release, "ticket_release(hdr, entry, ticket, token) -> bool: False if it was not ours"),
+    FAST(set_geometry, "set_geometry(data_off, chunk_size, nchunks, desc_base): allocator geometry"),
+    FAST(slab_alloc, "slab_alloc(head, owner, out, count, zero) -> allocated | -1 (not our active slab)"),
+    FAST(slab_free, "slab_free(offsets, zero) -> freed; raises ValueError at the first bad offset"),
+    FAST(slab_publish, "slab_publish(offsets) -> published"),
     FAST(flush, "flush(off, length): write back the cache lines of a range, then fence"),
     FAST(invalidate, "invalidate(off, length): drop the cache lines of a range"),
     FAST(write, "write(off, buffer, nt=None): copy into the pool; flushed on return"),
@@ -1024,6 +960,22 @@ mod_layout(PyObject *self, PyObject *Py_UNUSED(ignored))
     if (add_struct(out, "lock_entry", sizeof(struct cxlkv_lock_entry), f) < 0)
         goto fail;
     Py_CLEAR(f);
+
+    if (!(f = PyDict_New()))
+        goto fail;
+    FIELD(f, cxlkv_chunk, control);
+    FIELD(f, cxlkv_chunk, owner);
+    FIELD(f, cxlkv_chunk, slot_size);
+    FIELD(f, cxlkv_chunk, nslots);
+    FIELD(f, cxlkv_chunk, nchunks);
+    FIELD(f, cxlkv_chunk, used);
+    FIELD(f, cxlkv_chunk, pad);
+    FIELD(f, cxlkv_chunk, alloc_bits);
+    FIELD(f, cxlkv_chunk, pub_bits);
+    FIELD(f, cxlkv_chunk, dirty_bits);
+    if (add_struct(out, "chunk", sizeof(struct cxlkv_chunk), f) < 0)
+        goto fail;
+    Py_CLEAR(f);
     return out;
 fail:
     Py_XDECREF(f);
@@ -1036,7 +988,7 @@ mod_constants(PyObject *self, PyObject *Py_UNUSED(ignored))
 {
     (void)self;
     return Py_BuildValue(
-        "{s:y#,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I}",
+        "{s:y#,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I}",
         "MAGIC", CXLKV_MAGIC, (Py_ssize_t)8,
         "FORMAT_VERSION", CXLKV_FORMAT_VERSION,
         "SB_SIZE", CXLKV_SB_SIZE,
@@ -1063,7 +1015,12 @@ mod_constants(PyObject *self, PyObject *Py_UNUSED(ignored))
         "LOCK_IDLE", CXLKV_LOCK_IDLE,
         "LOCK_WAITING", CXLKV_LOCK_WAITING,
         "LOCK_LOCKED", CXLKV_LOCK_LOCKED,
-        "LOCK_ABANDONED", CXLKV_LOCK_ABANDONED);
+        "LOCK_ABANDONED", CXLKV_LOCK_ABANDONED,
+        "CHUNK_FREE", CXLKV_CHUNK_FREE,
+        "CHUNK_HEAD", CXLKV_CHUNK_HEAD,
+        "CHUNK_TAIL", CXLKV_CHUNK_TAIL,
+        "CHUNK_RELEASING", CXLKV_CHUNK_RELEASING,
+        "SLAB_MAX_SLOTS", CXLKV_SLAB_MAX_SLOTS);
 }
 
 static PyMethodDef module_methods[] = {

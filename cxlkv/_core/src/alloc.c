@@ -1,0 +1,312 @@
+/*
+ * Allocator hot paths: slot allocation, free and publish inside slabs.
+ *
+ * Slab creation and release (rare: they touch the global chunk bitmap) are
+ * done by Python under the pool lock; these functions only flip bits in one
+ * slab's descriptor with compare-and-swap, so nodes allocate without taking
+ * the pool lock (cas mode).  Every offset - from the caller or read from a
+ * descriptor - is validated against the geometry set by set_geometry(),
+ * which itself was checked against the mapping.
+ */
+#include "core.h"
+
+#define CD_CONTROL   offsetof(struct cxlkv_chunk, control)
+#define CD_OWNER     offsetof(struct cxlkv_chunk, owner)
+#define CD_SLOT      offsetof(struct cxlkv_chunk, slot_size)
+#define CD_NSLOTS    offsetof(struct cxlkv_chunk, nslots)
+#define CD_NCHUNKS   offsetof(struct cxlkv_chunk, nchunks)
+#define CD_USED      offsetof(struct cxlkv_chunk, used)
+#define CD_ALLOC     offsetof(struct cxlkv_chunk, alloc_bits)
+#define CD_PUB       offsetof(struct cxlkv_chunk, pub_bits)
+#define CD_DIRTY     offsetof(struct cxlkv_chunk, dirty_bits)
+
+static inline void
+bit_set(Mapping *m, uint64_t word_off, uint64_t bit)
+{
+    __atomic_fetch_or((uint64_t *)(m->base + word_off), bit, __ATOMIC_SEQ_CST);
+}
+
+static inline void
+bit_clear(Mapping *m, uint64_t word_off, uint64_t bit)
+{
+    __atomic_fetch_and((uint64_t *)(m->base + word_off), ~bit, __ATOMIC_SEQ_CST);
+}
+
+static int
+need_geometry(Mapping *m, const char *what)
+{
+    if (check_open(m) < 0)
+        return -1;
+    if (!m->geo_set) {
+        PyErr_Format(PyExc_RuntimeError, "%s: allocator geometry not set", what);
+        return -1;
+    }
+    return 0;
+}
+
+/* set_geometry(data_off, chunk_size, nchunks, desc_base) */
+PyObject *
+Mapping_set_geometry(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t d, c, n, b;
+    if (nargs_check(nargs, 4, 4, "set_geometry") < 0 || as_u64(args[0], &d, "data_off") < 0 ||
+        as_u64(args[1], &c, "chunk_size") < 0 || as_u64(args[2], &n, "nchunks") < 0 ||
+        as_u64(args[3], &b, "desc_base") < 0)
+        return NULL;
+    if (c == 0 || n == 0 || (c & 63) || (b & 63) || n > UINT64_MAX / c ||
+        n > UINT64_MAX / CXLKV_CHUNK_DESC_SIZE) {
+        PyErr_SetString(PyExc_ValueError, "set_geometry: invalid geometry");
+        return NULL;
+    }
+    if (check_range(m, d, c * n, "set_geometry data") < 0 ||
+        check_range(m, b, n * CXLKV_CHUNK_DESC_SIZE, "set_geometry descriptors") < 0)
+        return NULL;
+    m->data_off = d;
+    m->chunk_size = c;
+    m->nchunks = n;
+    m->desc_base = b;
+    m->geo_set = 1;
+    Py_RETURN_NONE;
+}
+
+/* Validate a slab head descriptor; fills slot size, slot count and base. */
+static const char *
+slab_geometry(Mapping *m, uint64_t head, uint64_t *slot_size, uint64_t *nslots,
+              uint64_t *base)
+{
+    uint64_t d = m->desc_base + head * CXLKV_CHUNK_DESC_SIZE;
+    uint64_t ss = pool_load64(m, d + CD_SLOT), ns = pool_load64(m, d + CD_NSLOTS);
+    uint64_t nc = pool_load64(m, d + CD_NCHUNKS);
+    if (ss == 0 || (ss & 63) || ns == 0 || ns > CXLKV_SLAB_MAX_SLOTS || nc == 0 ||
+        nc > m->nchunks - head || ss > (nc * m->chunk_size) / ns)
+        return "slab descriptor is corrupt";
+    *slot_size = ss;
+    *nslots = ns;
+    *base = m->data_off + head * m->chunk_size;
+    return NULL;
+}
+
+/* Map a pool offset to (head chunk, slot).  NULL or an error string. */
+static const char *
+decode_slot(Mapping *m, uint64_t off, uint64_t *head, uint64_t *slot, uint64_t *slot_size)
+{
+    if (off < m->data_off || off - m->data_off >= m->chunk_size * m->nchunks)
+        return "offset is outside the data area";
+    uint64_t idx = (off - m->data_off) / m->chunk_size;
+    uint64_t ctl = pool_load64(m, m->desc_base + idx * CXLKV_CHUNK_DESC_SIZE + CD_CONTROL);
+    uint64_t kind = ctl & 0xff, h = idx;
+    if (kind == CXLKV_CHUNK_TAIL) {
+        h = ctl >> 8;
+        if (h >= idx)
+            return "chunk descriptor is corrupt (tail before its head)";
+        kind = pool_load64(m, m->desc_base + h * CXLKV_CHUNK_DESC_SIZE + CD_CONTROL) & 0xff;
+    }
+    if (kind != CXLKV_CHUNK_HEAD)
+        return "offset is not in an allocated slab";
+    uint64_t ns, base;
+    const char *err = slab_geometry(m, h, slot_size, &ns, &base);
+    if (err)
+        return err;
+    uint64_t rel = off - base;
+    if (rel % *slot_size)
+        return "offset is not the start of a slot";
+    if (rel / *slot_size >= ns)
+        return "offset is past the last slot of its slab";
+    *head = h;
+    *slot = rel / *slot_size;
+    return NULL;
+}
+
+static int
+get_offsets(PyObject *obj, Py_buffer *b, int writable)
+{
+    if (PyObject_GetBuffer(obj, b, (writable ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS |
+                                   PyBUF_FORMAT) < 0)
+        return -1;
+    if (b->itemsize != 8 || (b->format && strcmp(b->format, "Q") && strcmp(b->format, "L") &&
+                             strcmp(b->format, "<Q") && strcmp(b->format, "=Q") &&
+                             strcmp(b->format, "K") && strcmp(b->format, "k"))) {
+        PyErr_SetString(PyExc_TypeError, "offsets must be a buffer of uint64 (e.g. numpy uint64)");
+        PyBuffer_Release(b);
+        return -1;
+    }
+    return 0;
+}
+
+/* slab_alloc(head, owner, out, count, zero) -> allocated
+ * Allocates up to `count` slots from the slab whose head chunk index is
+ * `head`, writing their pool offsets to out[0..].  Returns -1 when the slab
+ * is not an active slab owned by `owner` (released, adopted by someone else). */
+PyObject *
+Mapping_slab_alloc(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t head, owner, count;
+    int zero;
+    if (nargs_check(nargs, 5, 5, "slab_alloc") < 0 || need_geometry(m, "slab_alloc") < 0 ||
+        as_u64(args[0], &head, "head") < 0 || as_u64(args[1], &owner, "owner") < 0 ||
+        as_u64(args[3], &count, "count") < 0 || check_writable(m, "slab_alloc") < 0)
+        return NULL;
+    if ((zero = PyObject_IsTrue(args[4])) < 0)
+        return NULL;
+    if (head >= m->nchunks) {
+        PyErr_Format(cxlkv_RangeError, "slab_alloc: chunk %llu out of range",
+                     (unsigned long long)head);
+        return NULL;
+    }
+    Py_buffer out;
+    if (get_offsets(args[2], &out, 1) < 0)
+        return NULL;
+    if ((uint64_t)(out.len / 8) < count)
+        count = (uint64_t)(out.len / 8);
+    uint64_t d = m->desc_base + head * CXLKV_CHUNK_DESC_SIZE;
+    uint64_t *dst = out.buf;
+    long long got = 0;
+    const char *err = NULL;
+    uint64_t ss, ns, base;
+    if ((pool_load64(m, d + CD_CONTROL) & 0xff) != CXLKV_CHUNK_HEAD ||
+        pool_load64(m, d + CD_OWNER) != owner) {
+        got = -1;
+        goto done;
+    }
+    if ((err = slab_geometry(m, head, &ss, &ns, &base)))
+        goto done;
+    m->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    while ((uint64_t)got < count) {
+        uint64_t slot = UINT64_MAX;
+        for (uint64_t w = 0; w * 64 < ns && slot == UINT64_MAX; w++) {
+            uint64_t valid = (ns - w * 64) >= 64 ? ~0ull : ((1ull << (ns - w * 64)) - 1);
+            uint64_t wo = d + CD_ALLOC + w * 8;
+            uint64_t cur = pool_load64(m, wo);
+            while (~cur & valid) {
+                uint64_t bit = __builtin_ctzll(~cur & valid);
+                uint64_t old = pool_cas64(m, wo, cur, cur | (1ull << bit));
+                if (old == cur) {
+                    slot = w * 64 + bit;
+                    break;
+                }
+                cur = old;
+            }
+        }
+        if (slot == UINT64_MAX)
+            break;
+        uint64_t w = slot / 64, bit = 1ull << (slot % 64);
+        /* Dekker with release_slab(): it sets RELEASING, then looks at the bits */
+        if ((pool_load64(m, d + CD_CONTROL) & 0xff) != CXLKV_CHUNK_HEAD) {
+            bit_clear(m, d + CD_ALLOC + w * 8, bit);
+            break;
+        }
+        if (pool_load64(m, d + CD_DIRTY + w * 8) & bit) {
+            if (zero)
+                pool_zero(m, base + slot * ss, ss, 1);
+            bit_clear(m, d + CD_DIRTY + w * 8, bit);
+        }
+        pool_fadd64(m, d + CD_USED, 1);
+        dst[got++] = base + slot * ss;
+    }
+    Py_END_ALLOW_THREADS
+    m->busy--;
+done:
+    PyBuffer_Release(&out);
+    if (err) {
+        PyErr_Format(PyExc_ValueError, "slab_alloc: chunk %llu: %s", (unsigned long long)head,
+                     err);
+        return NULL;
+    }
+    return PyLong_FromLongLong(got);
+}
+
+/* slab_free(offsets, zero) -> freed.  Stops at the first offset that is not
+ * an allocated slot and raises ValueError naming it (the ones before it are
+ * freed).  zero=True zeroes each slot before it is released; zero=False marks
+ * it dirty (zeroed when next handed out, unless the new owner overwrites it). */
+PyObject *
+Mapping_slab_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    int zero;
+    if (nargs_check(nargs, 2, 2, "slab_free") < 0 || need_geometry(m, "slab_free") < 0 ||
+        check_writable(m, "slab_free") < 0)
+        return NULL;
+    if ((zero = PyObject_IsTrue(args[1])) < 0)
+        return NULL;
+    Py_buffer in;
+    if (get_offsets(args[0], &in, 0) < 0)
+        return NULL;
+    const uint64_t *offs = in.buf;
+    Py_ssize_t n = in.len / 8, i;
+    const char *err = NULL;
+    m->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    for (i = 0; i < n; i++) {
+        uint64_t head, slot, ss;
+        if ((err = decode_slot(m, offs[i], &head, &slot, &ss)))
+            break;
+        uint64_t d = m->desc_base + head * CXLKV_CHUNK_DESC_SIZE;
+        uint64_t w = slot / 64, bit = 1ull << (slot % 64);
+        if (!(pool_load64(m, d + CD_ALLOC + w * 8) & bit)) {
+            err = "slot is not allocated (double free?)";
+            break;
+        }
+        /* contents go before the slot does: nobody may get it un-zeroed */
+        if (zero) {
+            pool_zero(m, offs[i], ss, 1);
+            bit_clear(m, d + CD_DIRTY + w * 8, bit);
+        } else {
+            bit_set(m, d + CD_DIRTY + w * 8, bit);
+        }
+        bit_clear(m, d + CD_PUB + w * 8, bit);
+        uint64_t old = __atomic_fetch_and((uint64_t *)(m->base + d + CD_ALLOC + w * 8), ~bit,
+                                          __ATOMIC_SEQ_CST);
+        if (!(old & bit)) {
+            err = "slot is not allocated (double free?)";
+            break;
+        }
+        pool_fadd64(m, d + CD_USED, (uint64_t)-1);
+    }
+    Py_END_ALLOW_THREADS
+    m->busy--;
+    uint64_t bad = i < n ? offs[i] : 0;
+    PyBuffer_Release(&in);
+    if (err) {
+        PyErr_Format(PyExc_ValueError, "free of offset %llu (item %zd): %s; %zd freed before it",
+                     (unsigned long long)bad, i, err, i);
+        return NULL;
+    }
+    return PyLong_FromSsize_t(n);
+}
+
+/* slab_publish(offsets) -> published: mark allocated slots published */
+PyObject *
+Mapping_slab_publish(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs_check(nargs, 1, 1, "slab_publish") < 0 || need_geometry(m, "slab_publish") < 0 ||
+        check_writable(m, "slab_publish") < 0)
+        return NULL;
+    Py_buffer in;
+    if (get_offsets(args[0], &in, 0) < 0)
+        return NULL;
+    const uint64_t *offs = in.buf;
+    Py_ssize_t n = in.len / 8, i;
+    const char *err = NULL;
+    for (i = 0; i < n; i++) {
+        uint64_t head, slot, ss;
+        if ((err = decode_slot(m, offs[i], &head, &slot, &ss)))
+            break;
+        uint64_t d = m->desc_base + head * CXLKV_CHUNK_DESC_SIZE;
+        uint64_t w = slot / 64, bit = 1ull << (slot % 64);
+        if (!(pool_load64(m, d + CD_ALLOC + w * 8) & bit)) {
+            err = "slot is not allocated";
+            break;
+        }
+        bit_set(m, d + CD_PUB + w * 8, bit);
+        pool_flush(m, d + CD_PUB + w * 8, 8);
+    }
+    uint64_t bad = i < n ? offs[i] : 0;
+    PyBuffer_Release(&in);
+    if (err) {
+        PyErr_Format(PyExc_ValueError, "publish of offset %llu (item %zd): %s",
+                     (unsigned long long)bad, i, err);
+        return NULL;
+    }
+    return PyLong_FromSsize_t(n);
+}

@@ -1,0 +1,96 @@
+/* Internal interface of the C core: the Mapping object and the pool access
+ * helpers every other source file goes through. */
+#ifndef CXLKV_CORE_H
+#define CXLKV_CORE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#include "cpu.h"
+#include "cxlkv_format.h"
+
+typedef struct {
+    PyObject_HEAD
+    char *base;
+    uint64_t size;
+    int writable;
+    int owns_map;          /* 1: munmap on close; 0: borrowed buffer */
+    int closed;
+    Py_ssize_t exports;    /* live buffer exports (views) */
+    Py_ssize_t busy;       /* calls running with the GIL released */
+    Py_buffer borrowed;    /* when owns_map == 0 */
+    int nt_default;        /* use NT stores for large writes */
+    uint64_t nt_threshold;
+    /* allocator geometry (set_geometry): validated once against the mapping */
+    int geo_set;
+    uint64_t data_off, chunk_size, nchunks, desc_base;
+} Mapping;
+
+extern PyObject *cxlkv_RangeError;
+
+int check_open(const Mapping *m);
+int check_range(const Mapping *m, uint64_t off, uint64_t len, const char *what);
+int check_word(const Mapping *m, uint64_t off, const char *what);
+int check_writable(const Mapping *m, const char *what);
+int as_u64(PyObject *o, uint64_t *out, const char *what);
+int nargs_check(Py_ssize_t nargs, Py_ssize_t lo, Py_ssize_t hi, const char *name);
+
+/* --- the pool access helpers (single switch point) ----------------- */
+
+static inline uint64_t pool_load64(Mapping *m, uint64_t off)
+{
+    return __atomic_load_n((uint64_t *)(m->base + off), __ATOMIC_ACQUIRE);
+}
+
+static inline void pool_store64(Mapping *m, uint64_t off, uint64_t v)
+{
+    __atomic_store_n((uint64_t *)(m->base + off), v, __ATOMIC_RELEASE);
+}
+
+static inline uint64_t pool_cas64(Mapping *m, uint64_t off, uint64_t expect, uint64_t desired)
+{
+    uint64_t e = expect;
+    __atomic_compare_exchange_n((uint64_t *)(m->base + off), &e, desired, 0,
+                                __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    return e;   /* old value; success iff == expect */
+}
+
+static inline uint64_t pool_fadd64(Mapping *m, uint64_t off, uint64_t delta)
+{
+    return __atomic_fetch_add((uint64_t *)(m->base + off), delta, __ATOMIC_SEQ_CST);
+}
+
+static inline void pool_flush(Mapping *m, uint64_t off, uint64_t len)
+{
+    cxlkv_flush_range(m->base + off, (size_t)len);
+}
+
+static inline void pool_invalidate(Mapping *m, uint64_t off, uint64_t len)
+{
+    cxlkv_invalidate_range(m->base + off, (size_t)len);
+}
+
+static inline void pool_write(Mapping *m, uint64_t off, const void *src, uint64_t len, int nt)
+{
+    cxlkv_copy_to_pool(m->base + off, src, (size_t)len, nt);
+}
+
+static inline void pool_zero(Mapping *m, uint64_t off, uint64_t len, int nt)
+{
+    cxlkv_zero_pool(m->base + off, (size_t)len, nt);
+}
+
+static inline void pool_read(Mapping *m, uint64_t off, void *dst, uint64_t len)
+{
+    cxlkv_copy_from_pool(dst, m->base + off, (size_t)len);
+}
+
+
+/* alloc.c */
+PyObject *Mapping_slab_alloc(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_slab_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_slab_publish(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_set_geometry(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+
+#endif

@@ -1,0 +1,373 @@
+"""The pool allocator: a global chunk bitmap plus per-node slabs of exact-size slots.
+
+Segregated fit (seed 000, TraCT): a request of n bytes gets a slot of
+slot_size = n rounded up to 64 bytes (at least chunk_size / 512).  Slots of
+one size live in slabs: runs of contiguous chunks chosen so the slab wastes
+as little as possible (a 3 MiB slot in 2 MiB chunks gets a 3-chunk slab with
+two slots, not a 2-chunk slab with one).  Each node allocates from its own
+slabs with compare-and-swap on the slab's slot bitmap (C hot path), so
+allocation and free are O(1) and nodes rarely contend; only creating or
+releasing a slab - touching the global bitmap - takes the pool lock.
+
+Ownership lives in the pool: a slab records its owner node token, and each
+slot is reserved (alloc bit) or published (alloc + pub bit).  When a node
+dies, recovery frees its reserved-but-unpublished slots (zeroed), returns
+its empty slabs to the bitmap and orphans the rest, which any node may
+adopt.  Freed slots are zeroed, or marked dirty and zeroed before they are
+handed out again (zero=False on free: for callers whose next writer
+overwrites the whole slot).
+
+Crash order: a new slab's descriptors are written before its bitmap bits are
+set; a released slab's descriptors are cleared before its bits are.  So a
+crash leaves at worst descriptors without bits (an owned slab recovery
+releases) or bits without descriptors (a leak recovery reclaims).
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from cxlkv.errors import CxlkvError, RefusedError
+from cxlkv.pool import layout as L
+from cxlkv.state import nodes as N
+
+_DESC = np.dtype([("control", "<u8"), ("owner", "<u8"), ("slot_size", "<u8"),
+                  ("nslots", "<u8"), ("nchunks", "<u8"), ("used", "<u8"), ("pad", "V16"),
+                  ("alloc_bits", "<u8", 8), ("pub_bits", "<u8", 8), ("dirty_bits", "<u8", 8)])
+assert _DESC.itemsize == L.CHUNK_DESC_SIZE
+
+_F = {name: L.field_offset(L.ChunkStruct, name) for name, *_ in L.ChunkStruct._fields_}
+MAX_SLAB_CHUNKS = 64
+
+
+class PoolFullError(RefusedError):
+    """No free space for the request (after releasing empty slabs)."""
+
+    kind = "pool-full"
+
+
+class AllocError(CxlkvError, ValueError):
+    """A bad free or publish: an offset that is not an allocated slot."""
+
+    exit_code = 1
+    kind = "bad-offset"
+
+
+def geometry(pool) -> tuple[int, int, int, int]:
+    """(data offset, chunk size, nchunks, descriptor table offset)."""
+    sb = pool.sb
+    heaps_off, _ = pool.region("heaps")
+    return (pool.region("data")[0], sb.chunk_size, sb.nchunks,
+            heaps_off + sb.max_nodes * L.HEAP_SIZE)
+
+
+def descriptors(pool) -> np.ndarray:
+    """The chunk descriptor table as a numpy view of pool memory (zero-copy)."""
+    _, _, n, base = geometry(pool)
+    pool.mapping.invalidate(base, n * L.CHUNK_DESC_SIZE)
+    return np.frombuffer(pool.mapping.view(base, n * L.CHUNK_DESC_SIZE), dtype=_DESC)
+
+
+def bitmap(pool) -> np.ndarray:
+    """The global chunk bitmap as a bool array (True = in a slab)."""
+    off, _ = pool.region("bitmap")
+    n = pool.sb.nchunks
+    nbytes = (n + 7) // 8
+    pool.mapping.invalidate(off, nbytes)
+    raw = np.frombuffer(pool.mapping.read(off, nbytes), dtype=np.uint8)
+    return np.unpackbits(raw, bitorder="little")[:n].astype(bool)
+
+
+def slot_size_for(pool, nbytes: int) -> int:
+    if nbytes <= 0:
+        raise ValueError(f"cannot allocate {nbytes} bytes")
+    min_slot = max(64, -(-pool.sb.chunk_size // L.SLAB_MAX_SLOTS))
+    min_slot = -(-min_slot // 64) * 64
+    return max(min_slot, -(-nbytes // 64) * 64)
+
+
+def slab_shape(chunk: int, slot: int, max_chunks: int) -> tuple[int, int]:
+    """(chunks, slots) of the slab that wastes least for this slot size."""
+    best = None
+    kmin = max(1, -(-slot // chunk))
+    for k in range(kmin, min(max_chunks, max(kmin * 4, 8), MAX_SLAB_CHUNKS) + 1):
+        n = min(k * chunk // slot, L.SLAB_MAX_SLOTS)
+        if n == 0:
+            continue
+        waste = (k * chunk - n * slot) / (k * chunk)
+        if best is None or waste < best[0] - 1e-9:
+            best = (waste, k, n)
+        if waste == 0:
+            break
+    if best is None:
+        raise PoolFullError(f"a slot of {slot} bytes does not fit in this pool")
+    return best[1], best[2]
+
+
+def _find_run(free: np.ndarray, k: int) -> int:
+    """Index of the first run of k True values, or -1."""
+    if k == 1:
+        idx = np.flatnonzero(free)
+        return int(idx[0]) if len(idx) else -1
+    c = np.concatenate(([0], np.cumsum(free, dtype=np.int64)))
+    ok = np.flatnonzero(c[k:] - c[:-k] == k)
+    return int(ok[0]) if len(ok) else -1
+
+
+class Allocator:
+    """One attached node's view of the allocator (pool.alloc / pool.free)."""
+
+    def __init__(self, pool):
+        if pool.node is None:
+            raise CxlkvError("allocation needs an attached node: use cxlkv.open_pool()")
+        self.pool = pool
+        self.m = pool.mapping
+        self.data_off, self.chunk, self.nchunks, self.desc_base = geometry(pool)
+        self.m.set_geometry(self.data_off, self.chunk, self.nchunks, self.desc_base)
+        self.token = pool.node.owner_token
+        self._current: dict[int, int] = {}      # slot size -> head chunk of the slab in use
+        self._slow = threading.Lock()
+        self._one = np.empty(1, dtype=np.uint64)
+
+    # -- public ----------------------------------------------------------------
+    def alloc(self, nbytes: int, zero: bool = True) -> int:
+        """Reserve a slot of at least nbytes; returns its pool offset.
+
+        zero=False: the caller overwrites the whole slot before anyone reads it
+        (a dirty slot is then not zeroed first).
+        """
+        ss = slot_size_for(self.pool, nbytes)
+        head = self._current.get(ss)
+        if head is not None and self.m.slab_alloc(head, self.token, self._one, 1, zero) == 1:
+            return int(self._one[0])
+        return int(self.alloc_batch(nbytes, 1, zero)[0])
+
+    def alloc_batch(self, nbytes: int, count: int, zero: bool = True) -> np.ndarray:
+        """Reserve `count` slots of one size; returns a uint64 array of offsets.
+
+        All or nothing: on PoolFullError the slots taken so far are freed.
+        """
+        ss = slot_size_for(self.pool, nbytes)
+        out = np.empty(count, dtype=np.uint64)
+        got = 0
+        try:
+            while got < count:
+                head = self._current.get(ss)
+                if head is not None:
+                    r = self.m.slab_alloc(head, self.token, out[got:], count - got, zero)
+                    if r > 0:
+                        got += r
+                        continue
+                with self._slow:
+                    if self._current.get(ss) == head:
+                        self._current[ss] = self._find_slab(ss)
+        except BaseException:
+            if got:
+                self.m.slab_free(out[:got], True)
+            raise
+        return out
+
+    def free(self, offset: int, zero: bool = True) -> None:
+        self._one[0] = offset
+        self.free_batch(self._one, zero)
+
+    def free_batch(self, offsets, zero: bool = True) -> int:
+        """Free slots (any node's).  zero=True zeroes them now; False marks them
+        dirty (zeroed before reuse unless the next owner overwrites them)."""
+        try:
+            return self.m.slab_free(np.ascontiguousarray(offsets, dtype=np.uint64), zero)
+        except ValueError as e:
+            raise AllocError(str(e)) from None
+
+    def publish(self, offsets) -> int:
+        """Mark reserved slots published: they survive this node's death."""
+        arr = np.ascontiguousarray(np.atleast_1d(offsets), dtype=np.uint64)
+        try:
+            return self.m.slab_publish(arr)
+        except ValueError as e:
+            raise AllocError(str(e)) from None
+
+    # -- slow path (pool lock) ---------------------------------------------------
+    def _find_slab(self, ss: int) -> int:
+        self.pool.node.check()
+        with self.pool.lock():
+            d = descriptors(self.pool)
+            try:
+                head = self._reuse(d, ss)
+                if head < 0:
+                    head = self._new_slab(d, ss)
+                if head < 0 and self._release_empty(d):
+                    head = self._new_slab(d, ss)
+            finally:
+                del d
+        if head < 0:
+            raise PoolFullError(
+                f"{self.pool.path}: pool full: no room for a {ss}-byte slot "
+                f"({self.nchunks} chunks of {self.chunk} bytes, all in use)",
+                path=self.pool.path, hint="free or evict blocks, or use a larger pool")
+        return head
+
+    def _reuse(self, d: np.ndarray, ss: int) -> int:
+        """A slab of this size with room: ours first, else adopt an orphan."""
+        kind = d["control"] & 0xFF
+        room = (kind == L.CHUNK_HEAD) & (d["slot_size"] == ss) & (d["used"] < d["nslots"])
+        for owner in (self.token, 0):
+            for head in np.flatnonzero(room & (d["owner"] == owner)):
+                head = int(head)
+                if head in self._current.values() and owner == self.token:
+                    continue
+                off = self.desc_base + head * L.CHUNK_DESC_SIZE + _F["owner"]
+                if owner == 0 and self.m.cas64(off, 0, self.token) != 0:
+                    continue
+                return head
+        return -1
+
+    def _new_slab(self, d: np.ndarray, ss: int) -> int:
+        k, nslots = slab_shape(self.chunk, ss, self.nchunks)
+        free = ~bitmap(self.pool) & ((d["control"] & 0xFF) == L.CHUNK_FREE)
+        head = _find_run(free, k)
+        if head < 0:
+            return -1
+        m, base = self.m, self.desc_base
+        for i in range(head + 1, head + k):
+            m.store64(base + i * L.CHUNK_DESC_SIZE, L.CHUNK_TAIL | head << 8)
+        h = base + head * L.CHUNK_DESC_SIZE
+        m.zero(h + 8, L.CHUNK_DESC_SIZE - 8)
+        m.store64(h + _F["owner"], self.token)
+        m.store64(h + _F["slot_size"], ss)
+        m.store64(h + _F["nslots"], nslots)
+        m.store64(h + _F["nchunks"], k)
+        m.store64(h + _F["control"], L.CHUNK_HEAD)
+        m.flush(h, k * L.CHUNK_DESC_SIZE)
+        set_bits(self.pool, head, k, True)
+        return head
+
+    def _release_empty(self, d: np.ndarray) -> int:
+        """Return our empty slabs (and empty orphans) to the bitmap.
+
+        Safe for a slab another thread is allocating from: release_slab's
+        RELEASING/bit check makes exactly one of them back off."""
+        kind = d["control"] & 0xFF
+        cand = np.flatnonzero((kind == L.CHUNK_HEAD) & (d["used"] == 0) &
+                              ((d["owner"] == self.token) | (d["owner"] == 0)))
+        released = 0
+        for head in cand:
+            head = int(head)
+            if release_slab(self.pool, head):
+                released += 1
+                for ss, h in list(self._current.items()):
+                    if h == head:
+                        del self._current[ss]
+        return released
+
+
+def set_bits(pool, first: int, count: int, value: bool) -> None:
+    """Set or clear bitmap bits [first, first+count) with atomic word updates."""
+    off, _ = pool.region("bitmap")
+    m = pool.mapping
+    i = first
+    while i < first + count:
+        w = i // 64
+        lo, hi = i % 64, min(64, first + count - w * 64)
+        mask = ((1 << (hi - lo)) - 1) << lo
+        woff = off + w * 8
+        while True:
+            cur = m.load64(woff)
+            new = cur | mask if value else cur & ~mask & 0xFFFFFFFFFFFFFFFF
+            if m.cas64(woff, cur, new) == cur:
+                break
+        i = w * 64 + hi
+    m.flush(off + first // 64 * 8, ((first + count + 63) // 64 - first // 64) * 8)
+
+
+def release_slab(pool, head: int) -> bool:
+    """Return an empty slab's chunks to the bitmap (caller holds the pool lock).
+
+    Refused (False) if any slot is allocated: allocators set their bit, then
+    check the slab is still a HEAD; we set RELEASING, then check the bits.
+    """
+    _, _, _, base = geometry(pool)
+    m = pool.mapping
+    h = base + head * L.CHUNK_DESC_SIZE
+    if m.cas64(h, L.CHUNK_HEAD, L.CHUNK_RELEASING) != L.CHUNK_HEAD:
+        return False
+    raw = m.read(h + _F["alloc_bits"], 64)
+    if any(raw):
+        m.store64(h, L.CHUNK_HEAD)
+        return False
+    k = m.load64(h + _F["nchunks"])
+    data_off, chunk, nchunks, _ = geometry(pool)
+    k = max(1, min(k, nchunks - head))
+    if any(m.read(h + _F["dirty_bits"], 64)):
+        m.zero(data_off + head * chunk, k * chunk)   # stale bytes never outlive a slab
+    for i in range(head + k - 1, head, -1):
+        if m.load64(base + i * L.CHUNK_DESC_SIZE) & 0xFF == L.CHUNK_TAIL:
+            m.store64(base + i * L.CHUNK_DESC_SIZE, L.CHUNK_FREE)
+    m.zero(h + 8, L.CHUNK_DESC_SIZE - 8)
+    m.store64(h, L.CHUNK_FREE)
+    m.flush(h, k * L.CHUNK_DESC_SIZE)
+    set_bits(pool, head, k, False)
+    return True
+
+
+@N.register_recovery(order=20)
+def _recover_allocations(pool, slot: int, epoch: int) -> None:
+    """A dead node's slabs: free its unpublished slots (zeroed), release the
+    empty slabs, orphan the rest (any node may adopt them)."""
+    token = (slot + 1) | epoch << 16
+    d = descriptors(pool)
+    try:
+        heads = np.flatnonzero(((d["control"] & 0xFF) != L.CHUNK_FREE) & (d["owner"] == token)
+                               & ((d["control"] & 0xFF) != L.CHUNK_TAIL))
+        if len(heads) == 0:
+            return
+        data_off, chunk, nchunks, base = geometry(pool)
+        pool.mapping.set_geometry(data_off, chunk, nchunks, base)
+        m = pool.mapping
+        if pool.node is not None and pool.node.slot >= 0 and not pool.node.fenced:
+            lock = pool.lock()
+        else:
+            lock = None
+        if lock is not None:
+            lock.acquire()
+        try:
+            for head in heads:
+                head = int(head)
+                h = base + head * L.CHUNK_DESC_SIZE
+                if m.load64(h) & 0xFF == L.CHUNK_RELEASING:
+                    m.store64(h, L.CHUNK_HEAD)        # died releasing it: finish below
+                if m.load64(h) & 0xFF != L.CHUNK_HEAD:
+                    continue
+                ss, ns = int(d["slot_size"][head]), int(d["nslots"][head])
+                alloc = d["alloc_bits"][head].copy()
+                pub = d["pub_bits"][head].copy()
+                reserved = [i for i in range(ns) if (int(alloc[i // 64]) >> (i % 64)) & 1
+                            and not (int(pub[i // 64]) >> (i % 64)) & 1]
+                if reserved:
+                    offs = np.array([data_off + head * chunk + i * ss for i in reserved],
+                                    dtype=np.uint64)
+                    m.slab_free(offs, True)
+                m.store64(h + _F["owner"], 0)
+                if m.load64(h + _F["used"]) == 0:
+                    release_slab(pool, head)
+            _reclaim_leaked_chunks(pool)
+        finally:
+            if lock is not None:
+                lock.release()
+    finally:
+        del d
+
+
+def _reclaim_leaked_chunks(pool) -> int:
+    """Bitmap bits with no slab behind them (a crash between the two steps of a
+    release) go back to the free pool.  Caller holds the pool lock."""
+    d = descriptors(pool)
+    try:
+        bits = bitmap(pool)
+        leaked = np.flatnonzero(bits & ((d["control"] & 0xFF) == L.CHUNK_FREE))
+    finally:
+        del d
+    for i in leaked:
+        set_bits(pool, int(i), 1, False)
+    return len(leaked)

@@ -1,0 +1,187 @@
+"""The allocator: slots, slabs, zeroing, ownership, recovery, utilisation."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cxlkv
+from cxlkv.pool import layout as L
+from cxlkv.pool.admin import init_pool
+from cxlkv.pool.pool import Pool
+from cxlkv.state import alloc as A
+from cxlkv.state import nodes as N
+
+from nodeproc import NodeProc
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def apool(pool_path):
+    init_pool(pool_path, {"size": 64 * MiB, "chunk_size": 2 * MiB, "max_nodes": 8,
+                          "lease_ms": 300})
+    return pool_path
+
+
+def no_overlap(offsets, sizes):
+    order = np.argsort(offsets)
+    o, s = np.asarray(offsets)[order], np.asarray(sizes)[order]
+    return bool(np.all(o[:-1] + s[:-1] <= o[1:]))
+
+
+def test_alloc_free_basic(apool):
+    with cxlkv.open_pool(apool) as pool:
+        data_off, data_size = pool.region("data")
+        offs = [pool.alloc(n) for n in (1, 64, 4096, 5000, 100_000, 4096)]
+        sizes = [A.slot_size_for(pool, n) for n in (1, 64, 4096, 5000, 100_000, 4096)]
+        assert all(o % 64 == 0 and data_off <= o < data_off + data_size for o in offs)
+        assert len(set(offs)) == len(offs) and no_overlap(offs, sizes)
+        for o in offs:
+            pool.free(o)
+        with pytest.raises(A.AllocError, match="double free"):
+            pool.free(offs[0])
+
+
+@pytest.mark.parametrize("bad,msg", [(0, "outside the data area"), (1 << 40, "outside"),
+                                     ("mid", "not the start of a slot"),
+                                     ("unused", "not in an allocated slab")])
+def test_bad_frees_are_refused(apool, bad, msg):
+    with cxlkv.open_pool(apool) as pool:
+        o = pool.alloc(8192)
+        data_off, data_size = pool.region("data")
+        bad = {"mid": o + 64, "unused": data_off + data_size - 4096}.get(bad, bad)
+        with pytest.raises(A.AllocError, match=msg):
+            pool.free(bad)
+        pool.free(o)                     # the good one is untouched and frees fine
+
+
+def test_freed_slots_are_zeroed(apool):
+    with cxlkv.open_pool(apool) as pool:
+        o = pool.alloc(4096)
+        pool.mapping.write(o, b"\xab" * 4096)
+        pool.free(o)                                     # zero=True: zeroed now
+        assert pool.mapping.read(o, 4096) == bytes(4096)
+        o2 = pool.alloc(4096)
+        pool.mapping.write(o2, b"\xcd" * 4096)
+        pool.free(o2, zero=False)                        # dirty: stale bytes stay for now
+        o3 = pool.alloc(4096)                            # zero=True: dirty slot zeroed first
+        assert o3 == o2
+        assert pool.mapping.read(o3, 4096) == bytes(4096)
+        pool.mapping.write(o3, b"\xee" * 4096)
+        pool.free(o3, zero=False)
+        o4 = pool.alloc(4096, zero=False)                # caller overwrites: no zeroing
+        assert o4 == o3 and pool.mapping.read(o4, 1) == b"\xee"
+
+
+def test_large_slots_and_slab_shapes(apool):
+    assert A.slab_shape(2 * MiB, 3 * MiB, 1000) == (3, 2)
+    assert A.slab_shape(2 * MiB, 16 * MiB, 1000) == (8, 1)
+    assert A.slab_shape(2 * MiB, 192 * 1024, 1000) == (3, 32)
+    with cxlkv.open_pool(apool) as pool:
+        a, b = pool.alloc(3 * MiB), pool.alloc(3 * MiB)
+        assert abs(a - b) == 3 * MiB
+        c = pool.alloc(16 * MiB)
+        assert no_overlap([a, b, c], [3 * MiB, 3 * MiB, 16 * MiB])
+        for o in (a, b, c):
+            pool.free(o)
+
+
+def test_pool_full_then_space_returns(apool):
+    with cxlkv.open_pool(apool) as pool:
+        n = pool.sb.nchunks
+        offs = pool.alloc_batch(2 * MiB, n, zero=False)
+        assert len(set(offs.tolist())) == n
+        with pytest.raises(A.PoolFullError, match="pool full"):
+            pool.alloc(2 * MiB)
+        with pytest.raises(A.PoolFullError):
+            pool.alloc_batch(4096, 10)
+        pool.free(int(offs[0]))
+        # the freed chunk's slab is empty: released and reused for another size
+        small = pool.alloc_batch(4096, 512, zero=False)
+        assert len(small) == 512
+        pool.free_batch(small)
+        pool.free_batch(offs[1:])
+
+
+def test_all_or_nothing_batch(apool):
+    with cxlkv.open_pool(apool) as pool:
+        n = pool.sb.nchunks
+        with pytest.raises(A.PoolFullError):
+            pool.alloc_batch(2 * MiB, n + 1)
+        d = A.descriptors(pool)
+        assert int(d["used"].sum()) == 0
+        del d
+
+
+def test_empty_slabs_switch_sizes(apool):
+    with cxlkv.open_pool(apool) as pool:
+        n = pool.sb.nchunks
+        small = pool.alloc_batch(4096, n * 512, zero=False)        # every chunk, 4 KiB slots
+        pool.free_batch(small, zero=False)
+        big = pool.alloc_batch(2 * MiB, n, zero=True)              # all chunks again
+        assert len(big) == n
+        pool.free_batch(big)
+
+
+def test_publish(apool):
+    with cxlkv.open_pool(apool) as pool:
+        o = pool.alloc(4096)
+        assert pool.publish(o) == 1
+        pool.free(o)
+        with pytest.raises(A.AllocError, match="not allocated"):
+            pool.publish(o)
+
+
+def test_four_processes_allocate_without_overlap(apool):
+    procs = [NodeProc() for _ in range(4)]
+    try:
+        for p in procs:
+            p.attach(apool)
+        for i, p in enumerate(procs):
+            p.send(op="churn", nbytes=4096 * (i + 1), rounds=30, keep=20, seed=i)
+        results = [p.reply() for p in procs]
+        for r in results:
+            assert r.get("bad", 0) == 0, r
+        live = [(o, 4096 * (i + 1)) for i, r in enumerate(results) for o in r["kept"]]
+        assert no_overlap([o for o, _ in live], [s for _, s in live])
+        with Pool.open(apool) as p:
+            d = A.descriptors(p)
+            assert int(d["used"].sum()) == len(live)
+            del d
+    finally:
+        for p in procs:
+            p.close()
+
+
+def test_dead_node_unpublished_reclaimed_published_kept(apool):
+    victim = NodeProc()
+    victim.attach(apool)
+    r = victim.call(op="alloc_publish", nbytes=8192, reserved=5, published=3)
+    victim.kill()
+    with cxlkv.open_pool(apool) as pool:               # attach reaps the dead local node
+        assert N.read_slot(pool, victim.slot).state == "free"
+        d = A.descriptors(pool)
+        assert int(d["used"].sum()) == 3                # the published ones survive
+        assert int(np.count_nonzero(d["owner"][(d["control"] & 0xFF) == L.CHUNK_HEAD])) == 0
+        del d
+        for o in r["reserved"]:                         # reserved bytes were zeroed
+            assert pool.mapping.read(o, 8192) == bytes(8192)
+        for o in r["published"]:
+            assert pool.mapping.read(o, 4) == b"PUBL"
+        # the orphaned slab is adopted for the same size; published slots stay put
+        mine = pool.alloc_batch(8192, 10)
+        assert not set(mine.tolist()) & set(r["published"])
+        pool.free_batch(mine)
+        pool.free_batch(r["published"])
+
+
+def test_utilisation_on_the_long_context_trace(tmp_path):
+    from cxlkv.state.trace import run_trace
+
+    path = str(tmp_path / "trace.pool")
+    init_pool(path, {"size": 1 << 30})
+    with cxlkv.open_pool(path) as pool:
+        res = run_trace(pool, seed=1)
+    assert res["sequences"] >= 3 and sum(res["blocks"].values()) > 1000
+    assert res["utilisation"] >= 0.92, res
+    assert res["utilisation"] > res["buddy_utilisation"]
