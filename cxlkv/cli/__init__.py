@@ -19,6 +19,7 @@ COMMANDS = {
     "init": ("cxlkv.cli.init", "init_cmd", "Create and format a pool in one step (idempotent)."),
     "format": ("cxlkv.cli.format", "format_cmd", "Format a pool file or device-dax device."),
     "inspect": ("cxlkv.cli.inspect", "inspect_cmd", "Show a pool: superblock, layout, usage."),
+    "fsck": ("cxlkv.cli.fsck", "fsck_cmd", "Check a pool's shared state (read-only)."),
 }
 
 

@@ -59,13 +59,15 @@ class Application:
             yield lambda done, tot: p.update(task, completed=done, total=tot)
 
     # -- errors ----------------------------------------------------------
-    def fail(self, exc: E.CxlkvError) -> int:
+    def fail(self, exc: E.CxlkvError, exit_code: int | None = None) -> int:
+        """Report an error; exit_code overrides the general table (fsck, health)."""
+        code = exc.exit_code if exit_code is None else exit_code
         if self.json and not self._emitted:
-            self.emit_json({"error": exc.to_json()})
+            self.emit_json({"error": {**exc.to_json(), "exit_code": code}})
         self.err.print(f"{self.command}: error: {exc.message}")
         if exc.hint:
             self.err.print(f"{self.command}: hint: {exc.hint}")
-        return exc.exit_code
+        return code
 
     def internal(self, exc: BaseException) -> int:
         msg = f"internal error: {type(exc).__name__}: {exc}"

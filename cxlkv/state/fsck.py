@@ -1,0 +1,192 @@
+"""Read-only consistency check of a pool's shared state (`cxlkv fsck`).
+
+Checks the superblock copies, the node table, the lock area, the chunk
+bitmap against the slab descriptors, every slab's slot bitmaps and
+ownership.  It maps the pool read-only and writes nothing.  Run it on a
+quiescent pool: nodes working while it reads can show transient states
+(a slab half created) that are not damage.
+
+Each problem is a Finding with a stable `code` (for scripts) and a message.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cxlkv.pool import layout as L
+from cxlkv.state import alloc as A
+from cxlkv.state import locks as K
+from cxlkv.state import nodes as N
+
+
+@dataclass
+class Finding:
+    code: str
+    where: str
+    message: str
+    severity: str = "error"          # error | warning
+
+    def to_json(self) -> dict:
+        return {"code": self.code, "where": self.where, "message": self.message,
+                "severity": self.severity}
+
+
+@dataclass
+class Report:
+    findings: list[Finding] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+
+    def error(self, code: str, where: str, message: str) -> None:
+        self.findings.append(Finding(code, where, message))
+
+    def warn(self, code: str, where: str, message: str) -> None:
+        self.findings.append(Finding(code, where, message, "warning"))
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "error"]
+
+    @property
+    def clean(self) -> bool:
+        return not self.errors
+
+    def to_json(self) -> dict:
+        return {"clean": self.clean, "errors": len(self.errors),
+                "warnings": len(self.findings) - len(self.errors),
+                "findings": [f.to_json() for f in self.findings], "stats": self.stats}
+
+
+def check(pool) -> Report:
+    rep = Report()
+    for copy, problem in pool.superblock_problems.items():
+        rep.error("superblock-copy", f"superblock {copy}", problem)
+    live_tokens = _check_nodes(pool, rep)
+    _check_locks(pool, rep, live_tokens)
+    _check_allocator(pool, rep, live_tokens)
+    return rep
+
+
+def _check_nodes(pool, rep: Report) -> set[int]:
+    """Returns the owner tokens of attached nodes."""
+    tokens, states = set(), {}
+    me = N.local_boot_id()
+    for n in N.read_nodes(pool, include_free=True):
+        states[n.state] = states.get(n.state, 0) + 1
+        where = f"node {n.slot}"
+        if n.state.startswith("unknown"):
+            rep.error("node-state", where, f"invalid state word {n.control:#x}")
+        elif n.state == "fenced":
+            rep.error("node-unreaped", where, f"{n.describe()} was fenced but its recovery "
+                                             "did not finish")
+        elif n.state == "claimed":
+            rep.warn("node-claiming", where, f"slot is being claimed (or its claimant died: "
+                                            "it is reclaimed after a lease)")
+        elif n.state == "attached":
+            if n.epoch == 0:
+                rep.error("node-epoch", where, "attached with epoch 0")
+            elif n.boot_id == me and not N.local_process_alive(n.pid, n.start_time_ns):
+                rep.error("node-dead", where, f"{n.describe()} is gone from this host but was "
+                                             "not reaped")
+            else:
+                tokens.add((n.slot + 1) | n.epoch << 16)
+    rep.stats["nodes"] = states
+    return tokens
+
+
+def _check_locks(pool, rep: Report, live: set[int]) -> None:
+    hdr_off, _ = K.lock_offsets(pool)
+    m = pool.mapping
+    m.invalidate(hdr_off, 128)
+    h = L.LockHdrStruct.from_buffer_copy(m.read(hdr_off, L.LOCK_HDR_SIZE))
+    if pool.sb.sync == "cas":
+        if h.now_serving > h.next_ticket:
+            rep.error("lock-tickets", "lock", f"now serving {h.now_serving} is past the next "
+                                              f"ticket {h.next_ticket}")
+        if h.owner and h.owner not in live:
+            rep.error("lock-owner", "lock", f"held by token {h.owner:#x}, which is not an "
+                                            "attached node")
+    ents = K.read_entries(pool)
+    for slot in np.flatnonzero(ents["state"] != L.LOCK_IDLE):
+        st, ep = int(ents["state"][slot]), int(ents["epoch"][slot])
+        where = f"lock entry {slot}"
+        if st not in (L.LOCK_WAITING, L.LOCK_LOCKED, L.LOCK_ABANDONED):
+            rep.error("lock-entry-state", where, f"invalid state {st}")
+        elif st != L.LOCK_ABANDONED and ((int(slot) + 1) | ep << 16) not in live:
+            rep.error("lock-entry-dead", where, f"{'holds' if st == L.LOCK_LOCKED else 'waits for'}"
+                                                " the lock but its node is not attached")
+    rep.stats["lock"] = {"acquisitions": h.acquisitions, "next_ticket": h.next_ticket,
+                         "now_serving": h.now_serving}
+
+
+def _check_allocator(pool, rep: Report, live: set[int]) -> None:
+    data_off, chunk, nchunks, _ = A.geometry(pool)
+    d = A.descriptors(pool)
+    try:
+        bits = A.bitmap(pool)
+        kind = d["control"] & 0xFF
+        covered = np.zeros(nchunks, dtype=bool)
+        slabs = slots_used = slots_pub = 0
+        used_bytes = 0
+        for i in range(nchunks):
+            k = int(kind[i])
+            where = f"chunk {i}"
+            if k not in (L.CHUNK_FREE, L.CHUNK_HEAD, L.CHUNK_TAIL, L.CHUNK_RELEASING):
+                rep.error("chunk-kind", where, f"invalid descriptor kind {k}")
+                continue
+            if k == L.CHUNK_FREE:
+                if bits[i]:
+                    rep.error("chunk-leaked", where, "marked used in the bitmap but in no slab")
+                continue
+            if k == L.CHUNK_TAIL:
+                head = int(d["control"][i]) >> 8
+                if not covered[i]:
+                    rep.error("chunk-orphan-tail", where, f"tail of slab {head}, which does not "
+                                                          "cover it")
+                continue
+            # a slab head (or one being released)
+            ss, ns, nc = int(d["slot_size"][i]), int(d["nslots"][i]), int(d["nchunks"][i])
+            if k == L.CHUNK_RELEASING:
+                rep.error("slab-releasing", where, "slab left half released")
+            if not (ss and ss % 64 == 0 and 0 < ns <= L.SLAB_MAX_SLOTS and 0 < nc
+                    and i + nc <= nchunks and ns * ss <= nc * chunk):
+                rep.error("slab-geometry", where, f"bad geometry: slot {ss} x {ns} in {nc} chunks")
+                continue
+            slabs += 1
+            for j in range(i, i + nc):
+                if covered[j]:
+                    rep.error("slab-overlap", f"chunk {j}", "belongs to two slabs")
+                covered[j] = True
+                if j > i and not (int(kind[j]) == L.CHUNK_TAIL and int(d["control"][j]) >> 8 == i):
+                    rep.error("slab-tail", f"chunk {j}", f"should be a tail of slab {i}")
+                if not bits[j]:
+                    rep.error("slab-bitmap", f"chunk {j}", f"in slab {i} but free in the bitmap")
+            a = [int(x) for x in d["alloc_bits"][i]]
+            p = [int(x) for x in d["pub_bits"][i]]
+            dd = [int(x) for x in d["dirty_bits"][i]]
+            valid = [(1 << min(64, max(0, ns - 64 * w))) - 1 for w in range(8)]
+            if any(a[w] & ~valid[w] for w in range(8)):
+                rep.error("slab-bits", where, "allocated bits past the last slot")
+            if any(p[w] & ~a[w] for w in range(8)):
+                rep.error("slab-pub", where, "published slots that are not allocated")
+            if any(dd[w] & a[w] for w in range(8)):
+                rep.error("slab-dirty", where, "allocated slots still marked dirty")
+            n_alloc = sum(x.bit_count() for x in a)
+            n_pub = sum(x.bit_count() for x in p)
+            if int(d["used"][i]) != n_alloc:
+                rep.error("slab-used", where, f"used count {int(d['used'][i])} but "
+                                              f"{n_alloc} slots allocated")
+            owner = int(d["owner"][i])
+            if owner and owner not in live:
+                reserved = n_alloc - n_pub
+                rep.error("slab-dead-owner", where,
+                          f"owned by token {owner:#x}, not an attached node"
+                          + (f"; {reserved} unpublished slot(s) leaked" if reserved else ""))
+            slots_used += n_alloc
+            slots_pub += n_pub
+            used_bytes += n_alloc * ss
+        rep.stats["allocator"] = {"chunks": nchunks, "chunks_used": int(bits.sum()),
+                                  "slabs": slabs, "slots_allocated": slots_used,
+                                  "slots_published": slots_pub, "bytes_allocated": used_bytes}
+    finally:
+        del d

@@ -1,0 +1,126 @@
+"""cxlkv fsck: clean pools pass; each kind of damage is found (exit 4); no writes."""
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+import cxlkv
+from cxlkv.pool import layout as L
+from cxlkv.pool.admin import init_pool
+from cxlkv.pool.pool import Pool
+from cxlkv.state import alloc as A
+from cxlkv.state import locks as K
+from cxlkv.state import nodes as N
+
+from conftest import fake_node, patch_bytes
+from nodeproc import NodeProc
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def used_pool(pool_path):
+    """A pool with published blocks of two sizes, nobody attached."""
+    init_pool(pool_path, {"size": 32 * MiB, "chunk_size": 1 * MiB, "max_nodes": 8,
+                          "lease_ms": 300})
+    with cxlkv.open_pool(pool_path) as pool:
+        offs = list(pool.alloc_batch(8192, 40)) + list(pool.alloc_batch(3 * MiB, 2))
+        pool.publish(offs)
+        pool.free_batch(offs[:10])
+    return pool_path
+
+
+def fsck(cli, path):
+    r = cli("fsck", "--pool", path, "--json")
+    return r.code, r.json()
+
+
+def codes(doc):
+    return {f["code"] for f in doc["findings"] if f["severity"] == "error"}
+
+
+def digest(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def test_clean_pool(cli, used_pool):
+    before = digest(used_pool)
+    code, doc = fsck(cli, used_pool)
+    assert code == 0 and doc["clean"], doc
+    assert doc["stats"]["allocator"]["slots_published"] == 32
+    assert digest(used_pool) == before              # read-only
+    r = cli("fsck", "--pool", used_pool)
+    assert r.code == 0 and "clean" in r.out
+
+
+def desc_off(pool, chunk):
+    return A.geometry(pool)[3] + chunk * L.CHUNK_DESC_SIZE
+
+
+def first_head(pool):
+    d = A.descriptors(pool)
+    h = int(((d["control"] & 0xFF) == L.CHUNK_HEAD).nonzero()[0][0])
+    del d
+    return h
+
+
+def damage(path, fn):
+    with Pool.open(path) as p:
+        fn(p)
+
+
+@pytest.mark.parametrize("name,fn,code", [
+    ("leaked chunk", lambda p: A.set_bits(p, p.sb.nchunks - 1, 1, True), "chunk-leaked"),
+    ("used count", lambda p: p.mapping.store64(desc_off(p, first_head(p)) + 40, 99),
+     "slab-used"),
+    ("pub without alloc", lambda p: p.mapping.store64(desc_off(p, first_head(p)) + 128 + 56,
+                                                      1), "slab-pub"),
+    ("bits past the end", lambda p: p.mapping.store64(desc_off(p, first_head(p)) + 64 + 56,
+                                                      1 << 63), "slab-bits"),
+    ("slab free in bitmap", lambda p: A.set_bits(p, first_head(p), 1, False), "slab-bitmap"),
+    ("bad geometry", lambda p: p.mapping.store64(desc_off(p, first_head(p)) + 16, 100),
+     "slab-geometry"),
+    ("dead owner", lambda p: p.mapping.store64(desc_off(p, first_head(p)) + 8, 0x30005),
+     "slab-dead-owner"),
+    ("lock held by nobody", lambda p: p.mapping.store64(K.lock_offsets(p)[0] + 72, 0x10002),
+     "lock-owner"),
+    ("tickets", lambda p: p.mapping.store64(K.lock_offsets(p)[0] + 64, 10**6),
+     "lock-tickets"),
+    ("lock entry of a dead node", lambda p: p.mapping.store64(K.entry_offset(p, 3),
+                                                              L.LOCK_LOCKED), "lock-entry-dead"),
+    ("fenced node", lambda p: p.mapping.store64(N.node_offset(p, 2),
+                                                L.node_control(L.NODE_FENCED, 4)),
+     "node-unreaped"),
+])
+def test_damage_is_found(cli, used_pool, name, fn, code):
+    damage(used_pool, fn)
+    rc, doc = fsck(cli, used_pool)
+    assert rc == 4, (name, doc)
+    assert code in codes(doc), (name, doc)
+
+
+def test_bad_superblock_copy(cli, used_pool):
+    patch_bytes(used_pool, 4096 + 100, b"\xff")
+    rc, doc = fsck(cli, used_pool)
+    assert rc == 4 and "superblock-copy" in codes(doc)
+
+
+def test_killed_node_without_reaping(cli, used_pool):
+    k = NodeProc()
+    k.attach(used_pool)
+    k.call(op="alloc_publish", nbytes=8192, reserved=3, published=2)
+    k.kill()
+    rc, doc = fsck(cli, used_pool)
+    assert rc == 4
+    assert {"node-dead", "slab-dead-owner"} <= codes(doc)
+    with cxlkv.open_pool(used_pool):      # attaching reaps it
+        pass
+    rc, doc = fsck(cli, used_pool)
+    assert rc == 0, doc
+
+
+def test_operational_error_is_8(cli, tmp_path):
+    r = cli("fsck", "--pool", str(tmp_path / "missing"), "--json")
+    assert r.code == 8 and r.json()["error"]["exit_code"] == 8
