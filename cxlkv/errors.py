@@ -17,6 +17,7 @@ General exit codes:
   6   unsafe permissions: a world-readable or world-writable pool
   7   device or mapping error: wrong size or alignment, mmap failed, no space
   70  internal error (a bug: please report it with CXLKV_DEBUG=1 output)
+  130 interrupted (Ctrl-C)
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ EXIT_INCOMPATIBLE = 5
 EXIT_UNSAFE = 6
 EXIT_DEVICE = 7
 EXIT_INTERNAL = 70
+EXIT_INTERRUPTED = 130
 
 #: (code, meaning) rows shown in --help epilogs and man pages.
 EXIT_CODES = (
@@ -41,6 +43,7 @@ EXIT_CODES = (
     (EXIT_UNSAFE, "unsafe permissions (world-readable or world-writable)"),
     (EXIT_DEVICE, "device or mapping error (size, alignment, mmap, no space)"),
     (EXIT_INTERNAL, "internal error (a bug)"),
+    (EXIT_INTERRUPTED, "interrupted"),
 )
 
 

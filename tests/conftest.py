@@ -107,9 +107,14 @@ def fake_node(path: str, slot: int, *, pid: int, start_time_ns: int, boot_id: st
 
 
 @pytest.fixture(autouse=True)
-def _no_stray_env(monkeypatch):
-    for k in ("CXLKV_SYSFS_ROOT", "CXLKV_PROCFS_ROOT", "CXLKV_FLUSH"):
+def _isolated(monkeypatch, tmp_path_factory):
+    """No test sees the caller's environment or the machine's default pool."""
+    from cxlkv.pool import admin
+
+    for k in ("CXLKV_SYSFS_ROOT", "CXLKV_PROCFS_ROOT", "CXLKV_FLUSH", "CXLKV_POOL"):
         monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(admin, "DEFAULT_POOL_PATH",
+                        str(tmp_path_factory.mktemp("default") / "cxlkv-default.pool"))
     yield
 
 

@@ -21,7 +21,7 @@ def assert_clean_error(r, code, *words):
     assert r.code == code, (r.code, r.out, r.err)
     assert "Traceback" not in r.err
     lines = [ln for ln in r.err.splitlines() if ln.strip()]
-    assert lines and "error:" in lines[0]
+    assert len(lines) == 1 and "error:" in lines[0], r.err      # one clear line
     for w in words:
         assert w in r.err, (w, r.err)
 
@@ -132,7 +132,9 @@ def test_init_refuses_foreign_data(cli, pool_path):
         f.write(b"precious data " * 1000)
     os.chmod(pool_path, 0o660)
     r = cli("init", "--pool", pool_path)
-    assert_clean_error(r, E.EXIT_REFUSED, "does not hold a cxlkv pool", "--force")
+    assert_clean_error(r, E.EXIT_REFUSED, "not a cxlkv pool", "--force")
+    r = cli("format", "--pool", pool_path, "--size", "8M", "--chunk-size", "64K")
+    assert_clean_error(r, E.EXIT_REFUSED, "not a cxlkv pool", "--force")
     with open(pool_path, "rb") as f:
         assert f.read(14) == b"precious data "
 
@@ -227,11 +229,6 @@ def test_inspect_directory(cli, tmp_path):
     assert_clean_error(r, E.EXIT_NOT_FOUND, "is a directory")
 
 
-def test_inspect_without_pool(cli):
-    r = cli("inspect")
-    assert_clean_error(r, E.EXIT_USAGE, "--pool")
-
-
 def test_zero_filled_file(cli, pool_path):
     with open(pool_path, "wb") as f:
         f.truncate(8 << 20)
@@ -271,7 +268,7 @@ def test_both_checksums_bad(cli, small_pool):
     patch_bytes(small_pool, 4096 + 300, b"\xff\xff")
     assert_clean_error(cli("inspect", "--pool", small_pool), E.EXIT_INVALID, "checksum")
     r = cli("format", "--pool", small_pool)
-    assert_clean_error(r, E.EXIT_REFUSED, "already holds")
+    assert_clean_error(r, E.EXIT_REFUSED, "damaged")
 
 
 def test_one_bad_copy_is_survivable(cli, small_pool):
@@ -321,6 +318,7 @@ def test_world_accessible_pool_refused_unless_forced(cli, small_pool, mode, word
     # init --force on a matching pool changes nothing (the mode included) but warns
     r = cli("init", "--pool", small_pool, "--force")
     assert r.code == 0 and "warning" in r.err
+    assert mode_of(small_pool) == mode
 
 
 def test_reformat_fixes_world_accessible_mode(cli, small_pool):
@@ -329,6 +327,9 @@ def test_reformat_fixes_world_accessible_mode(cli, small_pool):
     assert r.code == 0, r.err
     assert mode_of(small_pool) == 0o660
     assert "changed mode" in r.err
+    os.chmod(small_pool, 0o600)                  # tighter than 0660 stays as it is
+    assert cli("format", "--pool", small_pool, "--force", "--chunk-size", "64K").code == 0
+    assert mode_of(small_pool) == 0o600
 
 
 # -- device-dax paths, with a fake sysfs and a character device node ----------
@@ -368,12 +369,19 @@ def test_device_with_wrong_alignment(cli, fake_dax):
     assert_clean_error(r, E.EXIT_DEVICE, "alignment")
 
 
-def test_device_size_not_multiple_of_align_requested(cli, fake_dax):
+@pytest.mark.parametrize("size,words", [("3M", "not a multiple of the device alignment"),
+                                        ("128M", "larger than")])
+def test_device_size_checked_before_mapping(cli, fake_dax, monkeypatch, size, words):
+    from cxlkv.pool import admin
+
     dev, geometry = fake_dax
     geometry(64 << 20, 2 << 20)
-    r = cli("format", "--pool", dev, "--size", "3M", "--force")
-    assert r.code in (E.EXIT_USAGE, E.EXIT_DEVICE), r.err
-    assert "Traceback" not in r.err
+    # what is on the device does not matter: the size is refused first
+    monkeypatch.setattr(admin, "examine",
+                        lambda path, progress=None: admin.Examination(
+                            path, "blank", admin.device.probe(path)))
+    r = cli("format", "--pool", dev, "--size", size, "--force")
+    assert_clean_error(r, E.EXIT_USAGE, words)
 
 
 def test_device_mmap_failure_is_clean(cli, fake_dax):
@@ -430,5 +438,131 @@ def test_probe_reads_captured_devdax_sysfs(cli, tmp_path, monkeypatch):
     assert t.align == 2 << 20 and t.size % t.align == 0
     # this host has no such device behind 252:0: a clean device error, no traceback
     r = cli("inspect", "--pool", str(node))
-    assert r.code in (E.EXIT_DEVICE, E.EXIT_NOT_FOUND), r.err
-    assert "Traceback" not in r.err
+    assert_clean_error(r, E.EXIT_DEVICE, str(node))
+
+
+
+# -- found in review ------------------------------------------------------------
+
+def test_size_on_blank_and_foreign_targets(cli, pool_path):
+    with open(pool_path, "wb") as f:
+        f.truncate(4 << 20)
+    os.chmod(pool_path, 0o660)
+    r = cli("init", "--pool", pool_path, "--size", "8M", "--chunk-size", "64K", "--json")
+    assert r.code == 0, r.err
+    assert r.json()["superblock"]["pool_size"] == 8 << 20
+    patch_bytes(pool_path, 0, b"junk" * 100)
+    r = cli("init", "--pool", pool_path, "--size", "8M", "--chunk-size", "64K", "--force")
+    assert r.code == 0, r.err
+
+
+def test_zero_superblocks_with_data_behind_them_is_not_blank(cli, pool_path):
+    with open(pool_path, "wb") as f:
+        f.truncate(8 << 20)
+    patch_bytes(pool_path, 5 << 20, b"PRECIOUS DATA")
+    os.chmod(pool_path, 0o660)
+    for verb in ("init", "format"):
+        r = cli(verb, "--pool", pool_path, "--chunk-size", "64K")
+        assert_clean_error(r, E.EXIT_REFUSED, "not a cxlkv pool")
+    with open(pool_path, "rb") as f:
+        assert b"PRECIOUS DATA" in f.read()
+
+
+def test_other_users_file_refused(cli, pool_path):
+    with open(pool_path, "wb") as f:
+        f.truncate(8 << 20)
+    os.chmod(pool_path, 0o660)
+    try:
+        os.chown(pool_path, 65534, 65534)
+    except PermissionError:
+        pytest.skip("chown needs root")
+    r = cli("init", "--pool", pool_path, "--chunk-size", "64K")
+    assert_clean_error(r, E.EXIT_UNSAFE, "owned by uid 65534")
+    r = cli("init", "--pool", pool_path, "--chunk-size", "64K", "--force")
+    assert r.code == 0 and "owned by uid 65534" in r.err
+
+
+def test_symlink_planted_by_another_user(cli, tmp_path, pool_path):
+    with open(pool_path, "wb") as f:
+        f.truncate(8 << 20)
+    os.chmod(pool_path, 0o660)
+    link = tmp_path / "link.pool"
+    link.symlink_to(pool_path)
+    try:
+        os.lchown(link, 65534, 65534)
+    except PermissionError:
+        pytest.skip("lchown needs root")
+    r = cli("init", "--pool", str(link), "--chunk-size", "64K")
+    assert_clean_error(r, E.EXIT_UNSAFE, "symbolic link owned by uid 65534")
+
+
+def test_usage_errors_with_json_print_one_document(cli, pool_path):
+    for args in (["init", "--json", "--bogus"], ["inspect", "--json", "--pool"],
+                 ["nosuch", "--json"]):
+        r = cli(*args)
+        assert r.code == E.EXIT_USAGE, args
+        assert r.json()["error"]["kind"] == "usage"
+        assert len([ln for ln in r.err.splitlines() if ln.strip()]) == 1
+
+
+def test_empty_paths_are_usage_errors(cli):
+    for args in (["init", "--pool", ""], ["format", "--pool", "", "--size", "8M"],
+                 ["inspect", "--pool", ""]):
+        assert_clean_error(cli(*args), E.EXIT_USAGE, "empty")
+
+
+def test_odd_paths_and_labels_are_clean_errors(cli, small_pool, tmp_path):
+    r = cli("init", "--pool", small_pool + "/")
+    assert r.code in (E.EXIT_NOT_FOUND, E.EXIT_DEVICE) and "Traceback" not in r.err
+    r = cli("format", "--pool", str(tmp_path / "new.pool") + "/", "--size", "8M")
+    assert r.code in (E.EXIT_NOT_FOUND, E.EXIT_DEVICE) and "Traceback" not in r.err
+    r = cli("format", "--pool", str(tmp_path / ("x" * 300)), "--size", "8M")
+    assert_clean_error(r, E.EXIT_NOT_FOUND, "too long")
+    r = cli("format", "--pool", str(tmp_path / "l.pool"), "--size", "8M", "--label", "\udcff")
+    assert_clean_error(r, E.EXIT_USAGE, "UTF-8")
+
+
+def test_device_option_needs_a_character_device(cli, small_pool):
+    assert_clean_error(cli("init", "--device", small_pool), E.EXIT_USAGE, "not a character")
+
+
+def test_group_applied_to_an_unchanged_pool(cli, small_pool):
+    import grp
+
+    other = next((g for g in grp.getgrall() if g.gr_gid != os.stat(small_pool).st_gid), None)
+    if other is None:
+        pytest.skip("no second group")
+    r = cli("init", "--pool", small_pool, "--group", other.gr_name, "--json")
+    assert r.code == 0 and r.json()["action"] == "unchanged"
+    assert os.stat(small_pool).st_gid == other.gr_gid
+    assert_clean_error(cli("init", "--pool", small_pool, "--group", "no-such-group-zz"),
+                       E.EXIT_USAGE, "no such group")
+
+
+def test_concurrent_inits_make_one_pool(tmp_path):
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "race.pool")
+    cmd = [sys.executable, "-c", "import sys; from cxlkv.cli import main; "
+           "sys.exit(main(sys.argv[1:]))", "init", "--pool", path, "--size", "64M", "--json"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, outs
+    import json
+    actions = sorted(json.loads(o)["action"] for o, _ in outs)
+    assert actions == ["created", "unchanged", "unchanged", "unchanged"]
+    assert len({json.loads(o)["superblock"]["uuid"] for o, _ in outs}) == 1
+    assert [f for f in os.listdir(tmp_path) if f.endswith(".tmp")] == []
+
+
+def test_inspect_defaults_to_the_init_pool(cli, tmp_path, monkeypatch):
+    from cxlkv.pool import admin
+
+    default = str(tmp_path / "cxlkv-default.pool")
+    monkeypatch.setattr(admin, "DEFAULT_POOL_PATH", default)
+    assert_clean_error(cli("inspect"), E.EXIT_USAGE, "no default pool")
+    assert cli("init", "--size", "8M", "--chunk-size", "64K").code == 0
+    r = cli("inspect", "--json")
+    assert r.code == 0 and r.json()["pool"]["path"] == default

@@ -298,3 +298,37 @@ def test_mapping_of_bad_fd():
         _core.Mapping(999999, 4096)
     with pytest.raises(ValueError):
         _core.Mapping(0, 0)
+
+
+
+@pytest.mark.parametrize("nt", [True, False])
+@pytest.mark.parametrize("src_off,dst_off", [(64, 72), (72, 64), (0, 4096), (4096, 100)])
+def test_overlapping_write_is_a_memmove(mapfile, nt, src_off, dst_off):
+    n = 100_000
+    with open_map(mapfile) as m:
+        data = np.random.default_rng(1).integers(0, 256, SIZE, dtype=np.uint8).tobytes()
+        m.write(0, data)
+        expect = bytearray(data)
+        expect[dst_off:dst_off + n] = expect[src_off:src_off + n]
+        v = m.view(src_off, n)
+        m.write(dst_off, v, nt)
+        v.release()
+        assert m.read(0, SIZE) == bytes(expect)
+
+
+def test_mapping_past_the_end_of_a_file_is_refused(tmp_path):
+    p = tmp_path / "small"
+    p.write_bytes(b"\0" * 4096)
+    fd = os.open(p, os.O_RDWR)
+    try:
+        with pytest.raises(ValueError, match="4096-byte file"):
+            _core.Mapping(fd, 1 << 20)
+        with pytest.raises(ValueError, match="alignment"):
+            _core.Mapping(fd, 4096, align=2 << 20)
+    finally:
+        os.close(fd)
+
+
+def test_misaligned_buffer_refused():
+    with pytest.raises(ValueError, match="aligned"):
+        _core.Mapping.from_buffer(memoryview(bytearray(64))[1:])

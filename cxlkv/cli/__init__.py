@@ -6,7 +6,9 @@ the result and leave errors to main(), which maps them to exit codes.
 """
 from __future__ import annotations
 
+import errno
 import importlib
+import signal
 import sys
 
 import click
@@ -51,32 +53,37 @@ def cli():
     """
 
 
+def _os_error(e: OSError) -> E.CxlkvError:
+    """An OSError from the environment (not a bug): a clean error with its path."""
+    where = f"{e.filename}: " if e.filename else ""
+    cls = E.PoolNotFound if e.errno in (errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOTDIR,
+                                        errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP) \
+        else E.DeviceError
+    return cls(f"{where}{e.strerror or e}")
+
+
 def main(argv: list[str] | None = None) -> int:
     app = Application()
     args = sys.argv[1:] if argv is None else argv
     if args and not args[0].startswith("-"):
         app.command = f"cxlkv {args[0]}"
+    # known before parsing, so that a usage error still prints one JSON document
+    app.json = "--json" in args[: args.index("--")] if "--" in args else "--json" in args
     try:
         rv = cli.main(args=args, prog_name="cxlkv", obj=app, standalone_mode=False)
         code = rv if isinstance(rv, int) else 0
     except click.exceptions.Exit as e:
         code = e.exit_code
     except click.ClickException as e:
-        if app.json:
-            app.emit_json({"error": {"kind": "usage", "message": e.format_message(),
-                                     "exit_code": E.EXIT_USAGE}})
-        e.show(file=sys.stderr)
-        code = E.EXIT_USAGE if e.exit_code == 2 else e.exit_code
-    except click.exceptions.Abort:
-        app.err.print("aborted")
-        code = E.EXIT_REFUSED
+        code = app.fail(E.UsageError(f"{e.format_message()} (see {app.command} --help)"))
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        code = app.fail(E.CxlkvError("interrupted"), E.EXIT_INTERRUPTED)
     except E.CxlkvError as e:
         code = app.fail(e)
-    except KeyboardInterrupt:
-        app.err.print("interrupted")
-        code = 130
     except BrokenPipeError:
         code = 0
+    except OSError as e:
+        code = app.fail(_os_error(e))
     except Exception as e:  # noqa: BLE001 - last resort: never a bare traceback
         code = app.internal(e)
     sys.stdout.flush()
@@ -84,4 +91,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:  # pragma: no cover - console script shim
+    # `cxlkv inspect | head` ends quietly, as other Unix tools do
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     sys.exit(main())

@@ -64,9 +64,8 @@ class Application:
         code = exc.exit_code if exit_code is None else exit_code
         if self.json and not self._emitted:
             self.emit_json({"error": {**exc.to_json(), "exit_code": code}})
-        self.err.print(f"{self.command}: error: {exc.message}")
-        if exc.hint:
-            self.err.print(f"{self.command}: hint: {exc.hint}")
+        hint = f" (hint: {exc.hint})" if exc.hint else ""
+        self.err.print(f"{self.command}: error: {exc.message}{hint}")
         return code
 
     def internal(self, exc: BaseException) -> int:
@@ -76,9 +75,8 @@ class Application:
                                       "exit_code": E.EXIT_INTERNAL}})
         if os.environ.get("CXLKV_DEBUG"):
             traceback.print_exc()
-        self.err.print(f"{self.command}: {msg}")
-        self.err.print(f"{self.command}: this is a bug; rerun with CXLKV_DEBUG=1 for a "
-                       "traceback and report it")
+        self.err.print(f"{self.command}: {msg} (a bug: rerun with CXLKV_DEBUG=1 for a "
+                       "traceback and report it)")
         return E.EXIT_INTERNAL
 
 

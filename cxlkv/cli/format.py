@@ -92,8 +92,13 @@ def run_format(app: Application, fn, path: str, given: dict, *, force: bool, gro
                 state["cb"] = cm.__enter__()
         state["cb"](done, total)
 
+    def notice(count, seconds):
+        app.info(f"{app.command}: waiting up to {seconds:g}s for the heartbeats of {count} "
+                 "node(s) on other hosts, to see whether they are alive")
+
     try:
-        return fn(path, given, force=force, group=group, progress=progress, **kw)
+        return fn(path, given, force=force, group=group, progress=progress, notice=notice,
+                  **kw)
     finally:
         if "cm" in state:
             state["cm"].__exit__(None, None, None)
@@ -121,8 +126,6 @@ def render_result(app: Application, res, next_steps: bool) -> None:
         app.out.print("next:")
         app.out.print(f"  export CXLKV_POOL={res.path}")
         app.out.print("  cxlkv inspect")
-        if sb.sync == "manager":
-            app.out.print("  cxlkv lock-manager      # manager mode needs a running lock manager")
 
 
 @click.command("format", epilog=exit_codes_epilog())
@@ -134,11 +137,12 @@ def format_cmd(app: Application, pool, size, sync, chunk_size, max_nodes, lease,
                hash_max_load, label, group, force, as_json):
     """Format a pool file or device-dax device.
 
-    The lower-level verb behind `cxlkv init`: it formats what --pool names
-    (creating a file when --size is given and the path is missing), but refuses
-    anything that already holds a cxlkv pool unless --force, and refuses while
-    live nodes are attached even with --force.  Formatting zeroes the whole
-    pool, so no previous contents survive.
+    The lower-level verb behind `cxlkv init`: it formats what --pool names,
+    creating a file when --size is given and the path is missing.  Without
+    --force it formats only a missing path or a blank (all-zero) target:
+    an existing pool or other data is refused.  Live nodes are refused even
+    with --force.  Formatting zeroes the whole pool, so no previous contents
+    survive.
     """
     from cxlkv.pool.admin import format_pool
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import stat
 
 import click
 
@@ -34,14 +35,17 @@ def init_cmd(app: Application, pool, device, size, sync, chunk_size, max_nodes, 
     """
     from cxlkv.pool.admin import DEFAULT_POOL_PATH, init_pool
 
+    if pool == "" or device == "":
+        raise UsageError("empty path given to --pool or --device")
     if pool and device:
         src = click.get_current_context().get_parameter_source("pool")
         if src == click.core.ParameterSource.COMMANDLINE:
             raise UsageError("give either --pool or --device, not both")
         pool = None   # --device wins over $CXLKV_POOL
     path = device or pool or DEFAULT_POOL_PATH
-    if device and not device.startswith("/dev/") and not os.path.exists(device):
-        raise UsageError(f"--device {device}: expected an existing /dev/daxX.Y device")
+    if device and os.path.exists(device) and not stat.S_ISCHR(os.stat(device).st_mode):
+        raise UsageError(f"--device {device} is not a character device; "
+                         "for a pool in a file use --pool")
     given = given_params(size, sync, chunk_size, max_nodes, lease, hash_slots, hash_max_load,
                          label)
     res = run_format(app, init_pool, path, given, force=force, group=group,

@@ -6,6 +6,7 @@ The JSON document has one key per subject - "pool" now; host discovery
 from __future__ import annotations
 
 import datetime
+import os
 
 import click
 from rich.table import Table
@@ -16,7 +17,8 @@ from cxlkv.errors import UsageError
 
 @click.command("inspect", epilog=exit_codes_epilog())
 @click.option("--pool", "pool", metavar="PATH", envvar="CXLKV_POOL",
-              help="Pool file or /dev/daxX.Y device [env: CXLKV_POOL].")
+              help="Pool file or /dev/daxX.Y device [env: CXLKV_POOL; default: "
+                   "/dev/shm/cxlkv-default.pool when it exists].")
 @click.option("--force", is_flag=True, help="Inspect a world-readable or world-writable pool.")
 @json_option
 @pass_app
@@ -28,9 +30,15 @@ def inspect_cmd(app: Application, pool, force, as_json):
     from cxlkv.pool.pool import Pool
     from cxlkv.pool.report import pool_report
 
-    if not pool:
-        raise UsageError("no pool given: pass --pool PATH or set CXLKV_POOL "
-                         "(cxlkv init prints the path it made)")
+    from cxlkv.pool.admin import DEFAULT_POOL_PATH
+
+    if pool == "":
+        raise UsageError("empty path given to --pool")
+    if pool is None:
+        if not os.path.lexists(DEFAULT_POOL_PATH):
+            raise UsageError("no pool given and no default pool: pass --pool PATH or set "
+                             f"CXLKV_POOL (cxlkv init makes {DEFAULT_POOL_PATH})")
+        pool = DEFAULT_POOL_PATH
     with Pool.open(pool, writable=False, force=force) as p:
         rep = pool_report(p)
     for w in rep["warnings"]:

@@ -3,20 +3,30 @@
 `init` is the idempotent, friendly path: it creates an emulated pool file
 when the path is missing, leaves a valid pool with matching parameters alone,
 and refuses anything it would destroy unless forced.  `format` is the
-lower-level verb: it formats what it is pointed at, but refuses anything that
-already carries a cxlkv superblock unless forced.  Both refuse to reformat a
-pool while live nodes are attached, even when forced.
+lower-level verb: it always formats, but like init it formats without
+--force only a missing path (given --size) or a blank (all-zero) target.
+Both refuse to reformat a pool while live nodes are attached, even when
+forced, and refuse targets another user owns unless forced.
+
+New files are made beside the path and linked into place once formatted,
+and work on an existing path holds an flock on it, so concurrent runs on one
+host never see or make a half-formatted pool.
 """
 from __future__ import annotations
 
 import errno
+import fcntl
 import grp
 import os
+import secrets
+import stat
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 
 from cxlkv.errors import (CxlkvError, DeviceError, LiveNodesError, NotFormatted,
                           ParameterMismatch, PoolExistsError, PoolIncompatible, PoolInvalid,
-                          PoolNotFound, PoolTruncated, RefusedError, UsageError, WrongMagic)
+                          PoolNotFound, PoolTruncated, RefusedError, UnsafePermissions,
+                          UsageError, WrongMagic)
 from cxlkv.pool import device, layout as L
 from cxlkv.pool.format import (DEFAULT_SIZE, FormatParams, compute_layout, format_mapping,
                                human_size)
@@ -38,42 +48,111 @@ class Examination:
     target: device.Target | None = None
     sb: Superblock | None = None
     error: CxlkvError | None = None
+    problems: dict = field(default_factory=dict)   # bad superblock copy of a valid pool
 
     @property
     def has_cxlkv_magic(self) -> bool:
         return self.state in ("pool", "corrupt", "incompatible", "truncated")
 
 
-def examine(path: str) -> Examination:
-    """Look at a path without changing it (maps it read-only)."""
+ZERO_SCAN_STEP = 64 << 20
+
+
+def _data_ranges(t: device.Target) -> list[tuple[int, int]]:
+    """Byte ranges that may hold data: a file's data extents (holes skipped)."""
+    if t.kind != "file":
+        return [(0, t.size)]
+    ranges, pos = [], 0
+    fd = os.open(t.path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        t = device.probe(path)
-    except PoolNotFound as e:
-        if not os.path.lexists(path):
-            return Examination(path, "missing", error=e)
-        raise
+        while pos < t.size:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno == errno.ENXIO:     # no data after pos
+                    break
+                return [(0, t.size)]           # no SEEK_DATA here: scan it all
+            end = min(os.lseek(fd, start, os.SEEK_HOLE), t.size)
+            ranges.append((start, end))
+            pos = end
+    finally:
+        os.close(fd)
+    return ranges
+
+
+def _all_zero(t: device.Target, m, progress=None) -> bool:
+    """True when every byte of the target reads as zero (stops at the first that does not)."""
+    import numpy as np
+
+    total = sum(e - s for s, e in _data_ranges(t))
+    done = 0
+    for start, end in _data_ranges(t):
+        for off in range(start, end, ZERO_SCAN_STEP):
+            n = min(ZERO_SCAN_STEP, end - off)
+            v = m.view(off, n)
+            try:
+                nonzero = np.frombuffer(v, dtype=np.uint8).any()
+            finally:
+                v.release()
+            if nonzero:
+                return False
+            done += n
+            if progress:
+                progress(done, total)
+    return True
+
+
+def examine(path: str, progress=None) -> Examination:
+    """Look at a path without changing it (maps it read-only).
+
+    "blank" means every byte reads as zero (holes of a sparse file count as
+    zero); anything else that is not a cxlkv pool is "foreign".
+    """
+    if path == "":
+        raise UsageError("empty pool path")
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        try:
+            os.lstat(path)            # a dangling symlink is not a missing path
+        except FileNotFoundError:
+            try:
+                device.probe(path)
+            except PoolNotFound as e:
+                return Examination(path, "missing", error=e)
+    except OSError as e:
+        raise PoolNotFound(f"{path}: {e.strerror}", path=path) from None
+    t = device.probe(path)
+    if t.size == 0:
+        return Examination(path, "blank", t)
     if t.size < L.SB_COPIES * L.SB_SIZE:
-        return Examination(path, "blank" if t.size == 0 else "foreign", t)
-    m = device.map_target(t, writable=False, length=_map_len(t, L.SB_COPIES * L.SB_SIZE))
+        m = device.map_target(t, writable=False, length=t.size)
+        try:
+            return Examination(path, "blank" if _all_zero(t, m) else "foreign", t)
+        finally:
+            m.close()
+    m = device.map_target(t, writable=False, length=t.size // t.align * t.align)
     try:
         raw_a, raw_b = read_superblocks(m)
+        try:
+            sel = select(raw_a, raw_b)
+        except NotFormatted as e:
+            blank = _all_zero(t, m, progress)
+            return Examination(path, "blank" if blank else "foreign", t,
+                               error=None if blank else e)
+        except WrongMagic as e:
+            return Examination(path, "foreign", t, error=e)
+        except PoolIncompatible as e:
+            return Examination(path, "incompatible", t, error=e)
+        except PoolInvalid as e:
+            return Examination(path, "corrupt", t, error=e)
     finally:
         m.close()
-    try:
-        sel = select(raw_a, raw_b)
-    except NotFormatted as e:
-        return Examination(path, "blank", t, error=e)
-    except WrongMagic as e:
-        return Examination(path, "foreign", t, error=e)
-    except PoolIncompatible as e:
-        return Examination(path, "incompatible", t, error=e)
-    except PoolInvalid as e:
-        return Examination(path, "corrupt", t, error=e)
     if sel.sb.pool_size > t.size:
         return Examination(path, "truncated", t, sel.sb,
                            PoolTruncated(f"{path} is {t.size} bytes but its superblock says "
                                          f"{sel.sb.pool_size}"))
-    return Examination(path, "pool", t, sel.sb)
+    return Examination(path, "pool", t, sel.sb, problems=sel.problems)
 
 
 def _map_len(t: device.Target, want: int) -> int:
@@ -106,26 +185,31 @@ def _check_given(given: dict) -> None:
         raise TypeError(f"unknown format parameters: {sorted(unknown)}")
 
 
-def _resolve_params(given: dict, default_size: int | None) -> FormatParams:
+def _resolve_params(given: dict, default_size: int | None, size_source: str = "") -> FormatParams:
     kw = dict(given)
     if "size" not in kw:
         if default_size is None:
             raise UsageError("--size is required to create a new pool file")
+        if default_size % L.PAGE:
+            raise UsageError(f"{size_source or 'the target'} is {default_size} bytes, not a "
+                             "multiple of 4 KiB: give --size (the file is resized to it)")
         kw["size"] = default_size
     p = FormatParams(**kw)
     compute_layout(p)      # validates, including "too small", before anything is touched
     return p
 
 
-def _refuse_live(path: str, observe: bool = True) -> None:
+def _refuse_live(path: str, warnings: list[str], observe: bool = True, notice=None) -> None:
     from cxlkv.state.nodes import live_nodes
 
     try:
         pool = Pool.open(path, writable=False, force=True)
-    except CxlkvError:
-        return  # not readable as a pool: no node table to consult
+    except CxlkvError as e:
+        warnings.append(f"could not check {path} for live nodes ({e}); formatting because "
+                        "of --force")
+        return
     with pool:
-        alive = live_nodes(pool, observe=observe)
+        alive = live_nodes(pool, observe=observe, notice=notice)
     if alive:
         names = ", ".join(n.describe() for n in alive)
         raise LiveNodesError(
@@ -145,10 +229,45 @@ def _group_id(group: str | None) -> int | None:
         raise UsageError(f"no such group: {group}") from None
 
 
+def _check_owner(path: str, t: device.Target, force: bool, warnings: list[str]) -> None:
+    """Refuse to format what another (non-root) user owns or planted a link to."""
+    me = os.geteuid()
+    st = os.lstat(path)
+    problems = []
+    if stat.S_ISLNK(st.st_mode) and st.st_uid not in (me, 0):
+        problems.append(f"{path} is a symbolic link owned by uid {st.st_uid}")
+    if t.uid not in (me, 0):
+        problems.append(f"{t.path} is owned by uid {t.uid}, not by you or root")
+    if not problems:
+        return
+    msg = "; ".join(problems)
+    if force:
+        warnings.append(msg + "; continuing because of --force")
+        return
+    raise UnsafePermissions(msg + "; another user could read or swap the pool", path=path,
+                            hint="use a path you own, or pass --force")
+
+
+def _reserve(fd: int, size: int, path: str) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            os.ftruncate(fd, size)     # filesystem without fallocate
+        else:
+            raise DeviceError(f"{path}: cannot reserve {human_size(size)}: {e.strerror}",
+                              path=path) from None
+
+
 def create_pool_file(path: str, size: int, group: str | None = None) -> device.Target:
-    """Create a pool file of `size` bytes, mode 0660, space reserved (no SIGBUS later)."""
+    """Create a pool file of `size` bytes, mode 0660, space reserved (no SIGBUS later).
+
+    Returns the target of a temporary file beside `path`; _publish_new links
+    it into place atomically once formatted, so no other process ever sees a
+    half-made pool at `path`.
+    """
     gid = _group_id(group)
-    parent = os.path.dirname(os.path.abspath(path))
+    parent = os.path.dirname(os.path.abspath(path)) or "."
     if not os.path.isdir(parent):
         raise PoolNotFound(f"{parent}: no such directory (for pool file {path})", path=path)
     try:
@@ -160,68 +279,89 @@ def create_pool_file(path: str, size: int, group: str | None = None) -> device.T
         raise DeviceError(
             f"not enough space for a {human_size(size)} pool in {parent}: "
             f"{human_size(avail)} available", path=path, hint="choose a smaller --size")
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, POOL_MODE)
-    except FileExistsError:
-        raise RefusedError(f"{path} appeared while creating it", path=path) from None
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, POOL_MODE)
     except PermissionError:
-        raise PoolNotFound(f"{path}: permission denied creating the pool file",
+        raise PoolNotFound(f"{parent}: permission denied creating the pool file",
                            path=path) from None
     try:
         os.fchmod(fd, POOL_MODE)
         if gid is not None:
             os.fchown(fd, -1, gid)
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as e:
-            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-                os.ftruncate(fd, size)     # filesystem without fallocate
-            else:
-                raise DeviceError(f"{path}: cannot reserve {human_size(size)}: {e.strerror}",
-                                  path=path) from None
+        _reserve(fd, size, path)
     except BaseException:
         os.close(fd)
-        os.unlink(path)
+        os.unlink(tmp)
         raise
     os.close(fd)
-    return device.probe(path)
+    return device.probe(tmp)
+
+
+def _publish_new(tmp: device.Target, path: str) -> bool:
+    """Link a formatted temporary pool file into place; False if `path` appeared."""
+    try:
+        os.link(tmp.path, path)
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(tmp.path)
+    return True
+
+
+@contextmanager
+def _exclusive(path: str):
+    """Serialise init/format of one path between processes of this host (flock)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _prepare_existing(ex: Examination, p: FormatParams, group: str | None,
                       warnings: list[str]) -> device.Target:
-    """Resize a file to the requested size, fix mode and group; check a device's limits."""
+    """Resize a file to the requested size, tighten its mode, set its group."""
     t = ex.target
-    gid = _group_id(group)
     if t.kind == "file":
         if p.size != t.size:
             fd = os.open(t.path, os.O_RDWR | os.O_CLOEXEC)
             try:
                 os.ftruncate(fd, p.size)
                 if p.size > t.size:
-                    try:
-                        os.posix_fallocate(fd, 0, p.size)
-                    except OSError as e:
-                        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                            raise DeviceError(f"{t.path}: cannot reserve "
-                                              f"{human_size(p.size)}: {e.strerror}") from None
+                    _reserve(fd, p.size, t.path)
             finally:
                 os.close(fd)
             warnings.append(f"resized {t.path} from {t.size} to {p.size} bytes")
-        if t.mode & 0o777 != POOL_MODE:
-            os.chmod(t.path, POOL_MODE)
-            if t.mode & 0o006:
-                warnings.append(f"changed mode of {t.path} from {t.mode:04o} to 0660")
-    else:
-        if p.size > t.size:
-            raise UsageError(f"--size {p.size} is larger than {t.path} ({t.size} bytes)")
-        if p.size % t.align:
-            raise UsageError(f"--size {p.size} is not a multiple of the device "
-                             f"alignment {t.align}")
-        if gid is not None:
-            os.chmod(t.path, POOL_MODE)
-    if gid is not None:
-        os.chown(t.path, -1, gid)
+        new_mode = t.mode & 0o770 | 0o600
+        if new_mode != t.mode & 0o7777:
+            os.chmod(t.path, new_mode)
+            warnings.append(f"changed mode of {t.path} from {t.mode:04o} to {new_mode:04o}")
+    return _apply_group(device.probe(t.path), group, warnings)
+
+
+def _apply_group(t: device.Target, group: str | None, warnings: list[str]) -> device.Target:
+    gid = _group_id(group)
+    if gid is None or gid == t.gid:
+        return t
+    os.chown(t.path, -1, gid)
+    warnings.append(f"set the group of {t.path} to {group}")
     return device.probe(t.path)
+
+
+def _check_device_size(t: device.Target, given: dict) -> None:
+    if t.kind != "devdax" or "size" not in given:
+        return
+    size = given["size"]
+    if size > t.size:
+        raise UsageError(f"--size {size} is larger than {t.path} ({t.size} bytes)")
+    if size % t.align:
+        raise UsageError(f"--size {size} is not a multiple of the device alignment {t.align}")
 
 
 def _write_format(t: device.Target, p: FormatParams, zero_data: bool, progress,
@@ -238,44 +378,74 @@ def _write_format(t: device.Target, p: FormatParams, zero_data: bool, progress,
 
 
 def _params_for_existing(ex: Examination, given: dict) -> FormatParams:
-    default_size = ex.target.size if ex.target.kind == "file" else \
-        ex.target.size // ex.target.align * ex.target.align
-    if ex.target.kind == "file" and ex.target.size == 0:
-        default_size = DEFAULT_SIZE
-    return _resolve_params(given, default_size)
+    t = ex.target
+    if t.kind == "file":
+        default = t.size or DEFAULT_SIZE
+    else:
+        default = t.size // t.align * t.align
+    return _resolve_params(given, default, f"{t.path}")
 
 
-def init_pool(path: str, given: dict | None = None, *, force: bool = False,
-              group: str | None = None, progress=None, inject: dict | None = None,
-              observe_remote: bool = True, create: bool = True) -> FormatResult:
-    """`cxlkv init`: make `path` a formatted pool with the given parameters.
+_REFUSAL = {"foreign": "holds data that is not a cxlkv pool",
+            "corrupt": "holds a damaged cxlkv pool",
+            "incompatible": "holds a pool this cxlkv cannot use",
+            "truncated": "holds a truncated cxlkv pool",
+            "pool": "already holds a cxlkv pool"}
 
-    given: the parameters the user gave explicitly (FormatParams field names);
-    those left out take defaults for a new pool, or the existing pool's values.
-    create=False (a device was named) refuses to create a file at a missing path.
-    """
+
+def _make(path: str, given: dict, *, verb: str, force: bool, group: str | None, progress,
+          inject: dict | None, observe_remote: bool, create: bool, notice) -> FormatResult:
     given = dict(given or {})
     _check_given(given)
     inject = inject or {}
     warnings: list[str] = []
-    ex = examine(path)
-    if ex.state == "missing" and not create:
-        raise ex.error
-    if ex.state == "missing":
-        p = _resolve_params(given, DEFAULT_SIZE)
-        t = create_pool_file(path, p.size, group)
-        sb = _write_format(t, p, False, progress, inject)
-        return FormatResult("created", path, sb, t, warnings)
+    if path == "":
+        raise UsageError("empty pool path")
+    _group_id(group)                               # an unknown group fails before anything
+    for attempt in range(3):
+        ex = examine(path)
+        if ex.state == "missing":
+            if not create:
+                raise ex.error
+            p = _resolve_params(given, DEFAULT_SIZE if verb == "init" else None)
+            tmp = create_pool_file(path, p.size, group)
+            try:
+                _write_format(tmp, p, False, progress, inject)
+            except BaseException:
+                os.unlink(tmp.path)
+                raise
+            if _publish_new(tmp, path):
+                with Pool.open(path, writable=False) as pool:
+                    return FormatResult("created", path, pool.sb, pool.target, warnings)
+            continue        # another process created it meanwhile: look again
+        with _exclusive(ex.target.path):
+            ex = examine(path, progress=lambda d, t: None)
+            if ex.state == "missing":
+                continue
+            return _make_existing(ex, given, verb=verb, force=force, group=group,
+                                  progress=progress, inject=inject, warnings=warnings,
+                                  observe_remote=observe_remote, notice=notice)
+    raise RefusedError(f"{path} keeps appearing and disappearing; retry", path=path)
 
-    w = device.check_permissions(ex.target, force)
+
+def _make_existing(ex: Examination, given: dict, *, verb, force, group, progress, inject,
+                   warnings, observe_remote, notice) -> FormatResult:
+    path, t = ex.path, ex.target
+    w = device.check_permissions(t, force)
     if w:
         warnings.append(w)
-    if ex.state == "pool":
+    _check_device_size(t, given)
+    for copy, problem in ex.problems.items():
+        warnings.append(f"superblock copy {copy} is bad ({problem})")
+    if ex.state == "pool" and verb == "init":
         current = sb_params(ex.sb)
         diffs = {k: (current[k], v) for k, v in given.items()
                  if k in current and current[k] != v}
         if not diffs:
-            return FormatResult("unchanged", path, ex.sb, ex.target, warnings)
+            if group is not None:
+                _check_owner(path, t, force, warnings)
+                t = _apply_group(t, group, warnings)
+            return FormatResult("unchanged", path, ex.sb, t, warnings)
         if not force:
             desc = ", ".join(f"{k}: pool has {a!r}, asked {b!r}" for k, (a, b) in diffs.items())
             raise ParameterMismatch(
@@ -283,52 +453,48 @@ def init_pool(path: str, given: dict | None = None, *, force: bool = False,
                 hint="repeat the command with the pool's parameters, or add --force to "
                      "reformat it (its contents are lost)")
     elif ex.state != "blank" and not force:
-        what = {"foreign": "does not hold a cxlkv pool and is not empty",
-                "corrupt": f"holds a damaged cxlkv pool ({ex.error})",
-                "incompatible": f"holds a pool this cxlkv cannot use ({ex.error})",
-                "truncated": f"holds a truncated cxlkv pool ({ex.error})"}[ex.state]
-        raise RefusedError(f"{path} {what}; refusing to overwrite it", path=path,
-                           hint="check the path; add --force to format over it")
+        detail = f" ({ex.error})" if ex.error and ex.state != "pool" else ""
+        raise (PoolExistsError if ex.state == "pool" else RefusedError)(
+            f"{path} {_REFUSAL[ex.state]}{detail}; refusing to format over it", path=path,
+            hint="check the path; add --force to format over it (its contents are lost)")
+    _check_owner(path, t, force, warnings)
     if ex.has_cxlkv_magic:
-        _refuse_live(path, observe_remote)
-    # existing valid pool: keep its parameters for what was not given
-    base = sb_params(ex.sb) if ex.state == "pool" else {}
+        _refuse_live(path, warnings, observe_remote, notice)
+    base = sb_params(ex.sb) if (ex.state == "pool" and verb == "init") else {}
     if "size" in given:
-        base.pop("hash_slots")      # derived from the size unless given
-    merged = {**base, **given}
-    p = _params_for_existing(ex, merged)
-    t = _prepare_existing(ex, p, group, warnings)
-    sb = _write_format(t, p, True, progress, inject)
-    action = "reformatted" if ex.has_cxlkv_magic else "formatted"
-    return FormatResult(action, path, sb, t, warnings)
-
-
-def format_pool(path: str, given: dict | None = None, *, force: bool = False,
-                group: str | None = None, progress=None, inject: dict | None = None,
-                observe_remote: bool = True) -> FormatResult:
-    """`cxlkv format`: format a file or device; refuses an existing pool unless forced."""
-    given = dict(given or {})
-    _check_given(given)
-    inject = inject or {}
-    warnings: list[str] = []
-    ex = examine(path)
-    if ex.state == "missing":
-        p = _resolve_params(given, None)
-        t = create_pool_file(path, p.size, group)
-        sb = _write_format(t, p, False, progress, inject)
-        return FormatResult("created", path, sb, t, warnings)
-    w = device.check_permissions(ex.target, force)
-    if w:
-        warnings.append(w)
-    if ex.has_cxlkv_magic:
-        if not force:
-            what = "a cxlkv pool" if ex.state == "pool" else f"a cxlkv pool ({ex.error})"
-            raise PoolExistsError(f"{path} already holds {what}; refusing to format over it",
-                                  path=path, hint="add --force to reformat (its contents "
-                                                  "are lost)")
-        _refuse_live(path, observe_remote)
-    p = _params_for_existing(ex, given)
+        base.pop("hash_slots", None)      # derived from the size unless given
+    if t.kind == "file":
+        base.pop("size", None)            # the file as it is, unless --size says otherwise
+    p = _params_for_existing(ex, {**base, **given})
     t = _prepare_existing(ex, p, group, warnings)
     sb = _write_format(t, p, True, progress, inject)
     return FormatResult("reformatted" if ex.has_cxlkv_magic else "formatted", path, sb, t,
                         warnings)
+
+
+def init_pool(path: str, given: dict | None = None, *, force: bool = False,
+              group: str | None = None, progress=None, inject: dict | None = None,
+              observe_remote: bool = True, create: bool = True, notice=None) -> FormatResult:
+    """`cxlkv init`: make `path` a formatted pool with the given parameters.
+
+    given: the parameters the user gave explicitly (FormatParams field names);
+    those left out take defaults for a new pool, or the existing pool's values.
+    Idempotent on a matching pool.  Formats a missing path (creating a file
+    unless create=False) or a blank (all-zero) target; anything else only
+    with force.  create=False (a device was named) refuses a missing path.
+    """
+    return _make(path, given or {}, verb="init", force=force, group=group, progress=progress,
+                 inject=inject, observe_remote=observe_remote, create=create, notice=notice)
+
+
+def format_pool(path: str, given: dict | None = None, *, force: bool = False,
+                group: str | None = None, progress=None, inject: dict | None = None,
+                observe_remote: bool = True, notice=None) -> FormatResult:
+    """`cxlkv format`: format a file or device.
+
+    Creates a missing file when given a size; formats a blank target; refuses
+    anything else (a pool, foreign data) unless force.
+    """
+    return _make(path, given or {}, verb="format", force=force, group=group,
+                 progress=progress, inject=inject, observe_remote=observe_remote, create=True,
+                 notice=notice)

@@ -83,7 +83,7 @@ def _probe_dax(path: str, st: os.stat_result, perm: int) -> Target:
         raise DeviceError(
             f"{path} (char {major}:{minor}) is not a device-dax device "
             f"(sysfs {d} {'has subsystem ' + subsystem if subsystem else 'not found'})",
-            path=path, hint="a CXL pool is /dev/daxX.Y in devdax mode: see cxlkv provision plan")
+            path=path, hint="a CXL pool is a /dev/daxX.Y device in devdax mode (daxctl list)")
     size = sysfs.read_int(d / "size")
     if not size:
         raise DeviceError(f"{path}: cannot read the device size from {d / 'size'}", path=path)
@@ -139,7 +139,7 @@ def map_target(t: Target, *, writable: bool = True, length: int | None = None,
     except OSError as e:
         raise DeviceError(f"{t.path}: open failed: {e.strerror}", path=t.path) from None
     try:
-        return Mapping(fd, length, writable, populate)
+        return Mapping(fd, length, writable, populate, align=t.align)
     except OSError as e:
         hint = None
         if e.errno == errno.EINVAL and t.kind == "devdax":

@@ -91,8 +91,12 @@ class FormatParams:
             raise UsageError(f"hash slots {self.hash_slots} must be a power of two >= 64")
         if not 10 <= self.hash_max_load_pct <= 99:
             raise UsageError("hash max load must be between 10 and 99 percent")
-        if len(self.label.encode()) > 63:
-            raise UsageError("label is longer than 63 bytes")
+        try:
+            label = self.label.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError("label must be valid UTF-8 text") from None
+        if len(label) > 63 or "\0" in self.label:
+            raise UsageError("label must be at most 63 bytes, without NUL")
         if self.size % L.PAGE:
             raise UsageError(f"size {self.size} is not a multiple of 4 KiB")
 

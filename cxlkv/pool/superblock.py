@@ -186,8 +186,8 @@ def _validate(s: L.SuperblockStruct, where: str) -> Superblock:
         raise bad(f"chunk size {s.chunk_size} is not a power of two >= 4096")
     if not 1 <= s.max_nodes <= 65536:
         raise bad(f"max_nodes {s.max_nodes} out of range")
-    if s.lease_ms == 0:
-        raise bad("lease is 0")
+    if not 1 <= s.lease_ms <= 3_600_000:
+        raise bad(f"lease {s.lease_ms} ms out of range (1 ms .. 1 hour)")
     if not _is_pow2(s.hash_slots):
         raise bad(f"hash_slots {s.hash_slots} is not a power of two")
     if not 1 <= s.hash_max_load_pct <= 100:

@@ -180,11 +180,12 @@ class Observer:
 
 
 def live_nodes(pool, *, observe: bool = True, clock=time.monotonic,
-               sleep=time.sleep) -> list[NodeInfo]:
+               sleep=time.sleep, notice=None) -> list[NodeInfo]:
     """Nodes that are (or may be) alive.
 
     Local nodes are decided at once.  Remote nodes are watched for up to one
-    lease; with observe=False they count as alive (the cautious answer).
+    lease (notice(count, seconds) is called first, so a CLI can say why it
+    waits); with observe=False they count as alive (the cautious answer).
     """
     obs = Observer(pool, clock=clock)
     verdicts = obs.scan()
@@ -193,6 +194,8 @@ def live_nodes(pool, *, observe: bool = True, clock=time.monotonic,
     if pending and not observe:
         alive += [n for n, v in verdicts if v == "unknown"]
         pending = set()
+    if pending and notice is not None:
+        notice(len(pending), pool.sb.lease_ms / 1000.0)
     deadline = clock() + pool.sb.lease_ms / 1000.0 + 0.05
     while pending and clock() < deadline:
         sleep(min(0.05, pool.sb.lease_ms / 20000.0))

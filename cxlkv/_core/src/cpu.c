@@ -134,6 +134,11 @@ void cxlkv_copy_to_pool(void *dstv, const void *srcv, size_t n, int nt)
 {
     char *dst = dstv;
     const char *src = srcv;
+    if (src < dst + n && dst < src + n) {       /* source overlaps the pool range */
+        memmove(dst, src, n);
+        cxlkv_flush_range(dst, n);
+        return;
+    }
 #if defined(__x86_64__)
     if (nt && n >= NT_MIN) {
         size_t head, body;

@@ -17,6 +17,7 @@
 #include <errno.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 /* Bump when the Python-visible interface changes; cxlkv/_core/__init__.py
@@ -166,21 +167,44 @@ Mapping_dealloc(Mapping *m)
 static PyObject *
 Mapping_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"fd", "size", "writable", "populate", NULL};
+    static char *kwlist[] = {"fd", "size", "writable", "populate", "align", "offset", NULL};
     int fd, writable = 1, populate = 0;
-    unsigned long long size;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iK|pp:Mapping", kwlist, &fd, &size,
-                                     &writable, &populate))
+    unsigned long long size, align = 0, offset = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iK|ppKK:Mapping", kwlist, &fd, &size,
+                                     &writable, &populate, &align, &offset))
         return NULL;
     if (size == 0 || size > (unsigned long long)PY_SSIZE_T_MAX) {
         PyErr_Format(PyExc_ValueError, "cannot map %llu bytes", size);
+        return NULL;
+    }
+    /* device-dax maps only whole alignment units */
+    if (align && ((align & (align - 1)) || size % align || offset % align)) {
+        PyErr_Format(PyExc_ValueError,
+                     "mapping offset %llu and length %llu must be multiples of the device "
+                     "alignment %llu", offset, size, align);
+        return NULL;
+    }
+    if (offset % (unsigned long long)sysconf(_SC_PAGESIZE)) {
+        PyErr_Format(PyExc_ValueError, "mapping offset %llu is not page aligned", offset);
+        return NULL;
+    }
+    /* a regular file must hold the whole mapping: touching a page past its end
+     * would kill the process with SIGBUS instead of raising */
+    struct stat st;
+    if (fstat(fd, &st) < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    if (S_ISREG(st.st_mode) && (offset > (unsigned long long)st.st_size ||
+                                size > (unsigned long long)st.st_size - offset)) {
+        PyErr_Format(PyExc_ValueError,
+                     "cannot map %llu bytes at offset %llu of a %lld-byte file", size, offset,
+                     (long long)st.st_size);
         return NULL;
     }
     int prot = PROT_READ | (writable ? PROT_WRITE : 0);
     int flags = MAP_SHARED | (populate ? MAP_POPULATE : 0);
     void *p;
     Py_BEGIN_ALLOW_THREADS
-    p = mmap(NULL, (size_t)size, prot, flags, fd, 0);
+    p = mmap(NULL, (size_t)size, prot, flags, fd, (off_t)offset);
     Py_END_ALLOW_THREADS
     if (p == MAP_FAILED)
         return PyErr_SetFromErrno(PyExc_OSError);
@@ -215,11 +239,13 @@ Mapping_from_buffer(PyTypeObject *type, PyObject *obj)
     } else {
         m->writable = 1;
     }
-    if (m->borrowed.len == 0) {
+    if (m->borrowed.len == 0 || ((uintptr_t)m->borrowed.buf & 7)) {
+        PyErr_SetString(PyExc_ValueError, m->borrowed.len == 0
+                            ? "cannot use an empty buffer as a pool"
+                            : "a pool buffer must start 8-byte aligned (atomics need it)");
         PyBuffer_Release(&m->borrowed);
         m->closed = 1;
         Py_DECREF(m);
-        PyErr_SetString(PyExc_ValueError, "cannot use an empty buffer as a pool");
         return NULL;
     }
     m->base = m->borrowed.buf;
@@ -787,7 +813,7 @@ static PyTypeObject MappingType = {
     .tp_basicsize = sizeof(Mapping),
     .tp_dealloc = (destructor)Mapping_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Mapping(fd, size, writable=True, populate=False): a pool mapped MAP_SHARED",
+    .tp_doc = "Mapping(fd, size, writable=True, populate=False, align=0, offset=0): a pool mapped MAP_SHARED",
     .tp_methods = Mapping_methods,
     .tp_getset = Mapping_getset,
     .tp_new = Mapping_new,
