@@ -28,7 +28,8 @@ PINNED = {
         "line0_pad": (32, 32), "pid": (64, 8), "start_time_ns": (72, 8),
         "attach_time_ns": (80, 8), "format_version": (88, 4), "flags": (92, 4),
         "boot_id": (96, 16), "hostname": (112, 64), "sw_version": (176, 32),
-        "reserved": (208, 304),
+        "reserved": (208, 240), "mgr_control": (448, 8), "mgr_grant_token": (456, 8),
+        "line7_pad": (464, 48),
     }),
     "lock_hdr": (4096, {
         "next_ticket": (0, 8), "line0_pad": (8, 56), "now_serving": (64, 8), "owner": (72, 8),
@@ -41,9 +42,10 @@ PINNED = {
         "nchunks": (32, 8), "used": (40, 8), "pad": (48, 16), "alloc_bits": (64, 64),
         "pub_bits": (128, 64), "dirty_bits": (192, 64),
     }),
-    "lock_entry": (64, {
-        "state": (0, 8), "ticket": (8, 8), "epoch": (16, 8), "seq": (24, 8),
-        "reserved": (32, 32),
+    "lock_entry": (128, {
+        "state": (0, 8), "ticket": (8, 8), "epoch": (16, 8), "req_seq": (24, 8),
+        "release_seq": (32, 8), "line0_pad": (40, 24), "grant_seq": (64, 8),
+        "revoke_seq": (72, 8), "grant_epoch": (80, 8), "line1_pad": (88, 40),
     }),
 }
 

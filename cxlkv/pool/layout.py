@@ -37,7 +37,7 @@ REGION_INDEX = {name: i for i, name in enumerate(REGION_NAMES)}
 # Per-item record sizes the region sizes are computed from.
 NODE_SIZE = 512
 LOCK_HDR_SIZE = 4096
-LOCK_ENTRY_SIZE = 64
+LOCK_ENTRY_SIZE = 128
 HEAP_SIZE = 1024
 CHUNK_DESC_SIZE = 256
 HASH_ENTRY_SIZE = 64
@@ -118,7 +118,10 @@ class NodeStruct(ctypes.LittleEndianStructure):
         ("boot_id", c_uint8 * 16),
         ("hostname", c_char * 64),
         ("sw_version", c_char * 32),
-        ("reserved", c_uint8 * 304),
+        ("reserved", c_uint8 * 240),
+        ("mgr_control", c_uint64),
+        ("mgr_grant_token", c_uint64),
+        ("line7_pad", c_uint8 * 48),
     ]
 
 
@@ -147,8 +150,13 @@ class LockEntryStruct(ctypes.LittleEndianStructure):
         ("state", c_uint64),
         ("ticket", c_uint64),
         ("epoch", c_uint64),
-        ("seq", c_uint64),
-        ("reserved", c_uint8 * 32),
+        ("req_seq", c_uint64),
+        ("release_seq", c_uint64),
+        ("line0_pad", c_uint8 * 24),
+        ("grant_seq", c_uint64),
+        ("revoke_seq", c_uint64),
+        ("grant_epoch", c_uint64),
+        ("line1_pad", c_uint8 * 40),
     ]
 
 

@@ -32,7 +32,9 @@ SPINS = 4000
 BACKOFF_MAX = 0.001
 
 _ENTRY_DTYPE = np.dtype([("state", "<u8"), ("ticket", "<u8"), ("epoch", "<u8"),
-                         ("seq", "<u8"), ("reserved", "V32")])
+                         ("req_seq", "<u8"), ("release_seq", "<u8"), ("pad0", "V24"),
+                         ("grant_seq", "<u8"), ("revoke_seq", "<u8"), ("grant_epoch", "<u8"),
+                         ("pad1", "V40")])
 assert _ENTRY_DTYPE.itemsize == L.LOCK_ENTRY_SIZE
 _SERVING = L.field_offset(L.LockHdrStruct, "now_serving")
 _OWNER = L.field_offset(L.LockHdrStruct, "owner")

@@ -47,7 +47,7 @@ enum cxlkv_region_id {
 /* Sizes of the per-item records that the region sizes are computed from. */
 #define CXLKV_NODE_SIZE        512u
 #define CXLKV_LOCK_HDR_SIZE    4096u
-#define CXLKV_LOCK_ENTRY_SIZE  64u
+#define CXLKV_LOCK_ENTRY_SIZE  128u
 #define CXLKV_HEAP_SIZE        1024u   /* per-node heap header */
 #define CXLKV_CHUNK_DESC_SIZE  256u    /* per data chunk */
 #define CXLKV_HASH_ENTRY_SIZE  64u
@@ -112,7 +112,12 @@ struct cxlkv_node {
     uint8_t  boot_id[16];       /*   96 /proc/sys/kernel/random/boot_id */
     char     hostname[64];      /*  112 */
     char     sw_version[32];    /*  176 */
-    uint8_t  reserved[304];     /*  208 */
+    uint8_t  reserved[240];     /*  208 */
+    /* line 7: written only by the lock manager (manager mode), so that no
+     * cache line has two writers on non-coherent memory */
+    uint64_t mgr_control;       /*  448 manager mode: state | epoch << 8 */
+    uint64_t mgr_grant_token;   /*  456 manager mode: claim granted to this token */
+    uint8_t  line7_pad[48];     /*  464 */
 };
 
 /* Lock area: a header, then one entry per node slot.
@@ -143,11 +148,18 @@ struct cxlkv_lock_hdr {
 };
 
 struct cxlkv_lock_entry {
-    uint64_t state;             /*    0 CXLKV_LOCK_* */
+    /* line 0: written only by the node */
+    uint64_t state;             /*    0 cas: CXLKV_LOCK_* */
     uint64_t ticket;            /*    8 cas: ticket taken */
-    uint64_t epoch;             /*   16 the node epoch that took it */
-    uint64_t seq;               /*   24 manager: request sequence */
-    uint8_t  reserved[32];      /*   32 */
+    uint64_t epoch;             /*   16 the node epoch that took it / requests */
+    uint64_t req_seq;           /*   24 manager: requests made */
+    uint64_t release_seq;       /*   32 manager: requests released */
+    uint8_t  line0_pad[24];     /*   40 */
+    /* line 1: written only by the lock manager */
+    uint64_t grant_seq;         /*   64 manager: request granted */
+    uint64_t revoke_seq;        /*   72 manager: request revoked (dead holder) */
+    uint64_t grant_epoch;       /*   80 manager: node epoch of the grant */
+    uint8_t  line1_pad[40];     /*   88 */
 };
 
 /* Allocator.  The data area is nchunks chunks; the global bitmap has one bit

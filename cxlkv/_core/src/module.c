@@ -953,6 +953,9 @@ mod_layout(PyObject *self, PyObject *Py_UNUSED(ignored))
     FIELD(f, cxlkv_node, hostname);
     FIELD(f, cxlkv_node, sw_version);
     FIELD(f, cxlkv_node, reserved);
+    FIELD(f, cxlkv_node, mgr_control);
+    FIELD(f, cxlkv_node, mgr_grant_token);
+    FIELD(f, cxlkv_node, line7_pad);
     if (add_struct(out, "node", sizeof(struct cxlkv_node), f) < 0)
         goto fail;
     Py_CLEAR(f);
@@ -981,8 +984,13 @@ mod_layout(PyObject *self, PyObject *Py_UNUSED(ignored))
     FIELD(f, cxlkv_lock_entry, state);
     FIELD(f, cxlkv_lock_entry, ticket);
     FIELD(f, cxlkv_lock_entry, epoch);
-    FIELD(f, cxlkv_lock_entry, seq);
-    FIELD(f, cxlkv_lock_entry, reserved);
+    FIELD(f, cxlkv_lock_entry, req_seq);
+    FIELD(f, cxlkv_lock_entry, release_seq);
+    FIELD(f, cxlkv_lock_entry, line0_pad);
+    FIELD(f, cxlkv_lock_entry, grant_seq);
+    FIELD(f, cxlkv_lock_entry, revoke_seq);
+    FIELD(f, cxlkv_lock_entry, grant_epoch);
+    FIELD(f, cxlkv_lock_entry, line1_pad);
     if (add_struct(out, "lock_entry", sizeof(struct cxlkv_lock_entry), f) < 0)
         goto fail;
     Py_CLEAR(f);
