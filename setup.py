@@ -20,8 +20,9 @@ setup(
     ext_modules=[
         Extension(
             "cxlkv._core._native",
-            sources=["cxlkv/_core/src/module.c", "cxlkv/_core/src/cpu.c", "cxlkv/_core/src/alloc.c"],
-            depends=["cxlkv/_core/src/cpu.h", "cxlkv/_core/src/core.h",
+            sources=["cxlkv/_core/src/module.c", "cxlkv/_core/src/cpu.c", "cxlkv/_core/src/alloc.c",
+                     "cxlkv/_core/src/nc.c"],
+            depends=["cxlkv/_core/src/cpu.h", "cxlkv/_core/src/core.h", "cxlkv/_core/src/nc.h",
                      "cxlkv/_core/src/cxlkv_format.h"],
             extra_compile_args=cflags,
             extra_link_args=ldflags,

@@ -27,7 +27,7 @@ def pool_report(pool) -> dict:
         "superblock_copy": pool.superblock_copy,
         "superblock_problems": pool.superblock_problems,
         "superblock": sb.to_json(),
-        "memory_model": "coherent",
+        "memory_model": "noncoherent-emulated" if pool.mapping.noncoherent else "coherent",
         "cpu": _core.cpu_info(),
         "usage": {
             "data_bytes": data_size,

@@ -275,6 +275,11 @@ class Attachment:
         if pool.read_only:
             raise RefusedError(f"{pool.path}: cannot attach to a pool opened read-only",
                                path=pool.path)
+        if pool.sb.sync == "cas" and pool.mapping.noncoherent:
+            raise RefusedError(
+                f"{pool.path}: sync mode cas needs coherent memory, but this process sees the "
+                "pool as non-coherent (CXLKV_NONCOHERENT=1); use a pool formatted with "
+                "--sync manager", path=pool.path)
         self.pool = pool
         self.observer = Observer(pool)
         self._thread: threading.Thread | None = None

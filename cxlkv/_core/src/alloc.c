@@ -23,13 +23,13 @@
 static inline void
 bit_set(Mapping *m, uint64_t word_off, uint64_t bit)
 {
-    __atomic_fetch_or((uint64_t *)(m->base + word_off), bit, __ATOMIC_SEQ_CST);
+    pool_or64(m, word_off, bit);
 }
 
 static inline void
 bit_clear(Mapping *m, uint64_t word_off, uint64_t bit)
 {
-    __atomic_fetch_and((uint64_t *)(m->base + word_off), ~bit, __ATOMIC_SEQ_CST);
+    pool_and64(m, word_off, ~bit);
 }
 
 static int
@@ -255,8 +255,7 @@ Mapping_slab_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
             bit_set(m, d + CD_DIRTY + w * 8, bit);
         }
         bit_clear(m, d + CD_PUB + w * 8, bit);
-        uint64_t old = __atomic_fetch_and((uint64_t *)(m->base + d + CD_ALLOC + w * 8), ~bit,
-                                          __ATOMIC_SEQ_CST);
+        uint64_t old = pool_and64(m, d + CD_ALLOC + w * 8, ~bit);
         if (!(old & bit)) {
             err = "slot is not allocated (double free?)";
             break;

@@ -9,6 +9,7 @@
 
 #include "cpu.h"
 #include "cxlkv_format.h"
+#include "nc.h"
 
 typedef struct {
     PyObject_HEAD
@@ -25,6 +26,8 @@ typedef struct {
     /* allocator geometry (set_geometry): validated once against the mapping */
     int geo_set;
     uint64_t data_off, chunk_size, nchunks, desc_base;
+    /* non-coherence emulation (CXLKV_NONCOHERENT=1), NULL when coherent */
+    struct nc_cache *nc;
 } Mapping;
 
 extern PyObject *cxlkv_RangeError;
@@ -36,20 +39,30 @@ int check_writable(const Mapping *m, const char *what);
 int as_u64(PyObject *o, uint64_t *out, const char *what);
 int nargs_check(Py_ssize_t nargs, Py_ssize_t lo, Py_ssize_t hi, const char *name);
 
-/* --- the pool access helpers (single switch point) ----------------- */
+/* --- the pool access helpers (single switch point) -----------------
+ * Every access to pool memory goes through these: with the non-coherence
+ * emulation on, they go through the process's software cache instead. */
 
 static inline uint64_t pool_load64(Mapping *m, uint64_t off)
 {
+    if (m->nc)
+        return nc_load64(m->nc, off);
     return __atomic_load_n((uint64_t *)(m->base + off), __ATOMIC_ACQUIRE);
 }
 
 static inline void pool_store64(Mapping *m, uint64_t off, uint64_t v)
 {
+    if (m->nc) {
+        nc_store64(m->nc, off, v);
+        return;
+    }
     __atomic_store_n((uint64_t *)(m->base + off), v, __ATOMIC_RELEASE);
 }
 
 static inline uint64_t pool_cas64(Mapping *m, uint64_t off, uint64_t expect, uint64_t desired)
 {
+    if (m->nc)
+        return nc_cas64(m->nc, off, expect, desired);
     uint64_t e = expect;
     __atomic_compare_exchange_n((uint64_t *)(m->base + off), &e, desired, 0,
                                 __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
@@ -58,34 +71,68 @@ static inline uint64_t pool_cas64(Mapping *m, uint64_t off, uint64_t expect, uin
 
 static inline uint64_t pool_fadd64(Mapping *m, uint64_t off, uint64_t delta)
 {
+    if (m->nc)
+        return nc_fadd64(m->nc, off, delta);
     return __atomic_fetch_add((uint64_t *)(m->base + off), delta, __ATOMIC_SEQ_CST);
+}
+
+static inline uint64_t pool_or64(Mapping *m, uint64_t off, uint64_t bits)
+{
+    if (m->nc)
+        return nc_or64(m->nc, off, bits);
+    return __atomic_fetch_or((uint64_t *)(m->base + off), bits, __ATOMIC_SEQ_CST);
+}
+
+static inline uint64_t pool_and64(Mapping *m, uint64_t off, uint64_t bits)
+{
+    if (m->nc)
+        return nc_and64(m->nc, off, bits);
+    return __atomic_fetch_and((uint64_t *)(m->base + off), bits, __ATOMIC_SEQ_CST);
 }
 
 static inline void pool_flush(Mapping *m, uint64_t off, uint64_t len)
 {
+    if (m->nc) {
+        nc_flush(m->nc, off, len);
+        return;
+    }
     cxlkv_flush_range(m->base + off, (size_t)len);
 }
 
 static inline void pool_invalidate(Mapping *m, uint64_t off, uint64_t len)
 {
+    if (m->nc) {
+        nc_invalidate(m->nc, off, len);
+        return;
+    }
     cxlkv_invalidate_range(m->base + off, (size_t)len);
 }
 
+/* Bulk writes reach memory directly (non-temporal stores bypass the cache,
+ * and write() flushes on return); cached copies of the range are dropped
+ * first so this process does not keep reading stale lines. */
 static inline void pool_write(Mapping *m, uint64_t off, const void *src, uint64_t len, int nt)
 {
+    if (m->nc)
+        nc_invalidate(m->nc, off, len);
     cxlkv_copy_to_pool(m->base + off, src, (size_t)len, nt);
 }
 
 static inline void pool_zero(Mapping *m, uint64_t off, uint64_t len, int nt)
 {
+    if (m->nc)
+        nc_invalidate(m->nc, off, len);
     cxlkv_zero_pool(m->base + off, (size_t)len, nt);
 }
 
 static inline void pool_read(Mapping *m, uint64_t off, void *dst, uint64_t len)
 {
+    if (m->nc) {
+        nc_read(m->nc, off, dst, len);
+        return;
+    }
     cxlkv_copy_from_pool(dst, m->base + off, (size_t)len);
 }
-
 
 /* alloc.c */
 PyObject *Mapping_slab_alloc(Mapping *m, PyObject *const *args, Py_ssize_t nargs);

@@ -23,7 +23,7 @@
 /* Bump when the Python-visible interface changes; cxlkv/_core/__init__.py
  * refuses to import a build with a different number (a stale build must fail
  * loudly, not strangely). */
-#define CXLKV_NATIVE_ABI 3
+#define CXLKV_NATIVE_ABI 4
 
 /* Copies at least this large release the GIL. */
 #define GIL_RELEASE_MIN (64 * 1024)
@@ -147,6 +147,12 @@ parse_nt(Mapping *m, PyObject *o, uint64_t len, int *nt)
 static void
 mapping_release(Mapping *m)
 {
+    if (m->nc) {
+        /* what this process wrote but never flushed is lost, as on a host
+         * that dies with dirty lines: nothing is written back here */
+        nc_destroy(m->nc);
+        m->nc = NULL;
+    }
     if (m->base) {
         if (m->owns_map)
             munmap(m->base, (size_t)m->size);
@@ -162,6 +168,22 @@ Mapping_dealloc(Mapping *m)
 {
     mapping_release(m);
     Py_TYPE(m)->tp_free((PyObject *)m);
+}
+
+/* CXLKV_NONCOHERENT=1: this process sees the pool through an emulated
+ * non-coherent cache (nc.h). */
+static int
+maybe_noncoherent(Mapping *m)
+{
+    const char *e = getenv("CXLKV_NONCOHERENT");
+    if (!e || strcmp(e, "1"))
+        return 0;
+    m->nc = nc_create(m->base, m->size);
+    if (!m->nc) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
 }
 
 static PyObject *
@@ -219,6 +241,10 @@ Mapping_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     m->owns_map = 1;
     m->nt_default = 1;
     m->nt_threshold = 64 * 1024;
+    if (maybe_noncoherent(m) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     return (PyObject *)m;
 }
 
@@ -253,6 +279,10 @@ Mapping_from_buffer(PyTypeObject *type, PyObject *obj)
     m->owns_map = 0;
     m->nt_default = 1;
     m->nt_threshold = 64 * 1024;
+    if (maybe_noncoherent(m) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     return (PyObject *)m;
 }
 
@@ -692,6 +722,10 @@ Mapping_view(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     if (writable && check_writable(m, "view") < 0)
         return NULL;
+    /* emulation: what the view shows is memory, so drop (and write back) this
+     * process's cached lines of the range first */
+    if (m->nc)
+        nc_invalidate(m->nc, off, len);
     Span *s = PyObject_New(Span, &SpanType);
     if (!s)
         return NULL;
@@ -734,6 +768,27 @@ Mapping_get_exports(Mapping *m, void *c)
 }
 
 static PyObject *
+Mapping_get_noncoherent(Mapping *m, void *c)
+{
+    (void)c;
+    return PyBool_FromLong(m->nc != NULL);
+}
+
+static PyObject *
+Mapping_nc_stats(Mapping *m, PyObject *Py_UNUSED(ignored))
+{
+    if (!m->nc)
+        Py_RETURN_NONE;
+    struct nc_cache *c = m->nc;
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K}", "hits", (unsigned long long)c->hits,
+                         "misses", (unsigned long long)c->misses,
+                         "writebacks", (unsigned long long)c->writebacks,
+                         "evictions", (unsigned long long)c->evictions,
+                         "flushes", (unsigned long long)c->flushes,
+                         "dropped_flushes", (unsigned long long)c->dropped);
+}
+
+static PyObject *
 Mapping_get_address(Mapping *m, void *c)
 {
     (void)c;
@@ -770,6 +825,8 @@ static PyGetSetDef Mapping_getset[] = {
     {"writable", (getter)Mapping_get_writable, NULL, "mapped read-write", NULL},
     {"closed", (getter)Mapping_get_closed, NULL, "unmapped", NULL},
     {"exports", (getter)Mapping_get_exports, NULL, "live views", NULL},
+    {"noncoherent", (getter)Mapping_get_noncoherent, NULL,
+     "this process sees the pool through the non-coherence emulation", NULL},
     {"address", (getter)Mapping_get_address, NULL,
      "virtual address of the pool base in this process (for DMA registration)", NULL},
     {"nt_threshold", (getter)Mapping_get_nt_threshold, (setter)Mapping_set_nt_threshold,
@@ -802,6 +859,8 @@ static PyMethodDef Mapping_methods[] = {
     {"from_buffer", (PyCFunction)Mapping_from_buffer, METH_O | METH_CLASS,
      "from_buffer(obj) -> Mapping over an existing buffer (formatting without files, tests)"},
     {"close", (PyCFunction)Mapping_close, METH_NOARGS, "unmap; refused while views are alive"},
+    {"nc_stats", (PyCFunction)Mapping_nc_stats, METH_NOARGS,
+     "non-coherence emulation counters, or None when coherent"},
     {"__enter__", (PyCFunction)Mapping_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)Mapping_exit, METH_VARARGS, NULL},
     {NULL},
