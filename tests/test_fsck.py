@@ -73,8 +73,8 @@ def damage(path, fn):
 
 @pytest.mark.parametrize("name,fn,code", [
     ("leaked chunk", lambda p: A.set_bits(p, p.sb.nchunks - 1, 1, True), "chunk-leaked"),
-    ("used count", lambda p: p.mapping.store64(desc_off(p, first_head(p)) + 40, 99),
-     "slab-used"),
+    ("dirty and allocated", lambda p: p.mapping.store64(desc_off(p, first_head(p)) + 192,
+                                                        1 << 20), "slab-dirty"),
     ("pub without alloc", lambda p: p.mapping.store64(desc_off(p, first_head(p)) + 128 + 56,
                                                       1), "slab-pub"),
     ("bits past the end", lambda p: p.mapping.store64(desc_off(p, first_head(p)) + 64 + 56,

@@ -39,7 +39,7 @@ PINNED = {
     }),
     "chunk": (256, {
         "control": (0, 8), "owner": (8, 8), "slot_size": (16, 8), "nslots": (24, 8),
-        "nchunks": (32, 8), "used": (40, 8), "pad": (48, 16), "alloc_bits": (64, 64),
+        "nchunks": (32, 8), "pad": (40, 24), "alloc_bits": (64, 64),
         "pub_bits": (128, 64), "dirty_bits": (192, 64),
     }),
     "lock_entry": (128, {

@@ -3,6 +3,8 @@
 `Mapping` maps a pool (file or device-dax) or wraps a buffer; every access
 takes a byte offset from the pool base and is bounds-checked in C.
 """
+import os
+
 from cxlkv.errors import PoolRangeError
 
 try:
@@ -24,6 +26,17 @@ if _native.ABI_VERSION != EXPECTED_ABI:  # pragma: no cover - depends on the bui
 
 _native.set_error_types(PoolRangeError)
 
+#: crash points are live only when CXLKV_CRASH_AT is set (tests); hot paths
+#: test this flag before calling crashpoint().
+CRASH_ENABLED = bool(os.environ.get("CXLKV_CRASH_AT"))
+
+
+def crashpoint(site: str) -> None:
+    """SIGKILL this process the Nth time it passes `site` (CXLKV_CRASH_AT=site:N)."""
+    if CRASH_ENABLED:
+        _native.crashpoint(site)
+
+
 Mapping = _native.Mapping
 fence = _native.fence
 sfence = _native.sfence
@@ -31,4 +44,5 @@ cpu_info = _native.cpu_info
 layout = _native.layout
 constants = _native.constants
 
-__all__ = ["Mapping", "fence", "sfence", "cpu_info", "layout", "constants"]
+__all__ = ["Mapping", "fence", "sfence", "cpu_info", "layout", "constants", "crashpoint",
+           "CRASH_ENABLED"]

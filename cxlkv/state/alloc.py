@@ -28,12 +28,13 @@ import threading
 
 import numpy as np
 
+from cxlkv._core import crashpoint
 from cxlkv.errors import CxlkvError, RefusedError
 from cxlkv.pool import layout as L
 from cxlkv.state import nodes as N
 
 _DESC = np.dtype([("control", "<u8"), ("owner", "<u8"), ("slot_size", "<u8"),
-                  ("nslots", "<u8"), ("nchunks", "<u8"), ("used", "<u8"), ("pad", "V16"),
+                  ("nslots", "<u8"), ("nchunks", "<u8"), ("pad", "V24"),
                   ("alloc_bits", "<u8", 8), ("pub_bits", "<u8", 8), ("dirty_bits", "<u8", 8)])
 assert _DESC.itemsize == L.CHUNK_DESC_SIZE
 
@@ -67,6 +68,12 @@ def descriptors(pool) -> np.ndarray:
     _, _, n, base = geometry(pool)
     pool.mapping.invalidate(base, n * L.CHUNK_DESC_SIZE)
     return np.frombuffer(pool.mapping.view(base, n * L.CHUNK_DESC_SIZE), dtype=_DESC)
+
+
+def used_slots(d: np.ndarray) -> np.ndarray:
+    """Allocated slots per descriptor (popcount of its alloc bitmap)."""
+    bits = np.ascontiguousarray(d["alloc_bits"]).view(np.uint8).reshape(len(d), 64)
+    return np.unpackbits(bits, axis=1).sum(axis=1)
 
 
 def bitmap(pool) -> np.ndarray:
@@ -125,6 +132,7 @@ class Allocator:
         self.m = pool.mapping
         self.data_off, self.chunk, self.nchunks, self.desc_base = geometry(pool)
         self.m.set_geometry(self.data_off, self.chunk, self.nchunks, self.desc_base)
+        self.m.flush_meta = pool.sb.sync == "manager" or self.m.noncoherent
         self.token = pool.node.owner_token
         self._current: dict[int, int] = {}      # slot size -> head chunk of the slab in use
         self._slow = threading.Lock()
@@ -164,7 +172,7 @@ class Allocator:
                         self._current[ss] = self._find_slab(ss)
         except BaseException:
             if got:
-                self.m.slab_free(out[:got], True)
+                self.m.slab_free(out[:got], True, 0)
             raise
         return out
 
@@ -174,11 +182,23 @@ class Allocator:
 
     def free_batch(self, offsets, zero: bool = True) -> int:
         """Free slots (any node's).  zero=True zeroes them now; False marks them
-        dirty (zeroed before reuse unless the next owner overwrites them)."""
+        dirty (zeroed before reuse unless the next owner overwrites them).
+
+        Slots in this node's slabs are freed without the pool lock; slots in
+        other slabs (orphaned, or another node's) under it, so recovery never
+        races with a half-done free there."""
+        arr = np.ascontiguousarray(np.atleast_1d(offsets), dtype=np.uint64)
+        done = 0
         try:
-            return self.m.slab_free(np.ascontiguousarray(offsets, dtype=np.uint64), zero)
+            while done < len(arr):
+                done += self.m.slab_free(arr[done:], zero, self.token)
+                if done < len(arr):
+                    self.pool.node.check()
+                    with self.pool.lock():
+                        done += self.m.slab_free(arr[done:done + 1], zero, 0)
         except ValueError as e:
             raise AllocError(str(e)) from None
+        return done
 
     def publish(self, offsets) -> int:
         """Mark reserved slots published: they survive this node's death."""
@@ -211,7 +231,7 @@ class Allocator:
     def _reuse(self, d: np.ndarray, ss: int) -> int:
         """A slab of this size with room: ours first, else adopt an orphan."""
         kind = d["control"] & 0xFF
-        room = (kind == L.CHUNK_HEAD) & (d["slot_size"] == ss) & (d["used"] < d["nslots"])
+        room = (kind == L.CHUNK_HEAD) & (d["slot_size"] == ss) & (used_slots(d) < d["nslots"])
         for owner in (self.token, 0):
             for head in np.flatnonzero(room & (d["owner"] == owner)):
                 head = int(head)
@@ -230,8 +250,8 @@ class Allocator:
         if head < 0:
             return -1
         m, base = self.m, self.desc_base
-        for i in range(head + 1, head + k):
-            m.store64(base + i * L.CHUNK_DESC_SIZE, L.CHUNK_TAIL | head << 8)
+        # head first (it names the owner, so recovery can find a half-made slab),
+        # then the tails, then the bitmap
         h = base + head * L.CHUNK_DESC_SIZE
         m.zero(h + 8, L.CHUNK_DESC_SIZE - 8)
         m.store64(h + _F["owner"], self.token)
@@ -239,7 +259,12 @@ class Allocator:
         m.store64(h + _F["nslots"], nslots)
         m.store64(h + _F["nchunks"], k)
         m.store64(h + _F["control"], L.CHUNK_HEAD)
+        m.flush(h, L.CHUNK_DESC_SIZE)
+        crashpoint("slab.head")
+        for i in range(head + 1, head + k):
+            m.store64(base + i * L.CHUNK_DESC_SIZE, L.CHUNK_TAIL | head << 8)
         m.flush(h, k * L.CHUNK_DESC_SIZE)
+        crashpoint("slab.tails")
         set_bits(self.pool, head, k, True)
         return head
 
@@ -249,7 +274,7 @@ class Allocator:
         Safe for a slab another thread is allocating from: release_slab's
         RELEASING/bit check makes exactly one of them back off."""
         kind = d["control"] & 0xFF
-        cand = np.flatnonzero((kind == L.CHUNK_HEAD) & (d["used"] == 0) &
+        cand = np.flatnonzero((kind == L.CHUNK_HEAD) & (used_slots(d) == 0) &
                               ((d["owner"] == self.token) | (d["owner"] == 0)))
         released = 0
         for head in cand:
@@ -281,82 +306,155 @@ def set_bits(pool, first: int, count: int, value: bool) -> None:
     m.flush(off + first // 64 * 8, ((first + count + 63) // 64 - first // 64) * 8)
 
 
-def release_slab(pool, head: int) -> bool:
+def release_slab(pool, head: int, *, resume: bool = False) -> bool:
     """Return an empty slab's chunks to the bitmap (caller holds the pool lock).
 
     Refused (False) if any slot is allocated: allocators set their bit, then
     check the slab is still a HEAD; we set RELEASING, then check the bits.
+    resume=True finishes a release a dead lock holder left half done.
     """
     _, _, _, base = geometry(pool)
     m = pool.mapping
     h = base + head * L.CHUNK_DESC_SIZE
-    if m.cas64(h, L.CHUNK_HEAD, L.CHUNK_RELEASING) != L.CHUNK_HEAD:
-        return False
-    raw = m.read(h + _F["alloc_bits"], 64)
-    if any(raw):
+    if not (resume and m.load64(h) & 0xFF == L.CHUNK_RELEASING):
+        if m.cas64(h, L.CHUNK_HEAD, L.CHUNK_RELEASING) != L.CHUNK_HEAD:
+            return False
+    m.flush(h, 8)
+    crashpoint("release.releasing")
+    m.invalidate(h, L.CHUNK_DESC_SIZE)
+    if any(m.read(h + _F["alloc_bits"], 64)):
         m.store64(h, L.CHUNK_HEAD)
+        m.flush(h, 8)
         return False
-    k = m.load64(h + _F["nchunks"])
     data_off, chunk, nchunks, _ = geometry(pool)
-    k = max(1, min(k, nchunks - head))
+    k = max(1, min(m.load64(h + _F["nchunks"]), nchunks - head))
     if any(m.read(h + _F["dirty_bits"], 64)):
         m.zero(data_off + head * chunk, k * chunk)   # stale bytes never outlive a slab
     for i in range(head + k - 1, head, -1):
         if m.load64(base + i * L.CHUNK_DESC_SIZE) & 0xFF == L.CHUNK_TAIL:
             m.store64(base + i * L.CHUNK_DESC_SIZE, L.CHUNK_FREE)
+    m.flush(h, k * L.CHUNK_DESC_SIZE)
+    crashpoint("release.tails")
     m.zero(h + 8, L.CHUNK_DESC_SIZE - 8)
     m.store64(h, L.CHUNK_FREE)
-    m.flush(h, k * L.CHUNK_DESC_SIZE)
+    m.flush(h, 8)
+    crashpoint("release.head")
     set_bits(pool, head, k, False)
     return True
 
 
 @N.register_recovery(order=20)
 def _recover_allocations(pool, slot: int, epoch: int) -> None:
-    """A dead node's slabs: free its unpublished slots (zeroed), release the
-    empty slabs, orphan the rest (any node may adopt them)."""
+    """What a dead node left in the allocator, under the pool lock:
+    its unpublished slots are freed (zeroed), its empty slabs released, the
+    rest orphaned (any node may adopt them); then whatever a dead lock holder
+    left half done - a release, tails without a head, bits without a slab."""
     token = (slot + 1) | epoch << 16
-    d = descriptors(pool)
+    node = pool.node
+    # the reaper takes the pool lock as itself; a pool without a live node of
+    # its own (or a node recovering its own slot while being reaped) cannot
+    own = node is not None and node.slot >= 0 and not node.fenced and node.slot != slot
+    lock = pool.lock() if own or (node is not None and node.slot == slot
+                                   and _still_attached(pool, node)) else None
+    if lock is not None:
+        lock.acquire()
     try:
-        heads = np.flatnonzero(((d["control"] & 0xFF) != L.CHUNK_FREE) & (d["owner"] == token)
-                               & ((d["control"] & 0xFF) != L.CHUNK_TAIL))
-        if len(heads) == 0:
-            return
         data_off, chunk, nchunks, base = geometry(pool)
         pool.mapping.set_geometry(data_off, chunk, nchunks, base)
         m = pool.mapping
-        if pool.node is not None and pool.node.slot >= 0 and not pool.node.fenced:
-            lock = pool.lock()
-        else:
-            lock = None
-        if lock is not None:
-            lock.acquire()
+        d = descriptors(pool)
         try:
-            for head in heads:
+            kind = d["control"] & 0xFF
+            mine = np.flatnonzero(((kind == L.CHUNK_HEAD) | (kind == L.CHUNK_RELEASING))
+                                  & (d["owner"] == token))
+            releasing = np.flatnonzero(kind == L.CHUNK_RELEASING)
+            for head in releasing:          # only a dead lock holder leaves these
+                release_slab(pool, int(head), resume=True)
+            for head in mine:
                 head = int(head)
                 h = base + head * L.CHUNK_DESC_SIZE
-                if m.load64(h) & 0xFF == L.CHUNK_RELEASING:
-                    m.store64(h, L.CHUNK_HEAD)        # died releasing it: finish below
                 if m.load64(h) & 0xFF != L.CHUNK_HEAD:
                     continue
                 ss, ns = int(d["slot_size"][head]), int(d["nslots"][head])
-                alloc = d["alloc_bits"][head].copy()
-                pub = d["pub_bits"][head].copy()
-                reserved = [i for i in range(ns) if (int(alloc[i // 64]) >> (i % 64)) & 1
-                            and not (int(pub[i // 64]) >> (i % 64)) & 1]
+                alloc = [int(x) for x in d["alloc_bits"][head]]
+                pub = [int(x) for x in d["pub_bits"][head]]
+                reserved = [i for i in range(ns)
+                            if (alloc[i // 64] >> (i % 64)) & 1 and not (pub[i // 64] >> (i % 64)) & 1]
                 if reserved:
-                    offs = np.array([data_off + head * chunk + i * ss for i in reserved],
-                                    dtype=np.uint64)
-                    m.slab_free(offs, True)
+                    m.slab_free(np.array([data_off + head * chunk + i * ss for i in reserved],
+                                         dtype=np.uint64), True, 0)
                 m.store64(h + _F["owner"], 0)
-                if m.load64(h + _F["used"]) == 0:
-                    release_slab(pool, head)
-            _reclaim_leaked_chunks(pool)
+                m.flush(h, 64)
+                release_slab(pool, head)        # refused while published slots remain
         finally:
-            if lock is not None:
-                lock.release()
+            del d
+        _finish_interrupted_frees(pool, live_owner=_live_tokens(pool))
+        _repair_dangling(pool)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _live_tokens(pool) -> set[int]:
+    return {(n.slot + 1) | n.epoch << 16 for n in N.read_nodes(pool) if n.state == "attached"}
+
+
+def _finish_interrupted_frees(pool, live_owner: set[int]) -> None:
+    """Allocated slots with their dirty bit set are frees a dead node began;
+    finish them - in slabs no live node owns (a live owner frees its own
+    slots without the lock, and its own recovery finishes them) - and return
+    empty ones of those slabs to the bitmap.  Caller holds the pool lock."""
+    data_off, chunk, _, base = geometry(pool)
+    d = descriptors(pool)
+    try:
+        kind = d["control"] & 0xFF
+        heads = [int(h) for h in np.flatnonzero(kind == L.CHUNK_HEAD)
+                 if int(d["owner"][h]) not in live_owner]
+        todo, empty = [], []
+        for h in heads:
+            ss, ns = int(d["slot_size"][h]), int(d["nslots"][h])
+            a = [int(x) for x in d["alloc_bits"][h]]
+            dirty = [int(x) for x in d["dirty_bits"][h]]
+            hit = [i for i in range(ns) if (a[i // 64] & dirty[i // 64]) >> (i % 64) & 1]
+            todo += [data_off + h * chunk + i * ss for i in hit]
+            if sum(x.bit_count() for x in a) == len(hit):
+                empty.append(h)
     finally:
         del d
+    if todo:
+        pool.mapping.slab_free(np.array(todo, dtype=np.uint64), True, 0)
+    for h in empty:
+        release_slab(pool, h)
+
+
+def _still_attached(pool, node) -> bool:
+    try:
+        node.check()
+        return True
+    except N.NodeFenced:
+        return False
+
+
+def _repair_dangling(pool) -> None:
+    """Tails whose head does not cover them, and bitmap bits with no slab
+    behind them, left by a node that died making or releasing a slab.
+    Caller holds the pool lock (so no slab is being made right now)."""
+    _, _, nchunks, base = geometry(pool)
+    m = pool.mapping
+    d = descriptors(pool)
+    try:
+        kind = (d["control"] & 0xFF).copy()
+        heads = np.flatnonzero(kind == L.CHUNK_HEAD)
+        span = np.zeros(nchunks, dtype=bool)
+        for h in heads:
+            k = int(d["nchunks"][h])
+            span[int(h):min(nchunks, int(h) + max(k, 1))] = True
+    finally:
+        del d
+    for i in np.flatnonzero((kind == L.CHUNK_TAIL) & ~span):
+        m.store64(base + int(i) * L.CHUNK_DESC_SIZE, L.CHUNK_FREE)
+        m.flush(base + int(i) * L.CHUNK_DESC_SIZE, 8)
+    _reclaim_leaked_chunks(pool)
 
 
 def _reclaim_leaked_chunks(pool) -> int:

@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from cxlkv._core import CRASH_ENABLED, crashpoint
 from cxlkv.errors import CxlkvError
 from cxlkv.pool import layout as L
 from cxlkv.state import nodes as N
@@ -182,6 +183,8 @@ class PoolLock:
                 self.pool.node.check()
             ok, t, serving = r
             self._ticket = t if ok else self._wait(t, serving, deadline)
+            if CRASH_ENABLED:
+                crashpoint("lock.held")
         except BaseException:
             self._local.release()
             raise

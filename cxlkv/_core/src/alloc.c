@@ -15,7 +15,6 @@
 #define CD_SLOT      offsetof(struct cxlkv_chunk, slot_size)
 #define CD_NSLOTS    offsetof(struct cxlkv_chunk, nslots)
 #define CD_NCHUNKS   offsetof(struct cxlkv_chunk, nchunks)
-#define CD_USED      offsetof(struct cxlkv_chunk, used)
 #define CD_ALLOC     offsetof(struct cxlkv_chunk, alloc_bits)
 #define CD_PUB       offsetof(struct cxlkv_chunk, pub_bits)
 #define CD_DIRTY     offsetof(struct cxlkv_chunk, dirty_bits)
@@ -191,6 +190,7 @@ Mapping_slab_alloc(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         if (slot == UINT64_MAX)
             break;
         uint64_t w = slot / 64, bit = 1ull << (slot % 64);
+        cxlkv_crashpoint("alloc.bit");
         /* Dekker with release_slab(): it sets RELEASING, then looks at the bits */
         if ((pool_load64(m, d + CD_CONTROL) & 0xff) != CXLKV_CHUNK_HEAD) {
             bit_clear(m, d + CD_ALLOC + w * 8, bit);
@@ -201,7 +201,8 @@ Mapping_slab_alloc(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
                 pool_zero(m, base + slot * ss, ss, 1);
             bit_clear(m, d + CD_DIRTY + w * 8, bit);
         }
-        pool_fadd64(m, d + CD_USED, 1);
+        if (m->flush_meta)
+            pool_flush(m, d + CD_ALLOC, 192);
         dst[got++] = base + slot * ss;
     }
     Py_END_ALLOW_THREADS
@@ -216,16 +217,24 @@ done:
     return PyLong_FromLongLong(got);
 }
 
-/* slab_free(offsets, zero) -> freed.  Stops at the first offset that is not
- * an allocated slot and raises ValueError naming it (the ones before it are
- * freed).  zero=True zeroes each slot before it is released; zero=False marks
- * it dirty (zeroed when next handed out, unless the new owner overwrites it). */
+/* slab_free(offsets, zero, owner) -> freed.
+ * Frees slots in order.  owner != 0: stops (returning how many it freed) at
+ * the first slot whose slab another node owns - the caller takes the pool
+ * lock and calls again with owner 0 for the rest, so that frees in slabs
+ * that are not the caller's are serialised with recovery.  Raises ValueError
+ * at the first offset that is not an allocated slot (the ones before it are
+ * freed).
+ * Order, so that a crash at any point is recognisable and finishable:
+ *   dirty bit set ("contents going away") -> pub bit cleared -> contents
+ *   zeroed (zero=True) -> alloc bit cleared -> dirty bit cleared (zeroed).
+ * An allocated slot with its dirty bit set is a free that was interrupted. */
 PyObject *
 Mapping_slab_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 {
     int zero;
-    if (nargs_check(nargs, 2, 2, "slab_free") < 0 || need_geometry(m, "slab_free") < 0 ||
-        check_writable(m, "slab_free") < 0)
+    uint64_t owner;
+    if (nargs_check(nargs, 3, 3, "slab_free") < 0 || need_geometry(m, "slab_free") < 0 ||
+        check_writable(m, "slab_free") < 0 || as_u64(args[2], &owner, "owner") < 0)
         return NULL;
     if ((zero = PyObject_IsTrue(args[1])) < 0)
         return NULL;
@@ -242,25 +251,28 @@ Mapping_slab_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         if ((err = decode_slot(m, offs[i], &head, &slot, &ss)))
             break;
         uint64_t d = m->desc_base + head * CXLKV_CHUNK_DESC_SIZE;
+        if (owner && pool_load64(m, d + CD_OWNER) != owner)
+            break;                                  /* not ours: the caller locks */
         uint64_t w = slot / 64, bit = 1ull << (slot % 64);
         if (!(pool_load64(m, d + CD_ALLOC + w * 8) & bit)) {
             err = "slot is not allocated (double free?)";
             break;
         }
-        /* contents go before the slot does: nobody may get it un-zeroed */
-        if (zero) {
-            pool_zero(m, offs[i], ss, 1);
-            bit_clear(m, d + CD_DIRTY + w * 8, bit);
-        } else {
-            bit_set(m, d + CD_DIRTY + w * 8, bit);
-        }
+        bit_set(m, d + CD_DIRTY + w * 8, bit);
         bit_clear(m, d + CD_PUB + w * 8, bit);
+        cxlkv_crashpoint("free.pub");
+        if (zero)
+            pool_zero(m, offs[i], ss, 1);
+        cxlkv_crashpoint("free.zeroed");
         uint64_t old = pool_and64(m, d + CD_ALLOC + w * 8, ~bit);
         if (!(old & bit)) {
             err = "slot is not allocated (double free?)";
             break;
         }
-        pool_fadd64(m, d + CD_USED, (uint64_t)-1);
+        if (zero)
+            bit_clear(m, d + CD_DIRTY + w * 8, bit);
+        if (m->flush_meta)
+            pool_flush(m, d + CD_ALLOC, 192);
     }
     Py_END_ALLOW_THREADS
     m->busy--;
@@ -271,7 +283,7 @@ Mapping_slab_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
                      (unsigned long long)bad, i, err, i);
         return NULL;
     }
-    return PyLong_FromSsize_t(n);
+    return PyLong_FromSsize_t(i);
 }
 
 /* slab_publish(offsets) -> published: mark allocated slots published */
@@ -298,7 +310,8 @@ Mapping_slab_publish(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
             break;
         }
         bit_set(m, d + CD_PUB + w * 8, bit);
-        pool_flush(m, d + CD_PUB + w * 8, 8);
+        if (m->flush_meta)
+            pool_flush(m, d + CD_PUB + w * 8, 8);
     }
     uint64_t bad = i < n ? offs[i] : 0;
     PyBuffer_Release(&in);

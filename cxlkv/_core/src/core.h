@@ -28,6 +28,9 @@ typedef struct {
     uint64_t data_off, chunk_size, nchunks, desc_base;
     /* non-coherence emulation (CXLKV_NONCOHERENT=1), NULL when coherent */
     struct nc_cache *nc;
+    /* flush metadata the hot paths write (manager mode: other hosts read it
+     * without coherence); off for cas mode on coherent memory */
+    int flush_meta;
 } Mapping;
 
 extern PyObject *cxlkv_RangeError;
@@ -133,6 +136,11 @@ static inline void pool_read(Mapping *m, uint64_t off, void *dst, uint64_t len)
     }
     cxlkv_copy_from_pool(dst, m->base + off, (size_t)len);
 }
+
+/* Deterministic crash points for crash-consistency tests: with
+ * CXLKV_CRASH_AT=SITE:N the process kills itself (SIGKILL) the Nth time it
+ * passes SITE.  A no-op otherwise. */
+void cxlkv_crashpoint(const char *site);
 
 /* alloc.c */
 PyObject *Mapping_slab_alloc(Mapping *m, PyObject *const *args, Py_ssize_t nargs);

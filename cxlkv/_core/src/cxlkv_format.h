@@ -185,8 +185,7 @@ struct cxlkv_chunk {
     uint64_t slot_size;         /*   16 bytes per slot */
     uint64_t nslots;            /*   24 slots in the slab */
     uint64_t nchunks;           /*   32 chunks in the slab */
-    uint64_t used;              /*   40 allocated slots */
-    uint8_t  pad[16];           /*   48 */
+    uint8_t  pad[24];           /*   40 (no slot count: derived from alloc_bits) */
     uint64_t alloc_bits[8];     /*   64 */
     uint64_t pub_bits[8];       /*  128 */
     uint64_t dirty_bits[8];     /*  192 */

@@ -16,6 +16,8 @@
 
 #include <errno.h>
 #include <string.h>
+#include <signal.h>
+#include <stdlib.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -768,6 +770,27 @@ Mapping_get_exports(Mapping *m, void *c)
 }
 
 static PyObject *
+Mapping_get_flush_meta(Mapping *m, void *c)
+{
+    (void)c;
+    return PyBool_FromLong(m->flush_meta);
+}
+
+static int
+Mapping_set_flush_meta(Mapping *m, PyObject *v, void *c)
+{
+    (void)c;
+    int t = v ? PyObject_IsTrue(v) : -1;
+    if (t < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_AttributeError, "cannot delete flush_meta");
+        return -1;
+    }
+    m->flush_meta = t;
+    return 0;
+}
+
+static PyObject *
 Mapping_get_noncoherent(Mapping *m, void *c)
 {
     (void)c;
@@ -825,6 +848,8 @@ static PyGetSetDef Mapping_getset[] = {
     {"writable", (getter)Mapping_get_writable, NULL, "mapped read-write", NULL},
     {"closed", (getter)Mapping_get_closed, NULL, "unmapped", NULL},
     {"exports", (getter)Mapping_get_exports, NULL, "live views", NULL},
+    {"flush_meta", (getter)Mapping_get_flush_meta, (setter)Mapping_set_flush_meta,
+     "hot paths flush the metadata they write (for non-coherent memory)", NULL},
     {"noncoherent", (getter)Mapping_get_noncoherent, NULL,
      "this process sees the pool through the non-coherence emulation", NULL},
     {"address", (getter)Mapping_get_address, NULL,
@@ -847,7 +872,7 @@ static PyMethodDef Mapping_methods[] = {
     FAST(ticket_release, "ticket_release(hdr, entry, ticket, token) -> bool: False if it was not ours"),
     FAST(set_geometry, "set_geometry(data_off, chunk_size, nchunks, desc_base): allocator geometry"),
     FAST(slab_alloc, "slab_alloc(head, owner, out, count, zero) -> allocated | -1 (not our active slab)"),
-    FAST(slab_free, "slab_free(offsets, zero) -> freed; raises ValueError at the first bad offset"),
+    FAST(slab_free, "slab_free(offsets, zero, owner) -> freed (stops at a slab owner does not own; owner 0 = any); raises ValueError at the first bad offset"),
     FAST(slab_publish, "slab_publish(offsets) -> published"),
     FAST(flush, "flush(off, length): write back the cache lines of a range, then fence"),
     FAST(invalidate, "invalidate(off, length): drop the cache lines of a range"),
@@ -880,6 +905,40 @@ static PyTypeObject MappingType = {
 
 /* ------------------------------------------------------------------ */
 /* module functions                                                     */
+
+static struct {
+    int parsed;
+    char site[64];
+    long long left;       /* passes of `site` before the crash */
+} crash;
+
+void
+cxlkv_crashpoint(const char *site)
+{
+    if (!crash.parsed) {
+        crash.parsed = 1;
+        const char *e = getenv("CXLKV_CRASH_AT");
+        const char *colon = e ? strrchr(e, ':') : NULL;
+        if (colon && (size_t)(colon - e) < sizeof(crash.site)) {
+            memcpy(crash.site, e, (size_t)(colon - e));
+            crash.left = atoll(colon + 1);
+        }
+    }
+    if (crash.left > 0 && !strcmp(site, crash.site) &&
+        __atomic_sub_fetch(&crash.left, 1, __ATOMIC_SEQ_CST) == 0)
+        raise(SIGKILL);
+}
+
+static PyObject *
+mod_crashpoint(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    const char *site = PyUnicode_AsUTF8(arg);
+    if (!site)
+        return NULL;
+    cxlkv_crashpoint(site);
+    Py_RETURN_NONE;
+}
 
 static PyObject *
 mod_fence(PyObject *self, PyObject *Py_UNUSED(ignored))
@@ -1061,7 +1120,6 @@ mod_layout(PyObject *self, PyObject *Py_UNUSED(ignored))
     FIELD(f, cxlkv_chunk, slot_size);
     FIELD(f, cxlkv_chunk, nslots);
     FIELD(f, cxlkv_chunk, nchunks);
-    FIELD(f, cxlkv_chunk, used);
     FIELD(f, cxlkv_chunk, pad);
     FIELD(f, cxlkv_chunk, alloc_bits);
     FIELD(f, cxlkv_chunk, pub_bits);
@@ -1118,6 +1176,8 @@ mod_constants(PyObject *self, PyObject *Py_UNUSED(ignored))
 
 static PyMethodDef module_methods[] = {
     {"fence", mod_fence, METH_NOARGS, "full memory fence (mfence)"},
+    {"crashpoint", mod_crashpoint, METH_O,
+     "crashpoint(site): SIGKILL this process at the Nth pass when CXLKV_CRASH_AT=site:N"},
     {"sfence", mod_sfence, METH_NOARGS, "store fence"},
     {"cpu_info", mod_cpu_info, METH_NOARGS, "CPU features and the flush/invalidate instructions in use"},
     {"layout", mod_layout, METH_NOARGS, "on-media structure offsets and sizes, from the C header"},
