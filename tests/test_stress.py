@@ -1,9 +1,13 @@
 """`cxlkv stress`: clean runs, runs with kill -9, and proof that its checks can fail."""
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 
 import cxlkv
+from cxlkv import errors as E
 from cxlkv.pool.admin import init_pool
 from cxlkv.state import stress
 
@@ -62,9 +66,9 @@ def test_human_output_and_ops_limit(cli, spool):
     assert r.err == ""
 
 
-def _corrupt_one_payload(pool):
+def _corrupt_one_payload(pool, sup):
     for off, _, published in stress.allocated_slots(pool):
-        verdict, p = stress.read_payload(pool.mapping, off, 1 << 30)
+        _, p = stress.read_payload(pool.mapping, off, 1 << 30)
         if published and p is not None:
             b = pool.mapping.read(off + stress.HEADER.size, 1)
             pool.mapping.write(off + stress.HEADER.size, bytes([b[0] ^ 0xFF]))
@@ -72,15 +76,14 @@ def _corrupt_one_payload(pool):
     raise AssertionError("no payload to corrupt")
 
 
-def _leak_unowned_payload(pool):
+def _leak_unowned_payload(pool, sup):
     p = stress.Payload(pool.alloc(4096), 1, 1 << 40, 4096)
     stress.write_payload(pool.mapping, p, bytes(4096 - stress.HEADER.size))
     pool.publish(p.offset)
 
 
-def _skip_lock(pool):
-    off = min(stress.allocated_slots(pool))[0]     # the control slot comes first
-    pool.mapping.store64(off, pool.mapping.load64(off) - 1)
+def _skip_lock(pool, sup):
+    pool.mapping.store64(sup.control, pool.mapping.load64(sup.control) - 1)
 
 
 @pytest.mark.parametrize("damage,kind", [(_corrupt_one_payload, "checksum-mismatch"),
@@ -92,11 +95,12 @@ def test_checks_catch_damage(cli, spool, monkeypatch, damage, kind):
 
     def damaged(self):
         with cxlkv.open_pool(self.opts.pool) as pool:
-            damage(pool)
+            damage(pool, self)
         check_pool(self)
 
     monkeypatch.setattr(stress.Supervisor, "check_pool", damaged)
-    r = cli("stress", "--pool", spool, "--nodes", "2", "--ops", "400", "--json")
+    r = cli("stress", "--pool", spool, "--nodes", "2", "--ops", "400",
+            "--mix", "alloc=3,free=1,lock=1", "--json")
     assert r.code == 1, r.err
     doc = r.json()
     assert not doc["passed"] and [v["kind"] for v in doc["violations"]] == [kind]
@@ -131,21 +135,33 @@ def test_refuses_a_pool_in_use(cli, spool):
     assert r.code == 1 and "holds 1 allocated slot" in r.err, r.err
 
 
-def test_manager_pool_without_lock_manager(cli, pool_path, monkeypatch):
-    import builtins
-
+@pytest.fixture
+def manager_pool(pool_path):
     init_pool(pool_path, {"size": 64 * MiB, "sync": "manager"})
-    real_import = builtins.__import__
+    return pool_path
 
-    def no_lockmgr(name, *a, **kw):            # as in a build without cxlkv.daemons
-        if name.startswith("cxlkv.daemons"):
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return real_import(name, *a, **kw)
 
-    monkeypatch.setattr(builtins, "__import__", no_lockmgr)
-    r = cli("stress", "--pool", pool_path, "--seconds", "1", "--json")
+def test_manager_pool_without_lock_manager(cli, manager_pool, monkeypatch):
+    monkeypatch.setitem(sys.modules, "cxlkv.daemons.lockmgr", None)     # a build without it
+    r = cli("stress", "--pool", manager_pool, "--seconds", "1", "--json")
     assert r.code == 5, r.err
     assert "needs the lock manager" in r.json()["error"]["message"]
+
+
+def test_manager_pool_gets_a_manager_for_the_run(cli, manager_pool, monkeypatch):
+    stopped = []
+    lockmgr = types.ModuleType("cxlkv.daemons.lockmgr")
+    lockmgr.ensure_manager = lambda path: (True, lambda: stopped.append(path))
+    monkeypatch.setitem(sys.modules, "cxlkv.daemons", types.ModuleType("cxlkv.daemons"))
+    monkeypatch.setitem(sys.modules, "cxlkv.daemons.lockmgr", lockmgr)
+
+    def refuse(self, opts, sync):
+        raise E.RefusedError("no attaching in this test")
+
+    monkeypatch.setattr(stress.Supervisor, "__init__", refuse)
+    r = cli("stress", "--pool", manager_pool, "--seconds", "1")
+    assert r.code == 1 and "started a lock manager for this run" in r.err, r.err
+    assert stopped == [manager_pool]             # stopped even though the run failed
 
 
 def test_memory_model_follows_the_environment(monkeypatch):

@@ -33,7 +33,7 @@ def parse_mix(text: str) -> dict[str, int]:
 
 @click.command("stress", epilog=exit_codes_epilog(STRESS_CODES))
 @pool_option(required=True)
-@click.option("--nodes", type=click.IntRange(min=1), default=4, show_default=True,
+@click.option("--nodes", type=click.IntRange(min=1), default=4, show_default=True, metavar="N",
               help="Worker processes, each attached as its own node.")
 @click.option("--seconds", type=click.FloatRange(min=0, min_open=True), metavar="S",
               help="Run for S seconds.")
@@ -42,10 +42,12 @@ def parse_mix(text: str) -> dict[str, int]:
 @click.option("--kill-rate", type=click.FloatRange(min=0), default=0, metavar="R",
               help="kill -9 R random workers per second (at random moments) and start a "
                    "replacement for each.")
-@click.option("--mix", default=DEFAULT_MIX, show_default=True,
-              help="Operation weights; kinds left out are not done.")
-@click.option("--seed", type=int, help="Seed of sizes, operations and kills (default: random; "
-                                       "reported, so a run can be repeated).")
+@click.option("--mix", default=DEFAULT_MIX, show_default=True, metavar="KIND=WEIGHT,...",
+              help="Weights of the operations alloc, free, verify and lock (left out: 0; "
+                   "free and verify allocate while a worker owns nothing).")
+@click.option("--seed", type=int, metavar="N",
+              help="Seed of payload sizes, operation choices and kill times (default: random; "
+                   "reported).")
 @json_option
 @pass_app
 def stress_cmd(app: Application, pool, nodes, seconds, ops, kill_rate, mix, seed, as_json):
@@ -111,7 +113,7 @@ def render(app: Application, res) -> None:
     for col in ("", "p50", "p99"):
         lat.add_column(col, justify="right" if col else "left")
     for kind, q in res.latency.items():
-        lat.add_row(kind, *("-" if q[p] is None else f"{q[p]:g}" for p in ("p50", "p99")))
+        lat.add_row(kind, *("-" if q[p] is None else f"{q[p]:.1f}" for p in ("p50", "p99")))
     app.out.print(lat)
     checks = Table(title="checks", title_justify="left", box=None)
     for col in ("check", "result", "detail"):

@@ -17,11 +17,11 @@ The control slot, allocated by the supervisor before the workers start, has
 one 64-byte line per worker after the shared counter (line 0):
   word 0  lock ops this worker id completed (all its incarnations)
   word 1  the offset it is freeing right now, 0 when none
-so a replacement knows which slot its predecessor died freeing (a free
-zeroes the slot before it is released: such a slot is still published but
-no longer a payload).  It reports that slot to the supervisor and adopts the
-predecessor's other payloads.  Worker ids start at 1, so a header that
-reads as zeros never names one.
+so a replacement knows which slot its predecessor died freeing: that slot
+may still be allocated, even published (recovery finishes a free only once
+it has begun), but it is nobody's payload any more.  The replacement reports
+it to the supervisor and adopts the predecessor's other payloads.  Worker
+ids start at 1, so a header that reads as zeros never names one.
 
 Workers report on stdout, one JSON line each: cumulative "stats" every
 REPORT_S (a killed worker loses only its last interval), "violation",
@@ -85,7 +85,8 @@ class Payload:
         return (self.worker << 48 ^ self.seq) & 0xFFFFFFFFFFFFFFFF
 
     def describe(self) -> str:
-        return f"payload {self.offset:#x} (worker {self.worker}, seq {self.seq}, {self.length} bytes)"
+        return (f"payload {self.offset:#x} (worker {self.worker}, seq {self.seq}, "
+                f"{self.length} bytes)")
 
 
 def write_payload(m, p: Payload, body) -> None:
@@ -547,7 +548,6 @@ class Supervisor:
                 pool.free_batch([off for off, _, _ in slots])
             except A.AllocError as e:
                 self.fail("empty", "free-failed", str(e))
-            release_empty_slabs(pool)
         with Pool.open(self.opts.pool, writable=False) as pool:
             rep = fsck.check(pool)
         for e in rep.errors:
@@ -570,7 +570,7 @@ class Supervisor:
         for off, ss, published in slots:
             if off == self.control:
                 continue
-            if not published:
+            if not published:          # what a dead node reserved must be freed by recovery
                 self.fail("payloads", "unpublished-slot",
                           f"slot {off:#x} ({ss} bytes) is reserved but not published after "
                           "recovery: leaked")
@@ -640,17 +640,6 @@ class Supervisor:
                         "detail": f"{failed[c]} violation(s)" if failed[c] else details[c]}
                     for c in CHECKS}
         return r
-
-
-def release_empty_slabs(pool) -> int:
-    """Return every empty slab (orphans included) to the chunk bitmap."""
-    with pool.lock():
-        d = A.descriptors(pool)
-        try:
-            heads = np.flatnonzero((d["control"] & 0xFF) == L.CHUNK_HEAD).tolist()
-        finally:
-            del d
-        return sum(A.release_slab(pool, h) for h in heads)
 
 
 def _ensure_manager(path: str, sync: str, notice):
