@@ -71,20 +71,26 @@ def patch_bytes(path: str, offset: int, data: bytes) -> None:
         f.write(data)
 
 
-def rewrite_superblock(path: str, copy: str, **fields) -> None:
-    """Re-encode one superblock copy with changed fields (valid checksum)."""
+def reencode(raw: bytes, **fields) -> bytes:
+    """A superblock image with fields changed and a valid checksum."""
     from cxlkv.pool.superblock import checksum
 
+    buf = bytearray(raw)
+    s = L.SuperblockStruct.from_buffer(buf)
+    for k, v in fields.items():
+        setattr(s, k, v)
+    s.checksum = 0
+    s.checksum = checksum(buf)
+    del s
+    return bytes(buf)
+
+
+def rewrite_superblock(path: str, copy: str, **fields) -> None:
+    """Re-encode one superblock copy of a pool file with changed fields."""
     off = L.SB_OFFSETS["AB".index(copy)]
     with open(path, "r+b") as f:
         f.seek(off)
-        raw = bytearray(f.read(L.SB_SIZE))
-        s = L.SuperblockStruct.from_buffer(raw)
-        for k, v in fields.items():
-            setattr(s, k, v)
-        s.checksum = 0
-        s.checksum = checksum(raw)
-        del s
+        raw = reencode(f.read(L.SB_SIZE), **fields)
         f.seek(off)
         f.write(raw)
 

@@ -9,23 +9,12 @@ from cxlkv.pool import layout as L
 from cxlkv.pool.format import build_superblock
 from cxlkv.pool.superblock import checksum, decode, select
 
-from conftest import small_params
+from conftest import reencode, small_params
 
 
 def sb_bytes(**changes) -> bytes:
     sb = build_superblock(small_params())
     return sb.replace(**changes).encode() if changes else sb.encode()
-
-
-def reencode(raw: bytes, **fields) -> bytes:
-    buf = bytearray(raw)
-    s = L.SuperblockStruct.from_buffer(buf)
-    for k, v in fields.items():
-        setattr(s, k, v)
-    s.checksum = 0
-    s.checksum = checksum(buf)
-    del s
-    return bytes(buf)
 
 
 def test_roundtrip():
