@@ -126,3 +126,14 @@ def _isolated(monkeypatch, tmp_path_factory):
 
 def mode_of(path: str) -> int:
     return os.stat(path).st_mode & 0o7777
+
+
+def pytest_collection_modifyitems(config, items):
+    """The lab tier (QEMU guests, about a minute each) runs only when asked."""
+    if "lab" in (config.getoption("-m") or "") or os.environ.get("CXLKV_LAB") == "1":
+        return
+    skip = pytest.mark.skip(reason="lab tier: run ./scripts/test -m lab (after "
+                                   "scripts/cxl-lab setup) or set CXLKV_LAB=1")
+    for item in items:
+        if "lab" in item.keywords:
+            item.add_marker(skip)
