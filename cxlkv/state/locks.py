@@ -170,24 +170,31 @@ class PoolLock:
         self._ticket = None
         self._observer = N.Observer(pool)
 
-    def acquire(self, timeout: float | None = None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._local.acquire(timeout=-1 if timeout is None else timeout):
-            raise LockTimeout(f"{self.pool.path}: timed out waiting for the pool lock "
-                              "(held by another thread of this process)")
+    def acquire(self, timeout: float | None = None) -> "PoolLock":
+        if timeout is None:
+            self._local.acquire()
+            deadline = None
+        else:
+            deadline = time.monotonic() + timeout
+            if not self._local.acquire(timeout=timeout):
+                raise LockTimeout(f"{self.pool.path}: timed out waiting for the pool lock "
+                                  "(held by another thread of this process)")
         try:
             r = self._acquire(self._hdr, self._entry, self._token, self._epoch, SPINS,
                               self._ctl, self._ctl_val)
-            if r is None:
+            if type(r) is int:
+                self._ticket = r
+            elif r is None:
                 self.pool.node.fenced = True
                 self.pool.node.check()
-            ok, t, serving = r
-            self._ticket = t if ok else self._wait(t, serving, deadline)
+            else:
+                self._ticket = self._wait(r[0], r[1], deadline)
             if CRASH_ENABLED:
                 crashpoint("lock.held")
         except BaseException:
             self._local.release()
             raise
+        return self
 
     def _wait(self, t: int, serving: int, deadline) -> int:
         m = self.pool.mapping
@@ -216,15 +223,14 @@ class PoolLock:
     def release(self) -> None:
         t, self._ticket = self._ticket, None
         try:
-            if t is not None and not self._release(self._hdr, self._entry, t, self._token):
-                raise LockLost(f"{self.pool.path}: the pool lock was taken from node "
-                               f"{self.pool.node.slot} while it held it (its lease lapsed)")
+            ok = t is None or self._release(self._hdr, self._entry, t, self._token)
         finally:
             self._local.release()
+        if not ok:
+            raise LockLost(f"{self.pool.path}: the pool lock was taken from node "
+                           f"{self.pool.node.slot} while it held it (its lease lapsed)")
 
-    def __enter__(self) -> "PoolLock":
-        self.acquire()
-        return self
+    __enter__ = acquire          # the uncontended path is one C call each way
 
     def __exit__(self, *exc) -> None:
         self.release()

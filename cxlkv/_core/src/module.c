@@ -25,7 +25,7 @@
 /* Bump when the Python-visible interface changes; cxlkv/_core/__init__.py
  * refuses to import a build with a different number (a stale build must fail
  * loudly, not strangely). */
-#define CXLKV_NATIVE_ABI 4
+#define CXLKV_NATIVE_ABI 5
 
 /* Copies at least this large release the GIL. */
 #define GIL_RELEASE_MIN (64 * 1024)
@@ -579,9 +579,11 @@ ticket_granted(Mapping *m, uint64_t hdr, uint64_t entry, uint64_t token)
 }
 
 /* ticket_acquire(hdr, entry, token, epoch, spins, control_off, control)
- *   -> (acquired, ticket, now_serving), or None when the word at control_off
- *      (the caller's node control word) is no longer `control`: the node was
- *      fenced and must not take the lock. */
+ *   -> the ticket (an int) when acquired; (ticket, now_serving) when not yet
+ *      (wait with ticket_wait); None when the word at control_off (the
+ *      caller's node control word) is no longer `control`: the node was
+ *      fenced and must not take the lock.  (An int on the fast path: no tuple
+ *      to build, the uncontended lock is about one call.) */
 static PyObject *
 Mapping_ticket_acquire(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -609,10 +611,11 @@ Mapping_ticket_acquire(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         Py_END_ALLOW_THREADS
         m->busy--;
     }
-    if (got)
+    if (got) {
         ticket_granted(m, hdr, entry, token);
-    return Py_BuildValue("(OKK)", got ? Py_True : Py_False, (unsigned long long)t,
-                         (unsigned long long)serving);
+        return PyLong_FromUnsignedLongLong(t);
+    }
+    return Py_BuildValue("(KK)", (unsigned long long)t, (unsigned long long)serving);
 }
 
 /* ticket_wait(hdr, entry, ticket, token, spins) -> (acquired, now_serving) */
@@ -867,7 +870,7 @@ static PyMethodDef Mapping_methods[] = {
     FAST(cas64, "cas64(off, expected, new) -> old: compare-and-swap; swapped iff old == expected"),
     FAST(fetch_add64, "fetch_add64(off, delta) -> old: atomic add modulo 2**64"),
     FAST(add64_many, "add64_many(off, delta, count) -> old: count atomic adds, GIL released"),
-    FAST(ticket_acquire, "ticket_acquire(hdr, entry, token, epoch, spins, control_off, control) -> (acquired, ticket, serving) | None if fenced"),
+    FAST(ticket_acquire, "ticket_acquire(hdr, entry, token, epoch, spins, control_off, control) -> ticket if acquired | (ticket, serving) | None if fenced"),
     FAST(ticket_wait, "ticket_wait(hdr, entry, ticket, token, spins) -> (acquired, serving); GIL released"),
     FAST(ticket_release, "ticket_release(hdr, entry, ticket, token) -> bool: False if it was not ours"),
     FAST(set_geometry, "set_geometry(data_off, chunk_size, nchunks, desc_base): allocator geometry"),
