@@ -144,3 +144,24 @@ def test_crash_points_are_off_by_default():
 
     assert not _core.CRASH_ENABLED
     _core.crashpoint("lock.held")          # a no-op: we are still here
+
+
+@pytest.mark.parametrize("site", ["free.pub", "free.zeroed"])
+def test_killed_freeing_another_nodes_slot(pool_path, site):
+    """The free a dead node began in a live node's slab is finished by recovery."""
+    init_pool(pool_path, {"size": 16 * MiB, "chunk_size": 1 * MiB, "max_nodes": 8,
+                          "lease_ms": 300})
+    with cxlkv.open_pool(pool_path) as owner:
+        off = owner.alloc(4096)
+        owner.mapping.write(off, b"x" * 4096)
+        owner.publish(off)
+        r = subprocess.run([sys.executable, "-c", "import sys, cxlkv; "
+                            "p = cxlkv.open_pool(sys.argv[1]); p.free(int(sys.argv[2]))",
+                            pool_path, str(off)], timeout=60, capture_output=True, text=True,
+                           env={**os.environ, "CXLKV_CRASH_AT": f"{site}:1"})
+        assert r.returncode == -9, r.stderr
+        owner.node._reap_dead()                   # what the heartbeat thread does
+        rep = check(owner)
+        assert rep.clean, [f.to_json() for f in rep.errors]
+        assert published_slots(owner) == ([], 0)  # the slot is free, not leaked
+        assert owner.mapping.read(off, 4096) == bytes(4096)

@@ -32,6 +32,7 @@ from cxlkv._core import crashpoint
 from cxlkv.errors import CxlkvError, RefusedError
 from cxlkv.pool import layout as L
 from cxlkv.state import nodes as N
+from cxlkv.state.locks import entry_offset as lock_entry_offset
 
 _DESC = np.dtype([("control", "<u8"), ("owner", "<u8"), ("slot_size", "<u8"),
                   ("nslots", "<u8"), ("nchunks", "<u8"), ("pad", "V24"),
@@ -39,6 +40,7 @@ _DESC = np.dtype([("control", "<u8"), ("owner", "<u8"), ("slot_size", "<u8"),
 assert _DESC.itemsize == L.CHUNK_DESC_SIZE
 
 _F = {name: L.field_offset(L.ChunkStruct, name) for name, *_ in L.ChunkStruct._fields_}
+_FREEING = L.field_offset(L.LockEntryStruct, "freeing")
 MAX_SLAB_CHUNKS = 64
 
 
@@ -195,10 +197,25 @@ class Allocator:
                 if done < len(arr):
                     self.pool.node.check()
                     with self.pool.lock():
-                        done += self.m.slab_free(arr[done:done + 1], zero, 0)
+                        done += self._free_foreign(int(arr[done]), zero)
         except ValueError as e:
             raise AllocError(str(e)) from None
         return done
+
+    def _free_foreign(self, offset: int, zero: bool) -> int:
+        """Free a slot in a slab this node does not own (caller holds the lock).
+
+        The slot is recorded in our lock entry first, so that if we die half
+        way the reaper finishes the free (the slab's owner may be alive and
+        would not know)."""
+        rec = lock_entry_offset(self.pool, self.pool.node.slot) + _FREEING
+        self.m.store64(rec, offset)
+        self.m.flush(rec, 8)
+        try:
+            return self.m.slab_free(np.array([offset], dtype=np.uint64), zero, 0)
+        finally:
+            self.m.store64(rec, 0)
+            self.m.flush(rec, 8)
 
     def publish(self, offsets) -> int:
         """Mark reserved slots published: they survive this node's death."""
@@ -362,6 +379,16 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
         data_off, chunk, nchunks, base = geometry(pool)
         pool.mapping.set_geometry(data_off, chunk, nchunks, base)
         m = pool.mapping
+        rec = lock_entry_offset(pool, slot) + _FREEING
+        m.invalidate(rec, 8)
+        freeing = m.load64(rec)
+        if freeing:                         # died freeing a slot in someone else's slab
+            try:
+                m.slab_free(np.array([freeing], dtype=np.uint64), True, 0)
+            except ValueError:
+                pass                        # the free had got as far as the alloc bit
+            m.store64(rec, 0)
+            m.flush(rec, 8)
         d = descriptors(pool)
         try:
             kind = d["control"] & 0xFF
@@ -378,8 +405,10 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
                 ss, ns = int(d["slot_size"][head]), int(d["nslots"][head])
                 alloc = [int(x) for x in d["alloc_bits"][head]]
                 pub = [int(x) for x in d["pub_bits"][head]]
-                reserved = [i for i in range(ns)
-                            if (alloc[i // 64] >> (i % 64)) & 1 and not (pub[i // 64] >> (i % 64)) & 1]
+                dirty = [int(x) for x in d["dirty_bits"][head]]
+                # unpublished, or published but being freed (dirty): not data any more
+                gone = [alloc[w] & (~pub[w] | dirty[w]) for w in range(8)]
+                reserved = [i for i in range(ns) if (gone[i // 64] >> (i % 64)) & 1]
                 if reserved:
                     m.slab_free(np.array([data_off + head * chunk + i * ss for i in reserved],
                                          dtype=np.uint64), True, 0)

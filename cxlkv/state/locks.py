@@ -33,7 +33,8 @@ SPINS = 4000
 BACKOFF_MAX = 0.001
 
 _ENTRY_DTYPE = np.dtype([("state", "<u8"), ("ticket", "<u8"), ("epoch", "<u8"),
-                         ("req_seq", "<u8"), ("release_seq", "<u8"), ("pad0", "V24"),
+                         ("req_seq", "<u8"), ("release_seq", "<u8"), ("freeing", "<u8"),
+                         ("pad0", "V16"),
                          ("grant_seq", "<u8"), ("revoke_seq", "<u8"), ("grant_epoch", "<u8"),
                          ("pad1", "V40")])
 assert _ENTRY_DTYPE.itemsize == L.LOCK_ENTRY_SIZE
@@ -204,6 +205,21 @@ class PoolLock:
             ok, serving = m.ticket_wait(self._hdr, self._entry, t, self._token, SPINS)
             if ok:
                 return t
+            if serving > t:
+                # our turn went by: we were judged dead (paused past our lease)
+                # and skipped.  Fenced: stop.  Not fenced (we stalled between
+                # taking the number and recording it): take a new ticket.
+                self.pool.node.check()
+                r = m.ticket_acquire(self._hdr, self._entry, self._token, self._epoch, SPINS,
+                                     self._ctl, self._ctl_val)
+                if r is None:
+                    self.pool.node.fenced = True
+                    self.pool.node.check()
+                if type(r) is int:
+                    return r
+                t, serving = r
+                last, since = serving, time.monotonic()
+                continue
             now = time.monotonic()
             if serving != last:
                 last, since = serving, now

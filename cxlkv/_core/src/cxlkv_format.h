@@ -154,7 +154,9 @@ struct cxlkv_lock_entry {
     uint64_t epoch;             /*   16 the node epoch that took it / requests */
     uint64_t req_seq;           /*   24 manager: requests made */
     uint64_t release_seq;       /*   32 manager: requests released */
-    uint8_t  line0_pad[24];     /*   40 */
+    uint64_t freeing;           /*   40 slot being freed in another node's slab (under
+                                          the lock), 0 = none: recovery finishes it */
+    uint8_t  line0_pad[16];     /*   48 */
     /* line 1: written only by the lock manager */
     uint64_t grant_seq;         /*   64 manager: request granted */
     uint64_t revoke_seq;        /*   72 manager: request revoked (dead holder) */
