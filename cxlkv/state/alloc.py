@@ -114,6 +114,19 @@ def slab_shape(chunk: int, slot: int, max_chunks: int) -> tuple[int, int]:
     return best[1], best[2]
 
 
+def head_spans(d: np.ndarray) -> np.ndarray:
+    """Chunks covered by a slab head's run (made, half made or being released)."""
+    n = len(d)
+    kind = d["control"] & 0xFF
+    heads = np.flatnonzero((kind == L.CHUNK_HEAD) | (kind == L.CHUNK_RELEASING))
+    cover = np.zeros(n + 1, dtype=np.int64)
+    if len(heads):
+        k = np.clip(d["nchunks"][heads].astype(np.int64), 1, None)
+        np.add.at(cover, heads, 1)
+        np.add.at(cover, np.minimum(heads + k, n), -1)
+    return np.cumsum(cover[:n]) > 0
+
+
 def _find_run(free: np.ndarray, k: int) -> int:
     """Index of the first run of k True values, or -1."""
     if k == 1:
@@ -220,6 +233,7 @@ class Allocator:
     def publish(self, offsets) -> int:
         """Mark reserved slots published: they survive this node's death."""
         arr = np.ascontiguousarray(np.atleast_1d(offsets), dtype=np.uint64)
+        self.pool.node.check()             # a fenced node publishes nothing
         try:
             return self.m.slab_publish(arr)
         except ValueError as e:
@@ -262,7 +276,9 @@ class Allocator:
 
     def _new_slab(self, d: np.ndarray, ss: int) -> int:
         k, nslots = slab_shape(self.chunk, ss, self.nchunks)
-        free = ~bitmap(self.pool) & ((d["control"] & 0xFF) == L.CHUNK_FREE)
+        # free = not in the bitmap, no descriptor, and inside no head's span
+        # (a slab a dead node was making has its head, but not yet its tails)
+        free = ~bitmap(self.pool) & ((d["control"] & 0xFF) == L.CHUNK_FREE) & ~head_spans(d)
         head = _find_run(free, k)
         if head < 0:
             return -1
@@ -347,16 +363,20 @@ def release_slab(pool, head: int, *, resume: bool = False) -> bool:
     k = max(1, min(m.load64(h + _F["nchunks"]), nchunks - head))
     if any(m.read(h + _F["dirty_bits"], 64)):
         m.zero(data_off + head * chunk, k * chunk)   # stale bytes never outlive a slab
-    for i in range(head + k - 1, head, -1):
-        if m.load64(base + i * L.CHUNK_DESC_SIZE) & 0xFF == L.CHUNK_TAIL:
-            m.store64(base + i * L.CHUNK_DESC_SIZE, L.CHUNK_FREE)
+    # only this slab's own tails: a chunk in the span may already belong to
+    # someone else if this slab was never finished
+    ours = [i for i in range(head + 1, head + k)
+            if m.load64(base + i * L.CHUNK_DESC_SIZE) == L.CHUNK_TAIL | head << 8]
+    for i in reversed(ours):
+        m.store64(base + i * L.CHUNK_DESC_SIZE, L.CHUNK_FREE)
     m.flush(h, k * L.CHUNK_DESC_SIZE)
     crashpoint("release.tails")
     m.zero(h + 8, L.CHUNK_DESC_SIZE - 8)
     m.store64(h, L.CHUNK_FREE)
     m.flush(h, 8)
     crashpoint("release.head")
-    set_bits(pool, head, k, False)
+    for i in [head] + ours:
+        set_bits(pool, i, 1, False)
     return True
 
 
@@ -403,6 +423,8 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
                 if m.load64(h) & 0xFF != L.CHUNK_HEAD:
                     continue
                 ss, ns = int(d["slot_size"][head]), int(d["nslots"][head])
+                if not (0 < ns <= L.SLAB_MAX_SLOTS and ss and ss % 64 == 0):
+                    continue                    # corrupt: left for fsck to report
                 alloc = [int(x) for x in d["alloc_bits"][head]]
                 pub = [int(x) for x in d["pub_bits"][head]]
                 dirty = [int(x) for x in d["dirty_bits"][head]]
@@ -442,6 +464,8 @@ def _finish_interrupted_frees(pool, live_owner: set[int]) -> None:
         todo, empty = [], []
         for h in heads:
             ss, ns = int(d["slot_size"][h]), int(d["nslots"][h])
+            if not (0 < ns <= L.SLAB_MAX_SLOTS and ss and ss % 64 == 0):
+                continue                        # corrupt: left for fsck to report
             a = [int(x) for x in d["alloc_bits"][h]]
             dirty = [int(x) for x in d["dirty_bits"][h]]
             hit = [i for i in range(ns) if (a[i // 64] & dirty[i // 64]) >> (i % 64) & 1]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+from threading import get_ident
 
 import numpy as np
 
@@ -100,6 +101,9 @@ def skip_dead_ticket(pool, serving: int, unclaimed_for: float,
     ticket with no entry claiming it.  Returns True if this call skipped it.
     """
     hdr, _ = lock_offsets(pool)
+    pool.mapping.invalidate(hdr, 8)
+    if serving >= pool.mapping.load64(hdr + _NEXT):
+        return False                     # nobody holds that ticket yet: nothing to skip
     ents = read_entries(pool)
     holders = np.nonzero((ents["ticket"] == serving) &
                          ((ents["state"] == L.LOCK_WAITING) | (ents["state"] == L.LOCK_LOCKED)))[0]
@@ -169,6 +173,7 @@ class PoolLock:
         self._acquire = pool.mapping.ticket_acquire
         self._release = pool.mapping.ticket_release
         self._ticket = None
+        self._holder = 0                        # thread id holding it, 0 = none
         self._observer = N.Observer(pool)
 
     def acquire(self, timeout: float | None = None) -> "PoolLock":
@@ -195,7 +200,11 @@ class PoolLock:
         except BaseException:
             self._local.release()
             raise
+        self._holder = get_ident()
         return self
+
+    def held_by_me(self) -> bool:
+        return self._holder == get_ident()
 
     def _wait(self, t: int, serving: int, deadline) -> int:
         m = self.pool.mapping
@@ -238,6 +247,7 @@ class PoolLock:
 
     def release(self) -> None:
         t, self._ticket = self._ticket, None
+        self._holder = 0
         try:
             ok = t is None or self._release(self._hdr, self._entry, t, self._token)
         finally:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import sys
 import threading
 import time
 import uuid as uuidlib
@@ -34,6 +35,8 @@ from cxlkv.host import sysfs
 from cxlkv.pool import layout as L
 
 _CONTROL = L.field_offset(L.NodeStruct, "control")
+#: owner tokens are (slot + 1) | epoch << 16 in 64 bits
+MAX_EPOCH = 1 << 48
 _HEARTBEAT = L.field_offset(L.NodeStruct, "heartbeat")
 
 
@@ -115,17 +118,25 @@ def read_nodes(pool, include_free: bool = False) -> list[NodeInfo]:
 
 
 def process_start_ns(pid: int) -> int | None:
-    """Start time of a local process in ns (psutil), None if it does not exist."""
+    """Start time of a running local process in ns (psutil); None if it does not
+    exist or is a zombie (dead, not yet waited for); -1 if we may not look."""
     try:
-        return int(psutil.Process(pid).create_time() * 1e9)
-    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        p = psutil.Process(pid)
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return int(p.create_time() * 1e9)
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, ValueError):
         return None
+    except psutil.AccessDenied:
+        return -1
 
 
 def local_process_alive(pid: int, start_time_ns: int) -> bool:
     if pid <= 0:
         return False
     start = process_start_ns(pid)
+    if start == -1:
+        return True                     # cannot tell: the cautious answer
     # psutil derives create_time from boot time + clock ticks: equal for the
     # same process, different after pid reuse; allow rounding of 1 ms.
     return start is not None and abs(start - start_time_ns) < 1_000_000
@@ -283,6 +294,9 @@ class Attachment:
         self.pool = pool
         self.observer = Observer(pool)
         self._thread: threading.Thread | None = None
+        self._reaper: threading.Thread | None = None
+        self._pending: list[tuple[int, int]] = []
+        self.reap_error = ""
         self.slot = -1
         self.epoch = 0
         self.fenced = False
@@ -298,26 +312,43 @@ class Attachment:
         Called by Pool.attach once pool.node is set (recovery may take the
         pool lock, which needs this node).
         """
+        _load_recoveries()
+        for slot, epoch in self._pending:       # the dead node whose slot we took
+            for fn in list(_recoveries):
+                fn(self.pool, slot, epoch)
+        self._pending.clear()
         self._reap_dead(local_only=True)
         if self._heartbeat and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="cxlkv-heartbeat",
                                             daemon=True)
             self._thread.start()
+            self._reaper = threading.Thread(target=self._reap_loop, name="cxlkv-reaper",
+                                            daemon=True)
+            self._reaper.start()
 
     # -- slot claim -------------------------------------------------------
     def _claim(self) -> None:
         m, n = self.pool.mapping, self.pool.sb.max_nodes
         start = random.randrange(n)
         for attempt in range(2):
+            # first pass: free slots; second (full table): slots of nodes that are
+            # certainly dead - their recovery runs in start(), under the pool
+            # lock, once we are attached
+            dead = {} if attempt == 0 else {
+                nd.slot: nd for nd, v in self.observer.scan()
+                if v == "dead" and nd.state != "free"
+                and (nd.boot_id == self.observer.boot_id or nd.state == "fenced")}
             for i in range(n):
                 slot = (start + i) % n
                 off = node_offset(self.pool, slot)
                 m.invalidate(off, 64)
                 cur = m.load64(off + _CONTROL)
                 state, epoch = L.node_state(cur)
-                if state != L.NODE_FREE:
+                if state != L.NODE_FREE and (slot not in dead or dead[slot].control != cur):
                     continue
                 new_epoch = epoch + 1
+                if new_epoch >= MAX_EPOCH:
+                    continue                # owner tokens hold 48 epoch bits: slot worn out
                 claimed = L.node_control(L.NODE_CLAIMED, new_epoch)
                 if m.cas64(off + _CONTROL, cur, claimed) != cur:
                     continue
@@ -326,10 +357,9 @@ class Attachment:
                 if m.cas64(off + _CONTROL, claimed, attached) != claimed:
                     continue      # reaped while claiming (took longer than a lease)
                 self.slot, self.epoch = slot, new_epoch
+                if state != L.NODE_FREE:
+                    self._pending.append((slot, epoch))
                 return
-            # full table: free what dead local nodes hold, then try once more
-            if attempt == 0 and not self._reap_dead(local_only=True):
-                break
         raise PoolFull(f"{self.pool.path}: all {n} node slots are in use by live nodes",
                        path=self.pool.path,
                        hint="detach idle processes, or reformat with a larger --max-nodes")
@@ -389,19 +419,40 @@ class Attachment:
         return freed
 
     def _run(self) -> None:
+        """Heartbeat thread: only beats, so nothing (a recovery waiting for the
+        pool lock, a slow scan) can stall it past our lease."""
         while not self._stop.wait(self.interval):
             try:
                 self.beat()
-                self._reap_dead()
             except NodeFenced:
                 return
             except (ValueError, OSError):   # mapping closed under us
                 return
 
+    def _reap_loop(self) -> None:
+        """Reaper thread: judges the other nodes and recovers the dead ones."""
+        while not self._stop.wait(self.interval):
+            if self.fenced:
+                return
+            try:
+                self._reap_dead()
+            except (ValueError, OSError):   # mapping closed under us
+                return
+            except Exception as e:          # noqa: BLE001 - keep reaping; say why once
+                if str(e) != self.reap_error:
+                    self.reap_error = str(e)
+                    sys.stderr.write(f"cxlkv: reaping in {self.pool.path} failed: "
+                                     f"{type(e).__name__}: {e}\n")
+
     def detach(self) -> None:
+        lock = getattr(self.pool, "_lock", None)
+        if lock is not None and lock.held_by_me():
+            raise CxlkvError(f"{self.pool.path}: close the pool after leaving pool.lock(), "
+                             "not inside it (detaching takes the lock)")
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
+        for t in (self._thread, self._reaper):
+            if t is not None and t is not threading.current_thread():
+                t.join()
         if self.slot < 0:
             return
         off = node_offset(self.pool, self.slot) + _CONTROL

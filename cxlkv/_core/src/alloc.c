@@ -191,8 +191,11 @@ Mapping_slab_alloc(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
             break;
         uint64_t w = slot / 64, bit = 1ull << (slot % 64);
         cxlkv_crashpoint("alloc.bit");
-        /* Dekker with release_slab(): it sets RELEASING, then looks at the bits */
-        if ((pool_load64(m, d + CD_CONTROL) & 0xff) != CXLKV_CHUNK_HEAD) {
+        /* Dekker with release_slab(): it sets RELEASING, then looks at the bits;
+         * and the slab must still be ours (not released and remade by another
+         * node while this one was paused) */
+        if ((pool_load64(m, d + CD_CONTROL) & 0xff) != CXLKV_CHUNK_HEAD ||
+            pool_load64(m, d + CD_OWNER) != owner) {
             bit_clear(m, d + CD_ALLOC + w * 8, bit);
             break;
         }

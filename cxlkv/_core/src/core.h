@@ -116,15 +116,19 @@ static inline void pool_invalidate(Mapping *m, uint64_t off, uint64_t len)
  * first so this process does not keep reading stale lines. */
 static inline void pool_write(Mapping *m, uint64_t off, const void *src, uint64_t len, int nt)
 {
-    if (m->nc)
-        nc_invalidate(m->nc, off, len);
+    if (m->nc) {
+        nc_write(m->nc, off, src, len, nt);
+        return;
+    }
     cxlkv_copy_to_pool(m->base + off, src, (size_t)len, nt);
 }
 
 static inline void pool_zero(Mapping *m, uint64_t off, uint64_t len, int nt)
 {
-    if (m->nc)
-        nc_invalidate(m->nc, off, len);
+    if (m->nc) {
+        nc_zero(m->nc, off, len, nt);
+        return;
+    }
     cxlkv_zero_pool(m->base + off, (size_t)len, nt);
 }
 

@@ -606,6 +606,9 @@ Mapping_ticket_acquire(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     /* record who waits for which ticket before taking it is impossible (the
      * number is unknown); the entry is written right after, and a ticket that
      * no entry claims for a whole lease is skipped by the waiters. */
+    /* a stale ABANDONED state must not meet the new ticket: waiters skip
+     * abandoned tickets at once */
+    pool_store64(m, entry + LE_STATE, CXLKV_LOCK_IDLE);
     pool_store64(m, entry + LE_EPOCH, epoch);
     uint64_t t = pool_fadd64(m, hdr + LH_NEXT, 1);
     pool_store64(m, entry + LE_TICKET, t);

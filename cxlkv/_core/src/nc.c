@@ -150,12 +150,41 @@ nc_flush(struct nc_cache *c, uint64_t off, uint64_t len)
     pthread_mutex_unlock(&c->mu);
 }
 
+static void invalidate_locked(struct nc_cache *c, uint64_t off, uint64_t len);
+
 void
 nc_invalidate(struct nc_cache *c, uint64_t off, uint64_t len)
 {
     if (!len)
         return;
     pthread_mutex_lock(&c->mu);
+    invalidate_locked(c, off, len);
+    pthread_mutex_unlock(&c->mu);
+}
+
+void
+nc_write(struct nc_cache *c, uint64_t off, const void *src, uint64_t len, int nt)
+{
+    pthread_mutex_lock(&c->mu);
+    if (len)
+        invalidate_locked(c, off, len);
+    cxlkv_copy_to_pool(c->base + off, src, (size_t)len, nt);
+    pthread_mutex_unlock(&c->mu);
+}
+
+void
+nc_zero(struct nc_cache *c, uint64_t off, uint64_t len, int nt)
+{
+    pthread_mutex_lock(&c->mu);
+    if (len)
+        invalidate_locked(c, off, len);
+    cxlkv_zero_pool(c->base + off, (size_t)len, nt);
+    pthread_mutex_unlock(&c->mu);
+}
+
+static void
+invalidate_locked(struct nc_cache *c, uint64_t off, uint64_t len)
+{
     uint64_t first = off / 64, last = (off + len - 1) / 64;
     if (last - first + 1 >= c->nsets) {    /* larger than the cache: drop everything */
         for (uint64_t i = 0; i < c->nsets; i++) {
@@ -174,7 +203,6 @@ nc_invalidate(struct nc_cache *c, uint64_t off, uint64_t len)
             }
         }
     }
-    pthread_mutex_unlock(&c->mu);
 }
 
 void

@@ -54,5 +54,10 @@ uint64_t nc_and64(struct nc_cache *c, uint64_t off, uint64_t bits);
 void nc_flush(struct nc_cache *c, uint64_t off, uint64_t len);
 void nc_invalidate(struct nc_cache *c, uint64_t off, uint64_t len);
 void nc_read(struct nc_cache *c, uint64_t off, void *dst, uint64_t len);
+/* Bulk write / zero straight to memory, dropping the cached lines of the range
+ * first, all under the cache mutex (so no other thread of this process can
+ * refill a line with old bytes in between). */
+void nc_write(struct nc_cache *c, uint64_t off, const void *src, uint64_t len, int nt);
+void nc_zero(struct nc_cache *c, uint64_t off, uint64_t len, int nt);
 
 #endif
