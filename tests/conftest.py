@@ -95,6 +95,12 @@ def rewrite_superblock(path: str, copy: str, **fields) -> None:
         f.write(raw)
 
 
+def local_pidns() -> int:
+    from cxlkv.state.nodes import local_pidns as f
+
+    return f()
+
+
 def fake_node(path: str, slot: int, *, pid: int, start_time_ns: int, boot_id: str,
               hostname: str = "testhost", heartbeat: int = 1, state: int = L.NODE_ATTACHED):
     """Write a node-table slot as an attached node would (test helper)."""
@@ -105,6 +111,7 @@ def fake_node(path: str, slot: int, *, pid: int, start_time_ns: int, boot_id: st
         s = L.NodeStruct()
         s.control, s.heartbeat = L.node_control(state, 1), heartbeat
         s.pid, s.start_time_ns = pid, start_time_ns
+        s.pidns, s.ident_epoch = local_pidns(), 1
         s.format_version = 1
         s.boot_id[:] = uuid.UUID(boot_id).bytes
         s.hostname = hostname.encode()

@@ -165,3 +165,31 @@ def test_killed_freeing_another_nodes_slot(pool_path, site):
         assert rep.clean, [f.to_json() for f in rep.errors]
         assert published_slots(owner) == ([], 0)  # the slot is free, not leaked
         assert owner.mapping.read(off, 4096) == bytes(4096)
+
+
+def test_dead_holder_half_made_slab_does_not_hurt_the_next_holder(pool_path):
+    """D dies holding the lock with a 3-chunk slab half made (head, no tails);
+    the next holder W must not make its slab inside D's span, and D's recovery
+    must not release anything of W's (found in review)."""
+    init_pool(pool_path, {"size": 16 * MiB, "chunk_size": MiB, "max_nodes": 8,
+                          "lease_ms": 300})
+    with cxlkv.open_pool(pool_path) as w:
+        w.node.interval = 0.02
+        d = subprocess.run([sys.executable, "-c", "import sys, cxlkv\n"
+                            "from cxlkv.state import alloc as A\n"
+                            "p = cxlkv.open_pool(sys.argv[1])\n"
+                            "with p.lock():\n"
+                            "    p.allocator._new_slab(A.descriptors(p), A.slot_size_for(p, 3 << 20))\n",
+                            pool_path], env={**os.environ, "CXLKV_CRASH_AT": "slab.head:1"},
+                           capture_output=True, text=True, timeout=60)
+        assert d.returncode == -9, d.stderr
+        off = w.alloc(2 * MiB)                       # the next holder makes its slab
+        w.mapping.write(off, b"W" * (2 * MiB))
+        w.publish(off)
+        w.node._reap_dead()                          # D's recovery
+        assert check(w).clean
+        others = [w.alloc(MiB) for _ in range(3)]
+        for o in others:
+            w.mapping.write(o, b"x" * MiB)
+        assert w.mapping.read(off, 2 * MiB) == b"W" * (2 * MiB)
+        w.free_batch(others + [off])

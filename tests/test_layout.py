@@ -28,7 +28,8 @@ PINNED = {
         "line0_pad": (32, 32), "pid": (64, 8), "start_time_ns": (72, 8),
         "attach_time_ns": (80, 8), "format_version": (88, 4), "flags": (92, 4),
         "boot_id": (96, 16), "hostname": (112, 64), "sw_version": (176, 32),
-        "reserved": (208, 240), "mgr_control": (448, 8), "mgr_grant_token": (456, 8),
+        "pidns": (208, 8), "ident_epoch": (216, 8), "reserved": (224, 224),
+        "mgr_control": (448, 8), "mgr_grant_token": (456, 8),
         "line7_pad": (464, 48),
     }),
     "lock_hdr": (4096, {

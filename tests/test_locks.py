@@ -147,3 +147,29 @@ def test_no_waiter_starves(lease_pool):
     finally:
         for p in procs:
             p.close()
+
+
+def test_zombie_holder_is_dead(lease_pool):
+    """A node process that exited but was not waited for holds nothing (found in review)."""
+    import subprocess
+    import sys
+
+    z = subprocess.Popen([sys.executable, "-c", "import os, sys, cxlkv\n"
+                          "p = cxlkv.open_pool(sys.argv[1]); p.lock().acquire()\n"
+                          "print('locked', flush=True); os._exit(0)", lease_pool],
+                         stdout=subprocess.PIPE, text=True)
+    assert z.stdout.readline().strip() == "locked"
+    try:
+        with cxlkv.open_pool(lease_pool) as pool:
+            with pool.lock(timeout=LEASE_MS / 1000 / 2):   # well before any lease
+                pass
+    finally:
+        z.wait()
+
+
+def test_close_inside_the_lock_is_refused(lease_pool):
+    pool = cxlkv.open_pool(lease_pool)
+    with pool.lock():
+        with pytest.raises(cxlkv.CxlkvError, match="after leaving pool.lock"):
+            pool.close()
+    pool.close()

@@ -70,7 +70,7 @@ def check(pool) -> Report:
 def _check_nodes(pool, rep: Report) -> set[int]:
     """Returns the owner tokens of attached nodes."""
     tokens, states = set(), {}
-    me = N.local_boot_id()
+    me, pidns = N.local_boot_id(), N.local_pidns()
     for n in N.read_nodes(pool, include_free=True):
         states[n.state] = states.get(n.state, 0) + 1
         where = f"node {n.slot}"
@@ -85,7 +85,8 @@ def _check_nodes(pool, rep: Report) -> set[int]:
         elif n.state == "attached":
             if n.epoch == 0:
                 rep.error("node-epoch", where, "attached with epoch 0")
-            elif n.boot_id == me and not N.local_process_alive(n.pid, n.start_time_ns):
+            elif n.same_process_space(me, pidns) and not N.local_process_alive(
+                    n.pid, n.start_time_ns):
                 rep.error("node-dead", where, f"{n.describe()} is gone from this host but was "
                                              "not reaped")
             else:

@@ -37,6 +37,7 @@ from cxlkv.pool import layout as L
 _CONTROL = L.field_offset(L.NodeStruct, "control")
 #: owner tokens are (slot + 1) | epoch << 16 in 64 bits
 MAX_EPOCH = 1 << 48
+_MGR_LINE = L.field_offset(L.NodeStruct, "mgr_control")
 _HEARTBEAT = L.field_offset(L.NodeStruct, "heartbeat")
 
 
@@ -65,6 +66,15 @@ class NodeInfo:
     hostname: str
     sw_version: str
     control: int = 0
+    pidns: int = 0
+    ident_epoch: int = 0
+
+    def same_process_space(self, boot_id: str, pidns: int) -> bool:
+        """Can this node's pid be checked from an observer with these ids?  Only
+        on the same boot, in the same pid namespace, and when the identity was
+        written for the slot's current epoch (not a stale or half-written one)."""
+        return (self.boot_id == boot_id and self.pidns == pidns and self.pid > 0
+                and self.ident_epoch == self.epoch and self.state == "attached")
 
     def to_json(self) -> dict:
         return {"slot": self.slot, "state": self.state, "epoch": self.epoch,
@@ -74,6 +84,14 @@ class NodeInfo:
 
     def describe(self) -> str:
         return f"node {self.slot} ({self.hostname} pid {self.pid})"
+
+
+def local_pidns() -> int:
+    """Inode of this process's pid namespace (0 when it cannot be read)."""
+    try:
+        return os.stat(sysfs.proc_path("self", "ns", "pid")).st_ino
+    except OSError:
+        return 0
 
 
 def local_boot_id() -> str:
@@ -109,7 +127,8 @@ def read_slot(pool, slot: int) -> NodeInfo:
         heartbeat=s.heartbeat, pid=s.pid, start_time_ns=s.start_time_ns,
         attach_time_ns=s.attach_time_ns, format_version=s.format_version,
         boot_id=str(uuidlib.UUID(bytes=bytes(s.boot_id))), hostname=_decode_str(s.hostname),
-        sw_version=_decode_str(s.sw_version), control=s.control)
+        sw_version=_decode_str(s.sw_version), control=s.control, pidns=s.pidns,
+        ident_epoch=s.ident_epoch)
 
 
 def read_nodes(pool, include_free: bool = False) -> list[NodeInfo]:
@@ -166,6 +185,7 @@ class Observer:
     pool: object
     clock: Callable[[], float] = time.monotonic
     boot_id: str = field(default_factory=local_boot_id)
+    pidns: int = field(default_factory=local_pidns)
     _seen: dict[int, _Seen] = field(default_factory=dict)
 
     def verdict(self, n: NodeInfo, now: float | None = None) -> str:
@@ -176,7 +196,7 @@ class Observer:
             return "dead"
         if n.state == "fenced":
             return "dead"
-        if n.boot_id == self.boot_id and n.pid:
+        if n.same_process_space(self.boot_id, self.pidns):
             return "alive" if local_process_alive(n.pid, n.start_time_ns) else "dead"
         seen = self._seen.get(n.slot)
         if seen is None or seen.control != n.control or seen.heartbeat != n.heartbeat:
@@ -337,7 +357,8 @@ class Attachment:
             dead = {} if attempt == 0 else {
                 nd.slot: nd for nd, v in self.observer.scan()
                 if v == "dead" and nd.state != "free"
-                and (nd.boot_id == self.observer.boot_id or nd.state == "fenced")}
+                and (nd.same_process_space(self.observer.boot_id, self.observer.pidns)
+                     or nd.state == "fenced")}
             for i in range(n):
                 slot = (start + i) % n
                 off = node_offset(self.pool, slot)
@@ -352,7 +373,7 @@ class Attachment:
                 claimed = L.node_control(L.NODE_CLAIMED, new_epoch)
                 if m.cas64(off + _CONTROL, cur, claimed) != cur:
                     continue
-                self._write_identity(off)
+                self._write_identity(off, new_epoch)
                 attached = L.node_control(L.NODE_ATTACHED, new_epoch)
                 if m.cas64(off + _CONTROL, claimed, attached) != claimed:
                     continue      # reaped while claiming (took longer than a lease)
@@ -364,15 +385,17 @@ class Attachment:
                        path=self.pool.path,
                        hint="detach idle processes, or reformat with a larger --max-nodes")
 
-    def _write_identity(self, off: int) -> None:
+    def _write_identity(self, off: int, epoch: int) -> None:
+        """Lines 1-6 (node-owned identity); line 7 belongs to the lock manager."""
         s = L.NodeStruct()
         pid, start = my_identity()
+        s.pidns, s.ident_epoch = self.observer.pidns, epoch
         s.pid, s.start_time_ns, s.attach_time_ns = pid, start, time.time_ns()
         s.format_version = L.FORMAT_VERSION
         s.boot_id[:] = uuidlib.UUID(self.observer.boot_id).bytes
         s.hostname = socket.gethostname().encode()[:63]
         s.sw_version = f"cxlkv {__version__}".encode()[:31]
-        ident = bytes(s)[64:]
+        ident = bytes(s)[64:_MGR_LINE]
         m = self.pool.mapping
         m.write(off + 64, ident)
         m.store64(off + _HEARTBEAT, 0)
@@ -412,7 +435,8 @@ class Attachment:
         for n, verdict in self.observer.scan():
             if n.slot == self.slot or verdict != "dead" or n.state == "free":
                 continue
-            if local_only and n.boot_id != self.observer.boot_id and n.state != "fenced":
+            if local_only and n.state != "fenced" and not n.same_process_space(
+                    self.observer.boot_id, self.observer.pidns):
                 continue
             if reap(self.pool, n.slot, n.control):
                 freed += 1

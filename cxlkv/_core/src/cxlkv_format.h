@@ -112,7 +112,9 @@ struct cxlkv_node {
     uint8_t  boot_id[16];       /*   96 /proc/sys/kernel/random/boot_id */
     char     hostname[64];      /*  112 */
     char     sw_version[32];    /*  176 */
-    uint8_t  reserved[240];     /*  208 */
+    uint64_t pidns;             /*  208 pid namespace inode: pids compare only within one */
+    uint64_t ident_epoch;       /*  216 epoch this identity was written for */
+    uint8_t  reserved[224];     /*  224 */
     /* line 7: written only by the lock manager (manager mode), so that no
      * cache line has two writers on non-coherent memory */
     uint64_t mgr_control;       /*  448 manager mode: state | epoch << 8 */

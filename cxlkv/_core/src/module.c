@@ -1083,6 +1083,8 @@ mod_layout(PyObject *self, PyObject *Py_UNUSED(ignored))
     FIELD(f, cxlkv_node, boot_id);
     FIELD(f, cxlkv_node, hostname);
     FIELD(f, cxlkv_node, sw_version);
+    FIELD(f, cxlkv_node, pidns);
+    FIELD(f, cxlkv_node, ident_epoch);
     FIELD(f, cxlkv_node, reserved);
     FIELD(f, cxlkv_node, mgr_control);
     FIELD(f, cxlkv_node, mgr_grant_token);
