@@ -38,6 +38,25 @@ for line in sys.stdin:
                     v = m.load64(off)          # a plain read-modify-write, guarded by the lock
                     m.store64(off, v + 1)
             r = {"done": n}
+        elif op == "fair":
+            ctr, log, n = cmd["counter"], cmd["log"], cmd["n"]
+            m = pool.mapping
+            me = pool.node.slot + 1
+            print(json.dumps({"ready": True}), flush=True)
+            while m.load64(cmd["go"]) == 0:        # start together
+                pass
+            for _ in range(n):
+                with pool.lock():
+                    i = m.load64(ctr)
+                    m.store64(log + 8 * i, me)     # who got the lock, in order
+                    m.store64(ctr, i + 1)
+                    t = time.perf_counter() + cmd.get("hold", 0)
+                    while time.perf_counter() < t:  # a critical section of some length
+                        pass
+            r = {"done": n}
+        elif op == "free_all":
+            pool.free_batch(cmd["offsets"])
+            r = {"freed": len(cmd["offsets"])}
         elif op == "churn":
             import random
             import numpy as np

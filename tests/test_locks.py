@@ -173,3 +173,40 @@ def test_close_inside_the_lock_is_refused(lease_pool):
         with pytest.raises(cxlkv.CxlkvError, match="after leaving pool.lock"):
             pool.close()
     pool.close()
+
+
+def test_ticket_lock_is_fair_under_contention(lease_pool):
+    """While four nodes keep asking, each gets the lock again within a few
+    turns of the others: tickets are served in order, nobody starves."""
+    n, procs = 300, [NodeProc() for _ in range(4)]
+    with Pool.open(lease_pool) as p:
+        go = p.region("data")[0]
+        ctr, log = go + 64, go + 128
+    try:
+        for q in procs:
+            q.attach(lease_pool)
+        for q in procs:
+            q.send(op="fair", counter=ctr, log=log, n=n, go=go, hold=0.0002)
+        assert [q.reply() for q in procs] == [{"ready": True}] * 4
+        with Pool.open(lease_pool) as p:
+            p.mapping.store64(go, 1)
+        assert [q.reply() for q in procs] == [{"done": n}] * 4
+    finally:
+        for q in procs:
+            q.close()
+    with Pool.open(lease_pool) as p:
+        order = [p.mapping.load64(log + 8 * i) for i in range(4 * n)]
+    assert sorted(set(order)) == sorted(q.slot + 1 for q in procs)
+    # the stretch where all four are contending: between the last first turn
+    # and the first last turn
+    start = max(order.index(s) for s in set(order))
+    end = min(len(order) - 1 - order[::-1].index(s) for s in set(order))
+    assert end - start > 2 * n, "the four nodes hardly overlapped"
+    gaps = []
+    last = {}
+    for i in range(start, end + 1):
+        s = order[i]
+        if s in last:
+            gaps.append(i - last[s])
+        last[s] = i
+    assert max(gaps) <= 8, f"a node waited {max(gaps)} turns while others went"
