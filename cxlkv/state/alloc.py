@@ -72,9 +72,11 @@ def descriptors(pool) -> np.ndarray:
     return np.frombuffer(pool.mapping.view(base, n * L.CHUNK_DESC_SIZE), dtype=_DESC)
 
 
-def used_slots(d: np.ndarray) -> np.ndarray:
-    """Allocated slots per descriptor (popcount of its alloc bitmap)."""
-    bits = np.ascontiguousarray(d["alloc_bits"]).view(np.uint8).reshape(len(d), 64)
+def used_slots(d: np.ndarray, idx: np.ndarray | None = None) -> np.ndarray:
+    """Allocated slots per descriptor (popcount of its alloc bitmap), for all
+    descriptors or only those at `idx` (cheaper on big pools)."""
+    words = d["alloc_bits"] if idx is None else d["alloc_bits"][idx]
+    bits = np.ascontiguousarray(words).view(np.uint8).reshape(len(words), 64)
     return np.unpackbits(bits, axis=1).sum(axis=1)
 
 
@@ -262,9 +264,10 @@ class Allocator:
     def _reuse(self, d: np.ndarray, ss: int) -> int:
         """A slab of this size with room: ours first, else adopt an orphan."""
         kind = d["control"] & 0xFF
-        room = (kind == L.CHUNK_HEAD) & (d["slot_size"] == ss) & (used_slots(d) < d["nslots"])
+        same = np.flatnonzero((kind == L.CHUNK_HEAD) & (d["slot_size"] == ss))
+        same = same[used_slots(d, same) < d["nslots"][same]]
         for owner in (self.token, 0):
-            for head in np.flatnonzero(room & (d["owner"] == owner)):
+            for head in same[d["owner"][same] == owner]:
                 head = int(head)
                 if head in self._current.values() and owner == self.token:
                     continue
@@ -307,8 +310,9 @@ class Allocator:
         Safe for a slab another thread is allocating from: release_slab's
         RELEASING/bit check makes exactly one of them back off."""
         kind = d["control"] & 0xFF
-        cand = np.flatnonzero((kind == L.CHUNK_HEAD) & (used_slots(d) == 0) &
+        cand = np.flatnonzero((kind == L.CHUNK_HEAD) &
                               ((d["owner"] == self.token) | (d["owner"] == 0)))
+        cand = cand[used_slots(d, cand) == 0]
         released = 0
         for head in cand:
             head = int(head)
