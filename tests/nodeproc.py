@@ -38,6 +38,18 @@ for line in sys.stdin:
                     v = m.load64(off)          # a plain read-modify-write, guarded by the lock
                     m.store64(off, v + 1)
             r = {"done": n}
+        elif op == "incr_nc":
+            # the non-coherent discipline: invalidate before reading what others
+            # wrote, flush what we wrote before releasing the lock
+            off, n = cmd["offset"], cmd["n"]
+            m = pool.mapping
+            for _ in range(n):
+                with pool.lock():
+                    m.invalidate(off, 8)
+                    v = m.load64(off)
+                    m.store64(off, v + 1)
+                    m.flush(off, 8)
+            r = {"done": n}
         elif op == "fair":
             ctr, log, n = cmd["counter"], cmd["log"], cmd["n"]
             m = pool.mapping
@@ -99,9 +111,12 @@ for line in sys.stdin:
 
 
 class NodeProc:
-    def __init__(self):
+    def __init__(self, env: dict | None = None):
+        import os
+
         self.p = subprocess.Popen([sys.executable, "-c", DRIVER], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, **(env or {})})
 
     def send(self, **cmd) -> None:
         self.p.stdin.write(json.dumps(cmd) + "\n")

@@ -205,14 +205,6 @@ def test_recovery_hooks_run_for_the_dead_node(small_pool):
         N._recoveries.remove(hook)
 
 
-def test_manager_mode_attach_refused_clearly(pool_path):
-    from cxlkv.pool.admin import init_pool
-
-    init_pool(pool_path, {"size": 8 << 20, "chunk_size": 64 << 10, "sync": "manager"})
-    with pytest.raises(cxlkv.errors.RefusedError, match="not supported"):
-        cxlkv.open_pool(pool_path)
-
-
 def test_read_only_pool_cannot_attach(small_pool):
     with Pool.open(small_pool, writable=False) as p:
         with pytest.raises(cxlkv.errors.RefusedError, match="read-only"):

@@ -22,6 +22,8 @@ COMMANDS = {
     "format": ("cxlkv.cli.format", "format_cmd", "Format a pool file or device-dax device."),
     "inspect": ("cxlkv.cli.inspect", "inspect_cmd", "Show a pool: superblock, layout, usage."),
     "fsck": ("cxlkv.cli.fsck", "fsck_cmd", "Check a pool's shared state (read-only)."),
+    "lock-manager": ("cxlkv.cli.lockmgr", "lockmgr_cmd",
+                     "Run the lock manager of a pool in sync mode manager."),
     "bench": ("cxlkv.cli.bench", "bench_cmd", "Measure the pool against same-run baselines."),
     "stress": ("cxlkv.cli.stress", "stress_cmd", "Torture-test a pool's shared state (kill -9 included)."),
 }

@@ -68,9 +68,9 @@ class Pool:
         (a dead holder's lock is broken once its node is reaped).
         """
         if self._lock is None:
-            from cxlkv.state.locks import PoolLock
+            from cxlkv.state.locks import ManagerLock, PoolLock
 
-            self._lock = PoolLock(self)
+            self._lock = (ManagerLock if self.sb.sync == "manager" else PoolLock)(self)
         if timeout is None:
             return self._lock
         return _TimedLock(self._lock, timeout)

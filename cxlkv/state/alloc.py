@@ -24,6 +24,7 @@ releases) or bits without descriptors (a leak recovery reclaims).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -150,18 +151,29 @@ class Allocator:
         self.data_off, self.chunk, self.nchunks, self.desc_base = geometry(pool)
         self.m.set_geometry(self.data_off, self.chunk, self.nchunks, self.desc_base)
         self.m.flush_meta = pool.sb.sync == "manager" or self.m.noncoherent
+        # manager mode: no cross-host atomics, so every allocator step runs
+        # under the pool lock (with invalidate before and flush after)
+        self.managed = pool.sb.sync == "manager"
         self.token = pool.node.owner_token
         self._current: dict[int, int] = {}      # slot size -> head chunk of the slab in use
         self._slow = threading.Lock()
         self._one = np.empty(1, dtype=np.uint64)
 
     # -- public ----------------------------------------------------------------
+    def _locked(self):
+        """The pool lock, unless this thread holds it already."""
+        lk = self.pool.lock()
+        return contextlib.nullcontext() if lk.held_by_me() else lk
+
     def alloc(self, nbytes: int, zero: bool = True) -> int:
         """Reserve a slot of at least nbytes; returns its pool offset.
 
         zero=False: the caller overwrites the whole slot before anyone reads it
         (a dirty slot is then not zeroed first).
         """
+        if self.managed:
+            with self._locked():
+                return int(self.alloc_batch(nbytes, 1, zero)[0])
         ss = slot_size_for(self.pool, nbytes)
         head = self._current.get(ss)
         if head is not None and self.m.slab_alloc(head, self.token, self._one, 1, zero) == 1:
@@ -173,6 +185,9 @@ class Allocator:
 
         All or nothing: on PoolFullError the slots taken so far are freed.
         """
+        if self.managed and not self.pool.lock().held_by_me():
+            with self.pool.lock():
+                return self.alloc_batch(nbytes, count, zero)
         ss = slot_size_for(self.pool, nbytes)
         out = np.empty(count, dtype=np.uint64)
         got = 0
@@ -205,13 +220,16 @@ class Allocator:
         other slabs (orphaned, or another node's) under it, so recovery never
         races with a half-done free there."""
         arr = np.ascontiguousarray(np.atleast_1d(offsets), dtype=np.uint64)
+        if self.managed and not self.pool.lock().held_by_me():
+            with self.pool.lock():
+                return self.free_batch(arr, zero)
         done = 0
         try:
             while done < len(arr):
                 done += self.m.slab_free(arr[done:], zero, self.token)
                 if done < len(arr):
                     self.pool.node.check()
-                    with self.pool.lock():
+                    with self._locked():
                         done += self._free_foreign(int(arr[done]), zero)
         except ValueError as e:
             raise AllocError(str(e)) from None
@@ -235,6 +253,9 @@ class Allocator:
     def publish(self, offsets) -> int:
         """Mark reserved slots published: they survive this node's death."""
         arr = np.ascontiguousarray(np.atleast_1d(offsets), dtype=np.uint64)
+        if self.managed and not self.pool.lock().held_by_me():
+            with self.pool.lock():
+                return self.publish(arr)
         self.pool.node.check()             # a fenced node publishes nothing
         try:
             return self.m.slab_publish(arr)
@@ -244,7 +265,7 @@ class Allocator:
     # -- slow path (pool lock) ---------------------------------------------------
     def _find_slab(self, ss: int) -> int:
         self.pool.node.check()
-        with self.pool.lock():
+        with self._locked():
             d = descriptors(self.pool)
             try:
                 head = self._reuse(d, ss)
@@ -334,6 +355,7 @@ def set_bits(pool, first: int, count: int, value: bool) -> None:
         lo, hi = i % 64, min(64, first + count - w * 64)
         mask = ((1 << (hi - lo)) - 1) << lo
         woff = off + w * 8
+        m.invalidate(woff, 8)
         while True:
             cur = m.load64(woff)
             new = cur | mask if value else cur & ~mask & 0xFFFFFFFFFFFFFFFF
@@ -391,6 +413,7 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
     rest orphaned (any node may adopt them); then whatever a dead lock holder
     left half done - a release, tails without a head, bits without a slab."""
     token = (slot + 1) | epoch << 16
+    pool.mapping.flush_meta = pool.sb.sync == "manager" or pool.mapping.noncoherent
     node = pool.node
     # the reaper takes the pool lock as itself; a pool without a live node of
     # its own (or a node recovering its own slot while being reaped) cannot

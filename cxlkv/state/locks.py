@@ -260,3 +260,101 @@ class PoolLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+class ManagerLock:
+    """The pool lock in sync mode `manager` (TraCT's two tiers).
+
+    Tier 1: a process-local lock, so one thread per node competes.  Tier 2:
+    the node raises a request in its own lock-entry line (store + flush) and
+    polls the line the lock manager writes (invalidate + load) until the
+    request is granted; release is one more store + flush.  No cross-host
+    atomics anywhere.
+    """
+
+    def __init__(self, pool):
+        from cxlkv.state import protocol as P
+
+        node = pool.node
+        if node is None:
+            raise CxlkvError("pool.lock() needs an attached node: use cxlkv.open_pool()")
+        self.pool, self.P = pool, P
+        self.m = pool.mapping
+        self.e = P.entry(pool, node.slot)
+        self.m.invalidate(self.e, L.LOCK_ENTRY_SIZE)
+        self.seq = max(self.m.load64(self.e + o) for o in (P.E_REQ, P.E_RELEASE, P.E_GRANT,
+                                                            P.E_REVOKE))
+        self._local = threading.Lock()
+        self._holder = 0
+
+    def acquire(self, timeout: float | None = None) -> "ManagerLock":
+        P, m, e = self.P, self.m, self.e
+        if timeout is None:
+            self._local.acquire()
+        elif not self._local.acquire(timeout=timeout):
+            raise LockTimeout(f"{self.pool.path}: timed out waiting for the pool lock "
+                              "(held by another thread of this process)")
+        try:
+            node = self.pool.node
+            node.check()
+            self.seq += 1
+            req = self.seq
+            m.store64(e + P.E_EPOCH, node.epoch)
+            m.store64(e + P.E_REQ, req)
+            m.flush(e, 64)
+            start = time.monotonic()
+            deadline = None if timeout is None else start + timeout
+            lease = self.pool.sb.lease_ms / 1000.0
+            next_check, spins, sleep = start + lease, 0, 1e-5
+            while True:
+                m.invalidate(e + P.E_GRANT, 16)
+                if m.load64(e + P.E_GRANT) == req:
+                    break
+                if m.load64(e + P.E_REVOKE) >= req:
+                    node.check()
+                    raise LockLost(f"{self.pool.path}: the lock manager revoked our request")
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    self._withdraw(req)
+                    raise LockTimeout(f"{self.pool.path}: timed out waiting for the pool lock "
+                                      "(sync mode manager)")
+                if now >= next_check:
+                    if not P.manager_alive(self.pool):
+                        self._withdraw(req)
+                        raise LockTimeout(
+                            f"{self.pool.path}: no lock manager is running (sync mode "
+                            f"manager): start `cxlkv lock-manager --pool {self.pool.path}` "
+                            "on any host")
+                    next_check = time.monotonic() + lease
+                spins += 1
+                if spins > 200:
+                    time.sleep(sleep)
+                    sleep = min(sleep * 2, 0.001)
+            if CRASH_ENABLED:
+                crashpoint("lock.held")
+        except BaseException:
+            self._local.release()
+            raise
+        self._holder = get_ident()
+        return self
+
+    def _withdraw(self, req: int) -> None:
+        """Give a request up: released before (or without) being granted."""
+        self.m.store64(self.e + self.P.E_RELEASE, req)
+        self.m.flush(self.e, 64)
+
+    def release(self) -> None:
+        self._holder = 0
+        try:
+            self.m.store64(self.e + self.P.E_RELEASE, self.seq)
+            self.m.flush(self.e, 64)
+        finally:
+            self._local.release()
+
+    def held_by_me(self) -> bool:
+        return self._holder == get_ident()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc) -> None:
+        self.release()

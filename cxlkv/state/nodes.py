@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import random
+import secrets
 import socket
 import sys
 import threading
@@ -121,13 +122,15 @@ def read_slot(pool, slot: int) -> NodeInfo:
     m = pool.mapping
     m.invalidate(off, L.NODE_SIZE)
     s = L.NodeStruct.from_buffer_copy(m.read(off, L.NODE_SIZE))
-    state, epoch = L.node_state(s.control)
+    # manager mode: the lock manager's word (line 7) is the slot's state
+    control = s.mgr_control if pool.sb.sync == "manager" else s.control
+    state, epoch = L.node_state(control)
     return NodeInfo(
         slot=slot, state=L.NODE_STATE_NAMES.get(state, f"unknown({state})"), epoch=epoch,
         heartbeat=s.heartbeat, pid=s.pid, start_time_ns=s.start_time_ns,
         attach_time_ns=s.attach_time_ns, format_version=s.format_version,
         boot_id=str(uuidlib.UUID(bytes=bytes(s.boot_id))), hostname=_decode_str(s.hostname),
-        sw_version=_decode_str(s.sw_version), control=s.control, pidns=s.pidns,
+        sw_version=_decode_str(s.sw_version), control=control, pidns=s.pidns,
         ident_epoch=s.ident_epoch)
 
 
@@ -254,6 +257,13 @@ def _load_recoveries() -> None:
     from cxlkv.state import alloc, locks  # noqa: F401
 
 
+def run_recoveries(pool, slot: int, epoch: int) -> None:
+    """Everything subsystems registered, for one dead (or detaching) node."""
+    _load_recoveries()
+    for fn in list(_recoveries):
+        fn(pool, slot, epoch)
+
+
 def register_recovery(fn: Recovery | None = None, *, order: int = 50):
     """Subsystems (locks, allocator, KV pins) register what to undo for a dead node.
 
@@ -298,11 +308,6 @@ class Attachment:
     """This process's slot in the node table, and its heartbeat thread."""
 
     def __init__(self, pool, *, heartbeat: bool = True, interval: float | None = None):
-        if pool.sb.sync != "cas":
-            raise RefusedError(
-                f"{pool.path}: attaching to a pool in sync mode {pool.sb.sync!r} is not "
-                "supported by this version of cxlkv yet (it needs the lock manager); "
-                "use a pool formatted with --sync cas", path=pool.path)
         if pool.read_only:
             raise RefusedError(f"{pool.path}: cannot attach to a pool opened read-only",
                                path=pool.path)
@@ -324,7 +329,11 @@ class Attachment:
         lease = pool.sb.lease_ms / 1000.0
         self.interval = interval if interval is not None else max(0.02, lease / 4)
         self._heartbeat = heartbeat
-        self._claim()
+        self.managed = pool.sb.sync == "manager"
+        if self.managed:
+            self._claim_managed()
+        else:
+            self._claim()
 
     def start(self) -> None:
         """Recover what dead local nodes left, then start heartbeating.
@@ -332,19 +341,57 @@ class Attachment:
         Called by Pool.attach once pool.node is set (recovery may take the
         pool lock, which needs this node).
         """
-        _load_recoveries()
         for slot, epoch in self._pending:       # the dead node whose slot we took
-            for fn in list(_recoveries):
-                fn(self.pool, slot, epoch)
+            run_recoveries(self.pool, slot, epoch)
         self._pending.clear()
-        self._reap_dead(local_only=True)
+        if not self.managed:                    # in manager mode the manager reaps
+            self._reap_dead(local_only=True)
         if self._heartbeat and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="cxlkv-heartbeat",
                                             daemon=True)
             self._thread.start()
-            self._reaper = threading.Thread(target=self._reap_loop, name="cxlkv-reaper",
-                                            daemon=True)
-            self._reaper.start()
+            if not self.managed:
+                self._reaper = threading.Thread(target=self._reap_loop, name="cxlkv-reaper",
+                                                daemon=True)
+                self._reaper.start()
+
+    # -- manager mode: slots are granted by the lock manager --------------------
+    def _claim_managed(self) -> None:
+        from cxlkv.state import protocol as P
+
+        pool, m = self.pool, self.pool.mapping
+        token = secrets.randbits(62) | 1
+        lines = P.read_node_lines(pool)
+        free = [s for s in range(pool.sb.max_nodes)
+                if P.mgr_state(lines[s])[0] == L.NODE_FREE]
+        random.shuffle(free)
+        deadline = time.monotonic() + pool.sb.lease_ms / 1000.0 + 2.0
+        for slot in free:
+            off = P.node(pool, slot)
+            m.store64(off + P.N_CLAIM, token)
+            m.flush(off + P.N_CLAIM, 8)
+            while True:
+                m.invalidate(off + P.N_MGR_CONTROL, 16)
+                state, epoch = L.node_state(m.load64(off + P.N_MGR_CONTROL))
+                granted = m.load64(off + P.N_MGR_GRANT)
+                if state == L.NODE_CLAIMED and granted == token:
+                    if epoch >= MAX_EPOCH:
+                        break
+                    self._write_identity(off, epoch)
+                    m.store64(off + P.N_CONTROL, L.node_control(L.NODE_ATTACHED, epoch))
+                    m.flush(off, 64)
+                    self.slot, self.epoch = slot, epoch
+                    return
+                if state != L.NODE_FREE:
+                    break                       # granted to another claimant
+                if time.monotonic() > deadline:
+                    raise CxlkvError(
+                        f"{pool.path}: no lock manager answered (sync mode manager): start "
+                        f"one with `cxlkv lock-manager --pool {pool.path}` on any host",
+                        hint="systemd: cxlkv-lock-manager@.service with --standby on every host")
+                time.sleep(0.0005)
+        raise PoolFull(f"{pool.path}: no free node slot was granted ({len(free)} looked free)",
+                       path=pool.path)
 
     # -- slot claim -------------------------------------------------------
     def _claim(self) -> None:
@@ -417,17 +464,28 @@ class Attachment:
             raise NodeFenced(f"{self.pool.path}: node {self.slot} is no longer attached "
                              "(its lease lapsed and it was reaped); reattach")
         m = self.pool.mapping
-        off = node_offset(self.pool, self.slot) + _CONTROL
-        m.invalidate(off, 8)
-        if m.load64(off) != self.control:
+        if self.managed:                        # the manager's word is the authority
+            off = node_offset(self.pool, self.slot) + _MGR_LINE
+            m.invalidate(off, 8)
+            ok = m.load64(off) in (L.node_control(L.NODE_CLAIMED, self.epoch),
+                                   L.node_control(L.NODE_ATTACHED, self.epoch))
+        else:
+            off = node_offset(self.pool, self.slot) + _CONTROL
+            m.invalidate(off, 8)
+            ok = m.load64(off) == self.control
+        if not ok:
             self.fenced = True
             self.check()
 
     def beat(self) -> None:
         """One heartbeat: advance the counter, check we are still ourselves."""
         off = node_offset(self.pool, self.slot)
-        self.pool.mapping.fetch_add64(off + _HEARTBEAT, 1)
-        self.pool.mapping.flush(off, 64)
+        m = self.pool.mapping
+        if self.managed:                        # no cross-host atomics: we are its only writer
+            m.store64(off + _HEARTBEAT, m.load64(off + _HEARTBEAT) + 1)
+        else:
+            m.fetch_add64(off + _HEARTBEAT, 1)
+        m.flush(off, 64)
         self.check()
 
     def _reap_dead(self, local_only: bool = False) -> int:
@@ -481,9 +539,12 @@ class Attachment:
             return
         off = node_offset(self.pool, self.slot) + _CONTROL
         if not self.fenced:
-            _load_recoveries()
             # run our own recovery first: nothing of ours must outlive the slot
-            for fn in list(_recoveries):
-                fn(self.pool, self.slot, self.epoch)
-            self.pool.mapping.cas64(off, self.control, L.node_control(L.NODE_FREE, self.epoch))
+            run_recoveries(self.pool, self.slot, self.epoch)
+            free = L.node_control(L.NODE_FREE, self.epoch)
+            if self.managed:                    # ask the manager to free the slot
+                self.pool.mapping.store64(off, free)
+                self.pool.mapping.flush(off, 8)
+            else:
+                self.pool.mapping.cas64(off, self.control, free)
         self.slot = -1

@@ -92,12 +92,16 @@ decode_slot(Mapping *m, uint64_t off, uint64_t *head, uint64_t *slot, uint64_t *
     if (off < m->data_off || off - m->data_off >= m->chunk_size * m->nchunks)
         return "offset is outside the data area";
     uint64_t idx = (off - m->data_off) / m->chunk_size;
+    if (m->flush_meta)     /* non-coherent: read what other hosts flushed */
+        pool_invalidate(m, m->desc_base + idx * CXLKV_CHUNK_DESC_SIZE, CXLKV_CHUNK_DESC_SIZE);
     uint64_t ctl = pool_load64(m, m->desc_base + idx * CXLKV_CHUNK_DESC_SIZE + CD_CONTROL);
     uint64_t kind = ctl & 0xff, h = idx;
     if (kind == CXLKV_CHUNK_TAIL) {
         h = ctl >> 8;
         if (h >= idx)
             return "chunk descriptor is corrupt (tail before its head)";
+        if (m->flush_meta)
+            pool_invalidate(m, m->desc_base + h * CXLKV_CHUNK_DESC_SIZE, CXLKV_CHUNK_DESC_SIZE);
         kind = pool_load64(m, m->desc_base + h * CXLKV_CHUNK_DESC_SIZE + CD_CONTROL) & 0xff;
     }
     if (kind != CXLKV_CHUNK_HEAD)
@@ -159,6 +163,8 @@ Mapping_slab_alloc(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         count = (uint64_t)(out.len / 8);
     uint64_t d = m->desc_base + head * CXLKV_CHUNK_DESC_SIZE;
     uint64_t *dst = out.buf;
+    if (m->flush_meta)
+        pool_invalidate(m, d, CXLKV_CHUNK_DESC_SIZE);
     long long got = 0;
     const char *err = NULL;
     uint64_t ss, ns, base;

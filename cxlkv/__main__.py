@@ -1,0 +1,4 @@
+"""`python -m cxlkv ...` = the cxlkv command."""
+from cxlkv.cli import entry
+
+entry()

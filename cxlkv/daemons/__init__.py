@@ -1,0 +1,1 @@
+"""Long-running processes: the lock manager (and, later, the node agent)."""

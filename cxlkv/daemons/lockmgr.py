@@ -1,0 +1,284 @@
+"""`cxlkv lock-manager`: the arbiter of sync mode `manager` (TraCT's global lock).
+
+For non-coherent multi-host CXL memory, where hosts have no cross-host
+atomics, every shared word has exactly one writer and every cross-host
+exchange is a plain store + flush answered by invalidate + load:
+
+* the manager lease (lock header): written by the one active manager;
+* node slots: line 0 (claim token, heartbeat, the node's acknowledgement) by
+  the node, line 7 (the slot's authoritative state and epoch, the granted
+  claim) by the manager;
+* lock entries: line 0 (request and release sequence numbers) by the node,
+  line 1 (grant and revoke sequence numbers) by the manager.
+
+The manager grants slots to claimants, grants the pool lock round-robin
+among waiting nodes, judges node liveness (heartbeats on its own clock, pids
+on its own host), revokes a dead holder's lock and runs the dead node's
+recovery while it grants nothing, then frees the slot.
+
+Exactly one manager is active per pool: a contender writes its token into
+the lease, waits long enough for any other contender's write to land, and
+reads it back (Fischer's algorithm); the active manager re-reads the lease
+every round and steps down when it finds another token.  A second manager
+refuses to start unless --standby, which waits for the active one's
+heartbeat to stop for a lease and then takes over.  All state lives in the
+pool, so a restarted manager carries on where the last one stopped.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+import uuid as uuidlib
+
+import numpy as np
+
+from cxlkv.errors import CxlkvError, RefusedError
+from cxlkv.pool import layout as L
+from cxlkv.pool.pool import Pool
+from cxlkv.state import nodes as N
+from cxlkv.state import protocol as P
+
+#: a contender's write must land before anyone reads the lease back
+CONTEND_WAIT_S = 0.2
+SLEEP_MAX_S = 0.002
+#: keep polling without sleeping this long after the last grant or release
+SPIN_S = 0.02
+#: node slots (claims, detaches, liveness) are looked at this often
+SLOT_SCAN_S = 0.01
+
+
+class ManagerExists(RefusedError):
+    kind = "manager-active"
+
+
+class LockManager:
+    def __init__(self, path: str, *, standby: bool = False, log=None):
+        self.pool = Pool.open(path, writable=True)
+        if self.pool.sb.sync != "manager":
+            self.pool.close()
+            raise RefusedError(f"{path} is a pool in sync mode {self.pool.sb.sync!r}; the lock "
+                               "manager serves pools formatted with --sync manager", path=path)
+        self.path = path
+        self.standby = standby
+        self.m = self.pool.mapping
+        self.lease = self.pool.sb.lease_ms / 1000.0
+        self.token = secrets.randbits(63) | 1
+        self.hdr = P.lock_header(self.pool)
+        self.log = log or (lambda msg: sys.stderr.write(f"cxlkv lock-manager: {msg}\n"))
+        self.observer = N.Observer(self.pool)
+        self.holder = -1                       # slot holding the lock, -1 = none
+        self.last = -1                         # last slot granted (round-robin)
+        self.stop = False
+        self.grants = 0
+        self._nodes = None
+
+    # -- the lease ---------------------------------------------------------------
+    def _lease(self) -> tuple[int, int]:
+        self.m.invalidate(self.hdr + P.MGR_TOKEN, 64)
+        return self.m.load64(self.hdr + P.MGR_TOKEN), self.m.load64(self.hdr + P.MGR_HEARTBEAT)
+
+    def acquire_lease(self) -> None:
+        while not self.stop:
+            token, _ = self._lease()
+            if token and P.heartbeating(self.pool, token):
+                if not self.standby:
+                    raise ManagerExists(
+                        f"a lock manager is already active for {self.path} "
+                        f"({P.describe_manager(self.pool)}); run another with --standby to "
+                        "take over when it stops", path=self.path)
+                continue                     # heartbeating() waited up to a lease
+            # free, or its holder stopped heartbeating for a lease: contend
+            self.m.store64(self.hdr + P.MGR_TOKEN, self.token)
+            self.m.flush(self.hdr + P.MGR_TOKEN, 8)
+            time.sleep(CONTEND_WAIT_S)
+            if self._lease()[0] == self.token:
+                self._take_office()
+                return
+        raise CxlkvError("stopped before becoming active")
+
+    def _take_office(self) -> None:
+        m, h = self.m, self.hdr
+        m.store64(h + P.MGR_EPOCH, m.load64(h + P.MGR_EPOCH) + 1)
+        m.store64(h + P.MGR_PID, os.getpid())
+        m.write(h + P.MGR_BOOT, uuidlib.UUID(self.observer.boot_id).bytes)
+        m.write(h + P.MGR_HOST, socket.gethostname().encode()[:63].ljust(64, b"\0"))
+        m.flush(h + P.MGR_TOKEN, 128)
+        self.holder = P.current_holder(self.pool)
+        self.log(f"active for {self.path} (epoch {m.load64(h + P.MGR_EPOCH)}"
+                 + (f", node {self.holder} holds the lock" if self.holder >= 0 else "") + ")")
+
+    def still_active(self) -> bool:
+        token, _ = self._lease()
+        return token == self.token
+
+    def beat(self) -> None:
+        off = self.hdr + P.MGR_HEARTBEAT
+        self.m.store64(off, self.m.load64(off) + 1)
+        self.m.flush(off, 8)
+
+    # -- one round -----------------------------------------------------------------
+    def step(self, slots: bool = True) -> bool:
+        """One round: node slots (claims, liveness) when `slots`, then the lock.
+        True if anything changed."""
+        pool, m = self.pool, self.m
+        ents = P.read_entries(pool)
+        changed = False
+        if slots or self._nodes is None:
+            self._nodes = P.read_node_lines(pool)
+            for slot in range(pool.sb.max_nodes):
+                changed |= self._slot(slot, self._nodes[slot], ents[slot])
+            if changed:
+                self._nodes = P.read_node_lines(pool)
+        nodes = self._nodes
+        # the lock
+        if self.holder >= 0:
+            e = ents[self.holder]
+            if int(e["release_seq"]) >= int(e["grant_seq"]) or int(e["revoke_seq"]) >= int(e["grant_seq"]):
+                self.holder = -1
+                changed = True
+        if self.holder < 0:
+            req = ents["req_seq"]
+            waiting = np.flatnonzero(req > np.maximum(np.maximum(ents["grant_seq"],
+                                                                 ents["revoke_seq"]),
+                                                      ents["release_seq"]))
+            if len(waiting):
+                # round-robin: the first waiter after the last one served
+                n = pool.sb.max_nodes
+                for slot in sorted(waiting.tolist(), key=lambda s: (s - self.last - 1) % n):
+                    e = ents[slot]
+                    if P.mgr_state(nodes[slot]) != (L.NODE_ATTACHED, int(e["epoch"])):
+                        continue            # not (yet) an attached node of that epoch
+                    if not self.still_active():
+                        raise ManagerExists("another lock manager took over")
+                    P.grant(pool, slot, int(e["req_seq"]), int(e["epoch"]))
+                    self.holder, self.last = slot, slot
+                    self.grants += 1
+                    changed = True
+                    break
+        return changed
+
+    def _slot(self, slot: int, line, ent) -> bool:
+        pool = self.pool
+        state, epoch = P.mgr_state(line)
+        claim, granted = int(line["claim_token"]), int(line["mgr_grant_token"])
+        ack_state, ack_epoch = L.node_state(int(line["control"]))
+        if state == L.NODE_FREE:
+            if claim and claim != granted:
+                P.set_mgr(pool, slot, L.node_control(L.NODE_CLAIMED, epoch + 1), claim)
+                return True
+            return False
+        if state == L.NODE_CLAIMED and (ack_state, ack_epoch) == (L.NODE_ATTACHED, epoch):
+            P.set_mgr(pool, slot, L.node_control(L.NODE_ATTACHED, epoch), granted)
+            return True
+        if state == L.NODE_ATTACHED and (ack_state, ack_epoch) == (L.NODE_FREE, epoch):
+            P.set_mgr(pool, slot, L.node_control(L.NODE_FREE, epoch), granted)   # detached
+            return True
+        if state in (L.NODE_CLAIMED, L.NODE_ATTACHED):
+            n = N.read_slot(pool, slot)
+            if self.observer.verdict(n) != "dead":
+                return False
+            if self.holder >= 0 and self.holder != slot:
+                return False                        # recover only while nobody else holds the lock
+            self.log(f"node {slot} ({n.hostname} pid {n.pid}) is dead: fencing it")
+            P.set_mgr(pool, slot, L.node_control(L.NODE_FENCED, epoch), granted)
+            state = L.NODE_FENCED
+        if state == L.NODE_FENCED:
+            if self.holder >= 0 and self.holder != slot:
+                return False
+            e = ent
+            if int(e["grant_seq"]) > max(int(e["release_seq"]), int(e["revoke_seq"])) or \
+                    int(e["req_seq"]) > max(int(e["grant_seq"]), int(e["revoke_seq"])):
+                P.revoke(pool, slot, int(e["req_seq"]))
+                if self.holder == slot:
+                    self.holder = -1
+            N.run_recoveries(pool, slot, epoch)
+            P.set_mgr(pool, slot, L.node_control(L.NODE_FREE, epoch), granted)
+            self.log(f"node {slot} recovered and freed")
+            return True
+        return False
+
+    # -- the loop --------------------------------------------------------------------
+    def run(self) -> None:
+        self.acquire_lease()
+        sleep, busy_until = 0.0, 0.0
+        last_beat = last_slots = 0.0
+        while not self.stop:
+            now = time.monotonic()
+            if now - last_beat >= min(0.05, self.lease / 10):
+                if not self.still_active():
+                    self.log("another manager holds the lease: stepping down")
+                    raise ManagerExists("another lock manager took over", path=self.path)
+                self.beat()
+                last_beat = now
+            scan_slots = now - last_slots >= SLOT_SCAN_S
+            if scan_slots:
+                last_slots = now
+            if self.step(scan_slots):
+                sleep, busy_until = 0.0, now + SPIN_S
+                continue
+            if now < busy_until:
+                continue                 # spin for a while after activity: grants stay fast
+            sleep = min(SLEEP_MAX_S, max(sleep * 2, 0.0001))
+            time.sleep(sleep)            # then sleep: an idle manager costs nothing
+        self.log("stopped")
+
+    def close(self) -> None:
+        if self.still_active():
+            self.m.store64(self.hdr + P.MGR_TOKEN, 0)   # hand over at once, not after a lease
+            self.m.flush(self.hdr + P.MGR_TOKEN, 8)
+        self.pool.close()
+
+
+def manager_running(path: str) -> bool:
+    """Is a lock manager heartbeating for this pool (watched for up to a lease)?"""
+    with Pool.open(path, writable=False) as pool:
+        return P.manager_alive(pool)
+
+
+def ensure_manager(path: str):
+    """Start a lock manager for a run when none is active.
+
+    Returns (started, stop): stop() ends the one started here (no-op otherwise)."""
+    if manager_running(path):
+        return False, lambda: None
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-m", "cxlkv.daemons.lockmgr", path],
+                            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    line = proc.stderr.readline()
+    if "active" not in line:
+        proc.kill()
+        raise CxlkvError(f"could not start a lock manager for {path}: {line.strip()}")
+
+    def stop():
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except Exception:  # noqa: BLE001
+            proc.kill()
+
+    return True, stop
+
+
+def main(argv=None) -> int:  # python -m cxlkv.daemons.lockmgr POOL [--standby]
+    args = sys.argv[1:] if argv is None else argv
+    mgr = LockManager(args[0], standby="--standby" in args)
+
+    def on_term(signum, frame):
+        mgr.stop = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    try:
+        mgr.run()
+    finally:
+        mgr.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

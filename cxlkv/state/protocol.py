@@ -1,0 +1,129 @@
+"""Sync mode `manager`: where each party's words live, and reading them.
+
+One writer per cache line (see cxlkv.daemons.lockmgr): nodes write node line
+0 and lock-entry line 0; the lock manager writes node line 7, lock-entry
+line 1 and the lease in the lock header.  Every read of another party's line
+is invalidate + load; every write is store + flush.
+"""
+from __future__ import annotations
+
+import time
+import uuid as uuidlib
+
+import numpy as np
+
+from cxlkv.pool import layout as L
+
+MGR_TOKEN = L.field_offset(L.LockHdrStruct, "mgr_token")
+MGR_EPOCH = L.field_offset(L.LockHdrStruct, "mgr_epoch")
+MGR_HEARTBEAT = L.field_offset(L.LockHdrStruct, "mgr_heartbeat")
+MGR_PID = L.field_offset(L.LockHdrStruct, "mgr_pid")
+MGR_BOOT = L.field_offset(L.LockHdrStruct, "mgr_boot_id")
+MGR_HOST = L.field_offset(L.LockHdrStruct, "mgr_hostname")
+
+N_CONTROL = L.field_offset(L.NodeStruct, "control")
+N_HEARTBEAT = L.field_offset(L.NodeStruct, "heartbeat")
+N_CLAIM = L.field_offset(L.NodeStruct, "claim_token")
+N_MGR_CONTROL = L.field_offset(L.NodeStruct, "mgr_control")
+N_MGR_GRANT = L.field_offset(L.NodeStruct, "mgr_grant_token")
+
+E_EPOCH = L.field_offset(L.LockEntryStruct, "epoch")
+E_REQ = L.field_offset(L.LockEntryStruct, "req_seq")
+E_RELEASE = L.field_offset(L.LockEntryStruct, "release_seq")
+E_GRANT = L.field_offset(L.LockEntryStruct, "grant_seq")
+E_REVOKE = L.field_offset(L.LockEntryStruct, "revoke_seq")
+E_GRANT_EPOCH = L.field_offset(L.LockEntryStruct, "grant_epoch")
+
+_NODE_LINES = np.dtype([("control", "<u8"), ("heartbeat", "<u8"), ("claim_token", "<u8"),
+                        ("grant_token", "<u8"), ("pad", "V416"), ("mgr_control", "<u8"),
+                        ("mgr_grant_token", "<u8"), ("pad7", "V48")])
+assert _NODE_LINES.itemsize == L.NODE_SIZE
+
+
+def lock_header(pool) -> int:
+    return pool.region("locks")[0]
+
+
+def entry(pool, slot: int) -> int:
+    return lock_header(pool) + L.LOCK_HDR_SIZE + slot * L.LOCK_ENTRY_SIZE
+
+
+def node(pool, slot: int) -> int:
+    return pool.region("nodes")[0] + slot * L.NODE_SIZE
+
+
+def read_node_lines(pool) -> np.ndarray:
+    off, _ = pool.region("nodes")
+    n = pool.sb.max_nodes * L.NODE_SIZE
+    pool.mapping.invalidate(off, n)
+    return np.frombuffer(pool.mapping.read(off, n), dtype=_NODE_LINES)
+
+
+def read_entries(pool) -> np.ndarray:
+    from cxlkv.state.locks import read_entries as r
+
+    return r(pool)
+
+
+def mgr_state(line) -> tuple[int, int]:
+    return L.node_state(int(line["mgr_control"]))
+
+
+def set_mgr(pool, slot: int, control: int, grant_token: int) -> None:
+    m, off = pool.mapping, node(pool, slot)
+    m.store64(off + N_MGR_GRANT, grant_token)
+    m.store64(off + N_MGR_CONTROL, control)
+    m.flush(off + N_MGR_CONTROL, 16)
+
+
+def grant(pool, slot: int, req: int, epoch: int) -> None:
+    m, off = pool.mapping, entry(pool, slot)
+    m.store64(off + E_GRANT_EPOCH, epoch)
+    m.store64(off + E_GRANT, req)
+    m.flush(off + E_GRANT, 24)
+
+
+def revoke(pool, slot: int, seq: int) -> None:
+    m, off = pool.mapping, entry(pool, slot)
+    m.store64(off + E_REVOKE, seq)
+    m.flush(off + E_REVOKE, 8)
+
+
+def current_holder(pool) -> int:
+    """The slot the pool's lock entries say holds the lock, -1 if none."""
+    ents = read_entries(pool)
+    held = np.flatnonzero(ents["grant_seq"] > np.maximum(ents["release_seq"], ents["revoke_seq"]))
+    return int(held[0]) if len(held) else -1
+
+
+def describe_manager(pool) -> str:
+    m, h = pool.mapping, lock_header(pool)
+    m.invalidate(h + MGR_TOKEN, 128)
+    pid = m.load64(h + MGR_PID)
+    host = m.read(h + MGR_HOST, 64).split(b"\0", 1)[0].decode("utf-8", "replace")
+    boot = str(uuidlib.UUID(bytes=m.read(h + MGR_BOOT, 16)))
+    return f"pid {pid} on {host or '?'} (boot {boot[:8]})"
+
+
+def heartbeating(pool, token: int, lease: float | None = None) -> bool:
+    """Watch the lease for up to one lease: True if `token`'s manager beats."""
+    m, h = pool.mapping, lock_header(pool)
+    lease = pool.sb.lease_ms / 1000.0 if lease is None else lease
+    m.invalidate(h + MGR_TOKEN, 64)
+    beat0 = m.load64(h + MGR_HEARTBEAT)
+    end = time.monotonic() + lease
+    while time.monotonic() < end:
+        time.sleep(min(0.01, lease / 20))
+        m.invalidate(h + MGR_TOKEN, 64)
+        if m.load64(h + MGR_TOKEN) != token:
+            return m.load64(h + MGR_TOKEN) != 0
+        if m.load64(h + MGR_HEARTBEAT) != beat0:
+            return True
+    return False
+
+
+def manager_alive(pool) -> bool:
+    m, h = pool.mapping, lock_header(pool)
+    m.invalidate(h + MGR_TOKEN, 8)
+    token = m.load64(h + MGR_TOKEN)
+    return bool(token) and heartbeating(pool, token)

@@ -1,0 +1,172 @@
+"""Sync mode manager: the lock manager, node slots granted by it, the pool lock
+without cross-host atomics - also under the non-coherence emulation."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import cxlkv
+from cxlkv.pool.admin import init_pool
+from cxlkv.pool.pool import Pool
+from cxlkv.state import nodes as N
+from cxlkv.state import protocol as P
+
+from nodeproc import NodeProc
+
+LEASE_MS = 400
+NC = {"CXLKV_NONCOHERENT": "1"}
+
+
+@pytest.fixture
+def mpool(pool_path):
+    init_pool(pool_path, {"size": 16 << 20, "chunk_size": 1 << 20, "max_nodes": 8,
+                          "sync": "manager", "lease_ms": LEASE_MS})
+    return pool_path
+
+
+class Manager:
+    def __init__(self, path, *args, env=None):
+        self.p = subprocess.Popen([sys.executable, "-m", "cxlkv", "lock-manager", "--pool",
+                                   path, *args], stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, **(env or {})})
+
+    def line(self) -> str:
+        return self.p.stderr.readline()
+
+    def stop(self):
+        if self.p.poll() is None:
+            self.p.terminate()
+            self.p.wait(10)
+
+
+@pytest.fixture
+def manager(mpool):
+    mgrs = []
+
+    def start(*args, env=None, wait=True):
+        m = Manager(mpool, *args, env=env)
+        mgrs.append(m)
+        if wait:
+            assert "active" in m.line()
+        return m
+
+    yield start
+    for m in mgrs:
+        m.stop()
+
+
+def data_word(path) -> int:
+    with Pool.open(path) as p:
+        return p.region("data")[0]
+
+
+def run_incr(path, env, op="incr_nc", n=300, procs=4):
+    off = data_word(path)
+    nodes = [NodeProc(env) for _ in range(procs)]
+    try:
+        for q in nodes:
+            q.attach(path)
+        for q in nodes:
+            q.send(op=op, offset=off, n=n)
+        replies = [q.reply() for q in nodes]
+    finally:
+        for q in nodes:
+            q.close()
+    with Pool.open(path) as p:
+        p.mapping.invalidate(off, 8)
+        return replies, p.mapping.load64(off)
+
+
+def test_mutual_exclusion_four_nodes(mpool, manager):
+    manager()
+    replies, total = run_incr(mpool, {}, op="incr")
+    assert replies == [{"done": 300}] * 4 and total == 1200
+
+
+def test_mutual_exclusion_under_the_noncoherence_emulation(mpool, manager):
+    manager(env=NC)
+    replies, total = run_incr(mpool, NC)
+    assert replies == [{"done": 300}] * 4
+    assert total == 1200
+
+
+def test_a_forgotten_flush_is_caught(mpool, manager):
+    """The same workload with its flush and invalidate left out (op "incr")
+    loses updates under the emulation: proof that the test above would catch
+    a missing flush."""
+    manager(env=NC)
+    env = {**NC, "CXLKV_NC_EVICT_EVERY": "0"}
+    replies, total = run_incr(mpool, env, op="incr", n=100)
+    assert replies == [{"done": 100}] * 4
+    assert total < 400
+
+
+def test_second_manager_refused(mpool, manager):
+    manager()
+    second = manager(wait=False)
+    assert second.p.wait(30) == 1
+    err = second.p.stderr.read()
+    assert "already active" in err and "--standby" in err
+
+
+def test_standby_takes_over_after_a_kill(mpool, manager):
+    first = manager()
+    standby = manager("--standby", wait=False)
+    with cxlkv.open_pool(mpool) as pool:
+        with pool.lock(timeout=10):
+            pass
+        first.p.kill()
+        first.p.wait(10)
+        assert "active" in standby.line()            # after the lease lapsed
+        with pool.lock(timeout=30):                  # the new manager grants
+            pass
+
+
+def test_no_manager_is_a_clear_error(mpool):
+    t0 = time.monotonic()
+    with pytest.raises(cxlkv.CxlkvError, match="cxlkv lock-manager --pool"):
+        cxlkv.open_pool(mpool)
+    assert time.monotonic() - t0 < 30
+
+
+def test_dead_holder_is_revoked_and_recovered(mpool, manager):
+    manager()
+    holder = NodeProc()
+    holder.attach(mpool)
+    holder.call(op="alloc_publish", nbytes=8192, reserved=2, published=1)
+    assert holder.call(op="lock") == {"locked": True}
+    holder.kill()
+    with cxlkv.open_pool(mpool) as pool:
+        with pool.lock(timeout=30):                  # revoked after the lease
+            pass
+        deadline = time.monotonic() + 30
+        while N.read_slot(pool, holder.slot).state != "free" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert N.read_slot(pool, holder.slot).state == "free"
+    from cxlkv.state.fsck import check
+    with Pool.open(mpool) as p:
+        rep = check(p)
+        assert rep.clean, [f.to_json() for f in rep.errors]
+        assert rep.stats["allocator"]["slots_published"] == 1   # reserved ones reclaimed
+
+
+def test_manager_restart_carries_on(mpool, manager):
+    first = manager()
+    with cxlkv.open_pool(mpool) as pool:
+        with pool.lock(timeout=10):
+            first.stop()                              # the manager goes while we hold it
+        manager()
+        with pool.lock(timeout=10):                   # the new one picked up from the pool
+            pass
+        assert P.manager_alive(pool)
+
+
+def test_stress_on_a_manager_pool(mpool, cli):
+    r = cli("stress", "--pool", mpool, "--nodes", "3", "--seconds", "2", "--json")
+    assert r.code == 0, r.err
+    doc = r.json()
+    assert doc["passed"] and doc["sync"] == "manager"
