@@ -132,9 +132,17 @@ def run(progress: Callable[[str], None] = lambda s: None, quick: bool = False) -
             out["lock_cas_us"] = lock_us(pool, 2000 if quick else 100_000)
             progress("alloc + free")
             out["alloc_ops_per_s"] = alloc_ops(pool, rounds=20 if quick else 2000)
-        out["lock_manager_us"] = None
-        out["notes"]["lock_manager_us"] = ("manager mode (cxlkv lock-manager) is not "
-                                           "implemented in this version")
+        progress("manager lock")
+        path = os.path.join(d, "manager.pool")
+        init_pool(path, {"size": 64 * MiB, "sync": "manager", "chunk_size": MiB})
+        from cxlkv.daemons.lockmgr import ensure_manager
+
+        _, stop = ensure_manager(path)
+        try:
+            with cxlkv.open_pool(path) as pool:
+                out["lock_manager_us"] = lock_us(pool, 200 if quick else 5000)
+        finally:
+            stop()
 
         progress("utilisation trace")
         path = os.path.join(d, "trace.pool")

@@ -15,9 +15,8 @@ def test_quick_bench_reports_every_figure(monkeypatch, tmp_path):
                 "alloc_ops_per_s", "alloc_utilisation", "buddy_utilisation"):
         assert isinstance(res[key], float) and res[key] > 0 and math.isfinite(res[key]), key
     assert res["pool_write_vs_memcpy"] == res["pool_write_gbps"] / res["memcpy_gbps"]
-    assert res["lock_manager_us"] is None and "lock_manager_us" in res["notes"]
+    assert res["lock_manager_us"] > 0
     assert set(res["targets"]) == set(benchmarks.TARGETS)
-    assert res["targets"]["lock_manager_us"] is None
     assert steps and not (tmp_path / "scratch").exists()       # scratch pools removed
 
 

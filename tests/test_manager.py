@@ -170,3 +170,14 @@ def test_stress_on_a_manager_pool(mpool, cli):
     assert r.code == 0, r.err
     doc = r.json()
     assert doc["passed"] and doc["sync"] == "manager"
+
+
+def test_stress_under_the_noncoherence_emulation(mpool, cli):
+    """Allocate / write / verify / free / lock across 4 node processes that each
+    see the pool through their own emulated non-coherent cache, with kills."""
+    r = cli("stress", "--pool", mpool, "--nodes", "4", "--seconds", "3", "--kill-rate", "1",
+            "--json", env=NC)
+    assert r.code == 0, r.err
+    doc = r.json()
+    assert doc["passed"] and doc["memory_model"] == "noncoherent-emulated"
+    assert doc["ops"]["total"] > 100

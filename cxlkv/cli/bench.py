@@ -15,7 +15,8 @@ def bench_cmd(app: Application, as_json):
 
     Runs on scratch pools it makes in /dev/shm and removes after: pool writes
     and reads vs a numpy memcpy of the same blocks; uncontended pool.lock()
-    acquire+release (cas mode); allocator alloc+free pairs per second (batch
+    acquire+release in cas mode and in manager mode (a lock manager is started
+    for the run); allocator alloc+free pairs per second (batch
     calls); allocator utilisation on a long-context trace vs a buddy
     allocator replaying the same trace.  Takes about a minute.
     """
