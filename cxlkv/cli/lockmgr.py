@@ -1,8 +1,6 @@
 """`cxlkv lock-manager`: run the lock manager of a pool in sync mode `manager`."""
 from __future__ import annotations
 
-import signal
-
 import click
 
 from cxlkv.cli.app import Application, exit_codes_epilog, pass_app, pool_option
@@ -21,16 +19,6 @@ def lockmgr_cmd(app: Application, pool, standby):
     unless --standby.  Runs in the foreground until SIGTERM or SIGINT, then
     hands the lease back at once.  Logs to stderr.
     """
-    from cxlkv.daemons.lockmgr import LockManager
+    from cxlkv.daemons.lockmgr import LockManager, serve
 
-    mgr = LockManager(pool, standby=standby, log=lambda msg: app.info(f"{app.command}: {msg}"))
-
-    def on_term(signum, frame):
-        mgr.stop = True
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)
-    try:
-        mgr.run()
-    finally:
-        mgr.close()
+    serve(LockManager(pool, standby=standby, log=lambda msg: app.info(f"{app.command}: {msg}")))

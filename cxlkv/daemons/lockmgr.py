@@ -264,10 +264,8 @@ def ensure_manager(path: str):
     return True, stop
 
 
-def main(argv=None) -> int:  # python -m cxlkv.daemons.lockmgr POOL [--standby]
-    args = sys.argv[1:] if argv is None else argv
-    mgr = LockManager(args[0], standby="--standby" in args)
-
+def serve(mgr: LockManager) -> None:
+    """Run until SIGTERM or SIGINT, then hand the lease back."""
     def on_term(signum, frame):
         mgr.stop = True
 
@@ -277,6 +275,11 @@ def main(argv=None) -> int:  # python -m cxlkv.daemons.lockmgr POOL [--standby]
         mgr.run()
     finally:
         mgr.close()
+
+
+def main(argv=None) -> int:  # python -m cxlkv.daemons.lockmgr POOL [--standby]
+    args = sys.argv[1:] if argv is None else argv
+    serve(LockManager(args[0], standby="--standby" in args))
     return 0
 
 

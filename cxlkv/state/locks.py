@@ -44,6 +44,11 @@ _OWNER = L.field_offset(L.LockHdrStruct, "owner")
 _NEXT = L.field_offset(L.LockHdrStruct, "next_ticket")
 
 
+def _granted() -> None:
+    if CRASH_ENABLED:
+        crashpoint("lock.held")
+
+
 class LockTimeout(CxlkvError):
     exit_code = 1
     kind = "lock-timeout"
@@ -195,8 +200,7 @@ class PoolLock:
                 self.pool.node.check()
             else:
                 self._ticket = self._wait(r[0], r[1], deadline)
-            if CRASH_ENABLED:
-                crashpoint("lock.held")
+            _granted()
         except BaseException:
             self._local.release()
             raise
@@ -330,8 +334,7 @@ class ManagerLock:
                 if spins > 200:
                     time.sleep(sleep)
                     sleep = min(sleep * 2, 0.001)
-            if CRASH_ENABLED:
-                crashpoint("lock.held")
+            _granted()
         except BaseException:
             self._local.release()
             raise
