@@ -56,7 +56,7 @@ for line in sys.stdin:
             me = pool.node.slot + 1
             print(json.dumps({"ready": True}), flush=True)
             while m.load64(cmd["go"]) == 0:        # start together
-                pass
+                time.sleep(0.0005)
             for _ in range(n):
                 with pool.lock():
                     i = m.load64(ctr)

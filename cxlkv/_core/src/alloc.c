@@ -183,7 +183,9 @@ Mapping_slab_alloc(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
             uint64_t valid = (ns - w * 64) >= 64 ? ~0ull : ((1ull << (ns - w * 64)) - 1);
             uint64_t wo = d + CD_ALLOC + w * 8;
             uint64_t cur = pool_load64(m, wo);
-            while (~cur & valid) {
+            /* bounded retries (seed 000: 16), then the next word: contention
+             * never spins a core */
+            for (int tries = 0; (~cur & valid) && tries < 16; tries++) {
                 uint64_t bit = __builtin_ctzll(~cur & valid);
                 uint64_t old = pool_cas64(m, wo, cur, cur | (1ull << bit));
                 if (old == cur) {
