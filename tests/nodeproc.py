@@ -147,3 +147,40 @@ class NodeProc:
     def kill(self) -> None:
         self.p.kill()
         self.p.wait(30)
+
+
+def lock_turn_gaps(path: str, nodes: int = 4, n: int = 150, hold: float = 0.001) -> list[int]:
+    """Run `nodes` processes that keep taking the pool lock (each holding it
+    `hold` seconds) and return, for the stretch where all of them contend, how
+    many turns passed between two turns of the same node."""
+    from cxlkv.pool.pool import Pool
+
+    procs = [NodeProc() for _ in range(nodes)]
+    with Pool.open(path) as p:
+        go = p.region("data")[0]
+        ctr, log = go + 64, go + 128
+    try:
+        for q in procs:
+            q.attach(path)
+        for q in procs:
+            q.send(op="fair", counter=ctr, log=log, n=n, go=go, hold=hold)
+        assert [q.reply() for q in procs] == [{"ready": True}] * nodes
+        with Pool.open(path) as p:
+            p.mapping.store64(go, 1)
+        assert [q.reply() for q in procs] == [{"done": n}] * nodes
+    finally:
+        for q in procs:
+            q.close()
+    with Pool.open(path) as p:
+        order = [p.mapping.load64(log + 8 * i) for i in range(nodes * n)]
+    assert sorted(set(order)) == sorted(q.slot + 1 for q in procs)
+    # between the last first turn and the first last turn, all of them contend
+    start = max(order.index(s) for s in set(order))
+    end = min(len(order) - 1 - order[::-1].index(s) for s in set(order))
+    assert end - start > n // 2, "the nodes hardly overlapped"
+    gaps, last = [], {}
+    for i in range(start, end + 1):
+        if order[i] in last:
+            gaps.append(i - last[order[i]])
+        last[order[i]] = i
+    return gaps

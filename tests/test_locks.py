@@ -14,7 +14,7 @@ from cxlkv.state import locks as K
 from cxlkv.state import nodes as N
 
 from conftest import fake_node
-from nodeproc import NodeProc
+from nodeproc import NodeProc, lock_turn_gaps
 
 LEASE_MS = 300
 
@@ -178,37 +178,7 @@ def test_close_inside_the_lock_is_refused(lease_pool):
 def test_ticket_lock_is_fair_under_contention(lease_pool):
     """While four nodes keep asking, each gets the lock again within a few
     turns of the others: tickets are served in order, nobody starves."""
-    n, procs = 200, [NodeProc() for _ in range(4)]
-    with Pool.open(lease_pool) as p:
-        go = p.region("data")[0]
-        ctr, log = go + 64, go + 128
-    try:
-        for q in procs:
-            q.attach(lease_pool)
-        for q in procs:
-            q.send(op="fair", counter=ctr, log=log, n=n, go=go, hold=0.001)
-        assert [q.reply() for q in procs] == [{"ready": True}] * 4
-        with Pool.open(lease_pool) as p:
-            p.mapping.store64(go, 1)
-        assert [q.reply() for q in procs] == [{"done": n}] * 4
-    finally:
-        for q in procs:
-            q.close()
-    with Pool.open(lease_pool) as p:
-        order = [p.mapping.load64(log + 8 * i) for i in range(4 * n)]
-    assert sorted(set(order)) == sorted(q.slot + 1 for q in procs)
-    # the stretch where all four are contending: between the last first turn
-    # and the first last turn
-    start = max(order.index(s) for s in set(order))
-    end = min(len(order) - 1 - order[::-1].index(s) for s in set(order))
-    assert end - start > n // 2, "the four nodes hardly overlapped"
-    gaps = []
-    last = {}
-    for i in range(start, end + 1):
-        s = order[i]
-        if s in last:
-            gaps.append(i - last[s])
-        last[s] = i
+    gaps = lock_turn_gaps(lease_pool, n=200)
     # round-robin makes the mean gap the number of nodes; a lock that lets the
     # releasing node straight back in drags it towards 1 and starves the others
     mean = sum(gaps) / len(gaps)

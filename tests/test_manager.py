@@ -15,7 +15,7 @@ from cxlkv.pool.pool import Pool
 from cxlkv.state import nodes as N
 from cxlkv.state import protocol as P
 
-from nodeproc import NodeProc
+from nodeproc import NodeProc, lock_turn_gaps
 
 LEASE_MS = 400
 NC = {"CXLKV_NONCOHERENT": "1"}
@@ -186,29 +186,5 @@ def test_stress_under_the_noncoherence_emulation(mpool, cli):
 def test_manager_grants_round_robin(mpool, manager):
     """Four nodes keep asking: the manager serves them in turn, none starves."""
     manager()
-    n, procs = 150, [NodeProc() for _ in range(4)]
-    with Pool.open(mpool) as p:
-        go = p.region("data")[0]
-        ctr, log = go + 64, go + 128
-    try:
-        for q in procs:
-            q.attach(mpool)
-        for q in procs:
-            q.send(op="fair", counter=ctr, log=log, n=n, go=go, hold=0.001)
-        assert [q.reply() for q in procs] == [{"ready": True}] * 4
-        with Pool.open(mpool) as p:
-            p.mapping.store64(go, 1)
-        assert [q.reply() for q in procs] == [{"done": n}] * 4
-    finally:
-        for q in procs:
-            q.close()
-    with Pool.open(mpool) as p:
-        order = [p.mapping.load64(log + 8 * i) for i in range(4 * n)]
-    start = max(order.index(s) for s in set(order))
-    end = min(len(order) - 1 - order[::-1].index(s) for s in set(order))
-    gaps, last = [], {}
-    for i in range(start, end + 1):
-        if order[i] in last:
-            gaps.append(i - last[order[i]])
-        last[order[i]] = i
-    assert gaps and 3 <= sum(gaps) / len(gaps) <= 5 and max(gaps) <= 40, gaps[:50]
+    gaps = lock_turn_gaps(mpool, n=150)
+    assert 3 <= sum(gaps) / len(gaps) <= 5 and max(gaps) <= 40, gaps[:50]
