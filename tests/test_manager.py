@@ -188,3 +188,23 @@ def test_manager_grants_round_robin(mpool, manager):
     manager()
     gaps = lock_turn_gaps(mpool, n=150)
     assert 3 <= sum(gaps) / len(gaps) <= 5 and max(gaps) <= 40, gaps[:50]
+
+
+def test_detach_without_a_manager_leaves_recovery_to_the_next(mpool, manager):
+    first = manager()
+    node = NodeProc()
+    node.attach(mpool)
+    node.call(op="alloc_publish", nbytes=8192, reserved=2, published=0)
+    first.stop()
+    node.close()                                 # no manager: warns, exits cleanly
+    assert node.p.returncode == 0
+    assert "recovered by the next one" in node.p.stderr.read()
+    manager()                                    # the next one reaps and recovers
+    with Pool.open(mpool) as p:
+        deadline = time.monotonic() + 30
+        while N.read_slot(p, node.slot).state != "free" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert N.read_slot(p, node.slot).state == "free"
+        from cxlkv.state.fsck import check
+        rep = check(p)
+        assert rep.clean and rep.stats["allocator"]["slots_allocated"] == 0

@@ -540,7 +540,18 @@ class Attachment:
         off = node_offset(self.pool, self.slot) + _CONTROL
         if not self.fenced:
             # run our own recovery first: nothing of ours must outlive the slot
-            run_recoveries(self.pool, self.slot, self.epoch)
+            try:
+                run_recoveries(self.pool, self.slot, self.epoch)
+            except CxlkvError as e:
+                if not self.managed:
+                    raise
+                # no lock manager to take the lock from: stay in the table,
+                # silent; the next manager reaps this slot and recovers it
+                sys.stderr.write(f"cxlkv: detaching from {self.pool.path} without a lock "
+                                 f"manager ({e}); node {self.slot} will be recovered by the "
+                                 "next one\n")
+                self.slot = -1
+                return
             free = L.node_control(L.NODE_FREE, self.epoch)
             if self.managed:                    # ask the manager to free the slot
                 self.pool.mapping.store64(off, free)
