@@ -44,6 +44,18 @@ _OWNER = L.field_offset(L.LockHdrStruct, "owner")
 _NEXT = L.field_offset(L.LockHdrStruct, "next_ticket")
 
 
+def _take_local(local: threading.Lock, path: str, timeout: float | None) -> float | None:
+    """Tier 1, the process-local lock; returns the deadline for tier 2."""
+    if timeout is None:
+        local.acquire()
+        return None
+    deadline = time.monotonic() + timeout
+    if not local.acquire(timeout=timeout):
+        raise LockTimeout(f"{path}: timed out waiting for the pool lock "
+                          "(held by another thread of this process)")
+    return deadline
+
+
 def _granted() -> None:
     if CRASH_ENABLED:
         crashpoint("lock.held")
@@ -182,14 +194,11 @@ class PoolLock:
         self._observer = N.Observer(pool)
 
     def acquire(self, timeout: float | None = None) -> "PoolLock":
-        if timeout is None:
+        if timeout is None:                  # the hot path: no helper call
             self._local.acquire()
             deadline = None
         else:
-            deadline = time.monotonic() + timeout
-            if not self._local.acquire(timeout=timeout):
-                raise LockTimeout(f"{self.pool.path}: timed out waiting for the pool lock "
-                                  "(held by another thread of this process)")
+            deadline = _take_local(self._local, self.pool.path, timeout)
         try:
             r = self._acquire(self._hdr, self._entry, self._token, self._epoch, SPINS,
                               self._ctl, self._ctl_val)
@@ -293,11 +302,7 @@ class ManagerLock:
 
     def acquire(self, timeout: float | None = None) -> "ManagerLock":
         P, m, e = self.P, self.m, self.e
-        if timeout is None:
-            self._local.acquire()
-        elif not self._local.acquire(timeout=timeout):
-            raise LockTimeout(f"{self.pool.path}: timed out waiting for the pool lock "
-                              "(held by another thread of this process)")
+        _take_local(self._local, self.pool.path, timeout)
         try:
             node = self.pool.node
             node.check()
