@@ -414,7 +414,7 @@ def test_exit_codes_documented_in_help(cli):
 def test_region_layout_in_inspect(cli, small_pool):
     doc = cli("inspect", "--pool", small_pool, "--json").json()["pool"]
     regions = doc["superblock"]["regions"]
-    assert list(regions) == list(L.REGION_NAMES)
+    assert list(regions) == list(L.POOL_ORDER)
     assert regions["data"]["offset"] % SMALL["chunk_size"] == 0
     assert doc["usage"]["chunks_total"] == doc["superblock"]["nchunks"]
 

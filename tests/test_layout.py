@@ -49,6 +49,37 @@ PINNED = {
         "grant_seq": (64, 8),
         "revoke_seq": (72, 8), "grant_epoch": (80, 8), "line1_pad": (88, 40),
     }),
+    "hash_entry": (64, {
+        "ctl": (0, 8), "key_lo": (8, 8), "key_hi": (16, 8), "payload": (24, 8),
+        "length": (32, 4), "ns": (36, 2), "tenant": (38, 2), "parent": (40, 4),
+        "children": (44, 4), "owner": (48, 8), "lru": (56, 8),
+    }),
+    "kv_hdr": (4096, {
+        "magic": (0, 8), "max_namespaces": (8, 4), "max_tenants": (12, 4),
+        "pins_per_node": (16, 4), "ring_per_node": (20, 4), "ns_off": (24, 8),
+        "tenant_off": (32, 8), "node_off": (40, 8), "node_stride": (48, 8),
+        "line0_pad": (56, 8), "live": (64, 8), "tombstones": (72, 8), "evictions": (80, 8),
+        "evicted_bytes": (88, 8), "line1_pad": (96, 32), "reserved": (128, 3968),
+    }),
+    "kv_stats": (64, {
+        "lookups": (0, 8), "hit_blocks": (8, 8), "miss_blocks": (16, 8),
+        "stored_blocks": (24, 8), "present_blocks": (32, 8), "stored_bytes": (40, 8),
+        "loaded_blocks": (48, 8), "loaded_bytes": (56, 8),
+    }),
+    "kv_ns": (256, {
+        "name": (0, 128), "state": (128, 4), "hash_kind": (132, 4), "block_tokens": (136, 4),
+        "reserved0": (140, 4), "block_bytes": (144, 8), "digest": (152, 16),
+        "blocks": (168, 8), "evictions": (176, 8), "evicted_bytes": (184, 8),
+        "stats": (192, 64),
+    }),
+    "kv_tenant": (64, {
+        "salt": (0, 16), "state": (16, 4), "reserved0": (20, 4), "quota": (24, 8),
+        "used": (32, 8), "blocks": (40, 8), "rejected": (48, 8), "reserved1": (56, 8),
+    }),
+    "kv_node": (128, {
+        "ring_head": (0, 8), "line0_pad": (8, 56), "ring_drained": (64, 8),
+        "line1_pad": (72, 56),
+    }),
 }
 
 
@@ -89,6 +120,16 @@ def test_constants_agree():
         "LOCK_ABANDONED": L.LOCK_ABANDONED, "CHUNK_FREE": L.CHUNK_FREE,
         "CHUNK_HEAD": L.CHUNK_HEAD, "CHUNK_TAIL": L.CHUNK_TAIL,
         "CHUNK_RELEASING": L.CHUNK_RELEASING, "SLAB_MAX_SLOTS": L.SLAB_MAX_SLOTS,
+        "FEATURE_COMPAT_KV": L.COMPAT_KV, "FEATURE_COMPAT_SUPP": L.COMPAT_SUPPORTED,
+        "FEATURE_INCOMPAT_SUPP": L.INCOMPAT_SUPPORTED,
+        "FEATURE_RO_COMPAT_SUPP": L.RO_COMPAT_SUPPORTED,
+        "KV_EMPTY": L.KV_EMPTY, "KV_WRITING": L.KV_WRITING, "KV_PENDING": L.KV_PENDING,
+        "KV_PUBLISHED": L.KV_PUBLISHED, "KV_EVICTING": L.KV_EVICTING,
+        "KV_TOMBSTONE": L.KV_TOMBSTONE, "KV_MAGIC": L.KV_MAGIC, "KV_HDR_SIZE": L.KV_HDR_SIZE,
+        "KV_NS_SIZE": L.KV_NS_SIZE, "KV_TENANT_SIZE": L.KV_TENANT_SIZE,
+        "KV_NS_NAME": L.KV_NS_NAME, "KV_NSTATS": L.KV_NSTATS, "KV_REC_FREE": L.KV_REC_FREE,
+        "KV_REC_ACTIVE": L.KV_REC_ACTIVE, "KV_HASH_XXH3_128": L.KV_HASH_XXH3_128,
+        "KV_HASH_SHA256_CBOR": L.KV_HASH_SHA256_CBOR,
     }
     for k, v in pairs.items():
         assert c[k] == v, k
@@ -101,4 +142,8 @@ def test_pinned_values():
     assert L.MAGIC == b"CXLKVPOL"
     assert (L.FORMAT_VERSION, L.SB_SIZE, L.NODE_SIZE, L.HASH_ENTRY_SIZE) == (1, 4096, 512, 64)
     assert L.CHUNK_DESC_SIZE == 256
-    assert L.REGION_NAMES == ("nodes", "locks", "bitmap", "heaps", "hash", "data")
+    assert L.REGION_NAMES == ("nodes", "locks", "bitmap", "heaps", "hash", "data", "kv")
+    assert L.POOL_ORDER == ("nodes", "locks", "bitmap", "heaps", "hash", "kv", "data")
+    assert (L.KV_MAGIC.to_bytes(8, "little"), L.COMPAT_KV) == (b"CXLKVKV1", 1)
+    assert (L.KV_EMPTY, L.KV_WRITING, L.KV_PENDING, L.KV_PUBLISHED, L.KV_EVICTING,
+            L.KV_TOMBSTONE) == (0, 1, 2, 3, 4, 5)

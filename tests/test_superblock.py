@@ -75,7 +75,7 @@ def test_newer_version_refused():
 def test_unknown_incompat_refused_and_ro_compat_read_only():
     with pytest.raises(PoolIncompatible, match="incompatible features 0x4"):
         decode(reencode(sb_bytes(), incompat=4))
-    sb = decode(reencode(sb_bytes(), ro_compat=8, compat=16))
+    sb = decode(reencode(sb_bytes(), ro_compat=8, compat=L.COMPAT_KV | 16))
     assert sb.read_only_features == 8
 
 

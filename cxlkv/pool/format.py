@@ -127,10 +127,11 @@ def compute_layout(p: FormatParams) -> Layout:
         "bitmap": _align((max_chunks + 63) // 64 * 8, 8),
         "heaps": p.max_nodes * L.HEAP_SIZE + max_chunks * L.CHUNK_DESC_SIZE,
         "hash": hash_slots * L.HASH_ENTRY_SIZE,
+        "kv": L.kv_geometry(p.max_nodes, hash_slots)["size"],
     }
     off = L.SB_COPIES * L.SB_SIZE
     regions: dict[str, tuple[int, int]] = {}
-    for name in L.REGION_NAMES[:-1]:
+    for name in L.POOL_ORDER[:-1]:
         size = _align(max(sizes[name], 1), L.PAGE)
         regions[name] = (off, size)
         off += size
@@ -160,7 +161,7 @@ def build_superblock(p: FormatParams, *, pool_uuid: uuidlib.UUID | None = None,
         uuid=pool_uuid or uuidlib.uuid4(),
         ctime_ns=time.time_ns() if ctime_ns is None else ctime_ns,
         tenant_secret=os.urandom(32) if secret is None else secret,
-        label=p.label, creator=creator or f"cxlkv {__version__}", seq=1)
+        label=p.label, creator=creator or f"cxlkv {__version__}", seq=1, compat=L.COMPAT_KV)
 
 
 Progress = Callable[[int, int], None]   # (bytes done, bytes total)
@@ -197,6 +198,9 @@ def format_mapping(m, p: FormatParams, *, zero_data: bool = True,
         done = off + n
         if progress:
             progress(done, total)
+    kv_off, _ = sb.regions["kv"]
+    for off, rec in kv_initial_records(sb.max_nodes, sb.hash_slots):
+        m.write(kv_off + off, rec)
     raw = sb.encode()
     # copy B first, then A: the same image with seq 1 in both
     m.write(L.SB_OFFSETS[1], raw)
@@ -204,6 +208,20 @@ def format_mapping(m, p: FormatParams, *, zero_data: bool = True,
     if progress:
         progress(total, total)
     return sb
+
+
+def kv_initial_records(max_nodes: int, hash_slots: int) -> list[tuple[int, bytes]]:
+    """(offset in the KV region, bytes) a fresh KV region holds besides zeros:
+    its header, and tenant record 0 (the unsalted tenant) active."""
+    g = L.kv_geometry(max_nodes, hash_slots)
+    h = L.KVHdrStruct()
+    h.magic = L.KV_MAGIC
+    for f in ("max_namespaces", "max_tenants", "pins_per_node", "ring_per_node", "ns_off",
+              "tenant_off", "node_off", "node_stride"):
+        setattr(h, f, g[f])
+    t = L.KVTenantStruct()
+    t.state = L.KV_REC_ACTIVE
+    return [(0, bytes(h)), (g["tenant_off"], bytes(t))]
 
 
 def format_buffer(buf, p: FormatParams, **kw) -> Superblock:

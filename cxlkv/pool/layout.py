@@ -9,7 +9,7 @@ image are updated together.
 from __future__ import annotations
 
 import ctypes
-from ctypes import c_char, c_uint8, c_uint32, c_uint64
+from ctypes import c_char, c_uint8, c_uint16, c_uint32, c_uint64
 
 MAGIC = b"CXLKVPOL"
 FORMAT_VERSION = 1
@@ -24,13 +24,16 @@ SYNC_MANAGER = 2
 SYNC_NAMES = {SYNC_CAS: "cas", SYNC_MANAGER: "manager"}
 SYNC_CODES = {v: k for k, v in SYNC_NAMES.items()}
 
-# Feature bits this version understands (none yet).
-COMPAT_SUPPORTED = 0
+# Feature bits this version understands.
+COMPAT_KV = 1               # the pool has a KV region
+COMPAT_SUPPORTED = COMPAT_KV
 INCOMPAT_SUPPORTED = 0
 RO_COMPAT_SUPPORTED = 0
 
-# Regions, in pool order; index = slot in superblock.regions.
-REGION_NAMES = ("nodes", "locks", "bitmap", "heaps", "hash", "data")
+# Regions; index = slot in superblock.regions.  POOL_ORDER is the order they
+# lie in the pool (data always last; kv was added in slot 6).
+REGION_NAMES = ("nodes", "locks", "bitmap", "heaps", "hash", "data", "kv")
+POOL_ORDER = ("nodes", "locks", "bitmap", "heaps", "hash", "kv", "data")
 REGION_COUNT = 8
 REGION_INDEX = {name: i for i, name in enumerate(REGION_NAMES)}
 
@@ -185,8 +188,123 @@ class ChunkStruct(ctypes.LittleEndianStructure):
     ]
 
 
+# KV cache (see cxlkv_format.h): hash entry states, records, per-node areas.
+KV_EMPTY = 0
+KV_WRITING = 1
+KV_PENDING = 2
+KV_PUBLISHED = 3
+KV_EVICTING = 4
+KV_TOMBSTONE = 5
+KV_STATE_NAMES = {KV_EMPTY: "empty", KV_WRITING: "writing", KV_PENDING: "pending",
+                  KV_PUBLISHED: "published", KV_EVICTING: "evicting", KV_TOMBSTONE: "tombstone"}
+KV_MAGIC = 0x31564B564B4C5843
+KV_HDR_SIZE = 4096
+KV_NS_SIZE = 256
+KV_TENANT_SIZE = 64
+KV_NS_NAME = 128
+KV_NSTATS = 8
+KV_REC_FREE = 0
+KV_REC_ACTIVE = 1
+KV_HASH_XXH3_128 = 1
+KV_HASH_SHA256_CBOR = 2
+KV_HASH_NAMES = {KV_HASH_XXH3_128: "xxh3_128", KV_HASH_SHA256_CBOR: "sha256_cbor"}
+KV_HASH_CODES = {v: k for k, v in KV_HASH_NAMES.items()}
+KV_NODE_HDR_SIZE = 128
+
+
+class HashEntryStruct(ctypes.LittleEndianStructure):
+    _pack_ = 1
+    _fields_ = [
+        ("ctl", c_uint64),
+        ("key_lo", c_uint64),
+        ("key_hi", c_uint64),
+        ("payload", c_uint64),
+        ("length", c_uint32),
+        ("ns", c_uint16),
+        ("tenant", c_uint16),
+        ("parent", c_uint32),
+        ("children", c_uint32),
+        ("owner", c_uint64),
+        ("lru", c_uint64),
+    ]
+
+
+class KVHdrStruct(ctypes.LittleEndianStructure):
+    _pack_ = 1
+    _fields_ = [
+        ("magic", c_uint64),
+        ("max_namespaces", c_uint32),
+        ("max_tenants", c_uint32),
+        ("pins_per_node", c_uint32),
+        ("ring_per_node", c_uint32),
+        ("ns_off", c_uint64),
+        ("tenant_off", c_uint64),
+        ("node_off", c_uint64),
+        ("node_stride", c_uint64),
+        ("line0_pad", c_uint8 * 8),
+        ("live", c_uint64),
+        ("tombstones", c_uint64),
+        ("evictions", c_uint64),
+        ("evicted_bytes", c_uint64),
+        ("line1_pad", c_uint8 * 32),
+        ("reserved", c_uint8 * 3968),
+    ]
+
+
+KV_STAT_NAMES = ("lookups", "hit_blocks", "miss_blocks", "stored_blocks", "present_blocks",
+                 "stored_bytes", "loaded_blocks", "loaded_bytes")
+
+
+class KVStatsStruct(ctypes.LittleEndianStructure):
+    _pack_ = 1
+    _fields_ = [(name, c_uint64) for name in KV_STAT_NAMES]
+
+
+class KVNsStruct(ctypes.LittleEndianStructure):
+    _pack_ = 1
+    _fields_ = [
+        ("name", c_char * 128),
+        ("state", c_uint32),
+        ("hash_kind", c_uint32),
+        ("block_tokens", c_uint32),
+        ("reserved0", c_uint32),
+        ("block_bytes", c_uint64),
+        ("digest", c_uint8 * 16),
+        ("blocks", c_uint64),
+        ("evictions", c_uint64),
+        ("evicted_bytes", c_uint64),
+        ("stats", KVStatsStruct),
+    ]
+
+
+class KVTenantStruct(ctypes.LittleEndianStructure):
+    _pack_ = 1
+    _fields_ = [
+        ("salt", c_uint8 * 16),
+        ("state", c_uint32),
+        ("reserved0", c_uint32),
+        ("quota", c_uint64),
+        ("used", c_uint64),
+        ("blocks", c_uint64),
+        ("rejected", c_uint64),
+        ("reserved1", c_uint64),
+    ]
+
+
+class KVNodeStruct(ctypes.LittleEndianStructure):
+    _pack_ = 1
+    _fields_ = [
+        ("ring_head", c_uint64),
+        ("line0_pad", c_uint8 * 56),
+        ("ring_drained", c_uint64),
+        ("line1_pad", c_uint8 * 56),
+    ]
+
+
 STRUCTS = {"superblock": SuperblockStruct, "region": Region, "node": NodeStruct,
-           "lock_hdr": LockHdrStruct, "lock_entry": LockEntryStruct, "chunk": ChunkStruct}
+           "lock_hdr": LockHdrStruct, "lock_entry": LockEntryStruct, "chunk": ChunkStruct,
+           "hash_entry": HashEntryStruct, "kv_hdr": KVHdrStruct, "kv_stats": KVStatsStruct,
+           "kv_ns": KVNsStruct, "kv_tenant": KVTenantStruct, "kv_node": KVNodeStruct}
 
 
 def field_layout(struct: type[ctypes.Structure]) -> dict[str, tuple[int, int]]:
@@ -197,3 +315,32 @@ def field_layout(struct: type[ctypes.Structure]) -> dict[str, tuple[int, int]]:
 
 def field_offset(struct: type[ctypes.Structure], name: str) -> int:
     return getattr(struct, name).offset
+
+
+KV_MAX_NAMESPACES = 64
+KV_MAX_TENANTS = 256
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def kv_geometry(max_nodes: int, hash_slots: int) -> dict[str, int]:
+    """Where the parts of the KV region lie (offsets relative to its start).
+
+    Pins per node and touch-ring records per node scale with the hash table
+    (a node can pin a quarter of it, up to 16384 blocks)."""
+    pins = min(16384, max(256, hash_slots // 4))
+    ring = min(4096, max(64, hash_slots // 16))
+    ns_off = KV_HDR_SIZE
+    tenant_off = ns_off + KV_MAX_NAMESPACES * KV_NS_SIZE
+    node_off = _align(tenant_off + KV_MAX_TENANTS * KV_TENANT_SIZE, PAGE)
+    stats_off = KV_NODE_HDR_SIZE
+    pins_off = stats_off + KV_MAX_NAMESPACES * ctypes.sizeof(KVStatsStruct)
+    ring_off = _align(pins_off + pins * 4, CACHELINE)
+    stride = _align(ring_off + ring * 8, PAGE)
+    return {"max_namespaces": KV_MAX_NAMESPACES, "max_tenants": KV_MAX_TENANTS,
+            "pins_per_node": pins, "ring_per_node": ring, "ns_off": ns_off,
+            "tenant_off": tenant_off, "node_off": node_off, "node_stride": stride,
+            "stats_off": stats_off, "pins_off": pins_off, "ring_off": ring_off,
+            "size": node_off + max_nodes * stride}

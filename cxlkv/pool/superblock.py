@@ -195,9 +195,16 @@ def _validate(s: L.SuperblockStruct, where: str) -> Superblock:
     if s.pool_size < 2 * L.SB_SIZE or s.pool_size % L.PAGE:
         raise bad(f"pool size {s.pool_size} invalid")
     regions: dict[str, tuple[int, int]] = {}
+    has_kv = bool(s.compat & L.COMPAT_KV)
     prev_end = L.SB_COPIES * L.SB_SIZE
-    for i, name in enumerate(L.REGION_NAMES):
+    for name in L.POOL_ORDER:
+        i = L.REGION_INDEX[name]
         off, size = s.regions[i].off, s.regions[i].size
+        if name == "kv" and not has_kv:        # formatted before the KV region existed
+            if off or size:
+                raise bad("region slot 6 is set but the pool has no KV feature bit")
+            regions[name] = (0, 0)
+            continue
         if off % L.PAGE or off < prev_end or size > s.pool_size or off > s.pool_size - size:
             raise bad(f"region {name} [{off}, +{size}) is misplaced")
         regions[name] = (off, size)
@@ -212,6 +219,8 @@ def _validate(s: L.SuperblockStruct, where: str) -> Superblock:
         "heaps": s.max_nodes * L.HEAP_SIZE + s.nchunks * L.CHUNK_DESC_SIZE,
         "hash": s.hash_slots * L.HASH_ENTRY_SIZE,
     }
+    if has_kv:
+        need["kv"] = L.kv_geometry(s.max_nodes, s.hash_slots)["size"]
     for name, n in need.items():
         if regions[name][1] < n:
             raise bad(f"region {name} is {regions[name][1]} bytes, needs {n}")

@@ -27,13 +27,15 @@
 #define CXLKV_SYNC_CAS         1u
 #define CXLKV_SYNC_MANAGER     2u
 
-/* feature masks: none defined in v1.  Unknown incompat -> refuse to open;
- * unknown ro_compat -> open read-only; unknown compat -> ignore. */
-#define CXLKV_FEATURE_COMPAT_SUPP     0ull
+/* feature masks.  Unknown incompat -> refuse to open; unknown ro_compat ->
+ * open read-only; unknown compat -> ignore. */
+#define CXLKV_FEATURE_COMPAT_KV       1ull  /* the pool has a KV region (regions[6]) */
+#define CXLKV_FEATURE_COMPAT_SUPP     CXLKV_FEATURE_COMPAT_KV
 #define CXLKV_FEATURE_INCOMPAT_SUPP   0ull
 #define CXLKV_FEATURE_RO_COMPAT_SUPP  0ull
 
-/* regions, in the order they lie in the pool (superblock.regions[i]) */
+/* regions (superblock.regions[i]); in the pool they lie in the order
+ * nodes, locks, bitmap, heaps, hash, kv, data (data is always last) */
 enum cxlkv_region_id {
     CXLKV_REGION_NODES  = 0,   /* node table: max_nodes x struct cxlkv_node */
     CXLKV_REGION_LOCKS  = 1,   /* lock area: header + max_nodes lock entries */
@@ -41,7 +43,8 @@ enum cxlkv_region_id {
     CXLKV_REGION_HEAPS  = 3,   /* per-node heap headers + chunk descriptors */
     CXLKV_REGION_HASH   = 4,   /* KV hash table: hash_slots entries */
     CXLKV_REGION_DATA   = 5,   /* chunk-aligned data area */
-    CXLKV_REGION_COUNT  = 8    /* slots in the superblock; 6 and 7 reserved */
+    CXLKV_REGION_KV     = 6,   /* KV header, namespaces, tenants, per-node KV areas */
+    CXLKV_REGION_COUNT  = 8    /* slots in the superblock; 7 reserved */
 };
 
 /* Sizes of the per-item records that the region sizes are computed from. */
@@ -195,6 +198,123 @@ struct cxlkv_chunk {
     uint64_t dirty_bits[8];     /*  192 */
 };
 
+/* KV cache.
+ *
+ * Hash table (region hash): hash_slots entries, open addressing with linear
+ * probing.  Every entry write happens under the pool lock; readers are
+ * lock-free and read an entry as a seqlock: ctl, then the fields, then ctl
+ * again (state | version << 8; every transition bumps the version).
+ * Deleting leaves a TOMBSTONE (probe chains stay valid), turned back to
+ * EMPTY when the slot after it is EMPTY. */
+#define CXLKV_KV_EMPTY         0u
+#define CXLKV_KV_WRITING       1u   /* lock holder filling the fields */
+#define CXLKV_KV_PENDING       2u   /* reserved by `owner`, payload being written */
+#define CXLKV_KV_PUBLISHED     3u   /* visible to readers */
+#define CXLKV_KV_EVICTING      4u   /* being evicted (pins being checked) */
+#define CXLKV_KV_TOMBSTONE     5u
+#define CXLKV_KV_STATE_MASK    0xffull
+
+struct cxlkv_hash_entry {
+    uint64_t ctl;               /*    0 state | version << 8 */
+    uint64_t key_lo;            /*    8 128-bit pool key of the block */
+    uint64_t key_hi;            /*   16 */
+    uint64_t payload;           /*   24 pool offset of the block's bytes */
+    uint32_t length;            /*   32 payload bytes */
+    uint16_t ns;                /*   36 namespace record index */
+    uint16_t tenant;            /*   38 tenant record index (0 = no salt) */
+    uint32_t parent;            /*   40 entry index of the previous block + 1; 0 = first */
+    uint32_t children;          /*   44 live entries whose parent this is */
+    uint64_t owner;             /*   48 token of the node that stored it */
+    uint64_t lru;               /*   56 last use, microseconds since the Unix epoch */
+};
+
+/* KV region: header, namespace records, tenant records, then one area per
+ * node slot.  Offsets in the header are relative to the region start. */
+#define CXLKV_KV_MAGIC         0x31564b564b4c5843ull  /* "CXLKVKV1" */
+#define CXLKV_KV_HDR_SIZE      4096u
+#define CXLKV_KV_NS_SIZE       256u
+#define CXLKV_KV_TENANT_SIZE   64u
+#define CXLKV_KV_NS_NAME       128u
+#define CXLKV_KV_NSTATS        8u
+
+/* namespace and tenant record states */
+#define CXLKV_KV_REC_FREE      0u
+#define CXLKV_KV_REC_ACTIVE    1u
+
+/* hash algorithms (namespace.hash_kind) */
+#define CXLKV_KV_HASH_XXH3_128    1u
+#define CXLKV_KV_HASH_SHA256_CBOR 2u
+
+struct cxlkv_kv_hdr {
+    uint64_t magic;             /*    0 CXLKV_KV_MAGIC */
+    uint32_t max_namespaces;    /*    8 */
+    uint32_t max_tenants;       /*   12 */
+    uint32_t pins_per_node;     /*   16 pin records per node */
+    uint32_t ring_per_node;     /*   20 touch-ring records per node */
+    uint64_t ns_off;            /*   24 namespace records */
+    uint64_t tenant_off;        /*   32 tenant records */
+    uint64_t node_off;          /*   40 first per-node area */
+    uint64_t node_stride;       /*   48 bytes per node area */
+    uint8_t  line0_pad[8];      /*   56 */
+    /* line 1: written under the pool lock */
+    uint64_t live;              /*   64 entries PENDING, PUBLISHED or EVICTING */
+    uint64_t tombstones;        /*   72 */
+    uint64_t evictions;         /*   80 blocks evicted (all namespaces, ever) */
+    uint64_t evicted_bytes;     /*   88 */
+    uint8_t  line1_pad[32];     /*   96 */
+    uint8_t  reserved[3968];    /*  128 */
+};
+
+/* Counters a node keeps per namespace (its own line; folded into the
+ * namespace record, under the lock, when the node detaches or is reaped). */
+struct cxlkv_kv_stats {
+    uint64_t lookups;           /*    0 match/load calls */
+    uint64_t hit_blocks;        /*    8 blocks found */
+    uint64_t miss_blocks;       /*   16 full blocks asked for and not found */
+    uint64_t stored_blocks;     /*   24 blocks this node stored */
+    uint64_t present_blocks;    /*   32 blocks it was asked to store that were present */
+    uint64_t stored_bytes;      /*   40 */
+    uint64_t loaded_blocks;     /*   48 blocks pinned by load */
+    uint64_t loaded_bytes;      /*   56 */
+};
+
+struct cxlkv_kv_ns {
+    char     name[128];         /*    0 namespace (model, dtype, layout), NUL padded */
+    uint32_t state;             /*  128 CXLKV_KV_REC_* */
+    uint32_t hash_kind;         /*  132 CXLKV_KV_HASH_* */
+    uint32_t block_tokens;      /*  136 */
+    uint32_t reserved0;         /*  140 */
+    uint64_t block_bytes;       /*  144 */
+    uint8_t  digest[16];        /*  152 xxh3-128 of the name: first part of every key */
+    uint64_t blocks;            /*  168 live entries of this namespace */
+    uint64_t evictions;         /*  176 blocks evicted */
+    uint64_t evicted_bytes;     /*  184 */
+    struct cxlkv_kv_stats stats;/*  192 folded counters of detached/reaped nodes */
+};
+
+struct cxlkv_kv_tenant {
+    uint8_t  salt[16];          /*    0 derived salt (HMAC of the caller's under the pool secret) */
+    uint32_t state;             /*   16 CXLKV_KV_REC_*; record 0 is the unsalted tenant */
+    uint32_t reserved0;         /*   20 */
+    uint64_t quota;             /*   24 bytes; 0 = none */
+    uint64_t used;              /*   32 payload bytes of live entries */
+    uint64_t blocks;            /*   40 live entries */
+    uint64_t rejected;          /*   48 stores refused by the quota */
+    uint64_t reserved1;         /*   56 */
+};
+
+/* Per-node KV area (node_stride bytes): line 0 written by the node, line 1
+ * by the pool-lock holder, then the node's stats (max_namespaces lines), its
+ * pin records (pins_per_node u32: entry index + 1, 0 = free) and its touch
+ * ring (ring_per_node u64: entry index + 1), all written by the node only. */
+struct cxlkv_kv_node {
+    uint64_t ring_head;         /*    0 touches written so far */
+    uint8_t  line0_pad[56];     /*    8 */
+    uint64_t ring_drained;      /*   64 touches applied to entries by an evictor */
+    uint8_t  line1_pad[56];     /*   72 */
+    /* 128: struct cxlkv_kv_stats stats[max_namespaces], then pins, then ring */
+};
+
 #ifdef __cplusplus
 #define CXLKV_STATIC_ASSERT static_assert
 #else
@@ -209,5 +329,10 @@ CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_node) == CXLKV_NODE_SIZE, "node size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_lock_hdr) == CXLKV_LOCK_HDR_SIZE, "lock header size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_lock_entry) == CXLKV_LOCK_ENTRY_SIZE, "lock entry size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_chunk) == CXLKV_CHUNK_DESC_SIZE, "chunk descriptor size");
+CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_hash_entry) == CXLKV_HASH_ENTRY_SIZE, "hash entry size");
+CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_kv_hdr) == CXLKV_KV_HDR_SIZE, "kv header size");
+CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_kv_ns) == CXLKV_KV_NS_SIZE, "kv namespace size");
+CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_kv_tenant) == CXLKV_KV_TENANT_SIZE, "kv tenant size");
+CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_kv_node) == 128, "kv node header size");
 
 #endif /* CXLKV_FORMAT_H */

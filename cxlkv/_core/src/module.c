@@ -1143,6 +1143,100 @@ mod_layout(PyObject *self, PyObject *Py_UNUSED(ignored))
     if (add_struct(out, "chunk", sizeof(struct cxlkv_chunk), f) < 0)
         goto fail;
     Py_CLEAR(f);
+
+    if (!(f = PyDict_New()))
+        goto fail;
+    FIELD(f, cxlkv_hash_entry, ctl);
+    FIELD(f, cxlkv_hash_entry, key_lo);
+    FIELD(f, cxlkv_hash_entry, key_hi);
+    FIELD(f, cxlkv_hash_entry, payload);
+    FIELD(f, cxlkv_hash_entry, length);
+    FIELD(f, cxlkv_hash_entry, ns);
+    FIELD(f, cxlkv_hash_entry, tenant);
+    FIELD(f, cxlkv_hash_entry, parent);
+    FIELD(f, cxlkv_hash_entry, children);
+    FIELD(f, cxlkv_hash_entry, owner);
+    FIELD(f, cxlkv_hash_entry, lru);
+    if (add_struct(out, "hash_entry", sizeof(struct cxlkv_hash_entry), f) < 0)
+        goto fail;
+    Py_CLEAR(f);
+
+    if (!(f = PyDict_New()))
+        goto fail;
+    FIELD(f, cxlkv_kv_hdr, magic);
+    FIELD(f, cxlkv_kv_hdr, max_namespaces);
+    FIELD(f, cxlkv_kv_hdr, max_tenants);
+    FIELD(f, cxlkv_kv_hdr, pins_per_node);
+    FIELD(f, cxlkv_kv_hdr, ring_per_node);
+    FIELD(f, cxlkv_kv_hdr, ns_off);
+    FIELD(f, cxlkv_kv_hdr, tenant_off);
+    FIELD(f, cxlkv_kv_hdr, node_off);
+    FIELD(f, cxlkv_kv_hdr, node_stride);
+    FIELD(f, cxlkv_kv_hdr, line0_pad);
+    FIELD(f, cxlkv_kv_hdr, live);
+    FIELD(f, cxlkv_kv_hdr, tombstones);
+    FIELD(f, cxlkv_kv_hdr, evictions);
+    FIELD(f, cxlkv_kv_hdr, evicted_bytes);
+    FIELD(f, cxlkv_kv_hdr, line1_pad);
+    FIELD(f, cxlkv_kv_hdr, reserved);
+    if (add_struct(out, "kv_hdr", sizeof(struct cxlkv_kv_hdr), f) < 0)
+        goto fail;
+    Py_CLEAR(f);
+
+    if (!(f = PyDict_New()))
+        goto fail;
+    FIELD(f, cxlkv_kv_stats, lookups);
+    FIELD(f, cxlkv_kv_stats, hit_blocks);
+    FIELD(f, cxlkv_kv_stats, miss_blocks);
+    FIELD(f, cxlkv_kv_stats, stored_blocks);
+    FIELD(f, cxlkv_kv_stats, present_blocks);
+    FIELD(f, cxlkv_kv_stats, stored_bytes);
+    FIELD(f, cxlkv_kv_stats, loaded_blocks);
+    FIELD(f, cxlkv_kv_stats, loaded_bytes);
+    if (add_struct(out, "kv_stats", sizeof(struct cxlkv_kv_stats), f) < 0)
+        goto fail;
+    Py_CLEAR(f);
+
+    if (!(f = PyDict_New()))
+        goto fail;
+    FIELD(f, cxlkv_kv_ns, name);
+    FIELD(f, cxlkv_kv_ns, state);
+    FIELD(f, cxlkv_kv_ns, hash_kind);
+    FIELD(f, cxlkv_kv_ns, block_tokens);
+    FIELD(f, cxlkv_kv_ns, reserved0);
+    FIELD(f, cxlkv_kv_ns, block_bytes);
+    FIELD(f, cxlkv_kv_ns, digest);
+    FIELD(f, cxlkv_kv_ns, blocks);
+    FIELD(f, cxlkv_kv_ns, evictions);
+    FIELD(f, cxlkv_kv_ns, evicted_bytes);
+    FIELD(f, cxlkv_kv_ns, stats);
+    if (add_struct(out, "kv_ns", sizeof(struct cxlkv_kv_ns), f) < 0)
+        goto fail;
+    Py_CLEAR(f);
+
+    if (!(f = PyDict_New()))
+        goto fail;
+    FIELD(f, cxlkv_kv_tenant, salt);
+    FIELD(f, cxlkv_kv_tenant, state);
+    FIELD(f, cxlkv_kv_tenant, reserved0);
+    FIELD(f, cxlkv_kv_tenant, quota);
+    FIELD(f, cxlkv_kv_tenant, used);
+    FIELD(f, cxlkv_kv_tenant, blocks);
+    FIELD(f, cxlkv_kv_tenant, rejected);
+    FIELD(f, cxlkv_kv_tenant, reserved1);
+    if (add_struct(out, "kv_tenant", sizeof(struct cxlkv_kv_tenant), f) < 0)
+        goto fail;
+    Py_CLEAR(f);
+
+    if (!(f = PyDict_New()))
+        goto fail;
+    FIELD(f, cxlkv_kv_node, ring_head);
+    FIELD(f, cxlkv_kv_node, line0_pad);
+    FIELD(f, cxlkv_kv_node, ring_drained);
+    FIELD(f, cxlkv_kv_node, line1_pad);
+    if (add_struct(out, "kv_node", sizeof(struct cxlkv_kv_node), f) < 0)
+        goto fail;
+    Py_CLEAR(f);
     return out;
 fail:
     Py_XDECREF(f);
@@ -1154,40 +1248,41 @@ static PyObject *
 mod_constants(PyObject *self, PyObject *Py_UNUSED(ignored))
 {
     (void)self;
-    return Py_BuildValue(
-        "{s:y#,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I}",
-        "MAGIC", CXLKV_MAGIC, (Py_ssize_t)8,
-        "FORMAT_VERSION", CXLKV_FORMAT_VERSION,
-        "SB_SIZE", CXLKV_SB_SIZE,
-        "SB_COPIES", CXLKV_SB_COPIES,
-        "SYNC_CAS", CXLKV_SYNC_CAS,
-        "SYNC_MANAGER", CXLKV_SYNC_MANAGER,
-        "REGION_NODES", (unsigned)CXLKV_REGION_NODES,
-        "REGION_LOCKS", (unsigned)CXLKV_REGION_LOCKS,
-        "REGION_BITMAP", (unsigned)CXLKV_REGION_BITMAP,
-        "REGION_HEAPS", (unsigned)CXLKV_REGION_HEAPS,
-        "REGION_HASH", (unsigned)CXLKV_REGION_HASH,
-        "REGION_DATA", (unsigned)CXLKV_REGION_DATA,
-        "REGION_COUNT", (unsigned)CXLKV_REGION_COUNT,
-        "NODE_SIZE", CXLKV_NODE_SIZE,
-        "LOCK_HDR_SIZE", CXLKV_LOCK_HDR_SIZE,
-        "LOCK_ENTRY_SIZE", CXLKV_LOCK_ENTRY_SIZE,
-        "HEAP_SIZE", CXLKV_HEAP_SIZE,
-        "CHUNK_DESC_SIZE", CXLKV_CHUNK_DESC_SIZE,
-        "HASH_ENTRY_SIZE", CXLKV_HASH_ENTRY_SIZE,
-        "NODE_FREE", CXLKV_NODE_FREE,
-        "NODE_CLAIMED", CXLKV_NODE_CLAIMED,
-        "NODE_ATTACHED", CXLKV_NODE_ATTACHED,
-        "NODE_FENCED", CXLKV_NODE_FENCED,
-        "LOCK_IDLE", CXLKV_LOCK_IDLE,
-        "LOCK_WAITING", CXLKV_LOCK_WAITING,
-        "LOCK_LOCKED", CXLKV_LOCK_LOCKED,
-        "LOCK_ABANDONED", CXLKV_LOCK_ABANDONED,
-        "CHUNK_FREE", CXLKV_CHUNK_FREE,
-        "CHUNK_HEAD", CXLKV_CHUNK_HEAD,
-        "CHUNK_TAIL", CXLKV_CHUNK_TAIL,
-        "CHUNK_RELEASING", CXLKV_CHUNK_RELEASING,
-        "SLAB_MAX_SLOTS", CXLKV_SLAB_MAX_SLOTS);
+#define C(name) {#name, (unsigned long long)CXLKV_##name}
+    static const struct { const char *name; unsigned long long v; } tab[] = {
+        C(FORMAT_VERSION), C(SB_SIZE), C(SB_COPIES), C(SYNC_CAS), C(SYNC_MANAGER),
+        C(REGION_NODES), C(REGION_LOCKS), C(REGION_BITMAP), C(REGION_HEAPS), C(REGION_HASH),
+        C(REGION_DATA), C(REGION_KV), C(REGION_COUNT), C(NODE_SIZE), C(LOCK_HDR_SIZE),
+        C(LOCK_ENTRY_SIZE), C(HEAP_SIZE), C(CHUNK_DESC_SIZE), C(HASH_ENTRY_SIZE),
+        C(NODE_FREE), C(NODE_CLAIMED), C(NODE_ATTACHED), C(NODE_FENCED),
+        C(LOCK_IDLE), C(LOCK_WAITING), C(LOCK_LOCKED), C(LOCK_ABANDONED),
+        C(CHUNK_FREE), C(CHUNK_HEAD), C(CHUNK_TAIL), C(CHUNK_RELEASING), C(SLAB_MAX_SLOTS),
+        C(FEATURE_COMPAT_KV), C(FEATURE_COMPAT_SUPP), C(FEATURE_INCOMPAT_SUPP),
+        C(FEATURE_RO_COMPAT_SUPP),
+        C(KV_EMPTY), C(KV_WRITING), C(KV_PENDING), C(KV_PUBLISHED), C(KV_EVICTING),
+        C(KV_TOMBSTONE), C(KV_MAGIC), C(KV_HDR_SIZE), C(KV_NS_SIZE), C(KV_TENANT_SIZE),
+        C(KV_NS_NAME), C(KV_NSTATS), C(KV_REC_FREE), C(KV_REC_ACTIVE),
+        C(KV_HASH_XXH3_128), C(KV_HASH_SHA256_CBOR),
+    };
+#undef C
+    PyObject *d = PyDict_New(), *v;
+    if (!d)
+        return NULL;
+    v = PyBytes_FromStringAndSize(CXLKV_MAGIC, 8);
+    if (!v || PyDict_SetItemString(d, "MAGIC", v) < 0)
+        goto fail;
+    Py_DECREF(v);
+    for (size_t i = 0; i < sizeof tab / sizeof tab[0]; i++) {
+        v = PyLong_FromUnsignedLongLong(tab[i].v);
+        if (!v || PyDict_SetItemString(d, tab[i].name, v) < 0)
+            goto fail;
+        Py_DECREF(v);
+    }
+    return d;
+fail:
+    Py_XDECREF(v);
+    Py_DECREF(d);
+    return NULL;
 }
 
 static PyMethodDef module_methods[] = {
