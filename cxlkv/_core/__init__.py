@@ -17,7 +17,7 @@ except ImportError as e:  # pragma: no cover - depends on the build
 
 #: The interface version this Python code was written against; a stale or
 #: foreign build of the extension is refused at import.
-EXPECTED_ABI = 5
+EXPECTED_ABI = 6
 if _native.ABI_VERSION != EXPECTED_ABI:  # pragma: no cover - depends on the build
     raise ImportError(
         f"cxlkv C core ABI {_native.ABI_VERSION} does not match the Python code "
@@ -43,6 +43,8 @@ sfence = _native.sfence
 cpu_info = _native.cpu_info
 layout = _native.layout
 constants = _native.constants
+kv_chain = _native.kv_chain
+kv_keys = _native.kv_keys
 
-__all__ = ["Mapping", "fence", "sfence", "cpu_info", "layout", "constants", "crashpoint",
+__all__ = ["Mapping", "fence", "sfence", "cpu_info", "layout", "constants", "kv_chain", "kv_keys", "crashpoint",
            "CRASH_ENABLED"]

@@ -91,6 +91,31 @@ def bitmap(pool) -> np.ndarray:
     return np.unpackbits(raw, bitorder="little")[:n].astype(bool)
 
 
+def slot_bits(pool, off: int) -> tuple[bool, bool, bool] | None:
+    """(allocated, published, dirty) of the slot at pool offset `off`, or None
+    when `off` is not the start of a slot in a slab."""
+    data_off, chunk, nchunks, base = geometry(pool)
+    if not data_off <= off < data_off + chunk * nchunks:
+        return None
+    m = pool.mapping
+    idx = (off - data_off) // chunk
+    m.invalidate(base + idx * L.CHUNK_DESC_SIZE, L.CHUNK_DESC_SIZE)
+    ctl = m.load64(base + idx * L.CHUNK_DESC_SIZE)
+    head = ctl >> 8 if ctl & 0xFF == L.CHUNK_TAIL else idx
+    h = base + head * L.CHUNK_DESC_SIZE
+    m.invalidate(h, L.CHUNK_DESC_SIZE)
+    if head >= nchunks or m.load64(h) & 0xFF != L.CHUNK_HEAD:
+        return None
+    ss, ns = m.load64(h + _F["slot_size"]), m.load64(h + _F["nslots"])
+    rel = off - (data_off + head * chunk)
+    if not ss or rel % ss or rel // ss >= min(ns, L.SLAB_MAX_SLOTS):
+        return None
+    i = rel // ss
+    w, b = i // 64, 1 << (i % 64)
+    return tuple(bool(m.load64(h + _F[f] + 8 * w) & b)
+                 for f in ("alloc_bits", "pub_bits", "dirty_bits"))
+
+
 def slot_size_for(pool, nbytes: int) -> int:
     if nbytes <= 0:
         raise ValueError(f"cannot allocate {nbytes} bytes")
@@ -176,7 +201,7 @@ class Allocator:
                 return int(self.alloc_batch(nbytes, 1, zero)[0])
         ss = slot_size_for(self.pool, nbytes)
         head = self._current.get(ss)
-        if head is not None and self.m.slab_alloc(head, self.token, self._one, 1, zero) == 1:
+        if head is not None and self.m.slab_alloc(head, self.token, self._one, 1, zero, ss) == 1:
             return int(self._one[0])
         return int(self.alloc_batch(nbytes, 1, zero)[0])
 
@@ -195,7 +220,7 @@ class Allocator:
             while got < count:
                 head = self._current.get(ss)
                 if head is not None:
-                    r = self.m.slab_alloc(head, self.token, out[got:], count - got, zero)
+                    r = self.m.slab_alloc(head, self.token, out[got:], count - got, zero, ss)
                     if r > 0:
                         got += r
                         continue
@@ -325,14 +350,23 @@ class Allocator:
         set_bits(self.pool, head, k, True)
         return head
 
-    def _release_empty(self, d: np.ndarray) -> int:
-        """Return our empty slabs (and empty orphans) to the bitmap.
+    def release_empty(self) -> int:
+        """Return every empty slab to the bitmap (pool lock held): after an
+        evictor freed slots in other nodes' slabs, their chunks serve any size."""
+        d = descriptors(self.pool)
+        try:
+            return self._release_empty(d)
+        finally:
+            del d
 
-        Safe for a slab another thread is allocating from: release_slab's
-        RELEASING/bit check makes exactly one of them back off."""
+    def _release_empty(self, d: np.ndarray) -> int:
+        """Return empty slabs - any node's - to the bitmap.
+
+        Safe for a slab another thread or node is allocating from:
+        release_slab's RELEASING/bit check (allocators set their bit, then
+        check the head) makes exactly one of them back off."""
         kind = d["control"] & 0xFF
-        cand = np.flatnonzero((kind == L.CHUNK_HEAD) &
-                              ((d["owner"] == self.token) | (d["owner"] == 0)))
+        cand = np.flatnonzero(kind == L.CHUNK_HEAD)
         cand = cand[used_slots(d, cand) == 0]
         released = 0
         for head in cand:
@@ -430,10 +464,15 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
         m.invalidate(rec, 8)
         freeing = m.load64(rec)
         if freeing:                         # died freeing a slot in someone else's slab
-            try:
-                m.slab_free(np.array([freeing], dtype=np.uint64), True, 0)
-            except ValueError:
-                pass                        # the free had got as far as the alloc bit
+            bits = slot_bits(pool, freeing)
+            # only a published slot (or one whose free had begun) is finished
+            # off: an allocated, unpublished one is a live node's fresh
+            # reservation - the free had completed and the slot been reused
+            if bits is not None and bits[0] and (bits[1] or bits[2]):
+                try:
+                    m.slab_free(np.array([freeing], dtype=np.uint64), True, 0)
+                except ValueError:
+                    pass                    # the free had got as far as the alloc bit
             m.store64(rec, 0)
             m.flush(rec, 8)
         d = descriptors(pool)

@@ -254,6 +254,7 @@ def _load_recoveries() -> None:
     """Import the subsystems that register recoveries (their `order` puts the
     lock first - a dead holder's turn is passed on - then the allocator, which
     takes the lock)."""
+    from cxlkv.kv import area  # noqa: F401
     from cxlkv.state import alloc, locks  # noqa: F401
 
 

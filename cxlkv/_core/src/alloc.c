@@ -120,7 +120,7 @@ decode_slot(Mapping *m, uint64_t off, uint64_t *head, uint64_t *slot, uint64_t *
     return NULL;
 }
 
-static int
+int
 get_offsets(PyObject *obj, Py_buffer *b, int writable)
 {
     if (PyObject_GetBuffer(obj, b, (writable ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS |
@@ -136,16 +136,19 @@ get_offsets(PyObject *obj, Py_buffer *b, int writable)
     return 0;
 }
 
-/* slab_alloc(head, owner, out, count, zero) -> allocated
+/* slab_alloc(head, owner, out, count, zero, slot_size=0) -> allocated
  * Allocates up to `count` slots from the slab whose head chunk index is
  * `head`, writing their pool offsets to out[0..].  Returns -1 when the slab
- * is not an active slab owned by `owner` (released, adopted by someone else). */
+ * is not an active slab owned by `owner` (released, adopted by someone else)
+ * or, with slot_size, not of that slot size (released by another node and
+ * remade by this one for another size). */
 PyObject *
 Mapping_slab_alloc(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    uint64_t head, owner, count;
+    uint64_t head, owner, count, want_ss = 0;
     int zero;
-    if (nargs_check(nargs, 5, 5, "slab_alloc") < 0 || need_geometry(m, "slab_alloc") < 0 ||
+    if (nargs_check(nargs, 5, 6, "slab_alloc") < 0 || need_geometry(m, "slab_alloc") < 0 ||
+        (nargs > 5 && as_u64(args[5], &want_ss, "slot_size") < 0) ||
         as_u64(args[0], &head, "head") < 0 || as_u64(args[1], &owner, "owner") < 0 ||
         as_u64(args[3], &count, "count") < 0 || check_writable(m, "slab_alloc") < 0)
         return NULL;
@@ -175,6 +178,10 @@ Mapping_slab_alloc(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     }
     if ((err = slab_geometry(m, head, &ss, &ns, &base)))
         goto done;
+    if (want_ss && ss != want_ss) {   /* released and remade with another slot size */
+        got = -1;
+        goto done;
+    }
     m->busy++;
     Py_BEGIN_ALLOW_THREADS
     while ((uint64_t)got < count) {
@@ -203,7 +210,7 @@ Mapping_slab_alloc(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
          * and the slab must still be ours (not released and remade by another
          * node while this one was paused) */
         if ((pool_load64(m, d + CD_CONTROL) & 0xff) != CXLKV_CHUNK_HEAD ||
-            pool_load64(m, d + CD_OWNER) != owner) {
+            pool_load64(m, d + CD_OWNER) != owner || pool_load64(m, d + CD_SLOT) != ss) {
             bit_clear(m, d + CD_ALLOC + w * 8, bit);
             break;
         }

@@ -147,9 +147,28 @@ static inline void pool_read(Mapping *m, uint64_t off, void *dst, uint64_t len)
 void cxlkv_crashpoint(const char *site);
 
 /* alloc.c */
+/* A C-contiguous buffer of uint64 (numpy uint64); TypeError otherwise. */
+int get_offsets(PyObject *obj, Py_buffer *b, int writable);
 PyObject *Mapping_slab_alloc(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_slab_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_slab_publish(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_set_geometry(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+
+/* module.c: nt argument (None = by size) */
+int parse_nt(Mapping *m, PyObject *o, uint64_t len, int *nt);
+
+/* kv.c */
+PyObject *Mapping_kv_lookup(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_kv_insert(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_kv_publish(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_kv_set_state(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_kv_remove(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_kv_pin(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_kv_unpin(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_kv_touch(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_write_blocks(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_read_blocks(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *mod_kv_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *mod_kv_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

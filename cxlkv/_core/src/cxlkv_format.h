@@ -249,7 +249,7 @@ struct cxlkv_kv_hdr {
     uint64_t magic;             /*    0 CXLKV_KV_MAGIC */
     uint32_t max_namespaces;    /*    8 */
     uint32_t max_tenants;       /*   12 */
-    uint32_t pins_per_node;     /*   16 pin records per node */
+    uint32_t pins_per_node;     /*   16 pin records (u64) per node */
     uint32_t ring_per_node;     /*   20 touch-ring records per node */
     uint64_t ns_off;            /*   24 namespace records */
     uint64_t tenant_off;        /*   32 tenant records */
@@ -305,7 +305,7 @@ struct cxlkv_kv_tenant {
 
 /* Per-node KV area (node_stride bytes): line 0 written by the node, line 1
  * by the pool-lock holder, then the node's stats (max_namespaces lines), its
- * pin records (pins_per_node u32: entry index + 1, 0 = free) and its touch
+ * pin records (pins_per_node u64: entry index + 1, 0 = free) and its touch
  * ring (ring_per_node u64: entry index + 1), all written by the node only. */
 struct cxlkv_kv_node {
     uint64_t ring_head;         /*    0 touches written so far */

@@ -25,7 +25,7 @@
 /* Bump when the Python-visible interface changes; cxlkv/_core/__init__.py
  * refuses to import a build with a different number (a stale build must fail
  * loudly, not strangely). */
-#define CXLKV_NATIVE_ABI 5
+#define CXLKV_NATIVE_ABI 6
 
 /* Copies at least this large release the GIL. */
 #define GIL_RELEASE_MIN (64 * 1024)
@@ -130,7 +130,7 @@ nargs_check(Py_ssize_t nargs, Py_ssize_t lo, Py_ssize_t hi, const char *name)
 }
 
 /* tri-state nt argument: None -> mapping default by size */
-static int
+int
 parse_nt(Mapping *m, PyObject *o, uint64_t len, int *nt)
 {
     if (o == NULL || o == Py_None) {
@@ -884,9 +884,18 @@ static PyMethodDef Mapping_methods[] = {
     FAST(ticket_wait, "ticket_wait(hdr, entry, ticket, token, spins) -> (acquired, serving); GIL released"),
     FAST(ticket_release, "ticket_release(hdr, entry, ticket, token) -> bool: False if it was not ours"),
     FAST(set_geometry, "set_geometry(data_off, chunk_size, nchunks, desc_base): allocator geometry"),
-    FAST(slab_alloc, "slab_alloc(head, owner, out, count, zero) -> allocated | -1 (not our active slab)"),
+    FAST(slab_alloc, "slab_alloc(head, owner, out, count, zero, slot_size=0) -> allocated | -1 (not our active slab of that size)"),
     FAST(slab_free, "slab_free(offsets, zero, owner) -> freed (stops at a slab owner does not own; owner 0 = any); raises ValueError at the first bad offset"),
     FAST(slab_publish, "slab_publish(offsets) -> published"),
+    FAST(kv_lookup, "kv_lookup(table, nslots, ns, keys, out_idx, out_ctl, out_payload, out_len, stop_at_miss) -> found"),
+    FAST(kv_insert, "kv_insert(table, nslots, hdr, max_used, ns, tenant, length, owner, keys, parent, payloads, out_idx, out_status) -> (processed, used, full); pool lock held"),
+    FAST(kv_set_state, "kv_set_state(table, nslots, idx, from, to, owner, stamp) -> changed; pool lock held"),
+    FAST(kv_remove, "kv_remove(table, nslots, hdr, idx) -> parent + 1; pool lock held"),
+    FAST(kv_pin, "kv_pin(table, nslots, pins, npins, hint, idx, ctl, out) -> (pinned, hint, full)"),
+    FAST(kv_unpin, "kv_unpin(pins, npins, records) -> cleared"),
+    FAST(kv_touch, "kv_touch(head_off, ring_off, nring, idx) -> head"),
+    FAST(write_blocks, "write_blocks(offsets, src, block_bytes, nt=None): block i of src to offsets[i]; flushed"),
+    FAST(read_blocks, "read_blocks(offsets, dst, block_bytes): offsets[i] to block i of dst"),
     FAST(flush, "flush(off, length): write back the cache lines of a range, then fence"),
     FAST(invalidate, "invalidate(off, length): drop the cache lines of a range"),
     FAST(write, "write(off, buffer, nt=None): copy into the pool; flushed on return"),
@@ -1287,6 +1296,10 @@ fail:
 
 static PyMethodDef module_methods[] = {
     {"fence", mod_fence, METH_NOARGS, "full memory fence (mfence)"},
+    {"kv_chain", (PyCFunction)(void (*)(void))mod_kv_chain, METH_FASTCALL,
+     "kv_chain(tokens_u32, block_tokens, out) -> blocks: xxh3-128 chain of block hashes"},
+    {"kv_keys", (PyCFunction)(void (*)(void))mod_kv_keys, METH_FASTCALL,
+     "kv_keys(hashes, hash_len, prefix, out) -> n: pool keys xxh3-128(prefix || hash)"},
     {"crashpoint", mod_crashpoint, METH_O,
      "crashpoint(site): SIGKILL this process at the Nth pass when CXLKV_CRASH_AT=site:N"},
     {"sfence", mod_sfence, METH_NOARGS, "store fence"},
