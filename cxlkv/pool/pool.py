@@ -61,6 +61,17 @@ class Pool:
         """Mark reserved slots published: they outlive this node."""
         return self.allocator.publish(offsets)
 
+    def kv(self, *, model: str, block_bytes: int, block_tokens: int = 16, salt=None,
+           hash: str = "xxh3_128", hash_seed: str | None = None, quota: int | None = None):
+        """The KV cache namespace `model` as the tenant named by `salt` (see cxlkv.kv.cache).
+
+        hash="sha256_cbor" keys blocks as vLLM does (seed: hash_seed or
+        PYTHONHASHSEED); quota sets the tenant's byte quota (0 = none)."""
+        from cxlkv.kv.cache import KVCache
+
+        return KVCache(self, model=model, block_tokens=block_tokens, block_bytes=block_bytes,
+                       salt=salt, hash=hash, hash_seed=hash_seed, quota=quota)
+
     def lock(self, timeout: float | None = None):
         """The pool lock as a context manager: `with pool.lock(): ...`.
 

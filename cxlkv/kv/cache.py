@@ -1,0 +1,581 @@
+"""The prefix-aware KV cache API: `pool.kv(...)` returns a KVCache.
+
+    kv = pool.kv(model="llama-3-8b/bf16/paged", block_tokens=16, block_bytes=N)
+    kv.match(tokens)                 -> leading tokens covered by published blocks
+    kv.store(tokens, blocks)         -> blocks newly stored
+    with kv.load(tokens) as views:   -> pinned read-only zero-copy views
+    kv.load_into(tokens, out)        -> blocks copied into `out`
+
+Hot paths (hashing, lookup, pin, copies) are single C calls over the whole
+sequence; the pool lock is taken twice per store (reserve entries, then
+publish) and never by lookups.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from cxlkv._core import CRASH_ENABLED, crashpoint
+from cxlkv.errors import UsageError
+from cxlkv.kv import keys as K
+from cxlkv.kv.area import (HIGH_WATERMARK, LOW_WATERMARK, STATS, Area, KVPoolFull, KVTableFull,
+                           QuotaExceeded, TooManyPins, stamp)
+from cxlkv.pool import layout as L
+from cxlkv.state import alloc as A
+
+MIN_BLOCK_BYTES = 64
+MAX_BLOCK_BYTES = 1 << 31
+
+
+class KVCache:
+    """One namespace (model/dtype/layout) of the pool's KV cache, as one tenant."""
+
+    def __init__(self, pool, *, model: str, block_tokens: int, block_bytes: int, salt=None,
+                 hash: str = "xxh3_128", hash_seed: str | None = None,
+                 quota: int | None = None):
+        if pool.node is None:
+            raise UsageError("the KV cache needs an attached node: use cxlkv.open_pool()")
+        if not isinstance(model, str) or not model:
+            raise UsageError("model (the namespace name) must be a non-empty string")
+        name = model.encode("utf-8")
+        if len(name) >= L.KV_NS_NAME or b"\0" in name:
+            raise UsageError(f"namespace name must be under {L.KV_NS_NAME} bytes, without NUL")
+        if not isinstance(block_tokens, int) or not 1 <= block_tokens <= 1 << 20:
+            raise UsageError("block_tokens must be an integer between 1 and 1048576")
+        if not isinstance(block_bytes, int) or not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
+            raise UsageError(f"block_bytes must be an integer between {MIN_BLOCK_BYTES} "
+                             f"and {MAX_BLOCK_BYTES}")
+        if hash not in K.HASHES:
+            raise UsageError(f"hash must be one of {', '.join(K.HASHES)}, not {hash!r}")
+        if quota is not None and (not isinstance(quota, int) or quota < 0):
+            raise UsageError("quota must be a byte count >= 0 (0 = no quota)")
+        self.pool = pool
+        self.area = Area(pool)
+        self.m = pool.mapping
+        self.name = model
+        self.block_tokens = block_tokens
+        self.block_bytes = block_bytes
+        self.hash = hash
+        self.slot_size = A.slot_size_for(pool, block_bytes)
+        self._none_hash = K.vllm_none_hash(hash_seed) if hash == "sha256_cbor" else None
+        self._digest = K.namespace_digest(model)
+        self._salt = K.derive_salt(pool.sb.tenant_secret, salt)
+        self._prefix = self._digest + self._salt
+        self._mu = threading.Lock()
+        self._pin_hint = 0
+        self._stats = np.zeros(1, dtype=STATS)
+        self._closed = False
+        slot = pool.node.slot
+        self._pins_off = self.area.pins_off(slot)
+        self._ring_head = self.area.node_base(slot)
+        self._ring_off = self.area.ring_off(slot)
+        with pool.lock():
+            self.ns = self._open_namespace(name, quota)
+            self.tenant = self._open_tenant(quota)
+        self._stats_off = self.area.stats_off(slot, self.ns)
+        self._stats[0] = self.area.node_stats(slot)[self.ns]
+
+    # -- namespace and tenant records (pool lock held) ------------------------------
+    def _open_namespace(self, name: bytes, quota) -> int:
+        a = self.area
+        free = -1
+        kind = L.KV_HASH_CODES[self.hash]
+        for i, r in enumerate(a.ns_records()):
+            if r.state == L.KV_REC_ACTIVE and r.name == name:
+                if (r.block_bytes, r.block_tokens, r.hash_kind) != (
+                        self.block_bytes, self.block_tokens, kind):
+                    raise UsageError(
+                        f"namespace {self.name!r} exists with block_bytes={r.block_bytes}, "
+                        f"block_tokens={r.block_tokens}, hash="
+                        f"{L.KV_HASH_NAMES.get(r.hash_kind, r.hash_kind)}; it was opened with "
+                        f"block_bytes={self.block_bytes}, block_tokens={self.block_tokens}, "
+                        f"hash={self.hash}",
+                        hint="use the namespace's parameters, or drop it first "
+                             "(cxlkv kv drop --namespace NAME)")
+                return i
+            if free < 0 and r.state == L.KV_REC_FREE:
+                free = i
+        if free < 0:
+            raise KVTableFull(f"{self.pool.path}: all {a.max_ns} KV namespaces are in use",
+                              hint="drop unused ones with `cxlkv kv drop --namespace NAME`")
+        r = L.KVNsStruct()
+        r.name = name
+        r.state = L.KV_REC_ACTIVE
+        r.hash_kind = kind
+        r.block_tokens = self.block_tokens
+        r.block_bytes = self.block_bytes
+        r.digest[:] = self._digest
+        a.write_record(a.ns_off(free), r)
+        a.m.zero(a.stats_off(self.pool.node.slot, free), STATS.itemsize)
+        return free
+
+    def _open_tenant(self, quota) -> int:
+        a = self.area
+        if self._salt == bytes(16):
+            idx = 0
+        else:
+            idx = free = -1
+            for i, r in enumerate(a.tenant_records()):
+                if i and r.state == L.KV_REC_ACTIVE and bytes(r.salt) == self._salt:
+                    idx = i
+                    break
+                if i and free < 0 and r.state == L.KV_REC_FREE:
+                    free = i
+            if idx < 0:
+                if free < 0:
+                    raise KVTableFull(f"{self.pool.path}: all {a.max_tenants - 1} tenant "
+                                      "records are in use")
+                r = L.KVTenantStruct()
+                r.salt[:] = self._salt
+                r.state = L.KV_REC_ACTIVE
+                a.write_record(a.tenant_off(free), r)
+                idx = free
+        if quota is not None:
+            r = a.tenant_record(idx)
+            r.quota = quota
+            a.write_record(a.tenant_off(idx), r)
+        return idx
+
+    def _check_namespace(self) -> None:
+        """Under the lock: our record still names us (not dropped meanwhile)."""
+        r = self.area.ns_record(self.ns)
+        if r.state != L.KV_REC_ACTIVE or r.name != self.name.encode():
+            self.ns = self._open_namespace(self.name.encode(), None)
+            self._stats_off = self.area.stats_off(self.pool.node.slot, self.ns)
+            self._stats[0] = 0
+
+    # -- keys --------------------------------------------------------------------------
+    def _chain(self, toks: np.ndarray) -> np.ndarray:
+        if self.hash == "xxh3_128":
+            return K.xxh3_chain(toks, self.block_tokens)
+        return K.sha256_cbor_chain(toks, self.block_tokens, self._none_hash)
+
+    def block_hashes(self, tokens) -> list[bytes]:
+        """Chain hashes of the full blocks of `tokens` (vLLM's block hashes
+        for hash="sha256_cbor" with the same seed)."""
+        return [bytes(r) for r in self._chain(K.tokens_array(tokens))]
+
+    def _keys(self, tokens) -> np.ndarray:
+        return K.pool_keys(self._chain(K.tokens_array(tokens)), self._digest, self._salt)
+
+    def keys_for_hashes(self, hashes) -> np.ndarray:
+        """Pool keys for chain hashes the caller computed (e.g. vLLM's)."""
+        rows = [bytes(h) for h in hashes]
+        if not rows:
+            return np.zeros((0, 16), dtype=np.uint8)
+        if len({len(r) for r in rows}) != 1:
+            raise UsageError("block hashes must all have the same length")
+        chain = np.frombuffer(b"".join(rows), dtype=np.uint8).reshape(len(rows), -1)
+        return K.pool_keys(chain, self._digest, self._salt)
+
+    # -- lookups -----------------------------------------------------------------------
+    def _lookup(self, keys: np.ndarray, stop: bool = True):
+        n = len(keys)
+        idx = np.empty(n, dtype=np.uint64)
+        ctl = np.empty(n, dtype=np.uint64)
+        pay = np.empty(n, dtype=np.uint64)
+        ln = np.empty(n, dtype=np.uint64)
+        found = self.m.kv_lookup(self.area.table, self.area.nslots, self.ns, keys, idx, ctl, pay,
+                                 ln, stop) if n else 0
+        return found, idx, ctl, pay
+
+    def _count(self, **delta) -> None:
+        with self._mu:
+            for k, v in delta.items():
+                self._stats[k] += v
+            self.m.write(self._stats_off, self._stats.tobytes())
+
+    def match(self, tokens) -> int:
+        """Leading tokens covered by published blocks (a multiple of block_tokens)."""
+        keys = self._keys(tokens)
+        found = self._lookup(keys)[0]
+        self._count(lookups=1, hit_blocks=found, miss_blocks=len(keys) - found)
+        return found * self.block_tokens
+
+    def match_hashes(self, hashes) -> int:
+        """Leading blocks present, for chain hashes the caller computed."""
+        keys = self.keys_for_hashes(hashes)
+        found = self._lookup(keys)[0]
+        self._count(lookups=1, hit_blocks=found, miss_blocks=len(keys) - found)
+        return found
+
+    def match_many(self, sequences) -> list[int]:
+        return [self.match(t) for t in sequences]
+
+    # -- store -------------------------------------------------------------------------
+    def _sources(self, blocks, n: int):
+        """(contiguous buffer of n*block_bytes | None, list of n buffers | None)."""
+        bb = self.block_bytes
+        try:
+            mv = memoryview(blocks)
+        except TypeError:
+            mv = None
+        if mv is not None:
+            if mv.nbytes != n * bb:
+                raise UsageError(f"blocks is one buffer of {mv.nbytes} bytes; {n} full blocks "
+                                 f"need {n} x {bb} = {n * bb}")
+            if not mv.c_contiguous:
+                raise UsageError("blocks must be C-contiguous")
+            return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, None
+        try:
+            items = list(blocks)
+        except TypeError:
+            raise UsageError("blocks must be a buffer or a sequence of buffers") from None
+        if len(items) != n:
+            raise UsageError(f"got {len(items)} block buffers for {n} full blocks of tokens")
+        out = []
+        for i, b in enumerate(items):
+            try:
+                v = memoryview(b)
+            except TypeError:
+                raise UsageError(f"block {i} is a {type(b).__name__}, not a buffer") from None
+            if v.nbytes != bb:
+                raise UsageError(f"block {i} is {v.nbytes} bytes, block_bytes is {bb}")
+            if not v.c_contiguous:
+                raise UsageError(f"block {i} is not C-contiguous")
+            out.append(v)
+        return None, out
+
+    def _alloc(self, count: int) -> np.ndarray:
+        zero = self.slot_size != self.block_bytes
+        for attempt in range(4):
+            try:
+                return self.pool.alloc_batch(self.block_bytes, count, zero=zero)
+            except A.PoolFullError:
+                with self.pool.lock():
+                    got = self.area.evict(need_bytes=count * self.slot_size
+                                          + int(LOW_WATERMARK * self.area.data_size()))[0]
+                if not got and attempt:
+                    break
+        raise KVPoolFull(
+            f"{self.pool.path}: pool full: no room for {count} blocks of {self.block_bytes} "
+            "bytes and no unpinned block left to evict", path=self.pool.path,
+            hint="release loaded views (pins), drop unused namespaces, or use a larger pool")
+
+    def store(self, tokens, blocks) -> int:
+        """Store the full blocks of `tokens` (one buffer of block_bytes per
+        block, or one buffer of all of them); returns how many were new."""
+        keys = self._keys(tokens)
+        n = len(keys)
+        src, items = self._sources(blocks, n)
+        if n == 0:
+            return 0
+        return self._store(keys, src, items)
+
+    def store_hashes(self, hashes, blocks) -> int:
+        """Store blocks keyed by chain hashes the caller computed."""
+        keys = self.keys_for_hashes(hashes)
+        src, items = self._sources(blocks, len(keys))
+        return self._store(keys, src, items) if len(keys) else 0
+
+    def store_many(self, pairs) -> int:
+        return sum(self.store(t, b) for t, b in pairs)
+
+    def _store(self, keys: np.ndarray, src, items) -> int:
+        n = len(keys)
+        lead = self._lookup(keys)[0]
+        if lead == n:
+            self._count(present_blocks=n)
+            return 0
+        pay = self._alloc(n - lead)
+        a, m = self.area, self.m
+        slots = np.empty(n, dtype=np.uint64)
+        status = np.empty(n, dtype=np.uint64)
+        used_total = 0
+        pos = 0
+        token = self.pool.node.owner_token
+        try:
+            with self.pool.lock():
+                self.pool.node.check()
+                self._check_namespace()
+                self._make_room(n - lead)
+                parent = 0
+                while pos < n:
+                    done, used, full = m.kv_insert(
+                        a.table, a.nslots, a.hdr, a.max_used, self.ns, self.tenant,
+                        self.block_bytes, token, keys[pos:], parent, pay[used_total:],
+                        slots[pos:], status[pos:])
+                    pos += done
+                    used_total += used
+                    if pos > 0:
+                        parent = int(slots[pos - 1]) + 1
+                    if pos >= n:
+                        break
+                    if full:
+                        if not a.evict(need_entries=max(1, (n - pos)))[0]:
+                            raise KVTableFull(
+                                f"{self.pool.path}: the KV hash table is full "
+                                f"({a.max_used} of {a.nslots} entries, the format's maximum "
+                                "load) and every block is pinned", path=self.pool.path,
+                                hint="release loaded views, or re-format with more --hash-slots")
+                    else:                       # more absent blocks than reserved
+                        pay = np.concatenate([pay, self._alloc(n - pos)])
+                new = np.flatnonzero(status[:n] == 0)
+                self._account(len(new))
+        except BaseException:
+            self._abandon(slots[:pos][status[:pos] == 0], pay)
+            raise
+        if used_total < len(pay):
+            self.pool.free_batch(pay[used_total:], zero=False)
+        if not len(new):
+            self._count(present_blocks=n)
+            return 0
+        dst = pay[:used_total]
+        self._copy(new, dst, src, items)
+        if CRASH_ENABLED:
+            crashpoint("kv.copied")
+        with self.pool.lock():
+            self.pool.node.check()
+            self.pool.publish(dst)
+            m.kv_set_state(a.table, a.nslots, slots[new], L.KV_PENDING, L.KV_PUBLISHED, token,
+                           stamp())
+        self._count(stored_blocks=len(new), present_blocks=n - len(new),
+                    stored_bytes=len(new) * self.block_bytes)
+        return len(new)
+
+    def _copy(self, new: np.ndarray, dst: np.ndarray, src, items) -> None:
+        bb = self.block_bytes
+        if src is None:
+            for j, i in enumerate(new):
+                self.m.write(int(dst[j]), items[int(i)])
+            return
+        # runs of consecutive blocks go in one C call each
+        breaks = np.flatnonzero(np.diff(new) != 1) + 1
+        start = 0
+        for stop in list(breaks) + [len(new)]:
+            i0, i1 = int(new[start]), int(new[stop - 1]) + 1
+            self.m.write_blocks(dst[start:stop], src[i0 * bb:i1 * bb], bb)
+            start = stop
+
+    def _account(self, blocks: int) -> None:
+        """Namespace and tenant usage for newly reserved blocks (lock held)."""
+        if not blocks:
+            return
+        a = self.area
+        r = a.ns_record(self.ns)
+        r.blocks += blocks
+        a.write_record(a.ns_off(self.ns), r)
+        t = a.tenant_record(self.tenant)
+        t.blocks += blocks
+        t.used += blocks * self.slot_size
+        a.write_record(a.tenant_off(self.tenant), t)
+
+    def _make_room(self, blocks: int) -> None:
+        """Quota and low watermark, before reserving `blocks` (lock held)."""
+        a = self.area
+        need = blocks * self.slot_size
+        t = a.tenant_record(self.tenant)
+        if t.quota and t.used + need > t.quota:
+            a.evict(need_bytes=t.used + need - t.quota, tenant=self.tenant)
+            t = a.tenant_record(self.tenant)
+            if t.used + need > t.quota:
+                t.rejected += 1
+                a.write_record(a.tenant_off(self.tenant), t)
+                raise QuotaExceeded(
+                    f"{self.pool.path}: tenant quota of {t.quota} bytes would be exceeded "
+                    f"({t.used} in use, {need} more asked for; the rest is pinned)",
+                    path=self.pool.path, hint="raise the quota (pool.kv(..., quota=N))")
+        size = a.data_size()
+        free = size - a.used_bytes() - need
+        if free < LOW_WATERMARK * size:
+            a.evict(need_bytes=int(HIGH_WATERMARK * size) - free)
+
+    def _abandon(self, slots: np.ndarray, pay: np.ndarray) -> None:
+        """Undo reserved entries and payloads after an error (best effort; a
+        crash here is what recovery handles)."""
+        try:
+            with self.pool.lock():
+                for s in slots:
+                    self.m.kv_remove(self.area.table, self.area.nslots, self.area.hdr, int(s))
+                self.area.recount()
+            if len(pay):
+                self.pool.free_batch(pay, zero=True)
+        except Exception:                              # pragma: no cover - recovery redoes it
+            pass
+
+    # -- load ----------------------------------------------------------------------------
+    def _pin(self, keys: np.ndarray):
+        found, idx, ctl, pay = self._lookup(keys)
+        if not found:
+            return 0, idx[:0], pay[:0], np.zeros(0, dtype=np.uint64)
+        rec = np.empty(found, dtype=np.uint64)
+        a = self.area
+        pinned, self._pin_hint, full = self.m.kv_pin(a.table, a.nslots, self._pins_off, a.npins,
+                                                    self._pin_hint, idx[:found], ctl[:found], rec)
+        if full:
+            self.m.kv_unpin(self._pins_off, a.npins, rec[:pinned])
+            raise TooManyPins(f"this node has {a.npins} blocks pinned: release loaded views "
+                              "before loading more", path=self.pool.path)
+        if pinned:
+            self.m.kv_touch(self._ring_head, self._ring_off, a.nring, idx[:pinned])
+        return pinned, idx[:pinned], pay[:pinned], rec[:pinned]
+
+    def load(self, tokens) -> "Loaded":
+        """Pin the matched leading blocks of `tokens`; `with kv.load(t) as views`
+        gives read-only zero-copy memoryviews, valid inside the block."""
+        return self._load(self._keys(tokens))
+
+    def load_hashes(self, hashes) -> "Loaded":
+        return self._load(self.keys_for_hashes(hashes))
+
+    def _load(self, keys) -> "Loaded":
+        n, idx, pay, rec = self._pin(keys)
+        self._count(lookups=1, hit_blocks=n, miss_blocks=len(keys) - n, loaded_blocks=n,
+                    loaded_bytes=n * self.block_bytes)
+        return Loaded(self, pay, rec)
+
+    def load_into(self, tokens, out) -> int:
+        """Copy the matched leading blocks into `out` (a writable buffer of at
+        least matched x block_bytes); returns the blocks copied."""
+        keys = self._keys(tokens)
+        try:
+            mv = memoryview(out)
+        except TypeError:
+            raise UsageError("out must be a writable buffer") from None
+        if mv.readonly or not mv.c_contiguous:
+            raise UsageError("out must be a writable C-contiguous buffer")
+        n, idx, pay, rec = self._pin(keys)
+        try:
+            if n:
+                if mv.nbytes < n * self.block_bytes:
+                    raise UsageError(f"out holds {mv.nbytes} bytes; {n} matched blocks need "
+                                     f"{n * self.block_bytes}")
+                self.m.read_blocks(pay, mv.cast("B")[:n * self.block_bytes]
+                                   if mv.format != "B" or mv.ndim != 1 else
+                                   mv[:n * self.block_bytes], self.block_bytes)
+        finally:
+            self.m.kv_unpin(self._pins_off, self.area.npins, rec)
+        self._count(lookups=1, hit_blocks=n, miss_blocks=len(keys) - n, loaded_blocks=n,
+                    loaded_bytes=n * self.block_bytes)
+        return n
+
+    # -- operators -----------------------------------------------------------------------
+    def stats(self) -> dict:
+        return namespace_stats(self.area, self.ns)
+
+    def drop(self) -> dict:
+        return drop_namespace(self.pool, self.name)
+
+    def __repr__(self) -> str:
+        return (f"<cxlkv.KVCache {self.name!r} block_tokens={self.block_tokens} "
+                f"block_bytes={self.block_bytes} hash={self.hash}>")
+
+
+class Loaded:
+    """Pinned blocks of one load; a context manager yielding their views."""
+
+    def __init__(self, kv: KVCache, payloads: np.ndarray, records: np.ndarray):
+        self._kv = kv
+        self.payloads = payloads
+        self._records = records
+        self._views: list[memoryview] | None = None
+        self._released = False
+
+    @property
+    def blocks(self) -> int:
+        return len(self.payloads)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.payloads) * self._kv.block_tokens
+
+    def views(self) -> list[memoryview]:
+        if self._released:
+            raise UsageError("these blocks were released")
+        if self._views is None:
+            m, bb = self._kv.m, self._kv.block_bytes
+            if m.flush_meta:
+                for p in self.payloads:
+                    m.invalidate(int(p), bb)
+            self._views = [m.view(int(p), bb) for p in self.payloads]
+        return self._views
+
+    def __enter__(self) -> list[memoryview]:
+        return self.views()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Drop the views and the pins (the blocks may be evicted afterwards)."""
+        if self._released:
+            return
+        self._released = True
+        for v in self._views or ():
+            try:
+                v.release()
+            except BufferError:
+                pass          # an export (np.frombuffer) outlives the block: documented
+        self._views = None
+        self._kv.m.kv_unpin(self._kv._pins_off, self._kv.area.npins, self._records)
+
+    def __del__(self):
+        if not self._released:
+            try:
+                self.release()
+            except Exception:
+                pass
+
+
+# -- operator views (no KVCache needed) ---------------------------------------------------
+def namespace_stats(area: Area, i: int) -> dict:
+    r = area.ns_record(i)
+    totals = {f: getattr(r.stats, f) for f in L.KV_STAT_NAMES}
+    from cxlkv.state import nodes as N
+
+    for n in N.read_nodes(area.pool):
+        if n.state in ("attached", "claimed", "fenced"):
+            st = area.node_stats(n.slot)[i]
+            for f in L.KV_STAT_NAMES:
+                totals[f] += int(st[f])
+    return {
+        "namespace": r.name.decode("utf-8", "replace"), "index": i,
+        "hash": L.KV_HASH_NAMES.get(r.hash_kind, str(r.hash_kind)),
+        "block_tokens": r.block_tokens, "block_bytes": r.block_bytes,
+        "blocks": r.blocks, "bytes": r.blocks * r.block_bytes,
+        "hits": totals["hit_blocks"], "misses": totals["miss_blocks"],
+        "stores": totals["stored_blocks"], "present": totals["present_blocks"],
+        "stored_bytes": totals["stored_bytes"], "loads": totals["loaded_blocks"],
+        "loaded_bytes": totals["loaded_bytes"], "lookups": totals["lookups"],
+        "evictions": r.evictions, "evicted_bytes": r.evicted_bytes,
+    }
+
+
+def kv_report(pool) -> dict:
+    """KV usage of a pool (for `cxlkv kv stats` and `cxlkv inspect`)."""
+    a = Area(pool)
+    h = a.header()
+    spaces = [namespace_stats(a, i) for i, r in enumerate(a.ns_records())
+              if r.state == L.KV_REC_ACTIVE]
+    tenants = [{"index": i, "salted": i != 0, "quota": r.quota, "used": r.used,
+                "blocks": r.blocks, "rejected": r.rejected}
+               for i, r in enumerate(a.tenant_records()) if r.state == L.KV_REC_ACTIVE]
+    return {
+        "hash_slots": a.nslots, "max_load_pct": pool.sb.hash_max_load_pct,
+        "max_entries": a.max_used, "entries": h.live, "tombstones": h.tombstones,
+        "load_pct": round(100 * h.live / a.nslots, 2),
+        "used_bytes": sum(t["used"] for t in tenants),
+        "evictions": h.evictions, "evicted_bytes": h.evicted_bytes,
+        "namespaces": spaces, "tenants": tenants,
+        "pins_per_node": a.npins, "max_namespaces": a.max_ns,
+    }
+
+
+def drop_namespace(pool, name: str) -> dict:
+    """Evict every unpinned block of a namespace; the record is freed once
+    no block is left.  Returns what was done and what stayed (pinned)."""
+    a = Area(pool)
+    with pool.lock():
+        idx = [i for i, r in enumerate(a.ns_records())
+               if r.state == L.KV_REC_ACTIVE and r.name == name.encode("utf-8")]
+        if not idx:
+            raise UsageError(f"{pool.path}: no KV namespace {name!r}")
+        i = idx[0]
+        blocks, nbytes = a.evict(ns=i, everything=True)
+        r = a.ns_record(i)
+        left = r.blocks
+        if not left:
+            a.m.zero(a.ns_off(i), L.KV_NS_SIZE)
+    return {"namespace": name, "evicted": blocks, "evicted_bytes": nbytes, "pinned_left": left,
+            "dropped": not left}
