@@ -11,9 +11,20 @@ import sys
 
 DRIVER = r'''
 import json, os, sys, time
+import numpy as np
 import cxlkv
 pool = None
 lock = None
+kv = None
+held = []
+def pattern(kv, toks):
+    """Block contents derived from the blocks' chain hashes: any reader can
+    tell whether a block holds what its key says."""
+    return [h * (kv.block_bytes // len(h)) for h in kv.block_hashes(toks)]
+def verify(kv, toks):
+    want = pattern(kv, toks)
+    with kv.load(toks) as views:
+        return len(views), sum(bytes(v) != want[i] for i, v in enumerate(views))
 for line in sys.stdin:
     cmd = json.loads(line)
     op = cmd["op"]
@@ -97,6 +108,42 @@ for line in sys.stdin:
                 pool.mapping.write(o, b"PUBL" * (nb // 4))
             pool.publish(pub)
             r = {"reserved": res, "published": pub}
+        elif op == "kv_open":
+            kv = pool.kv(**cmd["args"])
+            r = {"ns": kv.ns, "tenant": kv.tenant}
+        elif op == "kv_store":
+            toks = np.array(cmd["tokens"], dtype=np.int64)
+            r = {"stored": kv.store(toks, b"".join(pattern(kv, toks)))}
+        elif op == "kv_match":
+            r = {"matched": kv.match(cmd["tokens"])}
+        elif op == "kv_verify":
+            n, bad = verify(kv, cmd["tokens"])
+            r = {"blocks": n, "bad": bad}
+        elif op == "kv_hold":
+            h = kv.load(cmd["tokens"])
+            h.views()
+            held.append(h)
+            r = {"blocks": h.blocks}
+        elif op == "kv_release":
+            for h in held:
+                h.release()
+            held.clear()
+            r = {"released": True}
+        elif op == "kv_churn":
+            # store, match and read back random prefixes that share a stem
+            import random
+            rng = random.Random(cmd["seed"])
+            stem = list(range(cmd["stem"]))
+            stored = bad = loaded = 0
+            for _ in range(cmd["rounds"]):
+                k = rng.randrange(cmd["variants"])
+                toks = stem + [100000 + k * 1000 + j for j in range(rng.randrange(1, 6) * 16)]
+                if rng.random() < 0.5:
+                    stored += kv.store(np.array(toks), b"".join(pattern(kv, toks)))
+                n, b = verify(kv, toks)
+                loaded += n
+                bad += b
+            r = {"stored": stored, "loaded": loaded, "bad": bad}
         elif op == "exit":
             if pool is not None:
                 pool.close()

@@ -92,6 +92,7 @@ class Area:
         self.npins = self.geo["pins_per_node"]
         self.nring = self.geo["ring_per_node"]
         self.managed = sb.sync == "manager"
+        pool.mapping.set_geometry(*A.geometry(pool))      # payload frees go through C
         # manager mode / emulation: flush what we write, invalidate what we read
         self.m.flush_meta = self.managed or self.m.noncoherent
 

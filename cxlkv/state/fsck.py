@@ -2,7 +2,7 @@
 
 Checks the superblock copies, the node table, the lock area, the chunk
 bitmap against the slab descriptors, every slab's slot bitmaps and
-ownership.  It maps the pool read-only and writes nothing.  Run it on a
+ownership, and the KV hash table (cxlkv.kv.check).  It maps the pool read-only and writes nothing.  Run it on a
 quiescent pool: nodes working while it reads can show transient states
 (a slab half created) that are not damage.
 
@@ -64,6 +64,9 @@ def check(pool) -> Report:
     live_tokens = _check_nodes(pool, rep)
     _check_locks(pool, rep, live_tokens)
     _check_allocator(pool, rep, live_tokens)
+    from cxlkv.kv.check import check_kv   # the KV layer's own check (layered above state)
+
+    check_kv(pool, rep, live_tokens)
     return rep
 
 
