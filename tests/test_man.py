@@ -35,9 +35,13 @@ def test_renders_without_warnings(page):
 
 
 def options_of(command) -> set[str]:
+    """The command's options, and for a group those of every subcommand."""
     flags = set()
     for p in command.params:
         flags.update(o for o in list(p.opts) + list(p.secondary_opts) if o.startswith("-"))
+    for sub in getattr(command, "commands", {}).values():
+        if command is not cli:
+            flags |= options_of(sub)
     return flags | {"--help"}
 
 

@@ -26,6 +26,7 @@ COMMANDS = {
                      "Run the lock manager of a pool in sync mode manager."),
     "bench": ("cxlkv.cli.bench", "bench_cmd", "Measure the pool against same-run baselines."),
     "stress": ("cxlkv.cli.stress", "stress_cmd", "Torture-test a pool's shared state (kill -9 included)."),
+    "kv": ("cxlkv.cli.kv", "kv_group", "The KV cache in a pool: stats, ls, drop."),
 }
 
 

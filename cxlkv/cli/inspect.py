@@ -23,7 +23,7 @@ from cxlkv.errors import UsageError
 @json_option
 @pass_app
 def inspect_cmd(app: Application, pool, force, as_json):
-    """Show a pool: superblock, features, sync mode, region layout, usage and nodes.
+    """Show a pool: superblock, features, sync mode, region layout, usage, KV cache and nodes.
 
     Read-only: the pool is mapped read-only and nothing is written.
     """
@@ -39,8 +39,13 @@ def inspect_cmd(app: Application, pool, force, as_json):
             raise UsageError("no pool given and no default pool: pass --pool PATH or set "
                              f"CXLKV_POOL (cxlkv init makes {DEFAULT_POOL_PATH})")
         pool = DEFAULT_POOL_PATH
+    from cxlkv.kv.cache import kv_report
+    from cxlkv.pool import layout as L
+
     with Pool.open(pool, writable=False, force=force) as p:
         rep = pool_report(p)
+        # the KV cache's usage (None: a pool formatted before the KV region)
+        rep["kv"] = kv_report(p) if p.sb.compat & L.COMPAT_KV else None
     for w in rep["warnings"]:
         app.warn(w)
     if app.json:
@@ -80,6 +85,13 @@ def render(app: Application, rep: dict) -> None:
         ("used", f"{use['chunks_used']} of {use['chunks_total']} chunks "
                  f"({human_size(use['bytes_used'])} of {human_size(use['data_bytes'])})"),
     ]
+    kv = rep.get("kv")
+    if kv is None:
+        rows.append(("kv", "none: formatted before the KV region (re-format to use it)"))
+    else:
+        rows.append(("kv", f"{kv['entries']} of {kv['max_entries']} entries "
+                           f"({kv['load_pct']}% load), {human_size(kv['used_bytes'])} in "
+                           f"{len(kv['namespaces'])} namespace(s), {kv['evictions']} evictions"))
     if sb["features"]["ro_compat"]:
         rows.append(("read-only", "yes: the pool has features this cxlkv can only read"))
     for copy, problem in rep["superblock_problems"].items():

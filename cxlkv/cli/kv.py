@@ -1,0 +1,172 @@
+"""`cxlkv kv stats|ls|drop`: the KV cache in a pool, for operators."""
+from __future__ import annotations
+
+import click
+from rich.table import Table
+
+from cxlkv.cli.app import Application, exit_codes_epilog, json_option, pass_app, pool_option
+from cxlkv.pool.format import human_size
+
+
+@click.group("kv", epilog=exit_codes_epilog())
+def kv_group():
+    """The KV cache in a pool: usage, namespaces, blocks; drop a namespace.
+
+    A namespace holds one model's blocks (model, dtype and layout, as the
+    serving engine names it); `drop` removes a namespace's blocks, e.g. after
+    a model update.  stats and ls only read the pool.
+    """
+
+
+namespace_option = click.option("--namespace", "-n", "namespace", metavar="NAME",
+                                 help="Only this namespace.")
+
+
+def _open_ro(pool, force):
+    from cxlkv.pool.pool import Pool
+
+    return Pool.open(pool, writable=False, force=force)
+
+
+force_option = click.option("--force", is_flag=True,
+                            help="Open a world-readable or world-writable pool.")
+
+
+def _pick(spaces, namespace):
+    from cxlkv.errors import UsageError
+
+    if namespace is None:
+        return spaces
+    got = [s for s in spaces if s["namespace"] == namespace]
+    if not got:
+        raise UsageError(f"no KV namespace {namespace!r} in this pool "
+                         f"(there are: {', '.join(s['namespace'] for s in spaces) or 'none'})")
+    return got
+
+
+@kv_group.command("stats")
+@pool_option(required=True)
+@namespace_option
+@force_option
+@json_option
+@pass_app
+def stats_cmd(app: Application, pool, namespace, force, as_json):
+    """Usage of the KV cache: table load, bytes, and per namespace hits,
+    misses, stores, evictions (counters of attached nodes included)."""
+    from cxlkv.kv.cache import kv_report
+
+    with _open_ro(pool, force) as p:
+        rep = kv_report(p)
+    rep["namespaces"] = _pick(rep["namespaces"], namespace)
+    if app.json:
+        app.emit_json({"pool": pool, "kv": rep})
+        return 0
+    app.out.print(f"{pool}: {rep['entries']} of {rep['max_entries']} entries "
+                  f"({rep['load_pct']}% of {rep['hash_slots']} slots, "
+                  f"{rep['tombstones']} tombstones), {human_size(rep['used_bytes'])} in blocks, "
+                  f"{rep['evictions']} evictions")
+    t = Table(title="namespaces", title_justify="left")
+    for col in ("namespace", "blocks", "bytes", "hits", "misses", "hit %", "stores",
+                "evictions"):
+        t.add_column(col, justify="left" if col == "namespace" else "right")
+    for s in rep["namespaces"]:
+        asked = s["hits"] + s["misses"]
+        t.add_row(s["namespace"], str(s["blocks"]), human_size(s["bytes"]), str(s["hits"]),
+                  str(s["misses"]), f"{100 * s['hits'] / asked:.1f}" if asked else "-",
+                  str(s["stores"]), str(s["evictions"]))
+    app.out.print(t)
+    return 0
+
+
+@kv_group.command("ls")
+@pool_option(required=True)
+@namespace_option
+@click.option("--limit", type=click.IntRange(min=0), default=100, show_default=True,
+              help="With --namespace: list at most this many blocks (0 = all).")
+@force_option
+@json_option
+@pass_app
+def ls_cmd(app: Application, pool, namespace, limit, force, as_json):
+    """List namespaces; with --namespace, that namespace's blocks (entry,
+    key, state, bytes, parent, children, last use)."""
+    import numpy as np
+
+    from cxlkv.kv.area import Area
+    from cxlkv.kv.cache import kv_report
+    from cxlkv.pool import layout as L
+
+    with _open_ro(pool, force) as p:
+        rep = kv_report(p)
+        spaces = _pick(rep["namespaces"], namespace)
+        blocks = []
+        if namespace is not None:
+            a = Area(p)
+            t = a.entries()
+            st = t["ctl"] & 0xFF
+            sel = np.flatnonzero((t["ns"] == spaces[0]["index"]) & (st != L.KV_EMPTY)
+                                 & (st != L.KV_TOMBSTONE))
+            if limit:
+                sel = sel[:limit]
+            for i in sel:
+                e = t[i]
+                key = int(e["key_lo"]).to_bytes(8, "little") + int(e["key_hi"]).to_bytes(8, "little")
+                blocks.append({"entry": int(i), "key": key.hex(),
+                               "state": L.KV_STATE_NAMES.get(int(st[i]), str(int(st[i]))),
+                               "bytes": int(e["length"]), "payload": int(e["payload"]),
+                               "parent": int(e["parent"]) - 1 if e["parent"] else None,
+                               "children": int(e["children"]), "tenant": int(e["tenant"]),
+                               "last_use_us": int(e["lru"])})
+    if app.json:
+        doc = {"pool": pool, "namespaces": spaces}
+        if namespace is not None:
+            doc["blocks"] = blocks
+        app.emit_json(doc)
+        return 0
+    t = Table(title="namespaces", title_justify="left")
+    for col in ("namespace", "hash", "block tokens", "block bytes", "blocks", "bytes"):
+        t.add_column(col, justify="left" if col in ("namespace", "hash") else "right")
+    for s in spaces:
+        t.add_row(s["namespace"], s["hash"], str(s["block_tokens"]), human_size(s["block_bytes"]),
+                  str(s["blocks"]), human_size(s["bytes"]))
+    app.out.print(t)
+    if namespace is not None:
+        b = Table(title=f"blocks of {namespace}", title_justify="left")
+        for col in ("entry", "key", "state", "parent", "children"):
+            b.add_column(col, justify="left" if col in ("key", "state") else "right")
+        for x in blocks:
+            b.add_row(str(x["entry"]), x["key"], x["state"],
+                      "-" if x["parent"] is None else str(x["parent"]), str(x["children"]))
+        app.out.print(b)
+    return 0
+
+
+@kv_group.command("drop")
+@pool_option(required=True)
+@click.option("--namespace", "-n", "namespace", metavar="NAME", required=True,
+              help="The namespace to drop.")
+@force_option
+@json_option
+@pass_app
+def drop_cmd(app: Application, pool, namespace, force, as_json):
+    """Remove a namespace's blocks (e.g. after a model update).
+
+    Blocks pinned by a reader that is still attached are kept (they are in
+    use); the command then says how many and exits 1 - run it again when the
+    readers are done.  The namespace itself goes once it holds no block.
+    """
+    import cxlkv
+    from cxlkv.kv.cache import drop_namespace
+
+    with cxlkv.open_pool(pool, force=force) as p:
+        r = drop_namespace(p, namespace)
+    if app.json:
+        app.emit_json({"pool": pool, **r})
+    else:
+        msg = (f"{pool}: dropped namespace {namespace!r}: {r['evicted']} blocks "
+               f"({human_size(r['evicted_bytes'])}) removed")
+        app.out.print(msg)
+    if r["pinned_left"]:
+        app.warn(f"{r['pinned_left']} block(s) of {namespace!r} are pinned by attached readers "
+                 "and were kept; run the command again when they are released")
+        return 1
+    return 0
