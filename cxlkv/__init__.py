@@ -7,6 +7,12 @@ Public API (integrations and users rely only on these names):
     cxlkv.format_pool(path, params) format a file or device-dax device
     cxlkv.FormatParams              format parameters
     cxlkv.errors                    the exception tree (CxlkvError and subclasses)
+
+    pool.kv(model=..., block_tokens=16, block_bytes=N, salt=None, hash="xxh3_128")
+                                    a KV cache namespace (cxlkv.KVCache): block_hashes,
+                                    match, store, load, load_into and the *_hashes / *_many forms
+    cxlkv.KVPoolFull, cxlkv.KVTableFull, cxlkv.QuotaExceeded, cxlkv.TooManyPins
+                                    what store and load refuse with
 """
 __version__ = "0.1.0"
 
@@ -23,6 +29,14 @@ def __getattr__(name):
         from cxlkv.pool import admin
 
         return getattr(admin, name)
+    if name == "KVCache":
+        from cxlkv.kv.cache import KVCache
+
+        return KVCache
+    if name in ("KVPoolFull", "KVTableFull", "QuotaExceeded", "TooManyPins"):
+        from cxlkv.kv import area
+
+        return getattr(area, name)
     if name == "FormatParams":
         from cxlkv.pool.format import FormatParams
 
@@ -31,4 +45,4 @@ def __getattr__(name):
 
 
 __all__ = ["__version__", "CxlkvError", "Pool", "open_pool", "format_pool", "init_pool", "create_pool_file",
-           "FormatParams"]
+           "FormatParams", "KVCache", "KVPoolFull", "KVTableFull", "QuotaExceeded", "TooManyPins"]

@@ -456,3 +456,12 @@ def test_manager_mode_under_noncoherence_emulation(pool_path):
     finally:
         mgr.terminate()
         mgr.wait(30)
+
+
+def test_vectorised_slot_sizes_match_the_allocator(kvpool):
+    from cxlkv.state import alloc as A
+
+    with cxlkv.open_pool(kvpool) as pool:
+        a = Area(pool)
+        lengths = np.array([1, 63, 64, 65, 4096, 100_000, 16 * MiB])
+        assert list(a.slot_sizes(lengths)) == [A.slot_size_for(pool, int(x)) for x in lengths]

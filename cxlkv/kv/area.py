@@ -224,8 +224,7 @@ class Area:
                 break
             idx = idx[np.argsort(t["lru"][idx], kind="stable")]
             if not everything:
-                sizes = np.array([A.slot_size_for(self.pool, int(x)) for x in t["length"][idx]],
-                                 dtype=np.int64)
+                sizes = self.slot_sizes(t["length"][idx])
                 want_b = max(0, need_bytes - done_bytes)
                 want_n = max(0, need_entries - done_blocks)
                 k = max(int(np.searchsorted(np.cumsum(sizes), want_b)) + 1 if want_b else 0,
@@ -294,6 +293,12 @@ class Area:
         if len(victims):
             self.pool.allocator.release_empty()
         return len(victims), total
+
+    def slot_sizes(self, lengths: np.ndarray) -> np.ndarray:
+        """A.slot_size_for over an array of payload lengths (0 stays 0)."""
+        lengths = lengths.astype(np.int64)
+        smallest = A.slot_size_for(self.pool, 1)
+        return np.where(lengths > 0, np.maximum(smallest, -(-lengths // 64) * 64), 0)
 
     def used_bytes(self) -> int:
         return sum(r.used for r in self.tenant_records() if r.state == L.KV_REC_ACTIVE)
@@ -380,8 +385,7 @@ class Area:
             if r.state == L.KV_REC_ACTIVE and r.blocks != ns_blocks[i]:
                 r.blocks = int(ns_blocks[i])
                 self.write_record(self.ns_off(i), r)
-        sizes = np.array([A.slot_size_for(self.pool, int(x)) if x else 0
-                          for x in t["length"][live]], dtype=np.int64)
+        sizes = self.slot_sizes(t["length"][live])
         ten = t["tenant"][live]
         used = np.bincount(ten, weights=sizes, minlength=self.max_tenants)
         blocks = np.bincount(ten, minlength=self.max_tenants)

@@ -12,6 +12,7 @@ publish) and never by lookups.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -243,7 +244,8 @@ class KVCache:
             try:
                 return self.pool.alloc_batch(self.block_bytes, count, zero=zero)
             except A.PoolFullError:
-                with self.pool.lock():
+                lk = self.pool.lock()
+                with contextlib.nullcontext() if lk.held_by_me() else lk:
                     got = self.area.evict(need_bytes=count * self.slot_size
                                           + int(LOW_WATERMARK * self.area.data_size()))[0]
                 if not got and attempt:
