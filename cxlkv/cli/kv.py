@@ -68,7 +68,8 @@ def stats_cmd(app: Application, pool, namespace, force, as_json):
     t = Table(title="namespaces", title_justify="left")
     for col in ("namespace", "blocks", "bytes", "hits", "misses", "hit %", "stores",
                 "evictions"):
-        t.add_column(col, justify="left" if col == "namespace" else "right")
+        t.add_column(col, justify="left" if col == "namespace" else "right",
+                     overflow="fold")
     for s in rep["namespaces"]:
         asked = s["hits"] + s["misses"]
         t.add_row(s["namespace"], str(s["blocks"]), human_size(s["bytes"]), str(s["hits"]),
