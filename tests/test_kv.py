@@ -68,7 +68,8 @@ def test_block_hashes_are_chained_full_blocks_and_numpy_friendly(kvpool):
         assert hs[0] == h0
 
 
-@pytest.mark.parametrize("bad", [[1.5, 2.0], ["a"], [-1], [2**32], "abc", [True, False]])
+@pytest.mark.parametrize("bad", [[1.5, 2.0], ["a"], [-1], [2**32], "abc", np.array([True]),
+                                 np.array([1.0]), [[1, 2], 3]])
 def test_non_integer_or_out_of_range_tokens_are_refused(kvpool, bad):
     with cxlkv.open_pool(kvpool) as pool:
         kv = pool.kv(model="m", block_tokens=2, block_bytes=BB)
@@ -465,3 +466,176 @@ def test_vectorised_slot_sizes_match_the_allocator(kvpool):
         a = Area(pool)
         lengths = np.array([1, 63, 64, 65, 4096, 100_000, 16 * MiB])
         assert list(a.slot_sizes(lengths)) == [A.slot_size_for(pool, int(x)) for x in lengths]
+
+
+# -- regressions found in review --------------------------------------------------------------
+def _check_clean(path):
+    with Pool.open(path, writable=False) as p:
+        rep = check(p)
+    assert rep.clean, [f.to_json() for f in rep.errors]
+
+
+def test_a_failed_copy_leaves_no_reservation_behind(kvpool):
+    """An exception between reserving and publishing undoes the reservation:
+    other nodes can store the blocks at once."""
+    with cxlkv.open_pool(kvpool) as pa, cxlkv.open_pool(kvpool) as pb:
+        ka = pa.kv(model="m", block_tokens=4, block_bytes=BB)
+        kb = pb.kv(model="m", block_tokens=4, block_bytes=BB)
+
+        def boom(*a, **k):
+            raise MemoryError("simulated failure while copying")
+
+        ka._copy = boom
+        with pytest.raises(MemoryError):
+            ka.store(list(range(8)), bytes(2 * BB))
+        assert kb.store(list(range(8)), bytes(2 * BB)) == 2
+        assert kb.match(list(range(8))) == 8
+    _check_clean(kvpool)
+
+
+def test_nothing_is_chained_under_another_nodes_pending_block(pool_path):
+    """A writer killed after reserving [X, Y]; before it is reaped another
+    node stores [X, Y, Z]: Z must not hang under the dead node's Y."""
+    init_pool(pool_path, {"size": 32 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8,
+                          "lease_ms": 5000})
+    a = r'''
+import sys, cxlkv
+pool = cxlkv.open_pool(sys.argv[1])
+kv = pool.kv(model="m", block_tokens=4, block_bytes=4096)
+kv.store(list(range(8)), bytes(8192))
+'''
+    with cxlkv.open_pool(pool_path) as pb:
+        kb = pb.kv(model="m", block_tokens=4, block_bytes=BB)
+        r = subprocess.run([sys.executable, "-c", a, pool_path],
+                           env={**os.environ, "CXLKV_CRASH_AT": "kv.copied:1"})
+        assert r.returncode == -9
+        assert kb.store(list(range(12)), bytes(3 * BB)) == 0     # X is another node's, in flight
+        with cxlkv.open_pool(pool_path):                          # reaps the writer
+            pass
+        assert kb.store(list(range(12)), bytes(3 * BB)) == 3
+        assert kb.match(list(range(12))) == 12
+    _check_clean(pool_path)
+
+
+def test_a_full_table_never_evicts_the_parent_being_chained(pool_path):
+    init_pool(pool_path, {"size": 64 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8,
+                          "hash_slots": 64, "hash_max_load_pct": 50})
+    ab = list(range(1, 9))
+    with cxlkv.open_pool(pool_path) as pool:
+        kv = pool.kv(model="m", block_tokens=4, block_bytes=BB)
+        a = Area(pool)
+        kv.store(ab, bytes(2 * BB))
+        s = 1000
+        while a.header().live < a.max_used:
+            kv.store([s] * 4, bytes(BB))
+            s += 1
+        assert kv.store(ab + [9, 10, 11, 12], bytes(3 * BB)) == 1
+        assert kv.match(ab + [9, 10, 11, 12]) == 12
+    _check_clean(pool_path)
+
+
+def test_tombstones_do_not_eat_the_table(pool_path):
+    """Evictions leave tombstones; the table keeps holding max_used live
+    entries and a store evicts at most a sixteenth of the table at once."""
+    init_pool(pool_path, {"size": 64 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8,
+                          "hash_slots": 1024, "hash_max_load_pct": 60})
+    with cxlkv.open_pool(pool_path) as pool:
+        kv = pool.kv(model="m", block_tokens=4, block_bytes=BB)
+        a = Area(pool)
+        worst = 0
+        for s in range(3000):
+            before = a.header().evictions
+            kv.store([s, s + 1, s + 2, s + 3], bytes(BB))
+            worst = max(worst, a.header().evictions - before)
+        h = a.header()
+        assert h.live >= a.max_used - a.nslots // 16
+        assert worst <= a.nslots // 16 + 1
+    _check_clean(pool_path)
+
+
+def test_counters_of_two_handles_on_one_namespace_add_up(kvpool):
+    with cxlkv.open_pool(kvpool) as pool:
+        k1 = pool.kv(model="m", block_tokens=4, block_bytes=BB)
+        k2 = pool.kv(model="m", block_tokens=4, block_bytes=BB)
+        for k in (k1, k2, k1, k2):
+            k.match([1, 2, 3, 4])
+        assert k1.stats()["lookups"] == 4
+
+
+def test_a_store_larger_than_the_quota_is_refused_without_evicting(kvpool):
+    with cxlkv.open_pool(kvpool) as pool:
+        kv = pool.kv(model="m", block_tokens=4, block_bytes=BB, salt="t", quota=16 * BB)
+        kept = fill(kv, 0, 4, 4)
+        with pytest.raises(QuotaExceeded, match="whole quota"):
+            kv.store(list(range(500_000, 500_000 + 4 * 20)), bytes(20 * BB))
+        assert all(kv.match(t) == len(t) for t in kept)
+
+
+def test_tenant_records_of_idle_tenants_are_reused(kvpool):
+    with cxlkv.open_pool(kvpool) as pool:
+        for i in range(400):
+            kv = pool.kv(model="m", block_tokens=4, block_bytes=BB, salt=f"user-{i}")
+            if i % 100 == 0:
+                kv.store([i, 1, 2, 3], bytes(BB))       # a few keep blocks
+        busy = pool.kv(model="m", block_tokens=4, block_bytes=BB, salt="user-0")
+        assert busy.match([0, 1, 2, 3]) == 4
+
+
+def test_caller_hashes_must_be_bytes(kvpool):
+    with cxlkv.open_pool(kvpool) as pool:
+        kv = pool.kv(model="m", block_tokens=4, block_bytes=BB)
+        with pytest.raises(UsageError, match="must be bytes"):
+            kv.match_hashes([12345, 67890])
+        with pytest.raises(UsageError, match="same length"):
+            kv.match_hashes([b"a" * 16, b"b" * 8])
+
+
+def test_slot_bits_of_a_corrupt_tail_is_none(kvpool):
+    from cxlkv.state import alloc as A
+
+    with Pool.open(kvpool) as p:
+        data_off, chunk, nchunks, base = A.geometry(p)
+        p.mapping.store64(base + 3 * L.CHUNK_DESC_SIZE, L.CHUNK_TAIL | (1 << 40) << 8)
+        assert A.slot_bits(p, data_off + 3 * chunk) is None
+
+
+def _manager(path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CXLKV_N")}
+    return subprocess.Popen([sys.executable, "-m", "cxlkv", "lock-manager", "--pool", path],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def test_manager_mode_evictor_never_writes_a_stale_line_back(pool_path, monkeypatch):
+    """Non-coherent memory: applying touch rings and recounting must not
+    write back this process's stale copies of entry or header lines."""
+    monkeypatch.setenv("CXLKV_NONCOHERENT", "1")
+    monkeypatch.setenv("CXLKV_NC_EVICT_EVERY", "0")
+    init_pool(pool_path, {"size": 16 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8,
+                          "sync": "manager", "lease_ms": 2000})
+    mgr = _manager(pool_path)
+    try:
+        pa, pb = cxlkv.open_pool(pool_path), cxlkv.open_pool(pool_path)
+        ka = pa.kv(model="m", block_tokens=4, block_bytes=BB)
+        kb = pb.kv(model="m", block_tokens=4, block_bytes=BB)
+        k, x = [1, 2, 3, 4], [9, 9, 9, 9]
+        kb.store(k, b"K" * BB)
+        assert ka.match(k) == 4                    # A caches K's entry line
+        kb.drop()
+        kb = pb.kv(model="m", block_tokens=4, block_bytes=BB)
+        kb.store(x, b"X" * BB)                     # X reuses K's payload slot
+        kb.store(k, b"K" * BB)                     # K again, in the same entry slot
+        with kb.load(k):
+            pass                                   # a touch for A's evictor to apply
+        ev = Area(pb).header().evictions
+        with pa.lock():
+            Area(pa).evict()                       # drains rings
+            Area(pa).recount()
+        with kb.load(k) as v:
+            assert bytes(v[0][:4]) == b"KKKK"
+        assert Area(pb).header().evictions == ev
+        pa.close()
+        pb.close()
+        _check_clean(pool_path)
+    finally:
+        mgr.terminate()
+        mgr.wait(30)

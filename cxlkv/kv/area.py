@@ -168,6 +168,7 @@ class Area:
         self.m.write(off, bytes(rec))
 
     def set_hdr(self, **fields) -> None:
+        self.m.invalidate(self.hdr + 64, 64)          # never write a stale copy back
         for f, v in fields.items():
             self.m.store64(self.hdr + _HDR[f], v)
         self.m.flush(self.hdr + 64, 64)
@@ -191,88 +192,150 @@ class Area:
             if head == drained:
                 continue
             k = min(head - drained, self.nring) if head > drained else 0
-            ring = np.frombuffer(self._read(self.ring_off(n.slot), self.nring * 8), dtype="<u8")
-            pos = (np.arange(head - k, head) % self.nring) if k else np.zeros(0, dtype=np.int64)
-            idx = np.unique(ring[pos]) if k else ring[:0]
-            for i in idx[(idx > 0) & (idx <= self.nslots)]:
-                self.m.store64(self.entry_off(int(i) - 1) + _LRU, now)
-                if self.m.flush_meta:
-                    self.m.flush(self.entry_off(int(i) - 1), 64)
+            if k:
+                ring = np.frombuffer(self._read(self.ring_off(n.slot), self.nring * 8),
+                                     dtype="<u8")
+                idx = np.unique(ring[np.arange(head - k, head) % self.nring])
+                idx = idx[(idx > 0) & (idx <= self.nslots)] - 1
+                self.m.kv_stamp(self.table, self.nslots, idx.astype(np.uint64), now)
+            self.m.invalidate(base + 64, 64)
             self.m.store64(base + 64, head)
             self.m.flush(base + 64, 8)
 
     # -- eviction (pool lock held) -------------------------------------------------
     def evict(self, need_bytes: int = 0, need_entries: int = 0, *, tenant: int | None = None,
-              ns: int | None = None, everything: bool = False) -> tuple[int, int]:
-        """Evict unpinned published leaves, least recently used first, until
-        `need_bytes` of slots and `need_entries` entries are free again (or,
-        with everything=True, all that match).  Returns (blocks, bytes)."""
+              ns: int | None = None, everything: bool = False,
+              keep: np.ndarray | None = None) -> tuple[int, int]:
+        """Evict unpinned published blocks, least recently used first and
+        leaf first, until `need_bytes` of slots and `need_entries` entries are
+        free again (or, with everything=True, all that match).  Entries in
+        `keep` (and so their ancestors) stay.  Returns (blocks, bytes)."""
         self.drain_rings()
         done_blocks = done_bytes = 0
-        while everything or done_bytes < need_bytes or done_blocks < need_entries:
-            t = self.entries()
-            st = t["ctl"] & 0xFF
-            cand = (st == L.KV_PUBLISHED) & (t["children"] == 0)
-            if tenant is not None:
-                cand &= t["tenant"] == tenant
-            if ns is not None:
-                cand &= t["ns"] == ns
-            idx = np.flatnonzero(cand)
-            if len(idx):
-                idx = idx[~np.isin(idx, self.pinned())]
-            if not len(idx):
+        for _round in range(4):             # a victim found pinned late blocks its ancestors
+            if not (everything or done_bytes < need_bytes or done_blocks < need_entries):
                 break
-            idx = idx[np.argsort(t["lru"][idx], kind="stable")]
+            t = self.entries()
+            order = self._victims(t, tenant, ns, keep)
+            if not len(order):
+                break
             if not everything:
-                sizes = self.slot_sizes(t["length"][idx])
+                sizes = self.slot_sizes(t["length"][order])
                 want_b = max(0, need_bytes - done_bytes)
                 want_n = max(0, need_entries - done_blocks)
                 k = max(int(np.searchsorted(np.cumsum(sizes), want_b)) + 1 if want_b else 0,
                         want_n)
-                idx = idx[:max(1, min(k, len(idx)))]
-            b, n = self._evict_batch(idx.astype(np.uint64), t)
-            if not b:
-                break
+                order = order[:max(1, min(k, len(order)))]
+            b, n, blocked = self._evict_batch(order.astype(np.uint64), t)
             done_blocks += b
             done_bytes += n
+            if not blocked:
+                if everything:
+                    break
+                continue
+        self.purge_tombstones()
         return done_blocks, done_bytes
 
-    def _evict_batch(self, idx: np.ndarray, t: np.ndarray) -> tuple[int, int]:
+    def _victims(self, t: np.ndarray, tenant, ns, keep) -> np.ndarray:
+        """Entry indices that may be evicted, in eviction order: a block only
+        after all its descendants (leaf first), least recently used first.
+
+        A block is evictable when it and its whole subtree are published,
+        unpinned and not kept; its order key is the newest LRU stamp in its
+        subtree (so a parent never sorts before a child), then depth."""
+        n = self.nslots
+        st = t["ctl"] & 0xFF
+        live = (st == L.KV_PENDING) | (st == L.KV_PUBLISHED) | (st == L.KV_EVICTING)
+        par = t["parent"].astype(np.int64) - 1                 # -1: root
+        par[~live | (par >= n)] = -1
+        par[par >= 0] = np.where(live[par[par >= 0]], par[par >= 0], -1)
+        ok = st == L.KV_PUBLISHED
+        ok[self.pinned().astype(np.int64)] = False
+        if keep is not None and len(keep):
+            ok[np.asarray(keep, dtype=np.int64)] = False
+        depth = self._depths(par)
+        eff = t["lru"].astype(np.int64).copy()
+        blocked = ~ok & live
+        lv = np.flatnonzero(live & (par >= 0))
+        lv = lv[np.argsort(-depth[lv], kind="stable")]
+        bounds = np.flatnonzero(np.diff(depth[lv])) + 1
+        for kids in np.split(lv, bounds):             # deepest level first
+            p = par[kids]
+            np.maximum.at(eff, p, eff[kids])
+            blocked[p[blocked[kids]]] = True
+        cand = ok & ~blocked
+        if tenant is not None:
+            cand &= t["tenant"] == tenant
+        if ns is not None:
+            cand &= t["ns"] == ns
+        idx = np.flatnonzero(cand)
+        return idx[np.lexsort((-depth[idx], eff[idx]))]
+
+    @staticmethod
+    def _depths(par: np.ndarray) -> np.ndarray:
+        """Hops from each entry to its chain's root (parents as indices, -1 =
+        root), by pointer jumping; a corrupt cycle stops after 64 rounds."""
+        dist = (par >= 0).astype(np.int64)
+        anc = par.copy()
+        for _ in range(64):
+            has = anc >= 0
+            if not has.any():
+                break
+            a = np.where(has, anc, 0)
+            dist = dist + np.where(has, dist[a], 0)
+            anc = np.where(has, anc[a], -1)
+        return dist
+
+    def _evict_batch(self, idx: np.ndarray, t: np.ndarray) -> tuple[int, int, bool]:
+        """Evict `idx` (in eviction order).  Returns (blocks, bytes, blocked):
+        blocked when a victim turned out pinned (it and its ancestors stay)."""
         m = self.m
         m.kv_set_state(self.table, self.nslots, idx, L.KV_PUBLISHED, L.KV_EVICTING, 0, 0)
         pinned = np.isin(idx, self.pinned())          # after the fence in kv_set_state
         if pinned.any():
-            m.kv_set_state(self.table, self.nslots, idx[pinned], L.KV_EVICTING,
-                           L.KV_PUBLISHED, 0, 0)
-        victims = idx[~pinned]
+            # a reader pinned it in the meantime: it and every ancestor stay
+            stay = set(int(i) for i in idx[pinned])
+            for i in idx[pinned]:
+                p = int(t["parent"][i])
+                while 0 < p <= self.nslots and p - 1 not in stay:
+                    stay.add(p - 1)
+                    p = int(t["parent"][p - 1])
+            back = np.array([i for i in idx if int(i) in stay], dtype=np.uint64)
+            m.kv_set_state(self.table, self.nslots, back, L.KV_EVICTING, L.KV_PUBLISHED, 0, 0)
+            idx = np.array([i for i in idx if int(i) not in stay], dtype=np.uint64)
         rec = lock_entry_offset(self.pool, self.pool.node.slot) + _FREEING
         nsd: dict[int, list[int]] = {}
         ten: dict[int, list[int]] = {}
         total = 0
         one = np.zeros(1, dtype=np.uint64)
-        for i in victims:
+        from cxlkv._core import CRASH_ENABLED, crashpoint
+        for i in idx:
             e = t[int(i)]
-            pay = int(e["payload"])
-            ss = A.slot_size_for(self.pool, int(e["length"]))
-            m.store64(rec, pay)                        # recovery finishes the free
+            one[0] = int(e["payload"])
+            # the free is recorded, then marked begun on the slot, so that a
+            # crash anywhere from here on is finished by recovery
+            m.store64(rec, int(one[0]))
             m.flush(rec, 8)
+            try:
+                m.slab_mark_freeing(one)
+            except ValueError as err:
+                sys.stderr.write(f"cxlkv: evicting entry {int(i)}: {err} (fsck will report it)\n")
             m.kv_remove(self.table, self.nslots, self.hdr, int(i))
-            from cxlkv._core import CRASH_ENABLED, crashpoint
             if CRASH_ENABLED:
                 crashpoint("kv.evict")
-            one[0] = pay
             try:
                 m.slab_free(one, True, 0)
-            except ValueError:
-                pass                                    # already free (fsck reports it)
+            except ValueError as err:
+                sys.stderr.write(f"cxlkv: evicting entry {int(i)}: {err} (fsck will report it)\n")
             m.store64(rec, 0)
             m.flush(rec, 8)
-            nsd.setdefault(int(e["ns"]), [0, 0])
-            nsd[int(e["ns"])][0] += 1
-            nsd[int(e["ns"])][1] += int(e["length"])
-            ten.setdefault(int(e["tenant"]), [0, 0])
-            ten[int(e["tenant"])][0] += 1
-            ten[int(e["tenant"])][1] += ss
+            ss = int(self.slot_sizes(np.array([e["length"]]))[0])
+            k = nsd.setdefault(int(e["ns"]), [0, 0])
+            k[0] += 1
+            k[1] += int(e["length"])
+            k = ten.setdefault(int(e["tenant"]), [0, 0])
+            k[0] += 1
+            k[1] += ss
             total += ss
         for i, (blocks, nbytes) in nsd.items():
             if i < self.max_ns:
@@ -287,12 +350,56 @@ class Area:
                 r.blocks = max(0, r.blocks - blocks)
                 r.used = max(0, r.used - nbytes)
                 self.write_record(self.tenant_off(i), r)
-        h = self.header()
-        self.set_hdr(evictions=h.evictions + len(victims),
-                     evicted_bytes=h.evicted_bytes + sum(v[1] for v in nsd.values()))
-        if len(victims):
+        if len(idx):
+            h = self.header()
+            self.set_hdr(evictions=h.evictions + len(idx),
+                         evicted_bytes=h.evicted_bytes + sum(v[1] for v in nsd.values()))
             self.pool.allocator.release_empty()
-        return len(victims), total
+        return len(idx), total, bool(pinned.any())
+
+    def evict_on_path(self, key_lo: int, keep=None) -> int:
+        """Evict the least recently used evictable entry on the probe path of
+        a key (from its home slot to the first EMPTY): the one eviction that
+        makes room for that key when tombstones fill the table."""
+        t = self.entries()
+        n = self.nslots
+        st = t["ctl"] & 0xFF
+        path = []
+        i = key_lo & (n - 1)
+        for _ in range(n):
+            if st[i] == L.KV_EMPTY:
+                break
+            path.append(i)
+            i = (i + 1) & (n - 1)
+        order = self._victims(t, None, None, keep)
+        on = order[np.isin(order, np.array(path, dtype=np.int64))]
+        if not len(on):
+            return 0
+        return self._evict_batch(on[:1].astype(np.uint64), t)[0]
+
+    def purge_tombstones(self, force: bool = False) -> int:
+        """Turn tombstones that no live entry's probe path crosses back into
+        EMPTY slots (pool lock held).  Safe for lock-free readers: a reader
+        looking for a present key never passes them."""
+        h = self.header()
+        if not force and h.tombstones < max(16, self.nslots // 16):
+            return 0
+        t = self.entries()
+        st = t["ctl"] & 0xFF
+        n = self.nslots
+        live = np.flatnonzero((st != L.KV_EMPTY) & (st != L.KV_TOMBSTONE))
+        home = (t["key_lo"][live] & np.uint64(n - 1)).astype(np.int64)
+        end = np.where(live >= home, live, live + n)      # path home .. end-1 (wrapping)
+        cover = np.zeros(2 * n + 1, dtype=np.int64)
+        np.add.at(cover, home, 1)
+        np.add.at(cover, end, -1)
+        crossed = np.cumsum(cover)[:2 * n]
+        crossed = (crossed[:n] + crossed[n:]) > 0
+        free = np.flatnonzero((st == L.KV_TOMBSTONE) & ~crossed).astype(np.uint64)
+        if len(free):
+            self.m.kv_set_state(self.table, n, free, L.KV_TOMBSTONE, L.KV_EMPTY, 0, 0)
+            self.recount()
+        return len(free)
 
     def slot_sizes(self, lengths: np.ndarray) -> np.ndarray:
         """A.slot_size_for over an array of payload lengths (0 stays 0)."""
@@ -313,42 +420,39 @@ class Area:
         token = (slot + 1) | epoch << 16
         t = self.entries()
         st = t["ctl"] & 0xFF
-        rec = lock_entry_offset(self.pool, slot) + _FREEING
-        m.invalidate(rec, 8)
-        freeing = m.load64(rec)
-        # a lock holder died writing an entry: nothing refers to it yet
+        one = np.zeros(1, dtype=np.uint64)
+        # a lock holder died writing an entry: nothing refers to it yet (its
+        # payload is an unpublished reservation the allocator reclaims)
         for i in np.flatnonzero(st == L.KV_WRITING):
             m.kv_remove(self.table, self.nslots, self.hdr, int(i))
-        # blocks the node reserved and never published: their payloads lie in
-        # its own slabs, which nobody allocates from until recovery orphans them
-        mine = np.flatnonzero((st == L.KV_PENDING) & (t["owner"] == token))
-        one = np.zeros(1, dtype=np.uint64)
-        for i in mine:
-            bits = A.slot_bits(self.pool, int(t["payload"][i]))
+        # blocks the node reserved and never published: mark the payload's
+        # free begun, drop the entry, free - each step finishable after a crash
+        for i in np.flatnonzero((st == L.KV_PENDING) & (t["owner"] == token)):
+            one[0] = int(t["payload"][i])
+            bits = A.slot_bits(self.pool, int(one[0]))
             if bits is not None and bits[0]:
-                one[0] = int(t["payload"][i])
+                m.slab_mark_freeing(one)
+            m.kv_remove(self.table, self.nslots, self.hdr, int(i))
+            if bits is not None and bits[0]:
+                try:
+                    m.slab_free(one, True, 0)
+                except ValueError:
+                    pass                                # finished by another reaper
+        # an evictor died: where it had begun freeing the payload (the slot is
+        # marked) the entry goes and the free is finished; otherwise the block
+        # is published again, untouched
+        for i in np.flatnonzero(st == L.KV_EVICTING):
+            one[0] = int(t["payload"][i])
+            bits = A.slot_bits(self.pool, int(one[0]))
+            if bits is not None and bits[0] and bits[2]:
+                m.kv_remove(self.table, self.nslots, self.hdr, int(i))
                 try:
                     m.slab_free(one, True, 0)
                 except ValueError:
                     pass
-            m.kv_remove(self.table, self.nslots, self.hdr, int(i))
-        # an evictor died: the entry whose payload it recorded is gone (the
-        # allocator's recovery finishes the free); others go back to published
-        ev = np.flatnonzero(st == L.KV_EVICTING)
-        for i in ev:
-            if freeing and int(t["payload"][i]) == freeing:
-                m.kv_remove(self.table, self.nslots, self.hdr, int(i))
             else:
                 m.kv_set_state(self.table, self.nslots, np.array([i], dtype=np.uint64),
                                L.KV_EVICTING, L.KV_PUBLISHED, 0, 0)
-        if freeing:
-            t2 = self.entries()
-            live = (t2["ctl"] & 0xFF) != L.KV_EMPTY
-            live &= (t2["ctl"] & 0xFF) != L.KV_TOMBSTONE
-            if (t2["payload"][live] == freeing).any():
-                # freed, then reused by another block: the free is complete
-                m.store64(rec, 0)
-                m.flush(rec, 8)
         self.fold_stats(slot)
         self.clear_node(slot)
         self.recount()
@@ -371,12 +475,16 @@ class Area:
         t = self.entries()
         st = t["ctl"] & 0xFF
         live = (st == L.KV_PENDING) | (st == L.KV_PUBLISHED) | (st == L.KV_EVICTING)
-        par = t["parent"][live]
-        counts = np.bincount(par[(par > 0) & (par <= self.nslots)].astype(np.int64) - 1,
-                             minlength=self.nslots)
+        par = t["parent"].astype(np.int64)
+        # a parent that is gone (or corrupt) leaves its child a chain root
+        dangling = live & (par > 0) & ((par > self.nslots)
+                                       | ~live[np.clip(par - 1, 0, self.nslots - 1)])
+        par = np.where(dangling, 0, par)
+        counts = np.bincount(par[live & (par > 0)] - 1, minlength=self.nslots)
         off = L.field_offset(L.HashEntryStruct, "parent")
-        for i in np.flatnonzero(live & (counts != t["children"])):
-            w = int(t["parent"][i]) | int(counts[i]) << 32
+        for i in np.flatnonzero(live & ((counts != t["children"]) | dangling)):
+            w = int(par[i]) | int(counts[i]) << 32
+            m.invalidate(self.entry_off(int(i)), 64)
             m.store64(self.entry_off(int(i)) + off, w)
             m.flush(self.entry_off(int(i)), 64)
         self.set_hdr(live=int(live.sum()), tombstones=int((st == L.KV_TOMBSTONE).sum()))

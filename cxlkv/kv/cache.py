@@ -20,7 +20,7 @@ import numpy as np
 from cxlkv._core import CRASH_ENABLED, crashpoint
 from cxlkv.errors import UsageError
 from cxlkv.kv import keys as K
-from cxlkv.kv.area import (HIGH_WATERMARK, LOW_WATERMARK, STATS, Area, KVPoolFull, KVTableFull,
+from cxlkv.kv.area import (ENTRY, HIGH_WATERMARK, LOW_WATERMARK, STATS, Area, KVPoolFull, KVTableFull,
                            QuotaExceeded, TooManyPins, stamp)
 from cxlkv.pool import layout as L
 from cxlkv.state import alloc as A
@@ -63,9 +63,7 @@ class KVCache:
         self._digest = K.namespace_digest(model)
         self._salt = K.derive_salt(pool.sb.tenant_secret, salt)
         self._prefix = self._digest + self._salt
-        self._mu = threading.Lock()
         self._pin_hint = 0
-        self._stats = np.zeros(1, dtype=STATS)
         self._closed = False
         slot = pool.node.slot
         self._pins_off = self.area.pins_off(slot)
@@ -75,7 +73,6 @@ class KVCache:
             self.ns = self._open_namespace(name, quota)
             self.tenant = self._open_tenant(quota)
         self._stats_off = self.area.stats_off(slot, self.ns)
-        self._stats[0] = self.area.node_stats(slot)[self.ns]
 
     # -- namespace and tenant records (pool lock held) ------------------------------
     def _open_namespace(self, name: bytes, quota) -> int:
@@ -116,17 +113,22 @@ class KVCache:
         if self._salt == bytes(16):
             idx = 0
         else:
-            idx = free = -1
+            idx = free = idle = -1
             for i, r in enumerate(a.tenant_records()):
                 if i and r.state == L.KV_REC_ACTIVE and bytes(r.salt) == self._salt:
                     idx = i
                     break
                 if i and free < 0 and r.state == L.KV_REC_FREE:
                     free = i
+                if i and idle < 0 and r.state == L.KV_REC_ACTIVE and not r.blocks \
+                        and not r.quota:
+                    idle = i                  # a tenant with nothing stored and no quota
             if idx < 0:
+                free = free if free >= 0 else idle
                 if free < 0:
                     raise KVTableFull(f"{self.pool.path}: all {a.max_tenants - 1} tenant "
-                                      "records are in use")
+                                      "records hold blocks or quotas",
+                                      hint="drop namespaces or clear quotas of old tenants")
                 r = L.KVTenantStruct()
                 r.salt[:] = self._salt
                 r.state = L.KV_REC_ACTIVE
@@ -138,13 +140,19 @@ class KVCache:
             a.write_record(a.tenant_off(idx), r)
         return idx
 
+    def _check_tenant(self) -> None:
+        """Under the lock: our tenant record is still ours (an idle record
+        may have been handed to another tenant meanwhile)."""
+        if self.tenant and bytes(self.area.tenant_record(self.tenant).salt) != self._salt:
+            self.tenant = self._open_tenant(None)
+
     def _check_namespace(self) -> None:
         """Under the lock: our record still names us (not dropped meanwhile)."""
         r = self.area.ns_record(self.ns)
         if r.state != L.KV_REC_ACTIVE or r.name != self.name.encode():
             self.ns = self._open_namespace(self.name.encode(), None)
             self._stats_off = self.area.stats_off(self.pool.node.slot, self.ns)
-            self._stats[0] = 0
+            self.pool.__dict__.get("_kv_counters", {}).pop((self.ns, self._stats_off), None)
 
     # -- keys --------------------------------------------------------------------------
     def _chain(self, toks: np.ndarray) -> np.ndarray:
@@ -162,11 +170,16 @@ class KVCache:
 
     def keys_for_hashes(self, hashes) -> np.ndarray:
         """Pool keys for chain hashes the caller computed (e.g. vLLM's)."""
-        rows = [bytes(h) for h in hashes]
+        rows = []
+        for h in hashes:
+            if not isinstance(h, (bytes, bytearray, memoryview)):
+                raise UsageError(f"block hashes must be bytes, not {type(h).__name__} "
+                                 "(vLLM's BlockHash is bytes; encode integer hashes yourself)")
+            rows.append(bytes(h))
         if not rows:
             return np.zeros((0, 16), dtype=np.uint8)
-        if len({len(r) for r in rows}) != 1:
-            raise UsageError("block hashes must all have the same length")
+        if len({len(r) for r in rows}) != 1 or not 1 <= len(rows[0]) <= 64:
+            raise UsageError("block hashes must all have the same length, 1 to 64 bytes")
         chain = np.frombuffer(b"".join(rows), dtype=np.uint8).reshape(len(rows), -1)
         return K.pool_keys(chain, self._digest, self._salt)
 
@@ -181,11 +194,23 @@ class KVCache:
                                  ln, stop) if n else 0
         return found, idx, ctl, pay
 
+    def _counters(self):
+        """This node's counters of our namespace: one (lock, array) per pool
+        and namespace in the process, shared by every KVCache on it."""
+        shared = self.pool.__dict__.setdefault("_kv_counters", {})
+        key = (self.ns, self._stats_off)
+        if key not in shared:
+            st = np.zeros(1, dtype=STATS)
+            st[0] = self.area.node_stats(self.pool.node.slot)[self.ns]
+            shared[key] = (threading.Lock(), st)
+        return shared[key]
+
     def _count(self, **delta) -> None:
-        with self._mu:
+        mu, st = self._counters()
+        with mu:
             for k, v in delta.items():
-                self._stats[k] += v
-            self.m.write(self._stats_off, self._stats.tobytes())
+                st[k] += v
+            self.m.write(self._stats_off, st.tobytes())
 
     def match(self, tokens) -> int:
         """Leading tokens covered by published blocks (a multiple of block_tokens)."""
@@ -276,22 +301,25 @@ class KVCache:
 
     def _store(self, keys: np.ndarray, src, items) -> int:
         n = len(keys)
-        lead = self._lookup(keys)[0]
+        lead, lead_idx, _, _ = self._lookup(keys)
         if lead == n:
             self._count(present_blocks=n)
             return 0
         pay = self._alloc(n - lead)
         a, m = self.area, self.m
         slots = np.empty(n, dtype=np.uint64)
-        status = np.empty(n, dtype=np.uint64)
+        status = np.zeros(n, dtype=np.uint64)
         used_total = 0
         pos = 0
+        new = np.zeros(0, dtype=np.int64)
         token = self.pool.node.owner_token
+        published = False
         try:
             with self.pool.lock():
                 self.pool.node.check()
                 self._check_namespace()
-                self._make_room(n - lead)
+                self._check_tenant()
+                self._make_room(n - lead, keep=lead_idx[:lead])
                 parent = 0
                 while pos < n:
                     done, used, full = m.kv_insert(
@@ -302,10 +330,25 @@ class KVCache:
                     used_total += used
                     if pos > 0:
                         parent = int(slots[pos - 1]) + 1
-                    if pos >= n:
+                    if pos >= n or full == 2:
+                        # full == 2: another node is storing block `pos`; what
+                        # follows it is theirs to store
                         break
+                    if full == 3:
+                        # tombstones fill the table: clear those no chain
+                        # needs, else evict on this key's probe path, else
+                        # thin the table out (a sixteenth of it) so that
+                        # clusters break up and their tombstones can go
+                        if a.purge_tombstones(force=True) or a.evict_on_path(
+                                int.from_bytes(keys[pos][:8].tobytes(), "little"),
+                                keep=slots[:pos]):
+                            continue
+                        if a.evict(need_entries=max(n - pos, a.nslots // 16),
+                                   keep=slots[:pos])[0]:
+                            a.purge_tombstones(force=True)
+                            continue
                     if full:
-                        if not a.evict(need_entries=max(1, (n - pos)))[0]:
+                        if not a.evict(need_entries=max(1, n - pos), keep=slots[:pos])[0]:
                             raise KVTableFull(
                                 f"{self.pool.path}: the KV hash table is full "
                                 f"({a.max_used} of {a.nslots} entries, the format's maximum "
@@ -313,26 +356,28 @@ class KVCache:
                                 hint="release loaded views, or re-format with more --hash-slots")
                     else:                       # more absent blocks than reserved
                         pay = np.concatenate([pay, self._alloc(n - pos)])
-                new = np.flatnonzero(status[:n] == 0)
+                new = np.flatnonzero(status[:pos] == 0)
                 self._account(len(new))
+            if used_total < len(pay):
+                self.pool.free_batch(pay[used_total:], zero=False)
+                pay = pay[:used_total]
+            if not len(new):
+                self._count(present_blocks=pos)
+                return 0
+            self._copy(new, pay, src, items)
+            if CRASH_ENABLED:
+                crashpoint("kv.copied")
+            with self.pool.lock():
+                self.pool.node.check()
+                self.pool.publish(pay)
+                m.kv_set_state(a.table, a.nslots, slots[new], L.KV_PENDING, L.KV_PUBLISHED,
+                               token, stamp())
+                published = True
         except BaseException:
-            self._abandon(slots[:pos][status[:pos] == 0], pay)
+            if not published:
+                self._abandon(slots[:pos][status[:pos] == 0], pay)
             raise
-        if used_total < len(pay):
-            self.pool.free_batch(pay[used_total:], zero=False)
-        if not len(new):
-            self._count(present_blocks=n)
-            return 0
-        dst = pay[:used_total]
-        self._copy(new, dst, src, items)
-        if CRASH_ENABLED:
-            crashpoint("kv.copied")
-        with self.pool.lock():
-            self.pool.node.check()
-            self.pool.publish(dst)
-            m.kv_set_state(a.table, a.nslots, slots[new], L.KV_PENDING, L.KV_PUBLISHED, token,
-                           stamp())
-        self._count(stored_blocks=len(new), present_blocks=n - len(new),
+        self._count(stored_blocks=len(new), present_blocks=pos - len(new),
                     stored_bytes=len(new) * self.block_bytes)
         return len(new)
 
@@ -363,13 +408,20 @@ class KVCache:
         t.used += blocks * self.slot_size
         a.write_record(a.tenant_off(self.tenant), t)
 
-    def _make_room(self, blocks: int) -> None:
+    def _make_room(self, blocks: int, keep=None) -> None:
         """Quota and low watermark, before reserving `blocks` (lock held)."""
         a = self.area
         need = blocks * self.slot_size
         t = a.tenant_record(self.tenant)
+        if t.quota and need > t.quota:
+            t.rejected += 1
+            a.write_record(a.tenant_off(self.tenant), t)
+            raise QuotaExceeded(
+                f"{self.pool.path}: {blocks} blocks ({need} bytes) exceed the tenant's whole "
+                f"quota of {t.quota} bytes", path=self.pool.path,
+                hint="raise the quota (pool.kv(..., quota=N)) or store shorter prefixes")
         if t.quota and t.used + need > t.quota:
-            a.evict(need_bytes=t.used + need - t.quota, tenant=self.tenant)
+            a.evict(need_bytes=t.used + need - t.quota, tenant=self.tenant, keep=keep)
             t = a.tenant_record(self.tenant)
             if t.used + need > t.quota:
                 t.rejected += 1
@@ -381,7 +433,7 @@ class KVCache:
         size = a.data_size()
         free = size - a.used_bytes() - need
         if free < LOW_WATERMARK * size:
-            a.evict(need_bytes=int(HIGH_WATERMARK * size) - free)
+            a.evict(need_bytes=int(HIGH_WATERMARK * size) - free, keep=keep)
 
     def _abandon(self, slots: np.ndarray, pay: np.ndarray) -> None:
         """Undo reserved entries and payloads after an error (best effort; a
@@ -393,14 +445,17 @@ class KVCache:
                 self.area.recount()
             if len(pay):
                 self.pool.free_batch(pay, zero=True)
-        except Exception:                              # pragma: no cover - recovery redoes it
-            pass
+        except Exception as e:                        # pragma: no cover - recovery redoes it
+            import sys
+
+            sys.stderr.write(f"cxlkv: could not undo a failed store in {self.pool.path} ({e}); "
+                             "the reservations are reclaimed when this node detaches\n")
 
     # -- load ----------------------------------------------------------------------------
     def _pin(self, keys: np.ndarray):
         found, idx, ctl, pay = self._lookup(keys)
         if not found:
-            return 0, idx[:0], pay[:0], np.zeros(0, dtype=np.uint64)
+            return 0, idx[:0], pay[:0], np.zeros(0, dtype=np.uint64), ctl[:0]
         rec = np.empty(found, dtype=np.uint64)
         a = self.area
         pinned, self._pin_hint, full = self.m.kv_pin(a.table, a.nslots, self._pins_off, a.npins,
@@ -411,7 +466,32 @@ class KVCache:
                               "before loading more", path=self.pool.path)
         if pinned:
             self.m.kv_touch(self._ring_head, self._ring_off, a.nring, idx[:pinned])
-        return pinned, idx[:pinned], pay[:pinned], rec[:pinned]
+        return pinned, idx[:pinned], pay[:pinned], rec[:pinned], ctl[:pinned]
+
+    def _still_valid(self, idx: np.ndarray, ctl: np.ndarray) -> int:
+        """How many leading pinned entries are unchanged since they were
+        pinned (0 if this node was fenced meanwhile: its pins stopped counting)."""
+        from cxlkv.state.nodes import NodeFenced
+
+        try:
+            self.pool.node.check()
+        except NodeFenced:
+            return 0
+        m, a = self.m, self.area
+        if m.flush_meta:
+            now = np.empty(len(idx), dtype=np.uint64)
+            for j, i in enumerate(idx):
+                off = a.entry_off(int(i))
+                m.invalidate(off, 8)
+                now[j] = m.load64(off)
+        else:
+            v = m.view(a.table, a.nslots * L.HASH_ENTRY_SIZE)
+            arr = np.frombuffer(v, dtype=ENTRY)
+            now = arr["ctl"][idx.astype(np.int64)]
+            del arr
+            v.release()
+        bad = np.flatnonzero(now != ctl)
+        return int(bad[0]) if len(bad) else len(idx)
 
     def load(self, tokens) -> "Loaded":
         """Pin the matched leading blocks of `tokens`; `with kv.load(t) as views`
@@ -422,7 +502,7 @@ class KVCache:
         return self._load(self.keys_for_hashes(hashes))
 
     def _load(self, keys) -> "Loaded":
-        n, idx, pay, rec = self._pin(keys)
+        n, idx, pay, rec, _ = self._pin(keys)
         self._count(lookups=1, hit_blocks=n, miss_blocks=len(keys) - n, loaded_blocks=n,
                     loaded_bytes=n * self.block_bytes)
         return Loaded(self, pay, rec)
@@ -437,7 +517,7 @@ class KVCache:
             raise UsageError("out must be a writable buffer") from None
         if mv.readonly or not mv.c_contiguous:
             raise UsageError("out must be a writable C-contiguous buffer")
-        n, idx, pay, rec = self._pin(keys)
+        n, idx, pay, rec, ctl = self._pin(keys)
         try:
             if n:
                 if mv.nbytes < n * self.block_bytes:
@@ -446,6 +526,9 @@ class KVCache:
                 self.m.read_blocks(pay, mv.cast("B")[:n * self.block_bytes]
                                    if mv.format != "B" or mv.ndim != 1 else
                                    mv[:n * self.block_bytes], self.block_bytes)
+                # a node paused past its lease loses its pins: had that
+                # happened, the blocks may have been reused under the copy
+                n = self._still_valid(idx, ctl)
         finally:
             self.m.kv_unpin(self._pins_off, self.area.npins, rec)
         self._count(lookups=1, hit_blocks=n, miss_blocks=len(keys) - n, loaded_blocks=n,
@@ -577,7 +660,12 @@ def drop_namespace(pool, name: str) -> dict:
         blocks, nbytes = a.evict(ns=i, everything=True)
         r = a.ns_record(i)
         left = r.blocks
+        t = a.entries()
+        pending = int((((t["ctl"] & 0xFF) == L.KV_PENDING) & (t["ns"] == i)).sum())
         if not left:
+            # the state word first: a crash mid-zeroing leaves a free record
+            a.m.store64(a.ns_off(i) + L.field_offset(L.KVNsStruct, "state"), L.KV_REC_FREE)
+            a.m.flush(a.ns_off(i), L.KV_NS_SIZE)
             a.m.zero(a.ns_off(i), L.KV_NS_SIZE)
-    return {"namespace": name, "evicted": blocks, "evicted_bytes": nbytes, "pinned_left": left,
-            "dropped": not left}
+    return {"namespace": name, "evicted": blocks, "evicted_bytes": nbytes,
+            "pinned_left": left - pending, "pending_left": pending, "dropped": not left}

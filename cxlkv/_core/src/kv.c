@@ -313,8 +313,10 @@ set_children(Mapping *m, const Table *t, uint64_t idx, int64_t delta)
  * written with the next unused payload (status 0).  `parent` is the entry
  * index + 1 of the block before the first key (0: the first key is block 0);
  * each block's parent is the one before it.  Stops early when the payloads run
- * out (more absent blocks than expected) or the table reaches max_used
- * entries in use (full = 1). */
+ * out (more absent blocks than expected), when the table holds max_used live
+ * entries (full = 1), at a block another node is still storing (full = 2:
+ * nothing may be chained under it), or when the key's probe path has no
+ * tombstone and taking its EMPTY slot would leave none (full = 3). */
 PyObject *
 Mapping_kv_insert(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -378,6 +380,13 @@ Mapping_kv_insert(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
             }
         }
         if (found != UINT64_MAX) {
+            uint64_t e = ent(&t, found), c = pool_load64(m, e + E_CTL);
+            if (ST(c) != CXLKV_KV_PUBLISHED && pool_load64(m, e + E_OWNER) != owner) {
+                /* another node's block in flight: what follows it cannot be
+                 * chained under it (it may yet be abandoned) */
+                full = 2;
+                break;
+            }
             idx_out[i] = found;
             st_out[i] = 1;
             parent = found + 1;
@@ -385,12 +394,16 @@ Mapping_kv_insert(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         }
         if (used >= npay)
             break;                               /* caller allocates more and resumes */
+        if (live + 1 > max_used) {
+            full = 1;
+            break;
+        }
         if (first_tomb != UINT64_MAX) {
             j = first_tomb;
-        } else if (empty != UINT64_MAX && live + tomb + 1 <= max_used) {
-            j = empty;
+        } else if (empty != UINT64_MAX && live + tomb + 2 <= t.nslots) {
+            j = empty;                           /* one EMPTY slot always stays */
         } else {
-            full = 1;
+            full = 3;                            /* tombstones fill the rest */
             break;
         }
         uint64_t p = pv[used];
@@ -485,6 +498,38 @@ Mapping_kv_set_state(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     __atomic_thread_fence(__ATOMIC_SEQ_CST);   /* evict: the state change before the pin scan */
     PyBuffer_Release(&b);
     return PyLong_FromUnsignedLongLong(changed);
+}
+
+/* kv_stamp(table_off, nslots, idx, stamp) -> stamped
+ * Set the LRU stamp of published entries (the evictor applying the nodes'
+ * touch rings; pool lock held).  The line is invalidated first, so a stale
+ * copy of it is never written back. */
+PyObject *
+Mapping_kv_stamp(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    Table t;
+    uint64_t stamp;
+    if (nargs_check(nargs, 4, 4, "kv_stamp") < 0 || table_args(m, args[0], args[1], &t) < 0 ||
+        as_u64(args[3], &stamp, "stamp") < 0 || check_writable(m, "kv_stamp") < 0)
+        return NULL;
+    Py_buffer b;
+    if (get_offsets(args[2], &b, 0) < 0)
+        return NULL;
+    const uint64_t *ix = b.buf;
+    uint64_t n = (uint64_t)b.len / 8, done = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        if (ix[i] >= t.nslots)
+            continue;
+        uint64_t e = ent(&t, ix[i]);
+        meta_inval(m, e, CXLKV_HASH_ENTRY_SIZE);
+        if (ST(pool_load64(m, e + E_CTL)) != CXLKV_KV_PUBLISHED)
+            continue;
+        pool_store64(m, e + E_LRU, stamp);
+        meta_flush(m, e, CXLKV_HASH_ENTRY_SIZE);
+        done++;
+    }
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLongLong(done);
 }
 
 /* kv_remove(table_off, nslots, hdr_off, idx) -> parent index + 1 (0 = none)
@@ -675,8 +720,15 @@ Mapping_kv_touch(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         uint64_t r = ring + ((head + i - first) % nring) * 8;
         pool_store64(m, r, ix[i] + 1);
     }
-    if (m->flush_meta && n)
-        pool_flush(m, ring, nring * 8);
+    if (m->flush_meta && n > first) {
+        uint64_t a = (head % nring), cnt = n - first;
+        if (a + cnt <= nring) {
+            pool_flush(m, ring + a * 8, cnt * 8);
+        } else {
+            pool_flush(m, ring + a * 8, (nring - a) * 8);
+            pool_flush(m, ring, (a + cnt - nring) * 8);
+        }
+    }
     __atomic_thread_fence(__ATOMIC_RELEASE);
     head += n - first;
     pool_store64(m, head_off, head);
