@@ -183,6 +183,7 @@ class Allocator:
         self.managed = pool.sb.sync == "manager"
         self.token = pool.node.owner_token
         self._current: dict[int, int] = {}      # slot size -> head chunk of the slab in use
+        self._spare: dict[int, list[int]] = {}  # slot size -> slabs made ahead for a batch
         self._slow = threading.Lock()
         self._one = np.empty(1, dtype=np.uint64)
 
@@ -228,7 +229,9 @@ class Allocator:
                         continue
                 with self._slow:
                     if self._current.get(ss) == head:
-                        self._current[ss] = self._find_slab(ss)
+                        spare = self._spare.get(ss)
+                        self._current[ss] = spare.pop() if spare else \
+                            self._find_slab(ss, count - got)
         except BaseException:
             if got:
                 self.m.slab_free(out[:got], True, 0)
@@ -292,7 +295,10 @@ class Allocator:
             raise AllocError(str(e)) from None
 
     # -- slow path (pool lock) ---------------------------------------------------
-    def _find_slab(self, ss: int) -> int:
+    def _find_slab(self, ss: int, want: int = 1) -> int:
+        """A slab with room for slots of size ss (pool lock).  For a batch
+        needing `want` more slots, the further slabs it will need are made in
+        the same pass and kept for it (one descriptor scan, one lock hold)."""
         self.pool.node.check()
         with self._locked():
             d = descriptors(self.pool)
@@ -302,6 +308,16 @@ class Allocator:
                     head = self._new_slab(d, ss)
                 if head < 0 and self._release_empty(d):
                     head = self._new_slab(d, ss)
+                if head >= 0 and want > 1:
+                    per = int(d["nslots"][head])
+                    more = []
+                    for _ in range(min(64, -(-want // max(1, per)) - 1)):
+                        h = self._new_slab(d, ss)
+                        if h < 0:
+                            break
+                        more.append(h)
+                    if more:
+                        self._spare.setdefault(ss, []).extend(reversed(more))
             finally:
                 del d
         if head < 0:

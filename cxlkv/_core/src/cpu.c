@@ -58,6 +58,9 @@ void cxlkv_cpu_init(void)
 
 /* Lines below NT_MIN bytes are not worth streaming. */
 #define NT_MIN 256
+/* Reads out of the pool stream their stores from this size on (below it the
+ * copy fits in cache and the reader probably uses it at once). */
+#define NT_READ_MIN (256 * 1024)
 
 #if defined(__x86_64__)
 __attribute__((target("avx2")))
@@ -194,7 +197,29 @@ void cxlkv_zero_pool(void *dstv, size_t n, int nt)
     cxlkv_flush_range(dst, n);
 }
 
-void cxlkv_copy_from_pool(void *dst, const void *src, size_t n)
+/* Out of the pool into private memory.  Large copies use non-temporal
+ * stores: the destination is not read first (no read-for-ownership), which
+ * is a third of the memory traffic of a plain copy. */
+void cxlkv_copy_from_pool(void *dstv, const void *srcv, size_t n)
 {
-    memcpy(dst, src, n);
+#if defined(__x86_64__)
+    if (n >= NT_READ_MIN) {
+        char *dst = dstv;
+        const char *src = srcv;
+        size_t head, body;
+        split64(dst, n, &head, &body);
+        size_t tail = n - head - body;
+        if (head)
+            memcpy(dst, src, head);
+        if (cxlkv_cpu.has_avx2)
+            nt_body_avx2(dst + head, src + head, body);
+        else
+            nt_body_sse2(dst + head, src + head, body);
+        if (tail)
+            memcpy(dst + head + body, src + head + body, tail);
+        cxlkv_sfence();
+        return;
+    }
+#endif
+    memcpy(dstv, srcv, n);
 }
