@@ -1,27 +1,222 @@
 """cxlkv bench: every figure is reported with its baseline, in one JSON document."""
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import shutil
 
+import numpy as np
+import pytest
+
+import cxlkv
 from cxlkv import benchmarks
+from cxlkv.daemons.lockmgr import ensure_manager
+from cxlkv.errors import EXIT_REFUSED
+from cxlkv.kv.cache import kv_report
+from cxlkv.pool.admin import init_pool
+
+MiB = 1 << 20
+
+#: every figure `cxlkv bench --json` promises (a number > 0, or None with a note)
+FIGURES = ("memcpy_gbps", "pool_write_gbps", "pool_read_gbps", "lock_cas_us",
+           "lock_manager_us", "alloc_ops_per_s", "alloc_utilisation", "buddy_utilisation",
+           "put_gbps", "get_gbps", "tcp_gbps", "redis_gbps", "shm_handoff_gbps",
+           "handoff_gbps", "handoff_vs_tcp", "handoff_vs_redis", "handoff_vs_shm",
+           "lookup_32k_ms", "lookup_32k_list_ms", "put_vs_memcpy", "get_vs_memcpy")
 
 
-def test_quick_bench_reports_every_figure(monkeypatch, tmp_path):
-    monkeypatch.setattr(benchmarks, "_scratch_dir", lambda: str(tmp_path / "scratch"))
-    (tmp_path / "scratch").mkdir()
+def redis_children() -> list[int]:
+    """Pids of redis-server processes whose parent is this process."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        if ppid == os.getpid() and comm.startswith("redis-server"):
+            found.append(int(pid))
+    return found
+
+
+@pytest.fixture
+def scratch(monkeypatch, tmp_path):
+    d = tmp_path / "scratch"
+    d.mkdir()
+    monkeypatch.setattr(benchmarks, "_scratch_dir", lambda: str(d))
+    return d
+
+
+@pytest.fixture
+def redis_procs(monkeypatch):
+    """The redis-servers the bench starts (their Popen objects)."""
+    started = []
+    real = benchmarks.start_redis
+
+    def start(*a, **kw):
+        proc, port = real(*a, **kw)
+        started.append(proc)
+        return proc, port
+
+    monkeypatch.setattr(benchmarks, "start_redis", start)
+    return started
+
+
+def check_figures(res: dict) -> None:
+    for key in FIGURES:
+        v = res[key]
+        if v is None:
+            assert res["notes"].get(key), f"{key} is None without a reason"
+        else:
+            assert isinstance(v, float) and v > 0 and math.isfinite(v), key
+
+
+def test_quick_bench_reports_every_figure(scratch, redis_procs):
     steps = []
     res = benchmarks.run(steps.append, quick=True)
-    for key in ("memcpy_gbps", "pool_write_gbps", "pool_read_gbps", "lock_cas_us",
-                "alloc_ops_per_s", "alloc_utilisation", "buddy_utilisation"):
-        assert isinstance(res[key], float) and res[key] > 0 and math.isfinite(res[key]), key
+    check_figures(res)
     assert res["pool_write_vs_memcpy"] == res["pool_write_gbps"] / res["memcpy_gbps"]
+    assert res["put_vs_memcpy"] == res["put_gbps"] / res["memcpy_gbps"]
+    assert res["get_vs_memcpy"] == res["get_gbps"] / res["memcpy_gbps"]
+    assert res["handoff_vs_shm"] == res["handoff_gbps"] / res["shm_handoff_gbps"]
+    assert res["handoff_vs_tcp"] == res["handoff_gbps"] / res["tcp_gbps"]
     assert res["lock_manager_us"] > 0
     assert set(res["targets"]) == set(benchmarks.TARGETS)
-    assert steps and not (tmp_path / "scratch").exists()       # scratch pools removed
+    assert steps == list(benchmarks.STEPS)                  # the CLI's progress bar
+    assert not scratch.exists()                             # scratch pools removed
+    assert res["kv_pool"] is None
+    # the redis-server it started (when installed) is stopped, and no child is left
+    if shutil.which("redis-server"):
+        assert res["redis_gbps"] is not None, res["notes"]
+        assert len(redis_procs) == 1 and redis_procs[0].poll() is not None
+    else:
+        assert not redis_procs
+    assert redis_children() == []
+
+
+def test_redis_missing_is_none_with_reason(scratch, monkeypatch):
+    monkeypatch.setattr(benchmarks.shutil, "which", lambda name: None)
+    with pytest.raises(benchmarks.Unavailable, match="redis-server is not installed"):
+        benchmarks.start_redis()
+
+
+def test_handoff_kinds_move_the_bytes(scratch):
+    """Each handoff kind delivers exactly the producer's bytes (checked by
+    the consumer on the warm-up transfer), and the processes end."""
+    with benchmarks.HandoffPair() as pair:
+        shm = scratch / "h.shm"
+        shm.write_bytes(bytes(MiB))
+        gbps = benchmarks.handoff_gbps(pair, {"kind": "shm", "path": str(shm), "total": MiB,
+                                              "block": 64 * 1024}, reps=1)
+        assert gbps > 0
+        gbps = benchmarks.handoff_gbps(pair, {"kind": "tcp", "total": MiB}, reps=1)
+        assert gbps > 0
+        procs = list(pair.proc.values())
+    assert all(p.poll() == 0 for p in procs)
+
+
+@contextlib.contextmanager
+def manager_for(path: str):
+    """A lock manager while the block runs, for a pool in sync mode manager."""
+    with cxlkv.Pool.open(path, writable=False) as p:
+        managed = p.sb.sync == "manager"
+    stop = ensure_manager(path)[1] if managed else (lambda: None)
+    try:
+        yield
+    finally:
+        stop()
+
+
+def store_other(path: str) -> tuple[np.ndarray, np.ndarray]:
+    toks = np.arange(64, dtype=np.uint32) + 7
+    data = np.frombuffer(np.random.default_rng(9).bytes(4 * 4096), dtype=np.uint8)
+    with cxlkv.open_pool(path) as pool:
+        kv = pool.kv(model="someone-else", block_tokens=16, block_bytes=4096)
+        assert kv.store(toks, data) == 4
+    return toks, data
+
+
+def other_intact(path: str, toks, data) -> dict:
+    with cxlkv.open_pool(path) as pool:
+        rep = kv_report(pool)
+        kv = pool.kv(model="someone-else", block_tokens=16, block_bytes=4096)
+        assert kv.match(toks) == len(toks)
+        out = np.zeros(len(data), dtype=np.uint8)
+        assert kv.load_into(toks, out) == 4 and np.array_equal(out, data)
+    return rep
+
+
+@pytest.mark.parametrize("sync", ["cas", "manager"])
+def test_pool_option_uses_own_namespace_and_drops_it(scratch, tmp_path, monkeypatch, sync):
+    path = str(tmp_path / "shared.pool")
+    init_pool(path, {"size": 96 * MiB, "sync": sync})
+    with manager_for(path):
+        toks, data = store_other(path)
+    which = shutil.which                    # and: no redis-server here
+    monkeypatch.setattr(benchmarks.shutil, "which",
+                        lambda name: None if name == "redis-server" else which(name))
+    res = benchmarks.run(quick=True, pool_path=path)      # starts its own lock manager
+    check_figures(res)
+    assert res["redis_gbps"] is None and "not installed" in res["notes"]["redis_gbps"]
+    assert res["handoff_vs_redis"] is None and res["targets"]["handoff_vs_redis"] is None
+    assert res["kv_pool"] == path and res["kv_namespace"].startswith("cxlkv-bench-")
+    with manager_for(path):
+        rep = other_intact(path, toks, data)
+    assert [(n["namespace"], n["blocks"], n["evictions"]) for n in rep["namespaces"]] == [
+        ("someone-else", 4, 0)]
+    assert rep["entries"] == 4                  # the bench's own entries are gone
+
+
+def test_pool_without_room_is_refused(cli, scratch, tmp_path):
+    path = str(tmp_path / "small.pool")
+    init_pool(path, {"size": 16 * MiB})
+    toks, data = store_other(path)
+    r = cli("bench", "--pool", path, "--json")
+    assert r.code == EXIT_REFUSED
+    err = r.json()["error"]
+    assert err["kind"] == "bench-no-room" and "without evicting" in err["message"]
+    rep = other_intact(path, toks, data)
+    assert [n["namespace"] for n in rep["namespaces"]] == ["someone-else"]
 
 
 def test_bench_json_is_one_document(cli, monkeypatch):
-    monkeypatch.setattr(benchmarks, "run", lambda progress, quick=False: {
+    monkeypatch.setattr(benchmarks, "run", lambda progress, quick=False, pool_path=None: {
         "memcpy_gbps": 1.0, "notes": {}, "targets": {}})
     r = cli("bench", "--json")
     assert r.code == 0 and r.json()["memcpy_gbps"] == 1.0 and r.err == ""
+
+
+def test_bench_table_passes_pool_and_shows_missing_figures(cli, monkeypatch):
+    seen = {}
+    res = {k: 1.5 for k in FIGURES}
+    res.update(redis_gbps=None, handoff_vs_redis=None, lookup_tokens=32768,
+               kv_pool="/dev/shm/p.pool", kv_namespace="cxlkv-bench-1",
+               notes={"redis_gbps": "redis-server is not installed"},
+               targets={k: (None if k == "handoff_vs_redis" else True)
+                        for k in benchmarks.TARGETS})
+
+    def fake_run(progress, quick=False, pool_path=None):
+        seen["pool"] = pool_path
+        for step in benchmarks.STEPS:
+            progress(step)
+        return res
+
+    monkeypatch.setattr(benchmarks, "run", fake_run)
+    r = cli("bench", "--pool", "/dev/shm/p.pool")
+    assert r.code == 0 and seen["pool"] == "/dev/shm/p.pool"
+    assert "n/a" in r.out and "redis-server is not installed" in r.out
+    assert "cxlkv-bench-1" in r.out
+    assert "bench: handoff through redis" in r.err          # stderr is not a terminal here
+
+
+def test_pool_without_free_node_slots_is_refused(cli, scratch, tmp_path):
+    path = str(tmp_path / "few-nodes.pool")
+    init_pool(path, {"size": 96 * MiB, "max_nodes": 2})
+    r = cli("bench", "--pool", path, "--json")
+    assert r.code == EXIT_REFUSED
+    assert "free node slots" in r.json()["error"]["message"]
+    with cxlkv.open_pool(path) as pool:
+        assert kv_report(pool)["namespaces"] == []

@@ -1,6 +1,8 @@
 """`cxlkv bench`: the pool's figures, each beside a same-run baseline."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import click
 from rich.table import Table
 
@@ -8,25 +10,32 @@ from cxlkv.cli.app import Application, exit_codes_epilog, json_option, pass_app
 
 
 @click.command("bench", epilog=exit_codes_epilog())
+@click.option("--pool", "pool", metavar="PATH", default=None,
+              help="Run the KV scenarios (put/get, lookup, handoff) on this existing pool, "
+                   "in a namespace of their own that is dropped after; refused when the pool "
+                   "lacks room for them (the bench never evicts other blocks).  Without it "
+                   "they run on a scratch pool.")
 @json_option
 @pass_app
-def bench_cmd(app: Application, as_json):
+def bench_cmd(app: Application, pool, as_json):
     """Measure the pool against baselines measured in the same run.
 
     Runs on scratch pools it makes in /dev/shm and removes after: pool writes
     and reads vs a numpy memcpy of the same blocks; uncontended pool.lock()
     acquire+release in cas mode and in manager mode (a lock manager is started
-    for the run); allocator alloc+free pairs per second (batch
-    calls); allocator utilisation on a long-context trace vs a buddy
-    allocator replaying the same trace.  Takes about a minute.
+    for the run); allocator alloc+free pairs per second (batch calls);
+    allocator utilisation on a long-context trace vs a buddy allocator
+    replaying the same trace.  Then the KV cache: kv.store and kv.load_into
+    of 64 MiB in 256 KiB blocks vs memcpy; kv.match of 32K tokens; and a
+    64 MiB prefix handed from a producer process to a consumer process
+    through the pool, against the same bytes through a /dev/shm mapping, a
+    loopback TCP stream and a redis-server started for the run (127.0.0.1).
+    Takes under a minute.
     """
-    from cxlkv.benchmarks import TARGETS, run
+    from cxlkv.benchmarks import STEPS, TARGETS, run
 
-    def progress(step):
-        if not app.json:
-            app.info(f"bench: {step}")
-
-    res = run(progress)
+    with _progress(app, STEPS) as progress:
+        res = run(progress, pool_path=pool)
     if app.json:
         app.emit_json(res)
         return
@@ -41,23 +50,68 @@ def bench_cmd(app: Application, as_json):
         ok = res["targets"][key]
         return f"{op} {v:g} " + ("met" if ok else "MISSED" if ok is False else "n/a")
 
+    def num(key, fmt=".2f"):
+        v = res.get(key)
+        return "n/a" if v is None else format(v, fmt)
+
     rows = [
-        ("memcpy GB/s", f"{res['memcpy_gbps']:.2f}", "", "", ""),
-        ("pool write GB/s (NT)", f"{res['pool_write_gbps']:.2f}", "memcpy",
-         f"{res['pool_write_vs_memcpy']:.2f}", ""),
-        ("pool read GB/s", f"{res['pool_read_gbps']:.2f}", "memcpy",
-         f"{res['pool_read_vs_memcpy']:.2f}", ""),
-        ("lock cas us", f"{res['lock_cas_us']:.3f}", "", "", target("lock_cas_us")),
-        ("lock manager us", "n/a" if res["lock_manager_us"] is None
-         else f"{res['lock_manager_us']:.1f}", "", "", target("lock_manager_us")),
+        ("memcpy GB/s", num("memcpy_gbps"), "", "", ""),
+        ("pool write GB/s (NT)", num("pool_write_gbps"), "memcpy",
+         num("pool_write_vs_memcpy"), ""),
+        ("pool read GB/s", num("pool_read_gbps"), "memcpy", num("pool_read_vs_memcpy"), ""),
+        ("lock cas us", num("lock_cas_us", ".3f"), "", "", target("lock_cas_us")),
+        ("lock manager us", num("lock_manager_us", ".1f"), "", "", target("lock_manager_us")),
         ("alloc+free ops/s", f"{res['alloc_ops_per_s'] / 1e6:.2f} M", "", "",
          target("alloc_ops_per_s")),
-        ("alloc utilisation", f"{res['alloc_utilisation']:.3f}",
-         f"buddy {res['buddy_utilisation']:.3f}", f"{res['utilisation_vs_buddy']:.2f}",
+        ("alloc utilisation", num("alloc_utilisation", ".3f"),
+         f"buddy {res['buddy_utilisation']:.3f}", num("utilisation_vs_buddy"),
          target("alloc_utilisation")),
+        ("kv put GB/s", num("put_gbps"), "memcpy", num("put_vs_memcpy"),
+         target("put_vs_memcpy")),
+        ("kv get GB/s", num("get_gbps"), "memcpy", num("get_vs_memcpy"),
+         target("get_vs_memcpy")),
+        (f"kv match {res.get('lookup_tokens', 32768)} tokens ms", num("lookup_32k_ms", ".3f"),
+         f"list {num('lookup_32k_list_ms', '.3f')}", "", target("lookup_32k_ms")),
+        ("handoff GB/s (pool)", num("handoff_gbps"), "", "", ""),
+        ("  vs /dev/shm", num("shm_handoff_gbps"), "shm", num("handoff_vs_shm"),
+         target("handoff_vs_shm")),
+        ("  vs TCP", num("tcp_gbps"), "tcp", num("handoff_vs_tcp"), target("handoff_vs_tcp")),
+        ("  vs redis", num("redis_gbps"), "redis", num("handoff_vs_redis"),
+         target("handoff_vs_redis")),
     ]
     for r in rows:
         t.add_row(*r)
     app.out.print(t)
+    if res.get("kv_pool"):
+        app.out.print(f"KV scenarios ran on {res['kv_pool']} (namespace "
+                      f"{res['kv_namespace']}, dropped)")
     for key, note in res["notes"].items():
         app.out.print(f"{key}: {note}")
+
+
+@contextmanager
+def _progress(app: Application, steps):
+    """A progress bar over the bench's steps on stderr; plain step lines when
+    stderr is not a terminal; nothing with --json.  Yields progress(step)."""
+    if app.json:
+        yield lambda step: None
+        return
+    if not app.err.is_terminal:
+        yield lambda step: app.info(f"bench: {step}")
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, \
+        TimeElapsedColumn
+
+    with Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.description}"), TimeElapsedColumn(), console=app.err,
+                  transient=True) as p:
+        task = p.add_task("", total=len(steps))
+        seen = []
+
+        def progress(step):
+            if seen:
+                p.advance(task)
+            seen.append(step)
+            p.update(task, description=step)
+
+        yield progress
