@@ -639,3 +639,20 @@ def test_manager_mode_evictor_never_writes_a_stale_line_back(pool_path, monkeypa
     finally:
         mgr.terminate()
         mgr.wait(30)
+
+
+def test_load_into_from_a_start_block_follows_a_producer(kvpool):
+    with cxlkv.open_pool(kvpool) as pool:
+        kv = pool.kv(model="m", block_tokens=4, block_bytes=BB)
+        toks = list(range(40))                       # 10 blocks, stored in two goes
+        want = pattern(kv, toks)
+        out = np.zeros(10 * BB, dtype=np.uint8)
+        kv.store(toks[:16], b"".join(want[:4]))
+        done = kv.load_into(toks, out)
+        assert done == 4
+        kv.store(toks, b"".join(want))
+        assert kv.load_into(toks, out[done * BB:], start=done) == 6
+        assert out.tobytes() == b"".join(want)
+        assert kv.load_into(toks, out, start=10) == 0
+        with pytest.raises(UsageError):
+            kv.load_into(toks, out, start=-1)

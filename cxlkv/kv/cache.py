@@ -452,8 +452,11 @@ class KVCache:
                              "the reservations are reclaimed when this node detaches\n")
 
     # -- load ----------------------------------------------------------------------------
-    def _pin(self, keys: np.ndarray):
+    def _pin(self, keys: np.ndarray, start: int = 0):
         found, idx, ctl, pay = self._lookup(keys)
+        if start:
+            found = max(0, found - start)
+            idx, ctl, pay = idx[start:], ctl[start:], pay[start:]
         if not found:
             return 0, idx[:0], pay[:0], np.zeros(0, dtype=np.uint64), ctl[:0]
         rec = np.empty(found, dtype=np.uint64)
@@ -507,9 +510,15 @@ class KVCache:
                     loaded_bytes=n * self.block_bytes)
         return Loaded(self, pay, rec)
 
-    def load_into(self, tokens, out) -> int:
+    def load_into(self, tokens, out, start: int = 0) -> int:
         """Copy the matched leading blocks into `out` (a writable buffer of at
-        least matched x block_bytes); returns the blocks copied."""
+        least matched x block_bytes); returns the blocks copied.
+
+        start=k skips the first k blocks (out receives block k first): a
+        consumer following a producer copies only what appeared since its
+        last call."""
+        if not isinstance(start, int) or start < 0:
+            raise UsageError("start must be a block index >= 0")
         keys = self._keys(tokens)
         try:
             mv = memoryview(out)
@@ -517,7 +526,7 @@ class KVCache:
             raise UsageError("out must be a writable buffer") from None
         if mv.readonly or not mv.c_contiguous:
             raise UsageError("out must be a writable C-contiguous buffer")
-        n, idx, pay, rec, ctl = self._pin(keys)
+        n, idx, pay, rec, ctl = self._pin(keys, start)
         try:
             if n:
                 if mv.nbytes < n * self.block_bytes:
@@ -531,8 +540,8 @@ class KVCache:
                 n = self._still_valid(idx, ctl)
         finally:
             self.m.kv_unpin(self._pins_off, self.area.npins, rec)
-        self._count(lookups=1, hit_blocks=n, miss_blocks=len(keys) - n, loaded_blocks=n,
-                    loaded_bytes=n * self.block_bytes)
+        self._count(lookups=1, hit_blocks=n, miss_blocks=max(0, len(keys) - start - n),
+                    loaded_blocks=n, loaded_bytes=n * self.block_bytes)
         return n
 
     # -- operators -----------------------------------------------------------------------
