@@ -62,7 +62,8 @@ TARGETS = {
 
 #: the steps run() reports through progress(), in order (the CLI's progress bar)
 STEPS = ("memcpy baseline", "pool writes and reads", "cas lock", "alloc + free",
-         "manager lock", "utilisation trace", "kv put and get", "kv lookup of 32K tokens",
+         "manager lock", "kv in manager mode", "utilisation trace", "kv put and get",
+         "kv lookup of 32K tokens",
          "handoff through the pool", "handoff through /dev/shm", "handoff over TCP",
          "handoff through redis")
 
@@ -785,11 +786,21 @@ def run(progress: Callable[[str], None] = lambda s: None, quick: bool = False,
             out["alloc_ops_per_s"] = alloc_ops(pool, rounds=20 if quick else 2000)
         progress("manager lock")
         path = os.path.join(d, "manager.pool")
-        init_pool(path, {"size": 64 * MiB, "sync": "manager", "chunk_size": MiB})
+        init_pool(path, {"size": (64 if quick else 256) * MiB, "sync": "manager",
+                         "chunk_size": MiB})
         _, stop = ensure_manager(path)
         try:
             with cxlkv.open_pool(path) as pool:
                 out["lock_manager_us"] = lock_us(pool, 200 if quick else 5000)
+                # the KV cache in manager mode (every entry change through the
+                # lock manager, flushes and invalidations included)
+                progress("kv in manager mode")
+                mtotal = total // 4
+                out["put_manager_gbps"], out["get_manager_gbps"] = kv_put_get(
+                    pool, "cxlkv-bench-manager", mtotal, reps=reps)
+                out["lookup_32k_manager_ms"], _ = kv_lookup_ms(
+                    pool, "cxlkv-bench-manager-lookup", _lookup_tokens(quick),
+                    repeat=5 if quick else 20)
         finally:
             stop()
 

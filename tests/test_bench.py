@@ -23,7 +23,8 @@ FIGURES = ("memcpy_gbps", "pool_write_gbps", "pool_read_gbps", "lock_cas_us",
            "lock_manager_us", "alloc_ops_per_s", "alloc_utilisation", "buddy_utilisation",
            "put_gbps", "get_gbps", "tcp_gbps", "redis_gbps", "shm_handoff_gbps",
            "handoff_gbps", "handoff_vs_tcp", "handoff_vs_redis", "handoff_vs_shm",
-           "lookup_32k_ms", "lookup_32k_list_ms", "put_vs_memcpy", "get_vs_memcpy")
+           "lookup_32k_ms", "lookup_32k_list_ms", "put_vs_memcpy", "get_vs_memcpy",
+           "put_manager_gbps", "get_manager_gbps", "lookup_32k_manager_ms")
 
 
 def redis_children() -> list[int]:
