@@ -124,7 +124,8 @@ def _isolated(monkeypatch, tmp_path_factory):
     """No test sees the caller's environment or the machine's default pool."""
     from cxlkv.pool import admin
 
-    for k in ("CXLKV_SYSFS_ROOT", "CXLKV_PROCFS_ROOT", "CXLKV_FLUSH", "CXLKV_POOL"):
+    for k in ("CXLKV_SYSFS_ROOT", "CXLKV_PROCFS_ROOT", "CXLKV_DEV_ROOT", "CXLKV_FLUSH",
+              "CXLKV_POOL"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setattr(admin, "DEFAULT_POOL_PATH",
                         str(tmp_path_factory.mktemp("default") / "cxlkv-default.pool"))

@@ -20,13 +20,17 @@ from cxlkv.cli.app import Application, exit_codes_epilog
 COMMANDS = {
     "init": ("cxlkv.cli.init", "init_cmd", "Create and format a pool in one step (idempotent)."),
     "format": ("cxlkv.cli.format", "format_cmd", "Format a pool file or device-dax device."),
-    "inspect": ("cxlkv.cli.inspect", "inspect_cmd", "Show a pool: superblock, layout, usage."),
+    "inspect": ("cxlkv.cli.inspect", "inspect_cmd", "Show this host's CXL memory and a pool."),
     "fsck": ("cxlkv.cli.fsck", "fsck_cmd", "Check a pool's shared state (read-only)."),
     "lock-manager": ("cxlkv.cli.lockmgr", "lockmgr_cmd",
                      "Run the lock manager of a pool in sync mode manager."),
     "bench": ("cxlkv.cli.bench", "bench_cmd", "Measure the pool against same-run baselines."),
     "stress": ("cxlkv.cli.stress", "stress_cmd", "Torture-test a pool's shared state (kill -9 included)."),
     "kv": ("cxlkv.cli.kv", "kv_group", "The KV cache in a pool: stats, ls, drop."),
+    "doctor": ("cxlkv.cli.doctor", "doctor_cmd",
+               "Check this host and its pool for the known CXL pitfalls."),
+    "provision": ("cxlkv.cli.provision", "provision_group",
+                  "Turn raw CXL capacity into a devdax pool: plan, apply, teardown."),
 }
 
 

@@ -1,7 +1,9 @@
-"""`cxlkv inspect`: what a pool is and holds.
+"""`cxlkv inspect`: what this host has for CXL memory, and what a pool is and holds.
 
-The JSON document has one key per subject - "pool" now; host discovery
-(CXL devices, regions, DAX, NUMA) joins as "host" - so both fit one command.
+The JSON document has one key per subject: "host" (CXL devices, regions, DAX,
+NUMA, tiers, THP, ...: cxlkv.host.discovery) and "pool" (the pool given with
+--pool, $CXLKV_POOL or the default emulated pool when it exists; null when
+there is none), so both fit one command.
 """
 from __future__ import annotations
 
@@ -20,39 +22,243 @@ from cxlkv.errors import UsageError
               help="Pool file or /dev/daxX.Y device [env: CXLKV_POOL; default: "
                    "/dev/shm/cxlkv-default.pool when it exists].")
 @click.option("--force", is_flag=True, help="Inspect a world-readable or world-writable pool.")
+@click.option("--watch", is_flag=True,
+              help="Follow device events (cxl, dax, nd, memory) and redraw; Ctrl-C stops.")
 @json_option
 @pass_app
-def inspect_cmd(app: Application, pool, force, as_json):
-    """Show a pool: superblock, features, sync mode, region layout, usage, KV cache and nodes.
+def inspect_cmd(app: Application, pool, force, watch, as_json):
+    """Show this host's CXL memory and, when there is one, a pool.
 
-    Read-only: the pool is mapped read-only and nothing is written.
+    Host: CXL memdevs (capacity, firmware, health), ports, decoders, regions,
+    DAX devices (mode, alignment, NUMA node, permissions), NUMA nodes and
+    distances, memory tiers, THP, NUMA balancing and demotion, the memory
+    auto-online policy, kernel and CXL modules.  A host without CXL is said
+    so plainly (exit 0).
+
+    Pool: superblock, features, sync mode, region layout, usage, KV cache and
+    nodes.  Read-only: the pool is mapped read-only and nothing is written.
     """
-    from cxlkv.pool.pool import Pool
-    from cxlkv.pool.report import pool_report
-
     from cxlkv.pool.admin import DEFAULT_POOL_PATH
 
     if pool == "":
         raise UsageError("empty path given to --pool")
-    if pool is None:
-        if not os.path.lexists(DEFAULT_POOL_PATH):
-            raise UsageError("no pool given and no default pool: pass --pool PATH or set "
-                             f"CXLKV_POOL (cxlkv init makes {DEFAULT_POOL_PATH})")
+    if watch and app.json:
+        raise UsageError("--watch redraws tables for people; scripts run inspect --json "
+                         "when they need a fresh document")
+    if pool is None and os.path.lexists(DEFAULT_POOL_PATH):
         pool = DEFAULT_POOL_PATH
+    if watch:
+        return watch_loop(app, pool, force)
+    host, rep = gather(pool, force)
+    for w in (rep or {}).get("warnings", []):
+        app.warn(w)
+    if app.json:
+        app.emit_json({"host": host, "pool": rep})
+        return
+    render_host(app, host)
+    if rep is not None:
+        app.out.print()
+        render(app, rep)
+
+
+def gather(pool, force):
+    from cxlkv.host.discovery import discover
+
+    host = discover()
+    rep = pool_report_of(pool, force) if pool is not None else None
+    return host, rep
+
+
+def pool_report_of(pool, force) -> dict:
     from cxlkv.kv.cache import kv_report
     from cxlkv.pool import layout as L
+    from cxlkv.pool.pool import Pool
+    from cxlkv.pool.report import pool_report
 
     with Pool.open(pool, writable=False, force=force) as p:
         rep = pool_report(p)
         # the KV cache's usage (None: a pool formatted before the KV region)
         rep["kv"] = kv_report(p) if p.sb.compat & L.COMPAT_KV else None
-    for w in rep["warnings"]:
-        app.warn(w)
-    if app.json:
-        app.emit_json({"pool": rep})
-        return
-    render(app, rep)
+    return rep
 
+
+def watch_loop(app: Application, pool, force) -> int:
+    """Draw, then redraw on every batch of device events until Ctrl-C (exit 0)."""
+    from cxlkv.host import watch
+
+    def draw(batch):
+        host, rep = gather(pool, force)
+        if app.out.is_terminal:
+            app.out.clear()
+        elif batch is not None:
+            app.out.print()
+        if batch is not None:
+            what = ", ".join(f"{e['action']} {e['subsystem']}/{e['device']}" for e in batch[:6])
+            more = f" (+{len(batch) - 6} more)" if len(batch) > 6 else ""
+            app.out.print(f"-- {datetime.datetime.now().strftime('%H:%M:%S')} {what}{more}")
+        render_host(app, host)
+        if rep is not None:
+            app.out.print()
+            render(app, rep)
+        app.err.print(f"watching {', '.join(watch.SUBSYSTEMS)} events; Ctrl-C stops")
+
+    try:
+        draw(None)
+        for batch in watch.events():
+            draw(batch)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+# -- host rendering ----------------------------------------------------------
+
+def ranges(nums) -> str:
+    """[0, 1, 2, 5] -> "0-2,5" (the kernel's list syntax)."""
+    nums = sorted(nums)
+    out, i = [], 0
+    while i < len(nums):
+        j = i
+        while j + 1 < len(nums) and nums[j + 1] == nums[j] + 1:
+            j += 1
+        out.append(str(nums[i]) if i == j else f"{nums[i]}-{nums[j]}")
+        i = j + 1
+    return ",".join(out) or "-"
+
+
+def _size(n) -> str:
+    from cxlkv.pool.format import human_size
+
+    if not isinstance(n, int) or n < 0:
+        return "-"
+    if n >= 1 << 30 and n % (1 << 20):
+        return f"{n / (1 << 30):.1f} GiB"
+    return human_size(n) if n else "0"
+
+
+def _unknown(v, unit="") -> str:
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    return "unknown" if v is None else f"{v}{unit}"
+
+
+def _table(title: str, cols) -> Table:
+    t = Table(title=title, title_justify="left")
+    for c in cols:
+        t.add_column(c)
+    return t
+
+
+def render_host(app: Application, h: dict) -> None:
+    k, cxl, pol, mem = h["kernel"], h["cxl"], h["numa_policy"], h["memory"]
+    head = Table(show_header=False, box=None, pad_edge=False, title="host", title_justify="left")
+    head.add_column(style="bold")
+    head.add_column()
+    mods = h["modules"]
+    loaded = [m for m, st in mods.items() if st]
+    missing = [m for m, st in mods.items() if not st]
+    tools = cxl["tools"]
+    rows = [
+        ("kernel", k["release"] or "unknown"),
+        ("CXL modules", (", ".join(loaded) or "none loaded")
+         + (f"; not loaded: {', '.join(missing)}" if missing else "")),
+        ("tools", ", ".join(f"{t} {'yes' if ok else 'MISSING'}" for t, ok in tools.items())),
+        ("THP", f"enabled {h['thp']['enabled'] or 'unknown'}, "
+                f"defrag {h['thp']['defrag'] or 'unknown'}"),
+        ("NUMA balancing", _unknown(pol["numa_balancing_mode"])),
+        ("demotion", _unknown(pol["demotion_enabled"])),
+        ("auto-online", _unknown(mem["auto_online_blocks"])
+         + (f" (memory blocks of {_size(mem['block_size'])})" if mem["block_size"] else "")),
+    ]
+    for key, val in rows:
+        head.add_row(key, str(val))
+    app.out.print(head)
+    for e in cxl["errors"]:
+        app.warn(f"{e['message']}")
+
+    if not cxl["memdevs"]:
+        why = ("no CXL memory devices on this host" if not cxl["sysfs_memdevs"] else
+               f"CXL memdevs in sysfs ({', '.join(cxl['sysfs_memdevs'])}) but the cxl tool "
+               "listed none"
+               + ("" if tools["cxl"] else " (cxl is not installed: apt-get install ndctl)"))
+        app.out.print(f"CXL: {why}.")
+    else:
+        t = _table("CXL memory devices", ("memdev", "host", "serial", "ram", "pmem", "firmware",
+                                          "temperature", "life used", "alarms"))
+        for m in cxl["memdevs"]:
+            hl = m["health"]
+            t.add_row(m["memdev"], str(m["host"]), str(m["serial"]), _size(m["ram_size"]),
+                      _size(m["pmem_size"]), m["firmware_version"] or "unknown",
+                      _unknown(hl["temperature_c"], " C"), _unknown(hl["life_used_percent"], "%"),
+                      ", ".join(hl["alarms"]) or ("none" if hl["reported"] else "unknown"))
+        app.out.print(t)
+        t = _table("topology", ("object", "kind", "parent", "detail"))
+        for b in cxl["buses"]:
+            t.add_row(b["bus"], "bus", "-",
+                      f"{b['provider']}; dports {', '.join(b['dports']) or '-'}")
+        for p in cxl["ports"]:
+            t.add_row(p["port"], "port", str(p["parent"] or "-"),
+                      f"host {p['host']}; dports {', '.join(p['dports']) or '-'}")
+        for e in cxl["endpoints"]:
+            t.add_row(e["endpoint"], "endpoint", str(e["parent"] or "-"), f"memdev {e['host']}")
+        for d in cxl["decoders"]:
+            bits = [f"{d['kind']} decoder"]
+            if d.get("size"):
+                bits.append(_size(d["size"]))
+            if d.get("mode"):
+                bits.append(d["mode"])
+            if d.get("interleave_ways"):
+                bits.append(f"x{d['interleave_ways']}")
+            if d.get("region"):
+                bits.append(f"-> {d['region']}")
+            if d.get("state"):
+                bits.append(d["state"])
+            t.add_row(d["decoder"], "decoder", str(d.get("parent") or "-"), ", ".join(bits))
+        app.out.print(t)
+        if cxl["regions"]:
+            t = _table("regions", ("region", "type", "size", "interleave", "state", "memdevs",
+                                   "DAX"))
+            for r in cxl["regions"]:
+                t.add_row(r["region"], r["type"] or "unknown", _size(r["size"]),
+                          f"{r['interleave_ways']} x {r['interleave_granularity']}",
+                          f"{r['decode_state'] or '-'}, {r['state'] or '-'}",
+                          ", ".join(r["memdevs"]) or "-", ", ".join(r["dax_devices"]) or "-")
+            app.out.print(t)
+        else:
+            app.out.print("regions: none (cxlkv provision plan shows how to create one)")
+    if cxl["dax_devices"]:
+        t = _table("DAX devices", ("device", "size", "align", "mode", "target node", "region",
+                                   "permissions"))
+        for d in cxl["dax_devices"]:
+            dev = d["device"]
+            perm = (f"{dev['mode']} uid {dev['uid']} group {dev['group']}" if dev["exists"]
+                    else f"{dev['path']} missing")
+            mode = d["mode"] or "unknown"
+            if d["mode"] == "system-ram" and d["online_memblocks"] is not None:
+                mode += f" ({d['online_memblocks']}/{d['total_memblocks']} blocks online)"
+            t.add_row(d["chardev"], _size(d["size"]), _size(d["align"]), mode,
+                      _unknown(d["target_node"]), d["cxl_region"] or "-", perm)
+        app.out.print(t)
+
+    numa = h["numa"]
+    t = _table("NUMA nodes", ("node", "CPUs", "memory", "free", "tier", "distances"))
+    for n in numa["nodes"]:
+        t.add_row(str(n["node"]), ranges(n["cpus"]), _size(n["memory_total"]),
+                  _size(n["memory_free"]), _unknown(n["tier"]),
+                  " ".join(f"{m}:{d}" for m, d in n["distances"].items()))
+    app.out.print(t)
+    if h["memory_tiers"]:
+        app.out.print("memory tiers: " + "; ".join(
+            f"tier {x['tier']}: node {ranges(x['nodes'])}" for x in h["memory_tiers"])
+            + " (lower tier = faster memory)")
+    else:
+        app.out.print("memory tiers: none (kernel without memory tiering)")
+    if h["cxl_memory_nodes"]:
+        app.out.print("CXL memory online as system RAM on node(s) "
+                      f"{ranges(h['cxl_memory_nodes'])}")
+
+
+# -- pool rendering ----------------------------------------------------------
 
 def render(app: Application, rep: dict) -> None:
     from cxlkv.pool.format import human_size

@@ -3,7 +3,9 @@
 Everything cxlkv reads from sysfs or procfs goes through `sys_path()` /
 `proc_path()`, rooted at $CXLKV_SYSFS_ROOT (default /sys) and
 $CXLKV_PROCFS_ROOT (default /proc), so tests point them at fixture trees
-captured from a real kernel CXL stack.
+captured from a real kernel CXL stack.  Device nodes that host discovery and
+`cxlkv doctor` look at (/dev/daxX.Y permissions) go through `dev_path()`,
+rooted at $CXLKV_DEV_ROOT (default /dev).
 """
 from __future__ import annotations
 
@@ -17,6 +19,14 @@ def sys_root() -> Path:
 
 def proc_root() -> Path:
     return Path(os.environ.get("CXLKV_PROCFS_ROOT") or "/proc")
+
+
+def dev_root() -> Path:
+    return Path(os.environ.get("CXLKV_DEV_ROOT") or "/dev")
+
+
+def dev_path(*parts: str) -> Path:
+    return dev_root().joinpath(*parts)
 
 
 def sys_path(*parts: str) -> Path:

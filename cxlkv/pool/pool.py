@@ -86,10 +86,21 @@ class Pool:
             return self._lock
         return _TimedLock(self._lock, timeout)
 
-    def attach(self, **kw):
-        """Attach as a node: claim a slot and start heartbeating (see state.nodes)."""
+    def attach(self, numa_node=None, **kw):
+        """Attach as a node: claim a slot and start heartbeating (see state.nodes).
+
+        numa_node: first bind this process's CPUs and memory policy to a NUMA
+        node - a number, or "auto" for the node of the pool's DAX device - and
+        verify it (cxlkv.host.numa; the result is `pool.numa`).  Threads started
+        afterwards (the heartbeat among them) inherit the binding.
+        """
         from cxlkv.state.nodes import Attachment
 
+        if numa_node is not None and self.node is None:
+            from cxlkv.host import numa
+
+            self.numa = numa.bind(numa_node, pool_path=self.path)
+            numa.bind_mapping(self.numa, self.mapping, self.target.kind)
         if self.node is None:
             node = Attachment(self, **kw)
             self.node = node
@@ -212,14 +223,15 @@ class _TimedLock:
 
 
 def open_pool(path: str | os.PathLike, *, force: bool = False, heartbeat: bool = True,
-              populate: bool = False) -> Pool:
+              populate: bool = False, numa_node=None) -> Pool:
     """Open a pool read-write and attach this process as a node.
 
     The returned Pool is a context manager; leaving it (or close()) detaches.
+    numa_node (a node number or "auto"): bind first, see Pool.attach.
     """
     pool = Pool.open(path, writable=True, force=force, populate=populate)
     try:
-        pool.attach(heartbeat=heartbeat)
+        pool.attach(heartbeat=heartbeat, numa_node=numa_node)
     except BaseException:
         pool.close()
         raise
