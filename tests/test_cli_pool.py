@@ -568,3 +568,20 @@ def test_inspect_defaults_to_the_init_pool(cli, tmp_path, monkeypatch):
     assert cli("init", "--size", "8M", "--chunk-size", "64K").code == 0
     r = cli("inspect", "--json")
     assert r.code == 0 and r.json()["pool"]["path"] == default
+
+
+def test_inspect_shows_mixed_versions(cli, small_pool):
+    """During a rolling upgrade nodes of two versions share the pool."""
+    import uuid
+
+    import cxlkv
+    from conftest import fake_node
+
+    boot = str(uuid.uuid4())                    # another host: not judged by pid
+    fake_node(small_pool, 1, pid=os.getpid(), start_time_ns=1, boot_id=boot, hostname="old")
+    with cxlkv.open_pool(small_pool):
+        doc = cli("inspect", "--pool", small_pool, "--json").json()["pool"]
+        assert doc["versions"]["test/format 1"] == 1 and len(doc["versions"]) == 2
+        assert sum(doc["versions"].values()) == len(doc["nodes"]) == 2
+        human = cli("inspect", "--pool", small_pool)
+        assert "mixed versions" in human.out

@@ -101,3 +101,11 @@ def test_misplaced_region_is_corrupt():
     del s
     with pytest.raises(PoolCorrupt, match="hash"):
         decode(reencode(bytes(buf)))
+
+
+def test_an_incompatible_pool_names_the_cxlkv_it_needs():
+    with pytest.raises(PoolIncompatible, match=r"formatted by cxlkv 9\.9\.9: use cxlkv 9\.9\.9 "
+                                               r"or later"):
+        decode(reencode(sb_bytes(), incompat=4, creator=b"cxlkv 9.9.9"))
+    with pytest.raises(PoolIncompatible, match="needs a newer cxlkv"):
+        decode(reencode(sb_bytes(), incompat=4, creator=b"someone else"))

@@ -21,7 +21,7 @@ COMMANDS = {
     "init": ("cxlkv.cli.init", "init_cmd", "Create and format a pool in one step (idempotent)."),
     "format": ("cxlkv.cli.format", "format_cmd", "Format a pool file or device-dax device."),
     "inspect": ("cxlkv.cli.inspect", "inspect_cmd", "Show this host's CXL memory and a pool."),
-    "fsck": ("cxlkv.cli.fsck", "fsck_cmd", "Check a pool's shared state (read-only)."),
+    "fsck": ("cxlkv.cli.fsck", "fsck_cmd", "Check a pool's shared state; --repair fixes what it can."),
     "lock-manager": ("cxlkv.cli.lockmgr", "lockmgr_cmd",
                      "Run the lock manager of a pool in sync mode manager."),
     "bench": ("cxlkv.cli.bench", "bench_cmd", "Measure the pool against same-run baselines."),
@@ -31,6 +31,12 @@ COMMANDS = {
                "Check this host and its pool for the known CXL pitfalls."),
     "provision": ("cxlkv.cli.provision", "provision_group",
                   "Turn raw CXL capacity into a devdax pool: plan, apply, teardown."),
+    "serve": ("cxlkv.cli.serve", "serve_cmd",
+              "Run the node agent: heartbeats, reaping, watermark, metrics, /healthz."),
+    "health": ("cxlkv.cli.health", "health_cmd",
+               "Check a pool's health for cron and Nagios (exit 0/1/2/3), read-only."),
+    "install-units": ("cxlkv.cli.install_units", "install_units_cmd",
+                      "Install the systemd units (serve, lock manager, health timer)."),
 }
 
 

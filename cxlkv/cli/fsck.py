@@ -1,4 +1,4 @@
-"""`cxlkv fsck`: read-only consistency check of a pool (exit codes as e2fsck)."""
+"""`cxlkv fsck`: consistency check of a pool, and its repair (exit codes as e2fsck)."""
 from __future__ import annotations
 
 import click
@@ -7,26 +7,44 @@ from rich.table import Table
 from cxlkv.cli.app import Application, exit_codes_epilog, json_option, pass_app, pool_option
 from cxlkv.errors import CxlkvError
 
-EXIT_CLEAN, EXIT_ERRORS, EXIT_OPERATIONAL = 0, 4, 8
-FSCK_CODES = ((EXIT_CLEAN, "clean"), (EXIT_ERRORS, "errors found and left uncorrected"),
-              (EXIT_OPERATIONAL, "operational error: the pool could not be checked"),
-              (2, "usage error"))
+EXIT_CLEAN, EXIT_CORRECTED, EXIT_ERRORS, EXIT_OPERATIONAL = 0, 1, 4, 8
+FSCK_CODES = ((EXIT_CLEAN, "clean"),
+              (EXIT_CORRECTED, "errors found and corrected (--repair); the pool is clean now"),
+              (2, "usage error"),
+              (EXIT_ERRORS, "errors found and left uncorrected"),
+              (EXIT_OPERATIONAL, "operational error: the pool could not be checked or "
+                                 "repaired (or --repair refused: live nodes attached)"))
 
 
 @click.command("fsck", epilog=exit_codes_epilog(FSCK_CODES))
 @pool_option(required=True)
-@click.option("--force", is_flag=True, help="Check a world-readable or world-writable pool.")
+@click.option("--repair", is_flag=True,
+              help="Repair what is found (refused while live nodes are attached, "
+                   "unless --force).")
+@click.option("--force", is_flag=True,
+              help="Open a world-readable or world-writable pool; with --repair, repair "
+                   "while live nodes are attached (under the pool lock).")
 @json_option
 @pass_app
-def fsck_cmd(app: Application, pool, force, as_json):
-    """Check a pool's shared state without changing it.
+def fsck_cmd(app: Application, pool, repair, force, as_json):
+    """Check a pool's shared state; with --repair, put it right.
 
     Checks both superblock copies, the node table, the lock area, the chunk
     bitmap against the slab descriptors, each slab's slot bitmaps, counts and
     owners (an owner that is not an attached node means a dead node that was
-    not reaped).  The pool is mapped read-only.  Run it on a quiet pool: work
-    in flight can look like damage.
+    not reaped), and the KV cache: hash entries (states, probe chains,
+    payloads pointing at free or foreign slots, parents and children,
+    counters) and pins of nodes that are gone.  Without --repair the pool is
+    mapped read-only.  Run it on a quiet pool: work in flight can look like
+    damage.
+
+    --repair rewrites a bad superblock copy from the good one, reaps nodes
+    that are not alive (their locks, pins and reservations reclaimed),
+    restores or frees what allocator structures say inconsistently, drops
+    inconsistent KV entries and recomputes counters; then checks again.
     """
+    if repair:
+        return _repair(app, pool, force)
     from cxlkv.pool.pool import Pool
     from cxlkv.state.fsck import check
 
@@ -38,16 +56,55 @@ def fsck_cmd(app: Application, pool, force, as_json):
     if app.json:
         app.emit_json({"pool": pool, **rep.to_json()})
     else:
-        if rep.findings:
-            t = Table(title=f"fsck {pool}", title_justify="left")
-            for col in ("severity", "where", "code", "problem"):
-                t.add_column(col)
-            for f in rep.findings:
-                t.add_row(f.severity, f.where, f.code, f.message)
-            app.out.print(t)
-        a = rep.stats.get("allocator", {})
-        app.out.print(f"{pool}: {'clean' if rep.clean else f'{len(rep.errors)} error(s)'}; "
-                      f"{a.get('slabs', 0)} slabs, {a.get('slots_allocated', 0)} slots allocated "
-                      f"({a.get('slots_published', 0)} published), "
-                      f"{a.get('chunks_used', 0)} of {a.get('chunks', 0)} chunks in use")
+        _findings(app, f"fsck {pool}", rep.findings)
+        _summary(app, pool, rep)
     return EXIT_CLEAN if rep.clean else EXIT_ERRORS
+
+
+def _findings(app: Application, title: str, findings) -> None:
+    if not findings:
+        return
+    t = Table(title=title, title_justify="left")
+    for col in ("severity", "where", "code", "problem"):
+        t.add_column(col)
+    for f in findings:
+        t.add_row(f.severity, f.where, f.code, f.message)
+    app.out.print(t)
+
+
+def _summary(app: Application, pool: str, rep) -> None:
+    a = rep.stats.get("allocator", {})
+    app.out.print(f"{pool}: {'clean' if rep.clean else f'{len(rep.errors)} error(s)'}; "
+                  f"{a.get('slabs', 0)} slabs, {a.get('slots_allocated', 0)} slots allocated "
+                  f"({a.get('slots_published', 0)} published), "
+                  f"{a.get('chunks_used', 0)} of {a.get('chunks', 0)} chunks in use")
+
+
+def _repair(app: Application, pool: str, force: bool) -> int:
+    from cxlkv.state.repair import repair
+
+    def notice(count, seconds):
+        app.info(f"{app.command}: watching {count} node(s) of other hosts for up to "
+                 f"{seconds:g} s to tell whether they are alive")
+
+    try:
+        rep = repair(pool, force=force, notice=notice)
+    except CxlkvError as e:
+        return app.fail(e, EXIT_OPERATIONAL)
+    if app.json:
+        app.emit_json({"pool": pool, **rep.to_json()})
+        return rep.exit_code
+    _findings(app, f"fsck {pool}: found", rep.before.findings)
+    if rep.actions:
+        t = Table(title=f"fsck {pool}: repaired", title_justify="left")
+        for col in ("where", "code", "repair"):
+            t.add_column(col)
+        for a in rep.actions:
+            t.add_row(a["where"], a["code"], a["message"])
+        app.out.print(t)
+    if rep.after.errors:
+        _findings(app, f"fsck {pool}: left", rep.after.findings)
+    _summary(app, pool, rep.after)
+    if rep.exit_code == EXIT_CORRECTED:
+        app.out.print(f"{pool}: {len(rep.actions)} repair(s) made; the pool is clean now")
+    return rep.exit_code

@@ -315,9 +315,14 @@ def render(app: Application, rep: dict) -> None:
 
     if rep["nodes"]:
         nodes = Table(title="nodes", title_justify="left")
-        for col in ("slot", "state", "host", "pid", "epoch", "heartbeat", "version"):
+        for col in ("slot", "state", "host", "pid", "epoch", "heartbeat", "version", "format"):
             nodes.add_column(col)
         for n in rep["nodes"]:
             nodes.add_row(str(n["slot"]), n["state"], n["hostname"], str(n["pid"]),
-                          str(n["epoch"]), str(n["heartbeat"]), n["sw_version"])
+                          str(n["epoch"]), str(n["heartbeat"]), n["sw_version"],
+                          str(n["format_version"]))
         app.out.print(nodes)
+        if len(rep.get("versions", {})) > 1:
+            app.out.print("mixed versions: " + ", ".join(
+                f"{k} x{v}" for k, v in rep["versions"].items())
+                + " (a rolling upgrade in progress? see cxlkv-runbook(7))")

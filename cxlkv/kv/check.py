@@ -1,4 +1,5 @@
-"""Read-only consistency check of the KV region and hash table (part of `cxlkv fsck`)."""
+"""Consistency check of the KV region and hash table (part of `cxlkv fsck`),
+and its repair (`cxlkv fsck --repair`, called by cxlkv.state.repair)."""
 from __future__ import annotations
 
 import numpy as np
@@ -83,6 +84,9 @@ def check_kv(pool, rep, live: set[int]) -> None:
                                            "allocated slot")
         elif st[i] == L.KV_PUBLISHED and not bits[1]:
             rep.error("kv-payload", where, "published block in an unpublished slot")
+    for slot in _dead_pin_slots(a):
+        rep.error("kv-dead-pins", f"node {slot}", "pins blocks but the node is not attached "
+                                                  "(its recovery did not finish)")
     h = a.header()
     if h.live != len(idx) or h.tombstones != int((st == L.KV_TOMBSTONE).sum()):
         rep.error("kv-counters", "kv header", f"counts {h.live} live / {h.tombstones} "
@@ -104,3 +108,146 @@ def check_kv(pool, rep, live: set[int]) -> None:
                        "tombstones": int((st == L.KV_TOMBSTONE).sum()),
                        "namespaces": int(sum(r.state == L.KV_REC_ACTIVE for r in ns_recs)),
                        "hash_slots": n}
+
+
+def _dead_pin_slots(a) -> list[int]:
+    """Node slots that are not attached (or attaching) but still pin blocks."""
+    from cxlkv.state import nodes as N
+
+    out = []
+    for n in N.read_nodes(a.pool, include_free=True):
+        if n.state in ("attached", "claimed"):
+            continue
+        pins = np.frombuffer(a._read(a.pins_off(n.slot), a.npins * 8), dtype="<u8")
+        if pins.any():
+            out.append(n.slot)
+    return out
+
+
+def repair_kv(pool, rep, live: set[int]) -> None:
+    """Repair the KV structures (offline, or under the pool lock).  `rep` is a
+    cxlkv.state.repair.Repair: each fix is recorded with rep.did(code, where, message).
+
+    Undoes what dead nodes left (entries half written, half evicted, reserved),
+    drops inconsistent entries (freeing their payload when it is an allocated
+    slot no other entry uses), clears dead nodes' pins and recomputes every
+    counter.  A corrupt KV header is left (fsck keeps reporting it: re-format)."""
+    from cxlkv.kv.area import Area
+
+    if not pool.sb.compat & L.COMPAT_KV:
+        return
+    try:
+        a = Area(pool)
+    except CxlkvError:
+        return
+    m, n = a.m, a.nslots
+    one = np.zeros(1, dtype=np.uint64)
+
+    def free_payload(off: int) -> bool:
+        bits = A.slot_bits(pool, off)
+        if bits is None or not bits[0]:
+            return False
+        one[0] = off
+        try:
+            m.slab_free(one, True, 0)
+        except ValueError:
+            return False
+        return True
+
+    def drop(i: int, code: str, why: str, free: bool) -> None:
+        off = int(t["payload"][i])
+        m.kv_remove(a.table, n, a.hdr, i)
+        freed = free and free_payload(off)
+        rep.did(code, f"entry {i}", f"dropped: {why}" + ("; its payload slot freed" if freed
+                                                         else ""))
+
+    t = a.entries()
+    st = (t["ctl"] & 0xFF).astype(np.int64)
+    # what dead nodes (or dead lock holders) left
+    for i in np.flatnonzero(st > L.KV_TOMBSTONE):
+        drop(int(i), "kv-entry-state", f"invalid state {int(st[i])}", False)
+    for i in np.flatnonzero(st == L.KV_WRITING):
+        drop(int(i), "kv-unrecovered", "left being written by a dead lock holder", True)
+    for i in np.flatnonzero((st == L.KV_PENDING) & ~np.isin(t["owner"], list(live))):
+        drop(int(i), "kv-unrecovered", f"reserved by token {int(t['owner'][i]):#x}, which is "
+                                       "not an attached node", True)
+    for i in np.flatnonzero(st == L.KV_EVICTING):
+        bits = A.slot_bits(pool, int(t["payload"][i]))
+        if bits is not None and bits[0] and bits[2]:
+            drop(int(i), "kv-unrecovered", "left half evicted by a dead evictor", True)
+        else:
+            m.kv_set_state(a.table, n, np.array([i], dtype=np.uint64), L.KV_EVICTING,
+                           L.KV_PUBLISHED, 0, 0)
+            rep.did("kv-unrecovered", f"entry {int(i)}", "eviction a dead evictor had not "
+                                                        "begun undone: published again")
+    # inconsistent entries
+    t = a.entries()
+    st = (t["ctl"] & 0xFF).astype(np.int64)
+    livem = (st == L.KV_PENDING) | (st == L.KV_PUBLISHED)
+    idx = np.flatnonzero(livem)
+    empty = st == L.KV_EMPTY
+    csum = np.concatenate([[0], np.cumsum(np.concatenate([empty, empty]))])
+    home = (t["key_lo"][idx] & np.uint64(n - 1)).astype(np.int64)
+    end = np.where(idx >= home, idx, idx + n)
+    bad: dict[int, tuple[str, str, bool]] = {}
+    for i in idx[(csum[end] - csum[home]) > 0]:
+        bad[int(i)] = ("kv-probe-chain", "unreachable from its home slot", True)
+    seen: dict[tuple[int, int], int] = {}
+    dist = (idx - home) % n
+    for i in idx[np.argsort(dist, kind="stable")]:          # lookups find the nearest first
+        k = (int(t["key_lo"][i]), int(t["key_hi"][i]))
+        if int(i) in bad:
+            continue
+        if k in seen:
+            bad[int(i)] = ("kv-duplicate-key", f"same key as entry {seen[k]}", False)
+        else:
+            seen[k] = int(i)
+    pays = t["payload"][idx]
+    uniq, counts = np.unique(pays, return_counts=True)
+    shared = set(int(p) for p in uniq[counts > 1])
+    ns_recs, ten_recs = a.ns_records(), a.tenant_records()
+    for i in idx:
+        i = int(i)
+        if i in bad:
+            continue
+        e = t[i]
+        ns, tn, pay = int(e["ns"]), int(e["tenant"]), int(e["payload"])
+        if pay in shared:
+            bad[i] = ("kv-shared-payload", f"payload {pay:#x} is shared with another entry",
+                      False)
+        elif ns >= a.max_ns or ns_recs[ns].state != L.KV_REC_ACTIVE:
+            bad[i] = ("kv-namespace", f"namespace {ns} is not in use", True)
+        elif tn >= a.max_tenants or ten_recs[tn].state != L.KV_REC_ACTIVE:
+            bad[i] = ("kv-tenant", f"tenant {tn} is not in use", True)
+        elif int(e["length"]) != ns_recs[ns].block_bytes:
+            bad[i] = ("kv-length", f"{int(e['length'])} bytes, its namespace's blocks are "
+                                   f"{ns_recs[ns].block_bytes}", True)
+        else:
+            bits = A.slot_bits(pool, pay)
+            if bits is None or not bits[0]:
+                bad[i] = ("kv-payload", f"payload {pay:#x} is not an allocated slot", False)
+            elif st[i] == L.KV_PUBLISHED and not bits[1]:
+                bad[i] = ("kv-payload", f"payload {pay:#x} is an unpublished slot (another "
+                                        "node's reservation)", False)
+    for i, (code, why, free) in sorted(bad.items()):
+        drop(i, code, why, free)
+    for p in sorted(shared):                 # nobody refers to a shared payload any more
+        if free_payload(p):
+            rep.did("kv-shared-payload", f"payload {p:#x}", "freed (its entries were dropped)")
+    # pins of nodes that are gone, then every derived counter
+    for slot in _dead_pin_slots(a):
+        a.fold_stats(slot)
+        a.clear_node(slot)
+        rep.did("kv-dead-pins", f"node {slot}", "pins of a node that is not attached cleared")
+    def counters():
+        h, tt = a.header(), a.entries()
+        return ((h.live, h.tombstones), [(r.blocks,) for r in a.ns_records()],
+                [(r.used, r.blocks) for r in a.tenant_records()],
+                tt["parent"].tobytes() + tt["children"].tobytes())
+
+    before = counters()
+    a.purge_tombstones(force=True)
+    a.recount()
+    if counters()[1:] != before[1:] or a.header().live != before[0][0]:
+        rep.did("kv-counters", "kv header", "live, child, namespace and tenant counters "
+                                            "recomputed from the table")

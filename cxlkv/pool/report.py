@@ -40,8 +40,19 @@ def pool_report(pool) -> dict:
             "nodes_in_table": len(attached),
         },
         "nodes": [n.to_json() for n in attached],
+        # software / format version -> nodes: more than one key during a
+        # rolling upgrade (see cxlkv-runbook(7))
+        "versions": _versions(attached),
         "warnings": list(pool.warnings),
     }
+
+
+def _versions(nodes) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for n in nodes:
+        key = f"{n.sw_version or 'unknown'}/format {n.format_version}"
+        out[key] = out.get(key, 0) + 1
+    return out
 
 
 __all__ = ["pool_report", "used_chunks", "L"]

@@ -164,14 +164,27 @@ def decode(raw: bytes | bytearray | memoryview, *, copy: str = "A") -> Superbloc
         if s.version > L.FORMAT_VERSION:
             raise PoolIncompatible(
                 f"{where}: format version {s.version} is newer than this cxlkv supports "
-                f"({L.FORMAT_VERSION}); upgrade cxlkv to use this pool")
+                f"({L.FORMAT_VERSION}); {_needs(s)}")
         raise PoolCorrupt(f"{where}: invalid format version {s.version}")
     unknown = s.incompat & ~L.INCOMPAT_SUPPORTED
     if unknown:
         raise PoolIncompatible(
-            f"{where}: unknown incompatible features {unknown:#x}; "
-            "this pool needs a newer cxlkv")
+            f"{where}: unknown incompatible features {unknown:#x}; {_needs(s)}")
     return _validate(s, where)
+
+
+def _needs(s: L.SuperblockStruct) -> str:
+    """Which cxlkv a pool needs: the one that formatted it (its `creator`,
+    trusted once the checksum holds), or at least a newer one."""
+    from cxlkv import __version__
+
+    creator = s.creator.split(b"\0", 1)[0].decode("utf-8", "replace")
+    made_by = creator.split()[1] if creator.startswith("cxlkv ") and len(creator.split()) > 1 \
+        else None
+    if made_by and made_by != __version__:
+        return (f"it was formatted by {creator}: use cxlkv {made_by} or later "
+                f"(this is cxlkv {__version__})")
+    return f"it needs a newer cxlkv than this one ({__version__}): upgrade cxlkv to use it"
 
 
 def _validate(s: L.SuperblockStruct, where: str) -> Superblock:

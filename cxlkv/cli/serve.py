@@ -1,0 +1,78 @@
+"""`cxlkv serve`: run the node agent (cxlkv.daemons.agent) in the foreground."""
+from __future__ import annotations
+
+import click
+
+from cxlkv.cli.app import Application, exit_codes_epilog, pass_app
+from cxlkv.errors import EXIT_CODES
+
+SERVE_CODES = ((0, "stopped by SIGTERM or SIGINT after detaching cleanly"),) + tuple(
+    r for r in EXIT_CODES if r[0] not in (0, 1, 130)) + (
+    (1, "refused: no free node slot, metrics address in use, --with-lock-manager on a "
+        "cas pool"),)
+
+
+def _config(ctx, param, value):
+    """--config is read first: its settings become the defaults the flags override."""
+    if value:
+        from cxlkv.daemons.agent import load_config
+
+        ctx.default_map = {**(ctx.default_map or {}), **load_config(value)}
+    return value
+
+
+def _numa(ctx, param, value):
+    if value is None:
+        return None
+    value = str(value)
+    if value != "auto" and not value.isdigit():
+        raise click.BadParameter("expected a NUMA node number or 'auto'")
+    return value
+
+
+@click.command("serve", epilog=exit_codes_epilog(sorted(SERVE_CODES)))
+@click.option("--config", metavar="FILE", is_eager=True, expose_value=False, callback=_config,
+              help="TOML file with the same settings as the flags (keys as the long flag "
+                   "names, top level or in a [serve] table); flags win.")
+@click.option("--pool", "pool", metavar="PATH", envvar="CXLKV_POOL",
+              help="Pool file or /dev/daxX.Y device [env: CXLKV_POOL].")
+@click.option("--metrics-addr", metavar="HOST:PORT",
+              help="Serve Prometheus /metrics and /healthz here (e.g. 127.0.0.1:9464; port 0 "
+                   "picks one and logs it).  Default: no HTTP server.")
+@click.option("--with-lock-manager/--without-lock-manager", default=False,
+              help="Also run the pool's lock manager (sync mode manager): standby while "
+                   "another is active, taking over when it stops.")
+@click.option("--numa-node", metavar="N|auto", callback=_numa,
+              help="Bind the agent to NUMA node N, or to the node of the pool's DAX device.")
+@click.option("--interval", type=click.FloatRange(0.01, 3600), default=1.0, show_default=True,
+              metavar="SECONDS", help="Maintenance tick: watermark, lock probe, metrics "
+                                      "snapshot, health.")
+@click.option("--log-json/--log-text", default=False,
+              help="Log one JSON object per line (for log shippers) instead of text.")
+@click.option("--warn-used", type=float, default=80.0, show_default=True, metavar="PCT",
+              help="/healthz and metrics: WARNING at PCT % unevictable.")
+@click.option("--crit-used", type=float, default=95.0, show_default=True, metavar="PCT",
+              help="/healthz: 503 (CRITICAL) at PCT % unevictable.")
+@click.option("--warn-temp", type=float, default=70.0, show_default=True, metavar="C",
+              help="WARNING at device temperature C.")
+@click.option("--crit-temp", type=float, default=85.0, show_default=True, metavar="C",
+              help="CRITICAL (503) at device temperature C.")
+@click.option("--force", is_flag=True, default=False,
+              help="Attach to a world-readable or world-writable pool.")
+@pass_app
+def serve_cmd(app: Application, **opts):
+    """Run the node agent of this host for a pool, in the foreground.
+
+    Attaches as a node and heartbeats; reaps dead nodes (revokes their lock,
+    drops their pins, reclaims their reservations) - every lease/4, a dead
+    node of another host once its heartbeat has stopped for a lease; keeps
+    free space above the KV low watermark in the background by evicting
+    unpinned blocks; optionally hosts the lock manager; serves Prometheus
+    metrics and /healthz (200 healthy, 503 not).  Logs to stderr.  SIGTERM
+    or SIGINT detaches cleanly and exits 0 within a few seconds; a second
+    one exits at once.
+    """
+    from cxlkv.daemons.agent import AgentConfig, make_logger, serve
+
+    cfg = AgentConfig(**opts)
+    return serve(cfg, make_logger(cfg.log_json))

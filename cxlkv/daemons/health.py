@@ -1,0 +1,354 @@
+"""Pool health: what `cxlkv health` (cron, Nagios) and the agent's /healthz judge.
+
+Everything here only reads the pool: it never attaches and never repairs.
+Checks and their statuses (Nagios: 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN):
+
+  pool        cannot be opened: missing, corrupt, unformatted -> CRITICAL;
+              unreadable, needs a newer cxlkv -> UNKNOWN
+  superblock  one copy bad (the other is used) -> WARNING
+  usage       unevictable bytes (everything allocated except published,
+              unpinned KV blocks the evictor may take) as a share of the data
+              area: >= warn -> WARNING, >= crit -> CRITICAL.  A warm cache
+              sitting full is healthy: its blocks are evictable.
+  nodes       dead nodes not yet reaped -> WARNING
+  lock-manager  sync mode manager and no lock manager heartbeat -> CRITICAL
+  device      CXL device temperature >= warn / crit, health alarms -> WARNING /
+              CRITICAL; unknown (a file-backed pool, a device reporting no
+              health) adds nothing
+  (the agent adds `agent`: its own node fenced or its threads gone -> CRITICAL)
+
+Liveness of remote nodes and of the lock manager is judged by watching
+their heartbeats on this process's clock (see state.nodes); a one-shot check
+watches until its deadline, the agent across its ticks.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cxlkv import errors as E
+from cxlkv.pool import layout as L
+
+OK, WARNING, CRITICAL, UNKNOWN = 0, 1, 2, 3
+STATUS_NAMES = {OK: "OK", WARNING: "WARNING", CRITICAL: "CRITICAL", UNKNOWN: "UNKNOWN"}
+
+#: defaults: unevictable share of the data area, device temperature (C)
+WARN_USED_PCT = 80.0
+#: above 1 - LOW_WATERMARK unevictable, stores cannot get the low watermark back
+CRIT_USED_PCT = 95.0
+WARN_TEMP_C = 70.0            # seed 000: > 70 C doubles latency (as cxlkv doctor)
+CRIT_TEMP_C = 85.0
+
+
+@dataclass
+class Check:
+    id: str
+    status: int
+    text: str
+
+    def to_json(self) -> dict:
+        return {"check": self.id, "status": STATUS_NAMES[self.status], "exit_code": self.status,
+                "text": self.text}
+
+
+@dataclass
+class Health:
+    """The verdict: worst status, the checks, performance data."""
+
+    pool: str
+    checks: list[Check] = field(default_factory=list)
+    perf: list[tuple[str, object, str, str, str, str, str]] = field(default_factory=list)
+    data: dict = field(default_factory=dict)
+
+    def add(self, id: str, status: int, text: str) -> None:
+        self.checks.append(Check(id, status, text))
+
+    def metric(self, label: str, value, uom: str = "", warn="", crit="", lo="", hi="") -> None:
+        self.perf.append((label, value, uom, *(f"{x:g}" if isinstance(x, float) else str(x)
+                                               for x in (warn, crit, lo, hi))))
+
+    @property
+    def status(self) -> int:
+        worst = [c.status for c in self.checks]
+        if not worst:
+            return UNKNOWN
+        # CRITICAL outranks UNKNOWN outranks WARNING (Nagios plugin guidelines)
+        for s in (CRITICAL, UNKNOWN, WARNING):
+            if s in worst:
+                return s
+        return OK
+
+    def line(self) -> str:
+        """One Nagios status line: `CXLKV STATUS - text | perfdata`."""
+        st = self.status
+        bad = [c.text for c in self.checks if c.status == st and st != OK]
+        text = "; ".join(bad) if bad else "; ".join(c.text for c in self.checks
+                                                    if c.id in ("usage", "nodes"))
+        out = f"CXLKV {STATUS_NAMES[st]} - {self.pool}: {text or 'ok'}"
+        if self.perf:
+            out += " | " + " ".join(_perf(p) for p in self.perf)
+        return out
+
+    def to_json(self) -> dict:
+        return {"pool": self.pool, "status": STATUS_NAMES[self.status],
+                "exit_code": self.status, "summary": self.line(),
+                "checks": [c.to_json() for c in self.checks],
+                "perfdata": {p[0]: {"value": p[1], "uom": p[2], "warn": p[3] or None,
+                                    "crit": p[4] or None} for p in self.perf},
+                **self.data}
+
+
+def _perf(p) -> str:
+    label, value, uom, warn, crit, lo, hi = p
+    if isinstance(value, float):
+        value = f"{value:.2f}"
+    s = f"{label}={value}{uom};{warn};{crit};{lo};{hi}"
+    return s.rstrip(";")
+
+
+# -- usage ---------------------------------------------------------------------------
+
+def usage(pool) -> dict:
+    """Bytes of the data area by state (slot bytes, as the allocator counts them).
+
+    free            in no allocated slot
+    kv_evictable    published KV blocks that nothing pins (the evictor's victims)
+    kv_unevictable  other KV blocks: pinned by a reader, being stored, or an
+                    ancestor of one (eviction is leaf first)
+    other           allocated slots the KV cache does not reference
+    """
+    from cxlkv.state import alloc as A
+
+    data_size = pool.sb.regions["data"][1]
+    d = A.descriptors(pool)
+    try:
+        kind = d["control"] & 0xFF
+        heads = np.flatnonzero(kind == L.CHUNK_HEAD)
+        ok = (d["nslots"][heads] <= L.SLAB_MAX_SLOTS) & (d["slot_size"][heads] % 64 == 0)
+        heads = heads[ok]
+        allocated = int((A.used_slots(d, heads).astype(np.int64)
+                         * d["slot_size"][heads].astype(np.int64)).sum()) if len(heads) else 0
+    finally:
+        del d
+    out = {"data_bytes": data_size, "allocated_bytes": allocated, "kv_bytes": 0,
+           "kv_evictable_bytes": 0, "kv_entries": 0, "kv_evictable_entries": 0}
+    if pool.sb.compat & L.COMPAT_KV:
+        from cxlkv.kv.area import Area
+
+        try:
+            a = Area(pool)
+        except E.CxlkvError:
+            a = None
+        if a is not None:
+            t = a.entries()
+            st = t["ctl"] & 0xFF
+            live = np.flatnonzero((st == L.KV_PENDING) | (st == L.KV_PUBLISHED)
+                                  | (st == L.KV_EVICTING))
+            victims = a._victims(t, None, None, None)      # exactly what evict() may take
+            out["kv_entries"] = int(len(live))
+            out["kv_evictable_entries"] = int(len(victims))
+            out["kv_bytes"] = int(a.slot_sizes(t["length"][live]).sum())
+            out["kv_evictable_bytes"] = int(a.slot_sizes(t["length"][victims]).sum())
+    kv = min(out["kv_bytes"], allocated)
+    evictable = min(out["kv_evictable_bytes"], kv)
+    out["bytes"] = {"free": max(0, data_size - allocated), "kv_evictable": evictable,
+                    "kv_unevictable": kv - evictable, "other": max(0, allocated - kv)}
+    out["unevictable_bytes"] = allocated - evictable
+    out["unevictable_pct"] = round(100.0 * out["unevictable_bytes"] / data_size, 2) \
+        if data_size else 0.0
+    out["free_pct"] = round(100.0 * out["bytes"]["free"] / data_size, 2) if data_size else 0.0
+    return out
+
+
+# -- liveness of nodes and of the lock manager ---------------------------------------
+
+class ManagerWatch:
+    """Is a lock manager heartbeating?  Judged on this process's clock: its
+    lease word changing within one lease means alive."""
+
+    def __init__(self, pool, clock=time.monotonic):
+        self.pool, self.clock = pool, clock
+        self.seen: tuple[int, int] | None = None
+        self.since = clock()
+
+    def verdict(self) -> str:
+        from cxlkv.state import protocol as P
+
+        m, h = self.pool.mapping, P.lock_header(self.pool)
+        m.invalidate(h + P.MGR_TOKEN, 64)
+        cur = (m.load64(h + P.MGR_TOKEN), m.load64(h + P.MGR_HEARTBEAT))
+        now = self.clock()
+        if cur[0] == 0:
+            return "dead"                     # the lease was handed back: nobody is active
+        if cur != self.seen:
+            first = self.seen is None
+            self.seen, self.since = cur, now
+            return "unknown" if first else "alive"
+        return "dead" if now - self.since >= self.pool.sb.lease_ms / 1000.0 else "unknown"
+
+
+def node_verdicts(pool, observer, deadline: float | None, clock=time.monotonic,
+                  sleep=time.sleep) -> list[tuple[object, str]]:
+    """(NodeInfo, verdict) for every non-free slot, watching undecided ones
+    until they are decided or `deadline` (None: do not wait)."""
+    from cxlkv.state import nodes as N
+
+    res = dict((n.slot, (n, v)) for n, v in observer.scan())
+    while deadline is not None and clock() < deadline and any(
+            v == "unknown" for _, v in res.values()):
+        sleep(min(0.02, max(0.0, deadline - clock())))
+        for slot, (n, v) in list(res.items()):
+            if v == "unknown":
+                n2 = N.read_slot(pool, slot)
+                res[slot] = (n2, observer.verdict(n2))
+    return [res[s] for s in sorted(res)]
+
+
+# -- device health -------------------------------------------------------------------
+
+def device_health(path: str, timeout: float = 5.0) -> dict | None:
+    """Temperature and alarms of the CXL memdevs behind a /dev/daxX.Y pool.
+
+    None when the pool is not a DAX device (an emulated pool in a file).
+    Otherwise {"device", "memdevs": [{memdev, temperature_c, alarms}],
+    "temperature_c": the hottest, or None when no memdev reports one}.
+    Uses cxlkv.host (the tool seam: `cxl list`, `ndctl list`, `daxctl list`,
+    each bounded by `timeout`); on any failure the figures are unknown.
+    """
+    import copy
+
+    from cxlkv.host import discovery as D
+    from cxlkv.host import numa, tools
+
+    dax = numa.dax_of(path)
+    if dax is None:
+        return None
+    out = {"device": dax, "memdevs": [], "temperature_c": None, "alarms": [], "error": None}
+    try:
+        r = copy.copy(tools.runner())          # the seam tests replace, with our time limit
+        r.timeout = max(0.1, timeout)
+        inv = D.cxl_inventory(r)
+    except (E.CxlkvError, OSError, ValueError, KeyError) as e:
+        out["error"] = str(e)
+        return out
+    dev = next((d for d in inv["dax_devices"] if d["chardev"] == dax), None)
+    region = next((x for x in inv["regions"] if dev and x["region"] == dev.get("cxl_region")),
+                  None)
+    names = set(region["memdevs"]) if region else set()
+    temps = []
+    for m in inv["memdevs"]:
+        if names and m["memdev"] not in names:
+            continue
+        h = m["health"]
+        out["memdevs"].append({"memdev": m["memdev"], "temperature_c": h["temperature_c"],
+                               "alarms": h["alarms"], "life_used_percent":
+                                   h.get("life_used_percent")})
+        out["alarms"] += [f"{m['memdev']}: {a}" for a in h["alarms"]]
+        if isinstance(h["temperature_c"], (int, float)):
+            temps.append(float(h["temperature_c"]))
+    out["temperature_c"] = max(temps) if temps else None
+    return out
+
+
+# -- the verdict ---------------------------------------------------------------------
+
+@dataclass
+class Thresholds:
+    warn_used: float = WARN_USED_PCT
+    crit_used: float = CRIT_USED_PCT
+    warn_temp: float = WARN_TEMP_C
+    crit_temp: float = CRIT_TEMP_C
+
+
+def open_failure(path: str, exc: E.CxlkvError) -> Health:
+    """The verdict when the pool cannot be opened at all."""
+    h = Health(path)
+    if isinstance(exc, (E.PoolIncompatible,)):
+        h.add("pool", UNKNOWN, f"cannot check: {exc.message}")
+    elif isinstance(exc, E.PoolNotFound) and os.path.lexists(path):
+        h.add("pool", UNKNOWN, f"cannot check: {exc.message}")   # permissions, not absence
+    elif isinstance(exc, (E.PoolNotFound, E.PoolInvalid)):
+        h.add("pool", CRITICAL, exc.message)
+    else:
+        h.add("pool", UNKNOWN, f"cannot check: {exc.message}")
+    return h
+
+
+def evaluate(pool, th: Thresholds, *, observer, manager: ManagerWatch | None,
+             deadline: float | None, device: dict | None = None,
+             clock=time.monotonic) -> Health:
+    """Judge an open pool (read-only use of it).  `deadline` bounds how long
+    undecided heartbeats are watched (None: judge from what was seen)."""
+    h = Health(pool.path)
+    sb = pool.sb
+    for copy, problem in sorted(pool.superblock_problems.items()):
+        h.add("superblock", WARNING, f"superblock copy {copy} is bad ({problem}); "
+                                     f"run cxlkv fsck --repair")
+    if not pool.superblock_problems:
+        h.add("superblock", OK, f"both superblock copies good (seq {sb.seq})")
+
+    u = usage(pool)
+    h.data["usage"] = u
+    pct = u["unevictable_pct"]
+    st = CRITICAL if pct >= th.crit_used else WARNING if pct >= th.warn_used else OK
+    h.add("usage", st, f"{pct:.1f}% unevictable ({u['unevictable_bytes']} of "
+                       f"{u['data_bytes']} bytes; {u['bytes']['kv_evictable']} evictable)")
+
+    verdicts = node_verdicts(pool, observer, deadline, clock=clock)
+    counts = {"alive": 0, "dead": 0, "unknown": 0}
+    dead = []
+    for n, v in verdicts:
+        if v == "dead" and n.state != "free":
+            dead.append(n)
+        counts[v if v in counts else "unknown"] += 1
+    versions = sorted({n.sw_version for n, v in verdicts if n.state == "attached"})
+    h.data["nodes"] = {**counts, "max": sb.max_nodes, "versions": versions,
+                       "dead_nodes": [n.to_json() for n in dead]}
+    if dead:
+        h.add("nodes", WARNING, f"{len(dead)} dead node(s) not reaped yet: "
+                                + ", ".join(n.describe() for n in dead))
+    else:
+        extra = f", {counts['unknown']} not yet judged" if counts["unknown"] else ""
+        mixed = f", mixed versions {', '.join(versions)}" if len(versions) > 1 else ""
+        h.add("nodes", OK, f"{counts['alive']} node(s) alive{extra}{mixed}")
+
+    if sb.sync == "manager" and manager is not None:
+        v = manager.verdict()
+        while v == "unknown" and deadline is not None and clock() < deadline:
+            time.sleep(min(0.02, max(0.0, deadline - clock())))
+            v = manager.verdict()
+        h.data["lock_manager"] = v
+        if v == "dead":
+            h.add("lock-manager", CRITICAL,
+                  "no lock manager heartbeat for a lease (sync mode manager): nodes cannot "
+                  f"attach or lock; start cxlkv lock-manager --pool {pool.path}")
+        elif v == "alive":
+            h.add("lock-manager", OK, "lock manager heartbeating")
+        else:
+            h.add("lock-manager", UNKNOWN if deadline is not None else OK,
+                  "lock manager heartbeat not judged yet (--timeout shorter than a lease)")
+
+    h.data["device"] = device
+    if device is not None:
+        t = device.get("temperature_c")
+        if t is not None:
+            st = CRITICAL if t >= th.crit_temp else WARNING if t >= th.warn_temp else OK
+            h.add("device", st, f"{device['device']} temperature {t:g} C")
+        elif device.get("error"):
+            h.add("device", OK, f"{device['device']} health unknown ({device['error']})")
+        else:
+            h.add("device", OK, f"{device['device']} reports no temperature")
+        if device.get("alarms"):
+            h.add("device", WARNING, "device alarms: " + ", ".join(device["alarms"]))
+
+    h.metric("used", pct, "%", th.warn_used, th.crit_used, 0, 100)
+    h.metric("unevictable", u["unevictable_bytes"], "B", "", "", 0, u["data_bytes"])
+    h.metric("evictable", u["bytes"]["kv_evictable"], "B", "", "", 0, u["data_bytes"])
+    h.metric("nodes", counts["alive"], "", "", "", 0, sb.max_nodes)
+    h.metric("dead", len(dead), "", 0, "", 0, sb.max_nodes)
+    if device is not None and device.get("temperature_c") is not None:
+        h.metric("temp", device["temperature_c"], "", th.warn_temp, th.crit_temp)
+    return h

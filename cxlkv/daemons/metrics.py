@@ -1,0 +1,188 @@
+"""The agent's Prometheus metrics (prometheus-client) and its HTTP endpoint.
+
+GET /metrics   the text exposition format
+GET /healthz   200 when the pool and the agent are healthy (OK or WARNING),
+               503 when not (CRITICAL or UNKNOWN); the body is the status line
+
+Pool-wide figures (bytes by state, KV counters per namespace, nodes by
+state) come from the agent's last snapshot, taken every tick; counters of
+what this agent did (reaps, evictions, lock waits) are its own.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
+                               generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from cxlkv.errors import RefusedError, UsageError
+
+#: lock waits: 1 us (uncontended cas) .. 10 s (a lock manager failing over)
+LOCK_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0)
+
+
+class AgentMetrics:
+    """The registry of one agent: its own counters plus a collector over its snapshot."""
+
+    def __init__(self, agent):
+        self.agent = agent
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.reaps = Counter("cxlkv_reaps", "Dead nodes this agent (or its lock manager) "
+                                            "reaped and recovered.", registry=r)
+        self.evicted_blocks = Counter("cxlkv_agent_evicted_blocks",
+                                      "KV blocks this agent evicted to restore the free-space "
+                                      "watermark.", registry=r)
+        self.evicted_bytes = Counter("cxlkv_agent_evicted_bytes",
+                                     "Slot bytes this agent evicted to restore the watermark.",
+                                     registry=r)
+        self.lock_wait = Histogram("cxlkv_lock_wait_seconds",
+                                   "Time this agent waited for the pool lock (each tick's probe "
+                                   "and its evictions).", buckets=LOCK_BUCKETS, registry=r)
+        self.ticks = Counter("cxlkv_agent_ticks", "Maintenance rounds run.", registry=r)
+        r.register(_Snapshot(agent))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Snapshot:
+    """Collector: the agent's latest view of the pool."""
+
+    def __init__(self, agent):
+        self.agent = agent
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self.agent.snapshot
+        if not s:
+            return
+        u = s.get("usage")
+        if u:
+            g = GaugeMetricFamily("cxlkv_pool_bytes", "Data-area bytes by state (slot bytes).",
+                                  labels=["state"])
+            for state, v in u["bytes"].items():
+                g.add_metric([state], v)
+            yield g
+            yield GaugeMetricFamily("cxlkv_pool_data_bytes", "Size of the data area.",
+                                    value=u["data_bytes"])
+            yield GaugeMetricFamily("cxlkv_pool_unevictable_ratio",
+                                    "Unevictable bytes over the data area (what health judges).",
+                                    value=u["unevictable_pct"] / 100.0)
+        kv = s.get("kv")
+        if kv is not None:
+            fams = {k: CounterMetricFamily(f"cxlkv_kv_{k}", help_, labels=["namespace"])
+                    for k, help_ in (("hits", "KV blocks found by lookups."),
+                                     ("misses", "KV blocks looked up and not found."),
+                                     ("stores", "KV blocks stored."),
+                                     ("evictions", "KV blocks evicted."))}
+            blocks = GaugeMetricFamily("cxlkv_kv_blocks", "KV blocks held.", labels=["namespace"])
+            for ns in kv["namespaces"]:
+                for k, fam in fams.items():
+                    fam.add_metric([ns["namespace"]], ns[k])
+                blocks.add_metric([ns["namespace"]], ns["blocks"])
+            yield from fams.values()
+            yield blocks
+            yield GaugeMetricFamily("cxlkv_kv_entries", "Live hash-table entries.",
+                                    value=kv["entries"])
+        nodes = s.get("nodes")
+        if nodes:
+            g = GaugeMetricFamily("cxlkv_nodes", "Node slots by state, as this agent judges "
+                                                 "them.", labels=["state"])
+            for state in ("alive", "dead", "unknown", "free"):
+                g.add_metric([state], nodes.get(state, 0))
+            yield g
+            v = GaugeMetricFamily("cxlkv_nodes_by_version", "Attached nodes by software and "
+                                                            "format version.",
+                                  labels=["sw_version", "format_version"])
+            for (sw, fmt), n in sorted(nodes.get("versions", {}).items()):
+                v.add_metric([sw, str(fmt)], n)
+            yield v
+        dev = s.get("device")
+        if dev and dev.get("memdevs"):
+            g = GaugeMetricFamily("cxlkv_device_temperature_celsius",
+                                  "CXL memdev temperature (only devices that report one).",
+                                  labels=["device", "memdev"])
+            for m in dev["memdevs"]:
+                if isinstance(m.get("temperature_c"), (int, float)):
+                    g.add_metric([dev["device"], m["memdev"]], m["temperature_c"])
+            yield g
+        h = s.get("health")
+        if h is not None:
+            yield GaugeMetricFamily("cxlkv_health_status", "0 OK, 1 WARNING, 2 CRITICAL, "
+                                                           "3 UNKNOWN (as cxlkv health).",
+                                    value=h.status)
+        if s.get("manager") is not None:
+            yield GaugeMetricFamily("cxlkv_lock_manager_active",
+                                    "1 while the lock manager hosted by this agent is the "
+                                    "active one.", value=1 if s["manager"] else 0)
+
+
+def parse_addr(text: str) -> tuple[str, int]:
+    """HOST:PORT ([IPv6]:PORT); port 0 picks a free one."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise UsageError(f"--metrics-addr {text!r}: expected HOST:PORT, e.g. 127.0.0.1:9464")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    return host or "127.0.0.1", int(port)
+
+
+class MetricsServer:
+    """A small threaded HTTP server for /metrics and /healthz."""
+
+    def __init__(self, addr: str, metrics: AgentMetrics, healthz, log=None):
+        host, port = parse_addr(addr)
+        self.metrics, self.healthz, self.log = metrics, healthz, log
+
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):                                  # noqa: N802 - http.server API
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    body, ctype, code = outer.metrics.exposition(), CONTENT_TYPE_LATEST, 200
+                elif path == "/healthz":
+                    ok, line = outer.healthz()
+                    body, ctype, code = (line + "\n").encode(), "text/plain; charset=utf-8", \
+                        200 if ok else 503
+                else:
+                    body, ctype, code = b"not found: try /metrics or /healthz\n", \
+                        "text/plain", 404
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, fmt, *args):                 # quiet: scrapes are not news
+                pass
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        try:
+            self.httpd = Server((host, port), Handler)
+        except OSError as e:
+            raise RefusedError(f"cannot listen on {addr} for metrics: {e.strerror or e}",
+                               hint="choose another --metrics-addr port") from None
+        self.address = self.httpd.server_address[:2]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="cxlkv-metrics",
+                                       kwargs={"poll_interval": 0.2}, daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self.address
+        return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

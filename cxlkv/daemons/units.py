@@ -1,0 +1,91 @@
+"""The systemd units and cron example shipped in cxlkv/data/systemd, made
+ready for this installation (`cxlkv install-units`).
+
+Templates carry three placeholders: @CXLKV@ (the absolute path of the cxlkv
+executable, systemd needs one), @CONFDIR@ (where NAME.env and NAME.toml live,
+default /etc/cxlkv) and @GROUP@ (the pool's group: the units run as an
+unprivileged dynamic user in that group, and pools are created 0660).
+"""
+from __future__ import annotations
+
+import grp
+import os
+import shutil
+import sys
+from importlib import resources
+from pathlib import Path
+
+from cxlkv.errors import UsageError
+
+UNITS = ("cxlkv-serve@.service", "cxlkv-lock-manager@.service", "cxlkv-health@.service",
+         "cxlkv-health@.timer")
+CRON = "cxlkv-health.cron"
+EXAMPLES = ("example.env", "example.toml")
+DEFAULT_DEST = "/etc/systemd/system"
+DEFAULT_CONFDIR = "/etc/cxlkv"
+DEFAULT_GROUP = "cxlkv"
+
+
+def template(name: str) -> str:
+    return resources.files("cxlkv.data").joinpath("systemd", name).read_text()
+
+
+def cxlkv_executable() -> str:
+    """The absolute path of the cxlkv command that is running (or on PATH)."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    if os.path.basename(argv0) == "cxlkv" and os.path.isfile(argv0):
+        return os.path.abspath(argv0)
+    beside = Path(sys.executable).parent / "cxlkv"
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which("cxlkv")
+    if found:
+        return os.path.abspath(found)
+    raise UsageError("cannot find the cxlkv executable: pass --exe PATH")
+
+
+def render(name: str, *, exe: str, confdir: str, group: str) -> str:
+    if not os.path.isabs(exe):
+        raise UsageError(f"--exe {exe}: systemd needs an absolute path")
+    return (template(name).replace("@CXLKV@", exe).replace("@CONFDIR@", confdir.rstrip("/"))
+            .replace("@GROUP@", group))
+
+
+def install(*, dest: str = DEFAULT_DEST, confdir: str = DEFAULT_CONFDIR,
+            group: str = DEFAULT_GROUP, exe: str | None = None, cron: str | None = None,
+            dry_run: bool = False) -> dict:
+    """Write the units into `dest`, the example NAME.env / NAME.toml into
+    `confdir` (never over existing files) and, with `cron`, the cron example
+    there.  Returns what was (or, dry_run, would be) written."""
+    exe = exe or cxlkv_executable()
+    written, kept, warnings = [], [], []
+    try:
+        grp.getgrnam(group)
+    except KeyError:
+        warnings.append(f"group {group!r} does not exist: create it (groupadd {group}) and "
+                        f"give the pool to it (cxlkv init --group {group}), or pass --group")
+    plan = [(Path(dest) / n, render(n, exe=exe, confdir=confdir, group=group), True)
+            for n in UNITS]
+    plan += [(Path(confdir) / n, template(n), False) for n in EXAMPLES]
+    if cron:
+        plan.append((Path(cron), render(CRON, exe=exe, confdir=confdir, group=group), True))
+    for path, text, overwrite in plan:
+        if path.exists() and not overwrite:
+            kept.append(str(path))
+            continue
+        written.append(str(path))
+        if dry_run:
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    return {"written": written, "kept": kept, "exe": exe, "group": group, "confdir": confdir,
+            "dest": dest, "dry_run": dry_run, "warnings": warnings,
+            "next": [f"cp {confdir}/example.env {confdir}/NAME.env   # set CXLKV_POOL",
+                     f"cp {confdir}/example.toml {confdir}/NAME.toml",
+                     "systemctl daemon-reload",
+                     "systemctl enable --now cxlkv-serve@NAME.service cxlkv-health@NAME.timer",
+                     "systemctl enable --now cxlkv-lock-manager@NAME.service   "
+                     "# pools in sync mode manager, on every host"]}

@@ -1,0 +1,389 @@
+"""`cxlkv fsck --repair`: put a damaged pool's shared state right.
+
+Repairs are idempotent fixers, each rescanning what it fixes (they do not
+trust the read-only check's findings); `cxlkv fsck` runs the check before
+and after.  In order:
+
+ 1. superblock: a bad copy is rewritten from the good one (same generation);
+ 2. nodes: every slot that is not a live node is reaped - fenced, its
+    recoveries run (its lock turn passed on, its pins dropped, its KV
+    reservations and unpublished slots reclaimed), freed; a slot with an
+    invalid state word is freed;
+ 3. the lock area (cas mode): an owner or lock entries of nodes that are gone
+    are cleared; with nobody attached, the ticket counters are made equal;
+ 4. the allocator: invalid descriptors cleared; half-released slabs
+    finished; slabs with impossible geometry dissolved (their chunks zeroed:
+    what they held cannot be trusted); missing tails and bitmap bits of
+    good slabs restored; tails without a head and bits without a slab
+    freed; slot bits made consistent (published implies allocated, nothing
+    past the last slot); interrupted frees finished;
+ 5. the KV cache (cxlkv.kv.check.repair_kv): entries left half written, half
+    evicted or reserved by dead nodes undone; inconsistent entries dropped
+    (unreachable, duplicate keys, shared payloads, unknown namespace or
+    tenant, wrong length, a payload that is a free or foreign slot); pins of
+    nodes that are gone cleared; counters recomputed;
+ 6. slabs owned by tokens that are not attached nodes: their unpublished
+    slots freed, the slab orphaned (any node adopts it), released if empty.
+
+Without live nodes this runs on its own (nothing else writes the pool);
+with --force and live nodes it attaches as a node and runs 3-6 under the
+pool lock (2 takes the lock itself, per node).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cxlkv.errors import LiveNodesError
+from cxlkv.pool import layout as L
+from cxlkv.pool.pool import Pool
+from cxlkv.state import alloc as A
+from cxlkv.state import fsck
+from cxlkv.state import locks as K
+from cxlkv.state import nodes as N
+
+_F = A._F
+
+
+@dataclass
+class Repair:
+    before: fsck.Report
+    after: fsck.Report | None = None
+    actions: list[dict] = field(default_factory=list)
+    attached: bool = False
+
+    def did(self, code: str, where: str, message: str) -> None:
+        self.actions.append({"code": code, "where": where, "message": message})
+
+    @property
+    def exit_code(self) -> int:
+        """e2fsck: 0 clean, 1 errors corrected, 4 errors left."""
+        if self.after is not None and not self.after.clean:
+            return 4
+        return 1 if (self.before.errors or self.actions) else 0
+
+    def to_json(self) -> dict:
+        return {"clean": self.after.clean if self.after else self.before.clean,
+                "exit_code": self.exit_code, "attached": self.attached,
+                "before": self.before.to_json(), "repairs": self.actions,
+                "after": self.after.to_json() if self.after else None}
+
+
+def repair(path: str, *, force: bool = False, notice=None) -> Repair:
+    """Check, repair and check again (see the module docstring).
+
+    Raises LiveNodesError when live nodes are attached and not force;
+    CxlkvError subclasses when the pool cannot be opened writable.
+    """
+    pool = Pool.open(path, writable=True, force=force)
+    try:
+        rep = Repair(fsck.check(pool))
+        live = N.live_nodes(pool, observe=True, notice=notice)
+        if live and not force:
+            names = ", ".join(n.describe() for n in live)
+            raise LiveNodesError(
+                f"refusing to repair {path}: {len(live)} live node(s) attached: {names}",
+                [n.to_json() for n in live], path=path,
+                hint="stop them (systemctl stop cxlkv-serve@POOL, the serving engines) and "
+                     "run again, or add --force to repair under the pool lock")
+        m = pool.mapping
+        m.set_geometry(*A.geometry(pool))
+        m.flush_meta = pool.sb.sync == "manager" or m.noncoherent
+        _superblock(pool, rep)
+        if live:
+            pool.attach()                   # the pool lock, for 3-6
+            rep.attached = True
+            rep.did("attached", f"node {pool.node.slot}", "attached as a node to repair under "
+                                                          "the pool lock (--force)")
+        _nodes(pool, rep, {n.slot for n in live})
+        lock = pool.lock() if rep.attached else None
+        if lock is not None:
+            lock.acquire()
+        try:
+            tokens = A._live_tokens(pool)
+            _locks(pool, rep, tokens, offline=not rep.attached)
+            _allocator(pool, rep, tokens)
+            from cxlkv.kv.check import repair_kv
+
+            repair_kv(pool, rep, tokens)
+            _dead_owner_slabs(pool, rep, tokens)
+        finally:
+            if lock is not None:
+                lock.release()
+    finally:
+        pool.close()
+    with Pool.open(path, writable=False, force=force) as p:
+        rep.after = fsck.check(p)
+    return rep
+
+
+# -- 1. superblock ---------------------------------------------------------------------
+
+def _superblock(pool, rep: Repair) -> None:
+    good, copy = pool.sb, pool.superblock_copy
+    for bad, problem in sorted(pool.superblock_problems.items()):
+        off = L.SB_OFFSETS["AB".index(bad)]
+        pool.mapping.write(off, good.encode())
+        pool.mapping.flush(off, L.SB_SIZE)
+        rep.did("superblock-copy", f"superblock {bad}",
+                f"rewritten from copy {copy} (generation {good.seq}); it was: {problem}")
+
+
+# -- 2. nodes --------------------------------------------------------------------------
+
+def _nodes(pool, rep: Repair, live: set[int]) -> None:
+    own = pool.node.slot if pool.node is not None else -1
+    for n in N.read_nodes(pool):
+        if n.slot in live or n.slot == own:
+            continue
+        where = f"node {n.slot}"
+        if n.state.startswith("unknown"):
+            _force_free(pool, n)
+            rep.did("node-state", where, f"invalid state word {n.control:#x}: slot freed")
+            continue
+        if pool.sb.sync == "manager":
+            done = _reap_managed(pool, n)
+        else:
+            done = N.reap(pool, n.slot, n.control)
+            if not done:                        # changed under us: judge it again next run
+                cur = N.read_slot(pool, n.slot)
+                done = cur.state == "free"
+        if done:
+            rep.did("node-reaped", where, f"{n.describe()} ({n.state}, epoch {n.epoch}) was "
+                                          "not alive: fenced, recovered and freed")
+
+
+def _force_free(pool, n) -> None:
+    m = pool.mapping
+    off = N.node_offset(pool, n.slot)
+    free = L.node_control(L.NODE_FREE, n.epoch)
+    if pool.sb.sync == "manager":
+        from cxlkv.state import protocol as P
+
+        P.set_mgr(pool, n.slot, free, 0)
+    m.store64(off + L.field_offset(L.NodeStruct, "control"), free)
+    m.flush(off, 64)
+
+
+def _reap_managed(pool, n) -> bool:
+    """Sync mode manager: the lock manager reaps when one runs (wait for it);
+    with none, do what it would (we are the only writer of its lines then)."""
+    from cxlkv.state import protocol as P
+
+    lease = pool.sb.lease_ms / 1000.0
+    if P.manager_alive(pool):
+        deadline = time.monotonic() + 2 * lease + 1.0
+        while time.monotonic() < deadline:
+            if N.read_slot(pool, n.slot).state == "free":
+                return True
+            time.sleep(min(0.05, lease / 10))
+        return False
+    line = P.read_node_lines(pool)[n.slot]
+    granted = int(line["mgr_grant_token"])
+    P.set_mgr(pool, n.slot, L.node_control(L.NODE_FENCED, n.epoch), granted)
+    e = P.read_entries(pool)[n.slot]
+    if int(e["grant_seq"]) > max(int(e["release_seq"]), int(e["revoke_seq"])) or \
+            int(e["req_seq"]) > max(int(e["grant_seq"]), int(e["revoke_seq"])):
+        P.revoke(pool, n.slot, int(e["req_seq"]))
+    N.run_recoveries(pool, n.slot, n.epoch)
+    P.set_mgr(pool, n.slot, L.node_control(L.NODE_FREE, n.epoch), granted)
+    return True
+
+
+# -- 3. the lock area ---------------------------------------------------------------------
+
+def _locks(pool, rep: Repair, live: set[int], offline: bool) -> None:
+    m = pool.mapping
+    hdr, _ = K.lock_offsets(pool)
+    m.invalidate(hdr, 128)
+    h = L.LockHdrStruct.from_buffer_copy(m.read(hdr, L.LOCK_HDR_SIZE))
+    if pool.sb.sync == "cas":
+        own_off = L.field_offset(L.LockHdrStruct, "owner")
+        if h.owner and h.owner not in live:
+            m.cas64(hdr + own_off, h.owner, 0)
+            rep.did("lock-owner", "lock", f"owner token {h.owner:#x} (not an attached node) "
+                                          "cleared")
+        if offline and h.now_serving != h.next_ticket:
+            top = max(h.now_serving, h.next_ticket)
+            m.store64(hdr + L.field_offset(L.LockHdrStruct, "now_serving"), top)
+            m.store64(hdr + L.field_offset(L.LockHdrStruct, "next_ticket"), top)
+            m.flush(hdr, 128)
+            rep.did("lock-tickets", "lock", f"ticket counters set to {top} (nobody holds or "
+                                            "waits)")
+    ents = K.read_entries(pool)
+    for slot in np.flatnonzero(ents["state"] != L.LOCK_IDLE):
+        slot = int(slot)
+        st, ep = int(ents["state"][slot]), int(ents["epoch"][slot])
+        if st == L.LOCK_ABANDONED and not offline:
+            continue
+        if ((slot + 1) | ep << 16) in live and st in (L.LOCK_WAITING, L.LOCK_LOCKED):
+            continue
+        off = K.entry_offset(pool, slot)
+        new = L.LOCK_IDLE if offline else L.LOCK_ABANDONED
+        m.store64(off, new)
+        m.flush(off, 64)
+        if st != L.LOCK_ABANDONED:
+            rep.did("lock-entry-dead", f"lock entry {slot}", f"state {st} of a node that is "
+                                                             "not attached cleared")
+
+
+# -- 4. the allocator -----------------------------------------------------------------------
+
+def _desc(pool, i: int) -> int:
+    return A.geometry(pool)[3] + i * L.CHUNK_DESC_SIZE
+
+
+def _good_geometry(pool, d, i: int) -> bool:
+    chunk, nchunks = pool.sb.chunk_size, pool.sb.nchunks
+    ss, ns, nc = int(d["slot_size"][i]), int(d["nslots"][i]), int(d["nchunks"][i])
+    return bool(ss and ss % 64 == 0 and 0 < ns <= L.SLAB_MAX_SLOTS and 0 < nc
+                and i + nc <= nchunks and ns * ss <= nc * chunk)
+
+
+def _allocator(pool, rep: Repair, live: set[int]) -> None:
+    m = pool.mapping
+    data_off, chunk, nchunks, _ = A.geometry(pool)
+    d = A.descriptors(pool)
+    kind = (d["control"] & 0xFF).copy()
+    try:
+        for i in np.flatnonzero(~np.isin(kind, (L.CHUNK_FREE, L.CHUNK_HEAD, L.CHUNK_TAIL,
+                                                 L.CHUNK_RELEASING))):
+            i = int(i)
+            m.zero(_desc(pool, i), L.CHUNK_DESC_SIZE)
+            m.flush(_desc(pool, i), L.CHUNK_DESC_SIZE)
+            rep.did("chunk-kind", f"chunk {i}", f"invalid descriptor kind {int(kind[i])} "
+                                                "cleared")
+        bad_heads = [int(i) for i in np.flatnonzero((kind == L.CHUNK_HEAD)
+                                                    | (kind == L.CHUNK_RELEASING))
+                     if not _good_geometry(pool, d, int(i))]
+        releasing = [int(i) for i in np.flatnonzero(kind == L.CHUNK_RELEASING)
+                     if int(i) not in bad_heads]
+    finally:
+        del d
+    for head in releasing:
+        A.release_slab(pool, head, resume=True)
+        rep.did("slab-releasing", f"chunk {head}", "half-released slab: release finished")
+    for head in bad_heads:
+        _dissolve(pool, head)
+        rep.did("slab-geometry", f"chunk {head}", "slab with impossible geometry dissolved "
+                                                  "(its chunks zeroed and freed)")
+    # good slabs: their tails and bitmap bits
+    d = A.descriptors(pool)
+    try:
+        kind = (d["control"] & 0xFF).copy()
+        heads = [int(i) for i in np.flatnonzero(kind == L.CHUNK_HEAD)]
+        spans = {h: int(d["nchunks"][h]) for h in heads}
+    finally:
+        del d
+    bits = A.bitmap(pool)
+    for h, k in spans.items():
+        for j in range(h + 1, h + k):
+            if kind[j] == L.CHUNK_FREE:
+                m.store64(_desc(pool, j), L.CHUNK_TAIL | h << 8)
+                m.flush(_desc(pool, j), 8)
+                kind[j] = L.CHUNK_TAIL
+                rep.did("slab-tail", f"chunk {j}", f"missing tail of slab {h} restored")
+        missing = [j for j in range(h, h + k) if not bits[j]
+                   and (j == h or int(m.load64(_desc(pool, j))) == L.CHUNK_TAIL | h << 8)]
+        for j in missing:
+            A.set_bits(pool, j, 1, True)
+            rep.did("slab-bitmap", f"chunk {j}", f"slab {h}'s chunk marked used in the bitmap")
+    before_tails = int(((A.descriptors(pool)["control"] & 0xFF) == L.CHUNK_TAIL).sum())
+    leaked = int((A.bitmap(pool) & ((A.descriptors(pool)["control"] & 0xFF)
+                                    == L.CHUNK_FREE)).sum())
+    A._repair_dangling(pool)
+    after_tails = int(((A.descriptors(pool)["control"] & 0xFF) == L.CHUNK_TAIL).sum())
+    if before_tails != after_tails:
+        rep.did("chunk-orphan-tail", "chunks", f"{before_tails - after_tails} tail(s) without "
+                                               "a head freed")
+    if leaked:
+        rep.did("chunk-leaked", "bitmap", f"{leaked} chunk(s) marked used with no slab freed")
+    # slot bits
+    d = A.descriptors(pool)
+    try:
+        heads = [int(i) for i in np.flatnonzero((d["control"] & 0xFF) == L.CHUNK_HEAD)]
+        words = {h: ([int(x) for x in d["alloc_bits"][h]], [int(x) for x in d["pub_bits"][h]],
+                     int(d["nslots"][h])) for h in heads}
+    finally:
+        del d
+    for h, (a, p, ns) in words.items():
+        valid = [(1 << min(64, max(0, ns - 64 * w))) - 1 for w in range(8)]
+        base = _desc(pool, h)
+        for w in range(8):
+            if a[w] & ~valid[w]:
+                m.store64(base + _F["alloc_bits"] + 8 * w, a[w] & valid[w])
+                rep.did("slab-bits", f"chunk {h}", "allocated bits past the last slot cleared")
+                a[w] &= valid[w]
+            if p[w] & ~a[w]:
+                m.store64(base + _F["pub_bits"] + 8 * w, p[w] & a[w])
+                rep.did("slab-pub", f"chunk {h}", "published bits of free slots cleared")
+        m.flush(base, L.CHUNK_DESC_SIZE)
+    dirty_before = _count_dirty(pool, live)
+    A._finish_interrupted_frees(pool, live_owner=live)
+    if dirty_before:
+        rep.did("slab-dirty", "slabs", f"{dirty_before} interrupted free(s) finished")
+
+
+def _count_dirty(pool, live) -> int:
+    d = A.descriptors(pool)
+    try:
+        heads = np.flatnonzero((d["control"] & 0xFF) == L.CHUNK_HEAD)
+        heads = [h for h in heads if int(d["owner"][h]) not in live]
+        return int(sum((int(a) & int(b)).bit_count() for h in heads
+                       for a, b in zip(d["alloc_bits"][h], d["dirty_bits"][h])))
+    finally:
+        del d
+
+
+def _dissolve(pool, head: int) -> None:
+    """Free a slab whose descriptor cannot be believed: its own tails, its
+    chunks (zeroed) and bitmap bits."""
+    data_off, chunk, nchunks, base = A.geometry(pool)
+    m = pool.mapping
+    ours = [head]
+    j = head + 1
+    while j < nchunks and m.load64(base + j * L.CHUNK_DESC_SIZE) == L.CHUNK_TAIL | head << 8:
+        ours.append(j)
+        j += 1
+    for i in reversed(ours):
+        m.zero(data_off + i * chunk, chunk)
+        m.zero(base + i * L.CHUNK_DESC_SIZE, L.CHUNK_DESC_SIZE)
+        m.flush(base + i * L.CHUNK_DESC_SIZE, L.CHUNK_DESC_SIZE)
+    for i in ours:
+        A.set_bits(pool, i, 1, False)
+
+
+# -- 6. slabs of nodes that are gone ------------------------------------------------------
+
+def _dead_owner_slabs(pool, rep: Repair, live: set[int]) -> None:
+    m = pool.mapping
+    data_off, chunk, _, base = A.geometry(pool)
+    d = A.descriptors(pool)
+    try:
+        heads = np.flatnonzero((d["control"] & 0xFF) == L.CHUNK_HEAD)
+        todo = []
+        for h in heads:
+            owner = int(d["owner"][h])
+            if not owner or owner in live:
+                continue
+            ss, ns = int(d["slot_size"][h]), int(d["nslots"][h])
+            a = [int(x) for x in d["alloc_bits"][h]]
+            p = [int(x) for x in d["pub_bits"][h]]
+            res = [i for i in range(min(ns, L.SLAB_MAX_SLOTS))
+                   if (a[i // 64] & ~p[i // 64]) >> (i % 64) & 1]
+            todo.append((int(h), owner, [data_off + int(h) * chunk + i * ss for i in res]))
+    finally:
+        del d
+    for h, owner, offs in todo:
+        if offs:
+            m.slab_free(np.array(offs, dtype=np.uint64), True, 0)
+        m.store64(base + h * L.CHUNK_DESC_SIZE + _F["owner"], 0)
+        m.flush(base + h * L.CHUNK_DESC_SIZE, 64)
+        released = A.release_slab(pool, h)
+        rep.did("slab-dead-owner", f"chunk {h}",
+                f"slab of token {owner:#x} (not an attached node): {len(offs)} unpublished "
+                f"slot(s) freed, " + ("empty slab released" if released else
+                                      "published slots kept, slab orphaned"))
+

@@ -1,0 +1,318 @@
+"""cxlkv fsck --repair: each specific kind of damage (written byte by byte, or
+left by kill -9) is found, repaired (exit 1), and the pool checks clean (exit 0)
+with its published data intact."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import cxlkv
+from cxlkv.pool import layout as L
+from cxlkv.pool.admin import init_pool
+from cxlkv.pool.pool import Pool
+from cxlkv.state import alloc as A
+from cxlkv.state import locks as K
+from cxlkv.state import nodes as N
+
+from conftest import patch_bytes
+from nodeproc import NodeProc
+
+MiB = 1 << 20
+BLOCK = 4096
+NS = dict(model="m", block_tokens=4, block_bytes=BLOCK)
+
+
+def pattern(kv, toks):
+    return [h * (kv.block_bytes // len(h)) for h in kv.block_hashes(toks)]
+
+
+@pytest.fixture
+def kv_pool(pool_path):
+    """Published allocator slots and KV chains (two of 4 blocks sharing 2), nobody attached."""
+    init_pool(pool_path, {"size": 16 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8,
+                          "lease_ms": 300, "hash_slots": 256})
+    with cxlkv.open_pool(pool_path) as pool:
+        offs = pool.alloc_batch(8192, 12)
+        for o in offs.tolist():
+            pool.mapping.write(o, b"P" * 8192)
+        pool.publish(offs)
+        kv = pool.kv(**NS)
+        for toks in (list(range(16)), list(range(8)) + list(range(100, 108))):
+            kv.store(toks, b"".join(pattern(kv, toks)))
+    return pool_path
+
+
+def fsck(cli, path, *extra):
+    r = cli("fsck", "--pool", path, "--json", *extra)
+    return r.code, r.json()
+
+
+def codes(doc):
+    return {f["code"] for f in doc["findings"] if f["severity"] == "error"}
+
+
+def repaired_codes(doc):
+    return {a["code"] for a in doc["repairs"]}
+
+
+def check_repairs(cli, path, expect):
+    """fsck finds `expect`, --repair fixes it (1), fsck is clean (0)."""
+    rc, doc = fsck(cli, path)
+    assert rc == 4 and expect in codes(doc), doc
+    rc, doc = fsck(cli, path, "--repair")
+    assert rc == 1, doc
+    assert doc["after"]["clean"], doc["after"]["findings"]
+    assert expect in repaired_codes(doc) | codes(doc["before"]), doc
+    rc, doc2 = fsck(cli, path)
+    assert rc == 0, doc2
+    rc, doc3 = fsck(cli, path, "--repair")            # nothing left to do
+    assert rc == 0 and doc3["repairs"] == [], doc3
+    return doc
+
+
+def kv_intact(path, *chains):
+    """The chains that survived read back exactly; returns how many blocks matched."""
+    with cxlkv.open_pool(path) as pool:
+        kv = pool.kv(**NS)
+        total = 0
+        for toks in chains:
+            n = kv.match(toks) // 4
+            if n:
+                want = pattern(kv, toks)
+                with kv.load(toks[:4 * n]) as views:
+                    assert [bytes(v) for v in views] == want[:n]
+            total += n
+        return total
+
+
+CHAINS = (list(range(16)), list(range(8)) + list(range(100, 108)))
+
+
+def damage(path, fn):
+    with Pool.open(path) as p:
+        p.mapping.set_geometry(*A.geometry(p))
+        fn(p)
+
+
+def desc_off(p, chunk):
+    return A.geometry(p)[3] + chunk * L.CHUNK_DESC_SIZE
+
+
+def heads(p):
+    d = A.descriptors(p)
+    h = [int(i) for i in np.flatnonzero((d["control"] & 0xFF) == L.CHUNK_HEAD)]
+    del d
+    return h
+
+
+def plain_head(p):
+    """The head of the slab of 8192-byte (non-KV) slots."""
+    d = A.descriptors(p)
+    h = [i for i in heads(p) if int(d["slot_size"][i]) == 8192][0]
+    del d
+    return h
+
+
+def entries(p):
+    from cxlkv.kv.area import Area
+
+    a = Area(p)
+    t = a.entries()
+    live = np.flatnonzero((t["ctl"] & 0xFF) == L.KV_PUBLISHED)
+    return a, t, [int(i) for i in live]
+
+
+def leaf(p):
+    """A published entry with no children."""
+    a, t, live = entries(p)
+    return a, t, [i for i in live if int(t["children"][i]) == 0][0]
+
+
+def set_entry_word(p, i, field, value):
+    from cxlkv.kv.area import Area
+
+    a = Area(p)
+    off = a.entry_off(i) + L.field_offset(L.HashEntryStruct, field)
+    p.mapping.store64(off, value)
+
+
+ALLOC_DAMAGE = [
+    ("chunk-leaked", lambda p: A.set_bits(p, p.sb.nchunks - 1, 1, True)),
+    ("slab-dirty", lambda p: p.mapping.store64(desc_off(p, plain_head(p)) + 192, 1)),
+    ("slab-pub", lambda p: p.mapping.store64(desc_off(p, plain_head(p)) + 128 + 56, 1)),
+    ("slab-bits", lambda p: p.mapping.store64(desc_off(p, plain_head(p)) + 64 + 56, 1 << 63)),
+    ("slab-bitmap", lambda p: A.set_bits(p, plain_head(p), 1, False)),
+    ("slab-geometry", lambda p: p.mapping.store64(desc_off(p, plain_head(p)) + 16, 100)),
+    ("slab-dead-owner", lambda p: p.mapping.store64(desc_off(p, plain_head(p)) + 8, 0x30005)),
+    ("lock-owner", lambda p: p.mapping.store64(K.lock_offsets(p)[0] + 72, 0x10002)),
+    ("lock-tickets", lambda p: p.mapping.store64(K.lock_offsets(p)[0] + 64, 10**6)),
+    ("lock-entry-dead", lambda p: p.mapping.store64(K.entry_offset(p, 3), L.LOCK_LOCKED)),
+    ("node-unreaped", lambda p: p.mapping.store64(N.node_offset(p, 2),
+                                                  L.node_control(L.NODE_FENCED, 4))),
+    ("node-state", lambda p: p.mapping.store64(N.node_offset(p, 5), 0x3F7)),
+    ("chunk-orphan-tail", lambda p: p.mapping.store64(desc_off(p, p.sb.nchunks - 2),
+                                                      L.CHUNK_TAIL | (p.sb.nchunks - 3) << 8)),
+]
+
+
+@pytest.mark.parametrize("code,fn", ALLOC_DAMAGE, ids=[c for c, _ in ALLOC_DAMAGE])
+def test_state_damage_is_repaired(cli, kv_pool, code, fn):
+    damage(kv_pool, fn)
+    check_repairs(cli, kv_pool, code)
+    assert kv_intact(kv_pool, *CHAINS) == 8            # both chains, whole
+
+
+def test_bad_superblock_copy_is_rewritten_from_the_good_one(cli, kv_pool):
+    patch_bytes(kv_pool, 4096 + 100, b"\xff")
+    doc = check_repairs(cli, kv_pool, "superblock-copy")
+    assert "superblock-copy" in repaired_codes(doc)
+    with open(kv_pool, "rb") as f:
+        a, b = f.read(4096), f.read(4096)
+    assert a == b
+
+
+def _free_slot(p):
+    """An offset in the data area that is no allocated slot."""
+    data_off, chunk, nchunks, _ = A.geometry(p)
+    return data_off + (nchunks - 1) * chunk
+
+
+def _share_payload(p):
+    a, t, live = entries(p)
+    i, other = [j for j in live if int(t["children"][j]) == 0]     # the two chains' leaves
+    set_entry_word(p, i, "payload", int(t["payload"][other]))
+
+
+def _entry_field(p, field, value_of):
+    a, t, i = leaf(p)
+    p.mapping.store64(a.entry_off(i) + L.field_offset(L.HashEntryStruct, field),
+                      value_of(t, i))
+
+
+KV_DAMAGE = [
+    # an entry pointing at a free block
+    ("kv-payload", lambda p: set_entry_word(p, leaf(p)[2], "payload", _free_slot(p))),
+    # two entries sharing one payload
+    ("kv-shared-payload", _share_payload),
+    ("kv-entry-state", lambda p: _entry_field(p, "ctl", lambda t, i: (int(t["ctl"][i]) & ~0xFF)
+                                              | 0x77)),
+    # the length word holds length, namespace and tenant: namespace 9 is not in use
+    ("kv-namespace", lambda p: _entry_field(p, "length", lambda t, i: BLOCK | 9 << 32)),
+    ("kv-length", lambda p: _entry_field(p, "length", lambda t, i: 4032)),
+    # the parent word holds parent and child count
+    ("kv-children", lambda p: _entry_field(p, "parent", lambda t, i: int(t["parent"][i])
+                                           | 7 << 32)),
+    ("kv-counters", lambda p: p.mapping.store64(
+        entries(p)[0].hdr + L.field_offset(L.KVHdrStruct, "live"), 99)),
+    # refcounts of a node that is gone: a pin in a free slot's pin table
+    ("kv-dead-pins", lambda p: p.mapping.store64(entries(p)[0].pins_off(6), leaf(p)[2] + 1)),
+]
+
+
+@pytest.mark.parametrize("code,fn", KV_DAMAGE, ids=[c for c, _ in KV_DAMAGE])
+def test_kv_damage_is_repaired(cli, kv_pool, code, fn):
+    damage(kv_pool, fn)
+    doc = check_repairs(cli, kv_pool, code)
+    whole = code in ("kv-counters", "kv-dead-pins", "kv-children")
+    # what was dropped is exactly the damaged leaf (both leaves for a shared payload)
+    want = 8 if whole else 6 if code == "kv-shared-payload" else 7
+    assert kv_intact(kv_pool, *CHAINS) == want, doc["repairs"]
+
+
+def test_entry_pointing_at_a_foreign_block(cli, kv_pool):
+    """An entry whose payload is a live node's reservation: the entry goes
+    (with --force, under the pool lock), the reservation stays the node's."""
+    q = NodeProc()
+    try:
+        q.attach(kv_pool)
+        foreign = q.call(op="alloc_publish", nbytes=BLOCK, reserved=1,
+                         published=0)["reserved"][0]
+        damage(kv_pool, lambda p: set_entry_word(p, leaf(p)[2], "payload", foreign))
+        rc, doc = fsck(cli, kv_pool)
+        assert rc == 4 and "kv-payload" in codes(doc)
+        rc, doc = fsck(cli, kv_pool, "--repair", "--force")
+        assert rc == 1 and doc["after"]["clean"], doc
+        with Pool.open(kv_pool, writable=False) as p:
+            assert A.slot_bits(p, foreign) == (True, False, False)     # still reserved
+        r = q.call(op="free_all", offsets=[foreign])
+        assert r == {"freed": 1}, r
+    finally:
+        q.close()
+    assert fsck(cli, kv_pool)[0] == 0
+    assert kv_intact(kv_pool, *CHAINS) == 7
+
+
+def test_repair_refuses_live_nodes_unless_forced(cli, kv_pool):
+    damage(kv_pool, lambda p: A.set_bits(p, p.sb.nchunks - 1, 1, True))
+    q = NodeProc()
+    try:
+        q.attach(kv_pool)
+        r = cli("fsck", "--pool", kv_pool, "--repair")
+        assert r.code == 8
+        assert f"node {q.slot}" in r.err and "live node" in r.err and "--force" in r.err
+        r = cli("fsck", "--pool", kv_pool, "--repair", "--json")
+        assert r.code == 8 and r.json()["error"]["kind"] == "live-nodes"
+        assert [n["slot"] for n in r.json()["error"]["nodes"]] == [q.slot]
+        rc, doc = fsck(cli, kv_pool, "--repair", "--force")
+        assert rc == 1 and doc["attached"], doc
+        assert doc["after"]["clean"], doc["after"]
+        # the live node was left alone and still works
+        assert q.call(op="alloc_publish", nbytes=4096, reserved=0, published=1)["published"]
+    finally:
+        q.close()
+    assert fsck(cli, kv_pool)[0] == 0
+
+
+KV_WORK = r'''
+import sys, numpy as np, cxlkv
+pool = cxlkv.open_pool(sys.argv[1])
+kv = pool.kv(model="w", block_tokens=4, block_bytes=4096)
+res = pool.alloc_batch(4096, 5)              # reservations that die with us
+def blocks(toks):
+    return b"".join(h * (4096 // len(h)) for h in kv.block_hashes(toks))
+for i in range(30):
+    toks = list(range(i % 5 * 4)) + [1000 + i] * 8
+    kv.store(toks, blocks(toks))
+    with kv.load(toks[:8]) as views:
+        pass
+held = kv.load(list(range(16)))              # pins that die with us
+held.views()
+print("stored", held.blocks, flush=True)
+sys.stdin.read()                             # until killed
+'''
+
+
+@pytest.mark.parametrize("site", [None, "kv.copied:3", "kv.insert:5", "lock.held:7"])
+def test_kill_9_during_kv_work_is_repaired(cli, kv_pool, site):
+    """A writer killed (after storing, with pins and reservations held; or at
+    a crash point inside a store or the lock) leaves a dead node; fsck finds
+    it, --repair reclaims everything it held, the published data survives."""
+    env = {**os.environ}
+    if site:
+        env["CXLKV_CRASH_AT"] = site
+    p = subprocess.Popen([sys.executable, "-c", KV_WORK, kv_pool], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    if site is None:
+        line = p.stdout.readline()
+        assert line.startswith("stored"), p.stderr.read()
+        p.kill()
+    assert p.wait(60) == -9, p.stderr.read()
+    rc, doc = fsck(cli, kv_pool)
+    assert rc == 4 and "node-dead" in codes(doc), doc
+    if site is None:
+        assert "slab-dead-owner" in codes(doc)
+    rc, doc = fsck(cli, kv_pool, "--repair")
+    assert rc == 1 and doc["after"]["clean"], doc
+    assert "node-reaped" in repaired_codes(doc)
+    assert fsck(cli, kv_pool)[0] == 0
+    assert kv_intact(kv_pool, *CHAINS) == 8
+    with Pool.open(kv_pool, writable=False) as pool:     # nothing of the dead node is left
+        assert N.read_nodes(pool) == []
+        d = A.descriptors(pool)
+        owners = set(int(o) for o in d["owner"][(d["control"] & 0xFF) == L.CHUNK_HEAD])
+        del d
+        assert owners <= {0}

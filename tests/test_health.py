@@ -1,0 +1,230 @@
+"""cxlkv health: each Nagios exit code driven by a real pool state; one
+status line with perfdata; read-only; never past --timeout."""
+from __future__ import annotations
+
+import hashlib
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cxlkv.pool import layout as L
+from cxlkv.pool.admin import init_pool
+from cxlkv.pool.pool import Pool
+
+from conftest import fake_node, patch_bytes, rewrite_superblock
+from nodeproc import NodeProc
+
+MiB = 1 << 20
+BLOCK = 64 * 1024
+LAB = Path(__file__).resolve().parent / "fixtures" / "lab"
+LINE = re.compile(r"^CXLKV (OK|WARNING|CRITICAL|UNKNOWN) - (.*?)(?: \| (.*))?$")
+
+
+@pytest.fixture
+def hpool(pool_path):
+    init_pool(pool_path, {"size": 16 * MiB, "chunk_size": BLOCK, "max_nodes": 8,
+                          "lease_ms": 400, "hash_slots": 512})
+    return pool_path
+
+
+def health(cli, path, *extra):
+    r = cli("health", "--pool", path, *extra)
+    lines = r.out.splitlines()
+    assert len(lines) == 1, r.out                 # exactly one status line
+    m = LINE.match(lines[0])
+    assert m, lines[0]
+    perf = {}
+    for item in (m.group(3) or "").split():
+        label, rest = item.split("=", 1)
+        perf[label] = rest.split(";")
+    return r.code, m.group(1), m.group(2), perf
+
+
+def digest(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def data_bytes(path):
+    with Pool.open(path, writable=False) as p:
+        return p.sb.regions["data"][1]
+
+
+def store_blocks(q: NodeProc, path: str, share: float, hold: bool):
+    """Store blocks filling `share` of the data area through node q; pin them if hold."""
+    n = int(share * data_bytes(path)) // BLOCK
+    q.call(op="kv_open", args=dict(model="m", block_tokens=4, block_bytes=BLOCK))
+    toks = list(range(4 * n))
+    r = q.call(op="kv_store", tokens=toks)
+    assert r.get("stored") == n, r
+    if hold:
+        assert q.call(op="kv_hold", tokens=toks) == {"blocks": n}
+    return n
+
+
+def test_ok_on_a_fresh_pool(cli, hpool):
+    code, st, text, perf = health(cli, hpool)
+    assert (code, st) == (0, "OK")
+    assert perf["used"][:3] == ["0.00%", "80", "95"]
+    assert perf["nodes"][0] == "0" and perf["dead"][0] == "0"
+    r = cli("health", "--pool", hpool, "--json")
+    doc = r.json()
+    assert r.code == 0 and doc["status"] == "OK" and doc["exit_code"] == 0
+    assert {c["check"] for c in doc["checks"]} >= {"superblock", "usage", "nodes"}
+    assert doc["summary"].startswith("CXLKV OK - ")
+
+
+def test_a_warm_cache_sitting_full_is_healthy(cli, hpool):
+    """90 % of the data area in unpinned KV blocks: evictable, so OK."""
+    q = NodeProc()
+    try:
+        q.attach(hpool)
+        store_blocks(q, hpool, 0.90, hold=False)
+        code, st, text, perf = health(cli, hpool)
+        assert (code, st) == (0, "OK"), text
+        assert float(perf["used"][0].rstrip("%")) < 5
+        assert int(perf["evictable"][0].rstrip("B")) >= 0.85 * data_bytes(hpool)
+        assert perf["nodes"][0] == "1"
+    finally:
+        q.close()
+
+
+def test_pinned_blocks_warn_then_critical(cli, hpool):
+    q = NodeProc()
+    try:
+        q.attach(hpool)
+        store_blocks(q, hpool, 0.85, hold=True)
+        code, st, text, perf = health(cli, hpool)
+        assert (code, st) == (1, "WARNING"), text
+        assert "unevictable" in text
+        assert 84 <= float(perf["used"][0].rstrip("%")) < 95
+        code, st, text, _ = health(cli, hpool, "--crit-used", "84")
+        assert (code, st) == (2, "CRITICAL"), text
+        q.call(op="kv_release")                   # unpinned: evictable again
+        code, st, _, _ = health(cli, hpool)
+        assert (code, st) == (0, "OK")
+    finally:
+        q.close()
+
+
+def test_dead_node_not_reaped_warns_and_health_does_not_reap(cli, hpool):
+    q = NodeProc()
+    q.attach(hpool)
+    q.kill()
+    before = digest(hpool)
+    code, st, text, perf = health(cli, hpool)
+    assert (code, st) == (1, "WARNING"), text
+    assert f"node {q.slot}" in text and "dead" in text
+    assert perf["dead"][0] == "1"
+    assert digest(hpool) == before                # read-only: never attaches, never reaps
+
+
+def test_bad_superblock_copy_warns(cli, hpool):
+    patch_bytes(hpool, 4096 + 200, b"\x01")
+    code, st, text, _ = health(cli, hpool)
+    assert (code, st) == (1, "WARNING") and "superblock copy B" in text and "--repair" in text
+
+
+def test_manager_mode_without_a_lock_manager_is_critical(cli, pool_path):
+    init_pool(pool_path, {"size": 16 * MiB, "chunk_size": BLOCK, "max_nodes": 8,
+                          "lease_ms": 300, "sync": "manager"})
+    code, st, text, _ = health(cli, pool_path)
+    assert (code, st) == (2, "CRITICAL") and "lock manager" in text
+    mgr = subprocess.Popen([sys.executable, "-m", "cxlkv", "lock-manager", "--pool", pool_path],
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        assert "active" in mgr.stderr.readline()
+        code, st, text, _ = health(cli, pool_path)
+        assert (code, st) == (0, "OK"), text
+    finally:
+        mgr.terminate()
+        assert mgr.wait(30) == 0
+
+
+def test_missing_or_corrupt_pool_is_critical(cli, hpool, tmp_path):
+    code, st, text, _ = health(cli, str(tmp_path / "nothing.pool"))
+    assert (code, st) == (2, "CRITICAL") and "no such file" in text
+    patch_bytes(hpool, 0, b"\0" * 8192)          # both superblocks gone
+    code, st, text, _ = health(cli, hpool)
+    assert (code, st) == (2, "CRITICAL") and "not a formatted pool" in text
+
+
+def test_newer_format_is_unknown(cli, hpool):
+    for copy in "AB":
+        rewrite_superblock(hpool, copy, version=L.FORMAT_VERSION + 1)
+    code, st, text, _ = health(cli, hpool)
+    assert (code, st) == (3, "UNKNOWN") and "newer" in text
+
+
+def test_usage_errors_are_unknown(cli, hpool):
+    r = cli("health", "--pool", hpool, "--warn-used", "90", "--crit-used", "80")
+    assert r.code == 3
+    r = cli("health", "--pool", hpool, "--bogus")
+    assert r.code == 3 and r.out.startswith("CXLKV UNKNOWN - usage error")
+    r = cli("health")
+    assert r.code == 3
+
+
+def test_never_blocks_past_timeout(cli, hpool, monkeypatch):
+    """A check stuck anywhere (here: a device that never answers) -> UNKNOWN in time."""
+    from cxlkv.cli import health as cli_health
+
+    release = threading.Event()
+    monkeypatch.setattr(cli_health, "check_pool", lambda *a: release.wait(60))
+    t0 = time.monotonic()
+    try:
+        code, st, text, _ = health(cli, hpool, "--timeout", "0.5")
+    finally:
+        release.set()
+    assert time.monotonic() - t0 < 1.5
+    assert (code, st) == (3, "UNKNOWN") and "--timeout" in text
+
+
+def test_undecided_remote_node_within_timeout(cli, pool_path):
+    """A node of another host needs a lease of watching to be judged dead; with
+    a --timeout shorter than the lease health answers in time anyway."""
+    init_pool(pool_path, {"size": 16 * MiB, "chunk_size": BLOCK, "max_nodes": 8,
+                          "lease_ms": 30_000})
+    fake_node(pool_path, 3, pid=1, start_time_ns=1, boot_id="12345678-1234-5678-1234-567812345678",
+              hostname="elsewhere")
+    t0 = time.monotonic()
+    code, st, text, perf = health(cli, pool_path, "--timeout", "1")
+    assert time.monotonic() - t0 < 2.0
+    assert (code, st) == (0, "OK") and "not yet judged" in text
+
+
+def test_device_temperature_thresholds(cli, hpool, monkeypatch):
+    from cxlkv.daemons import health as H
+
+    hot = {"device": "dax0.0", "memdevs": [{"memdev": "mem0", "temperature_c": 78,
+                                            "alarms": []}],
+           "temperature_c": 78, "alarms": [], "error": None}
+    monkeypatch.setattr(H, "device_health", lambda path, timeout=5.0: hot)
+    code, st, text, perf = health(cli, hpool)
+    assert (code, st) == (1, "WARNING") and "78 C" in text
+    assert perf["temp"][:3] == ["78", "70", "85"]
+    code, st, _, _ = health(cli, hpool, "--crit-temp", "75")
+    assert (code, st) == (2, "CRITICAL")
+
+
+def test_device_health_from_the_captured_guest(tmp_path, monkeypatch):
+    """A DAX pool's memdevs, read through the tool seam (output of a real
+    guest): QEMU's device reports no health, so the temperature is unknown."""
+    from cxlkv.daemons import health as H
+    from cxlkv.host import numa, tools
+    from cxlkv.host.replay import ReplayRunner
+
+    r = ReplayRunner(LAB, "devdax", sysfs_dest=tmp_path / "root", setenv=monkeypatch.setenv)
+    monkeypatch.setattr(tools, "_runner", r)
+    monkeypatch.setattr(numa, "dax_of", lambda path: "dax0.0")
+    d = H.device_health("/dev/dax0.0", timeout=5)
+    assert d["device"] == "dax0.0" and d["error"] is None
+    assert [m["memdev"] for m in d["memdevs"]] == ["mem0"]
+    assert d["temperature_c"] is None
+    monkeypatch.setattr(numa, "dax_of", lambda path: None)
+    assert H.device_health("/tmp/x.pool") is None

@@ -1,0 +1,405 @@
+"""cxlkv serve: SIGTERM detaches and exits 0; a second SIGTERM exits at once;
+a kill -9'd node is reaped within its lease plus one scan and its memory
+returns; metrics over loopback HTTP parse and count a known workload;
+/healthz flips to 503 and back; the config file; the hosted lock manager."""
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cxlkv.pool import layout as L
+from cxlkv.pool.admin import init_pool
+from cxlkv.pool.pool import Pool
+from cxlkv.state import nodes as N
+from cxlkv.state.fsck import check
+
+from nodeproc import NodeProc
+
+MiB = 1 << 20
+BLOCK = 64 * 1024
+
+
+def wait_for(cond, timeout=20.0, what="condition"):
+    """Poll a condition until it holds; fail after `timeout` (not a sleep used
+    as synchronisation)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Serve:
+    """`cxlkv serve` in a child process; its JSON log lines are read as they come."""
+
+    def __init__(self, path, *args, log_json=True):
+        argv = [sys.executable, "-m", "cxlkv", "serve", "--pool", path, "--interval", "0.1",
+                "--metrics-addr", "127.0.0.1:0", *args]
+        if log_json:
+            argv.append("--log-json")
+        self.p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        self.lines: queue.Queue = queue.Queue()
+        self.log: list = []
+        threading.Thread(target=self._read, daemon=True).start()
+        self.url = None
+        if log_json:
+            ready = self.wait_log(lambda d: d["msg"] == "ready")
+            self.url = next(d["metrics_url"] for d in self.log if "metrics_url" in d)
+            assert ready["pool"] == path
+
+    def _read(self):
+        for line in self.p.stderr:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_log(self, pred, timeout=30.0):
+        deadline = time.monotonic() + timeout
+        while True:
+            for d in self.log:
+                if isinstance(d, dict) and pred(d):
+                    return d
+            try:
+                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                line = ""
+            if line is None or time.monotonic() > deadline:
+                raise AssertionError(f"serve log never matched; rc={self.p.poll()} "
+                                     f"log={self.log}")
+            if line:
+                try:
+                    self.log.append(json.loads(line))
+                except json.JSONDecodeError:
+                    self.log.append(line)
+
+    def get(self, path):
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=10) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def metrics(self) -> dict:
+        code, text = self.get("/metrics")
+        assert code == 200
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    def stop(self, timeout=10.0) -> int:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+        return self.p.wait(timeout)
+
+    def kill(self):
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait(30)
+
+
+def sample(m, name, **labels):
+    return m.get((name, tuple(sorted(labels.items()))))
+
+
+@pytest.fixture
+def spool(pool_path):
+    init_pool(pool_path, {"size": 16 * MiB, "chunk_size": BLOCK, "max_nodes": 8,
+                          "lease_ms": 1000, "hash_slots": 512})
+    return pool_path
+
+
+@pytest.fixture
+def serve():
+    running = []
+
+    def start(*a, **kw):
+        s = Serve(*a, **kw)
+        running.append(s)
+        return s
+
+    yield start
+    for s in running:
+        s.kill()
+
+
+def attached(path):
+    with Pool.open(path, writable=False) as p:
+        return [n for n in N.read_nodes(p) if n.state != "free"]
+
+
+def test_sigterm_detaches_and_exits_0(spool, serve):
+    s = serve(spool)
+    nodes = attached(spool)
+    assert [n.pid for n in nodes] == [s.p.pid]
+    t0 = time.monotonic()
+    assert s.stop() == 0
+    assert time.monotonic() - t0 < 5
+    assert attached(spool) == []
+    s.wait_log(lambda d: d["msg"] == "stopped")
+    assert [d["msg"] for d in s.log if d["msg"] in ("detached", "stopped")] == \
+        ["detached", "stopped"]
+    with Pool.open(spool, writable=False) as p:
+        assert check(p).clean
+
+
+def test_second_sigterm_exits_at_once(spool, serve):
+    """With the pool lock held elsewhere the clean detach waits for it; a
+    second SIGTERM ends the agent at once (its node is reaped later)."""
+    s = serve(spool)
+    q = NodeProc()
+    try:
+        q.attach(spool)
+        assert q.call(op="lock") == {"locked": True}
+        s.p.send_signal(signal.SIGTERM)
+        s.wait_log(lambda d: d["msg"].startswith("stopping"))
+        assert s.p.poll() is None                      # waiting for the lock to detach
+        t0 = time.monotonic()
+        s.p.send_signal(signal.SIGTERM)
+        assert s.p.wait(5) == -signal.SIGTERM
+        assert time.monotonic() - t0 < 2
+        assert q.call(op="unlock") == {"unlocked": True}
+    finally:
+        q.close()
+    import cxlkv
+
+    with cxlkv.open_pool(spool):                       # attaching reaps the agent's node
+        pass
+    with Pool.open(spool, writable=False) as p:
+        assert check(p).clean
+
+
+def _make_remote(path, slot):
+    """Make a node look like one of another host (other boot id): its death
+    is then judged by its heartbeat, on the agent's clock, after a lease."""
+    with Pool.open(path) as p:
+        off = N.node_offset(p, slot) + L.field_offset(L.NodeStruct, "boot_id")
+        p.mapping.write(off, uuid.uuid4().bytes)
+
+
+def _reserved_slots(path):
+    from cxlkv.state import alloc as A
+
+    with Pool.open(path, writable=False) as p:
+        d = A.descriptors(p)
+        heads = (d["control"] & 0xFF) == L.CHUNK_HEAD
+        n = sum((int(a) & ~int(b)).bit_count() for aa, bb in
+                zip(d["alloc_bits"][heads], d["pub_bits"][heads]) for a, b in zip(aa, bb))
+        del d
+        return n
+
+
+@pytest.mark.parametrize("where", ["local", "remote"])
+def test_killed_node_is_reaped_within_lease_plus_one_scan(spool, serve, where):
+    s = serve(spool)
+    lease, scan = 1.0, 1.0 / 4
+    q = NodeProc()
+    q.attach(spool)
+    r = q.call(op="alloc_publish", nbytes=8192, reserved=3, published=2)
+    q.call(op="kv_open", args=dict(model="m", block_tokens=4, block_bytes=BLOCK))
+    assert q.call(op="kv_store", tokens=list(range(8)))["stored"] == 2
+    assert q.call(op="kv_hold", tokens=list(range(8))) == {"blocks": 2}
+    assert _reserved_slots(spool) == 3
+    if where == "remote":
+        _make_remote(spool, q.slot)
+    q.kill()
+    t0 = time.monotonic()
+    wait_for(lambda: q.slot not in {n.slot for n in attached(spool)}, what="the reap")
+    took = time.monotonic() - t0
+    bound = (lease if where == "remote" else 0) + scan
+    assert took <= bound + 0.75, f"reaped after {took:.2f} s (bound {bound:.2f} s)"
+    if where == "remote":
+        assert took >= lease - scan, f"reaped after {took:.2f} s: before its lease ran out"
+    # its memory returned: reservations freed, pins dropped; published data kept
+    assert _reserved_slots(spool) == 0
+    with Pool.open(spool, writable=False) as p:
+        rep = check(p)
+        assert rep.clean, [f.to_json() for f in rep.errors]
+        for off in r["published"]:
+            assert p.mapping.read(off, 4) == b"PUBL"
+    # counted, and the next snapshot shows the pins gone
+    wait_for(lambda: (lambda m: sample(m, "cxlkv_reaps_total") == 1 and sample(
+        m, "cxlkv_pool_bytes", state="kv_unevictable") == 0)(s.metrics()), what="metrics")
+    s.wait_log(lambda d: d["msg"] == "reaped a dead node" and d["node"] == q.slot)
+    assert s.stop() == 0
+
+
+def test_metrics_after_a_known_workload(spool, serve):
+    s = serve(spool)
+    q = NodeProc()
+    try:
+        q.attach(spool)
+        q.call(op="kv_open", args=dict(model="llama", block_tokens=4, block_bytes=BLOCK))
+        assert q.call(op="kv_store", tokens=list(range(20)))["stored"] == 5
+        assert q.call(op="kv_match", tokens=list(range(28)))["matched"] == 20
+        assert q.call(op="kv_hold", tokens=list(range(8))) == {"blocks": 2}
+
+        def settled():
+            m = s.metrics()
+            return m if sample(m, "cxlkv_kv_stores_total", namespace="llama") == 5 and \
+                sample(m, "cxlkv_nodes", state="alive") == 2 else None
+
+        m = wait_for(settled, what="the workload in the metrics")
+        ns = dict(namespace="llama")
+        assert sample(m, "cxlkv_kv_hits_total", **ns) == 5 + 2      # match, then load
+        assert sample(m, "cxlkv_kv_misses_total", **ns) == 2
+        assert sample(m, "cxlkv_kv_evictions_total", **ns) == 0
+        assert sample(m, "cxlkv_kv_blocks", **ns) == 5
+        # 5 blocks: the first two pinned (and so unevictable), the last three evictable
+        assert sample(m, "cxlkv_pool_bytes", state="kv_evictable") == 3 * BLOCK
+        assert sample(m, "cxlkv_pool_bytes", state="kv_unevictable") == 2 * BLOCK
+        data = sample(m, "cxlkv_pool_data_bytes")
+        assert sum(sample(m, "cxlkv_pool_bytes", state=st) for st in
+                   ("free", "kv_evictable", "kv_unevictable", "other")) == data
+        assert sample(m, "cxlkv_nodes", state="free") == 6
+        assert sample(m, "cxlkv_nodes_by_version", sw_version="cxlkv 0.1.0",
+                      format_version="1") == 2
+        assert sample(m, "cxlkv_lock_wait_seconds_count") >= 1
+        assert sample(m, "cxlkv_reaps_total") == 0
+        assert sample(m, "cxlkv_health_status") == 0
+    finally:
+        q.close()
+    assert s.stop() == 0
+
+
+def test_healthz_flips_to_503_and_back(spool, serve):
+    s = serve(spool, "--warn-used", "30", "--crit-used", "50")
+    assert s.get("/healthz")[0] == 200
+    q = NodeProc()
+    try:
+        q.attach(spool)
+        q.call(op="kv_open", args=dict(model="m", block_tokens=4, block_bytes=BLOCK))
+        with Pool.open(spool, writable=False) as p:
+            n = int(0.6 * p.sb.regions["data"][1]) // BLOCK
+        toks = list(range(4 * n))
+        assert q.call(op="kv_store", tokens=toks)["stored"] == n
+        assert q.call(op="kv_hold", tokens=toks) == {"blocks": n}     # pinned: unevictable
+        code, body = wait_for(lambda: (lambda r: r if r[0] == 503 else None)(s.get("/healthz")),
+                              what="503")
+        assert body.startswith("CXLKV CRITICAL") and "unevictable" in body
+        q.call(op="kv_release")
+        wait_for(lambda: s.get("/healthz")[0] == 200, what="200 again")
+    finally:
+        q.close()
+    assert s.stop() == 0
+
+
+def test_watermark_kept_in_the_background(spool, serve):
+    """KV blocks fill the pool, then other allocations push free space under
+    the low watermark: the agent evicts (LRU) until 10 % is free again."""
+    s = serve(spool)
+    q = NodeProc()
+    try:
+        q.attach(spool)
+        q.call(op="kv_open", args=dict(model="m", block_tokens=4, block_bytes=BLOCK))
+        with Pool.open(spool, writable=False) as p:
+            data = p.sb.regions["data"][1]
+        n = int(0.7 * data) // BLOCK
+        assert q.call(op="kv_store", tokens=list(range(4 * n)))["stored"] == n
+        other = int(0.27 * data) // 8192
+        q.call(op="alloc_publish", nbytes=8192, reserved=0, published=other)
+        ev = s.wait_log(lambda d: d["msg"].startswith("evicted"))
+        assert ev["blocks"] > 0 and ev["free_before"] < 0.05 * data
+        # the snapshot after that tick: free space back over 10 %, evictions counted
+        wait_for(lambda: (lambda m: sample(m, "cxlkv_pool_bytes", state="free") >= 0.095 * data
+                          and sample(m, "cxlkv_agent_evicted_blocks_total") == ev["blocks"]
+                          and sample(m, "cxlkv_kv_evictions_total", namespace="m")
+                          == ev["blocks"])(s.metrics()), what="free space")
+    finally:
+        q.close()
+    assert s.stop() == 0
+
+
+def test_config_file_and_flags_win(spool, tmp_path, serve):
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text(f'pool = "{spool}"\ninterval = 0.2\nlog-json = true\n'
+                   '[serve]\nmetrics_addr = "127.0.0.1:0"\nwarn-used = 50\n')
+    # the config's log-json is overridden by the flag --log-text
+    p = subprocess.Popen([sys.executable, "-m", "cxlkv", "serve", "--config", str(cfg),
+                          "--log-text"], stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in p.stderr:
+            lines.append(line)
+            if "ready" in line:
+                break
+        assert lines[0].startswith("cxlkv serve: attached"), lines
+        assert f"pool={spool}" in lines[-1] and "interval=0.2" in lines[-1]
+        assert any("metrics on http://127.0.0.1:" in x for x in lines)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(10) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def test_config_errors_are_usage_errors(cli, spool, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('pool = "x"\nmetrics-adr = "127.0.0.1:1"\n')
+    r = cli("serve", "--config", str(bad))
+    assert r.code == 2 and "unknown setting 'metrics-adr'" in r.err
+    bad.write_text("interval = 'fast'\n")
+    r = cli("serve", "--config", str(bad), "--pool", spool)
+    assert r.code == 2 and "interval" in r.err
+    bad.write_text("interval = \n")
+    assert cli("serve", "--config", str(bad)).code == 2
+    r = cli("serve", "--pool", spool, "--numa-node", "north")
+    assert r.code == 2
+    r = cli("serve", "--pool", spool, "--metrics-addr", "nowhere")
+    assert r.code == 2 and "HOST:PORT" in r.err
+
+
+def test_with_lock_manager_on_a_cas_pool_is_refused(cli, spool):
+    r = cli("serve", "--pool", spool, "--with-lock-manager")
+    assert r.code == 1 and "sync mode cas" in r.err and len(r.err.splitlines()) == 1
+    assert attached(spool) == []
+
+
+def test_with_lock_manager(pool_path, serve):
+    init_pool(pool_path, {"size": 16 * MiB, "chunk_size": BLOCK, "max_nodes": 8,
+                          "lease_ms": 500, "sync": "manager"})
+    s = serve(pool_path, "--with-lock-manager")
+    assert s.get("/healthz")[0] == 200
+    wait_for(lambda: sample(s.metrics(), "cxlkv_lock_manager_active") == 1,
+             what="the hosted manager active")
+    q = NodeProc()                        # another node attaches through the hosted manager
+    try:
+        q.attach(pool_path)
+        r = q.call(op="alloc_publish", nbytes=4096, reserved=0, published=2)   # takes the lock
+        assert len(r["published"]) == 2, r
+    finally:
+        q.close()
+    assert s.stop() == 0
+    assert attached(pool_path) == []
+    with Pool.open(pool_path, writable=False) as p:
+        from cxlkv.state import protocol as P
+
+        p.mapping.invalidate(P.lock_header(p) + P.MGR_TOKEN, 8)
+        assert p.mapping.load64(P.lock_header(p) + P.MGR_TOKEN) == 0     # lease handed back
+
+
+def test_numa_node(spool, serve):
+    """--numa-node binds before attaching (cxlkv.host.numa) and says where."""
+    p = subprocess.run([sys.executable, "-m", "cxlkv", "serve", "--pool", spool, "--numa-node",
+                        "99999"], capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    if "libnuma" in p.stderr or "NUMA is not" in p.stderr:
+        pytest.skip(f"no NUMA support here: {p.stderr.strip()}")
+    s = serve(spool, "--numa-node", "0")
+    att = s.wait_log(lambda d: d["msg"] == "attached")
+    assert att["numa_cpu_node"] == 0
+    assert s.stop() == 0
