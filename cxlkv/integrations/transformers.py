@@ -1,0 +1,425 @@
+"""Hugging Face transformers: a model's KV cache (DynamicCache) to and from the pool.
+
+    import cxlkv
+    from cxlkv.integrations.transformers import kv_for_model, load_prefix, store_prefix
+
+    with cxlkv.open_pool(path) as pool:
+        kv = kv_for_model(pool, model, salt=tenant)       # this model's namespace
+        cache, n = load_prefix(kv, input_ids)              # longest prefix in the pool
+        out = model(input_ids[:, n:], **{cache_kwarg(model): cache}, use_cache=True)
+        store_prefix(kv, input_ids, cache)                 # publish the full blocks
+
+(`cache_kwarg` is "cache" in recent transformers releases, "past_key_values" in older ones.)
+
+Block payload
+-------------
+A block holds `block_tokens` consecutive tokens of every layer, as one
+C-contiguous array in the model's dtype, native (little-endian) byte order:
+
+    [layers][2: K then V][kv_heads][block_tokens][head_dim]
+
+so block_bytes = layers x 2 x kv_heads x block_tokens x head_dim x itemsize
+(after RoPE: exactly the tensors a DynamicCache layer holds, batch row 0).
+Only full blocks are stored; a prefix's partial last block is recomputed.
+
+Namespace
+---------
+`kv_for_model` names the namespace after the model (model_type, dtype,
+layers x kv_heads x head_dim, block_tokens) and a 128-bit fingerprint of its
+config (volatile keys such as `transformers_version` and `_name_or_path`
+left out), its dtype and a sample of its weights (64 evenly spaced values of
+every parameter), so two different models - another checkpoint, a
+fine-tune, another dtype - never share blocks.  Pass namespace= to name it
+yourself (e.g. after a checkpoint revision).
+
+Copies
+------
+store_prefix gathers the cache into one host buffer of whole blocks (one
+copy, device to host for a GPU model) and stores it; blocks already in the
+pool are not written.  load_prefix pins the matched blocks, wraps each
+pinned pool view with torch.frombuffer (no copy) and gathers them with one
+torch.stack straight into the layer-major tensors the DynamicCache layers
+view: the only copy on the hit path.  (A DynamicCache layer is one tensor per
+layer, and a prefix's blocks lie anywhere in the pool, so this gather is
+needed; the cache's first update concatenates anyway.)  The pins are
+released before load_prefix returns.
+
+Models with sliding-window, linear-attention or other non-plain cache layers
+are refused (UsageError); batches must be of one sequence.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+
+import numpy as np
+import torch
+import xxhash
+
+from cxlkv.errors import UsageError
+
+__all__ = ["BlockLayout", "ModelKV", "block_layout", "cache_kwarg", "cache_prefix", "cache_tensors",
+           "kv_for_model", "load_prefix", "model_namespace", "output_cache", "store_prefix",
+           "tiny_llama"]
+
+#: config keys that say nothing about the KV a model computes
+_VOLATILE = {"transformers_version", "_name_or_path", "name_or_path", "torch_dtype", "dtype",
+             "use_cache", "architectures", "_commit_hash", "output_attentions",
+             "output_hidden_states", "return_dict", "id2label", "label2id", "tokenizer_class",
+             "_attn_implementation", "attn_implementation", "_experts_implementation"}
+#: weight values sampled per parameter for the namespace fingerprint
+_SAMPLES = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockLayout:
+    """The shape of a block's payload: [layers][2][kv_heads][block_tokens][head_dim]."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    block_tokens: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.layers, 2, self.kv_heads, self.block_tokens, self.head_dim)
+
+    @property
+    def token_bytes(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * _itemsize(self.dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.token_bytes * self.block_tokens
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _text_config(config):
+    get = getattr(config, "get_text_config", None)
+    if get is None:
+        return config
+    try:
+        return get(decoder=True)
+    except TypeError:
+        return get()
+
+
+def _model_dtype(model) -> torch.dtype:
+    dt = getattr(model, "dtype", None)
+    if isinstance(dt, torch.dtype):
+        return dt
+    return next(model.parameters()).dtype
+
+
+def _model_device(model) -> torch.device:
+    dev = getattr(model, "device", None)
+    if isinstance(dev, torch.device):
+        return dev
+    return next(model.parameters()).device
+
+
+def block_layout(model, block_tokens: int = 16) -> BlockLayout:
+    """The payload layout of `model`'s KV blocks (UsageError for caches it cannot hold)."""
+    cfg = _text_config(model.config)
+    kinds = set(getattr(cfg, "layer_types", None) or ())
+    if kinds - {"full_attention"}:
+        raise UsageError(f"{cfg.model_type}: cache layers {sorted(kinds - {'full_attention'})} "
+                         "are not plain full-attention KV; only those can be stored in the pool")
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) \
+            and not kinds:
+        raise UsageError(f"{cfg.model_type}: sliding-window attention keeps only the last "
+                         f"{cfg.sliding_window} tokens; its cache cannot be stored in the pool")
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return BlockLayout(layers=cfg.num_hidden_layers, kv_heads=kv_heads, head_dim=head_dim,
+                       block_tokens=block_tokens, dtype=_model_dtype(model))
+
+
+def _fingerprint(model, layout: BlockLayout) -> str:
+    h = xxhash.xxh3_128()
+    cfg = model.config.to_dict() if hasattr(model.config, "to_dict") else dict(vars(model.config))
+
+    def clean(d):
+        if isinstance(d, dict):
+            return {k: clean(v) for k, v in d.items()
+                    if k not in _VOLATILE and not str(k).startswith("_")}
+        return d
+
+    h.update(json.dumps(clean(cfg), sort_keys=True, default=str).encode())
+    h.update(f"\0{layout.dtype}\0{layout.shape}\0".encode())
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            flat = p.detach().reshape(-1)
+            n = flat.numel()
+            h.update(f"{name}\0{tuple(p.shape)}\0{p.dtype}\0".encode())
+            if n:
+                idx = torch.linspace(0, n - 1, steps=min(_SAMPLES, n), device=flat.device).long()
+                h.update(flat[idx].to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def model_namespace(model, block_tokens: int = 16) -> str:
+    """The namespace name kv_for_model uses for `model` (under 128 bytes)."""
+    lay = block_layout(model, block_tokens)
+    cfg = _text_config(model.config)
+    dt = str(lay.dtype).replace("torch.", "")
+    mt = str(getattr(cfg, "model_type", "") or "model")[:24]
+    return (f"hf/{mt}/{dt}/{lay.layers}x{lay.kv_heads}x{lay.head_dim}/t{block_tokens}/"
+            f"{_fingerprint(model, lay)}")
+
+
+class ModelKV:
+    """A model's namespace of the pool's KV cache: the cxlkv.KVCache (`.kv`),
+    the block layout (`.layout`) and the device loaded caches go to.
+
+    Other attributes (match, store, load, stats, ...) are the KVCache's."""
+
+    def __init__(self, kv, layout: BlockLayout, device=None):
+        if kv.block_tokens != layout.block_tokens or kv.block_bytes != layout.block_bytes:
+            raise UsageError(f"namespace {kv.name!r} has block_tokens={kv.block_tokens}, "
+                             f"block_bytes={kv.block_bytes}; the layout needs "
+                             f"{layout.block_tokens} and {layout.block_bytes}")
+        self.kv = kv
+        self.layout = layout
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+
+    @property
+    def namespace(self) -> str:
+        return self.kv.name
+
+    def __getattr__(self, name):
+        if name == "kv":                       # not set yet (e.g. while unpickling)
+            raise AttributeError(name)
+        return getattr(self.kv, name)
+
+    def __repr__(self) -> str:
+        return f"<cxlkv ModelKV {self.kv.name!r} {self.layout}>"
+
+
+def kv_for_model(pool, model, salt=None, *, block_tokens: int = 16, namespace: str | None = None,
+                 quota: int | None = None) -> ModelKV:
+    """Open `model`'s namespace in `pool` (an attached cxlkv pool) as tenant `salt`.
+
+    block_tokens: tokens per block (16, vLLM's default); the block size
+    follows from the model (see the module doc).  namespace: your own name
+    instead of the derived one (it must still be the same model and dtype)."""
+    lay = block_layout(model, block_tokens)
+    name = namespace if namespace is not None else model_namespace(model, block_tokens)
+    kv = pool.kv(model=name, block_tokens=block_tokens, block_bytes=lay.block_bytes, salt=salt,
+                 quota=quota)
+    return ModelKV(kv, lay, _model_device(model))
+
+
+def _as_model_kv(kv, layout) -> ModelKV:
+    if isinstance(kv, ModelKV):
+        return kv
+    if layout is None:
+        raise UsageError("pass what kv_for_model returned, or a KVCache with "
+                         "layout=BlockLayout(...)")
+    return ModelKV(kv, layout)
+
+
+def _tokens(input_ids) -> np.ndarray:
+    """Token ids of one sequence as a uint32 numpy array."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 2:
+            if input_ids.shape[0] != 1:
+                raise UsageError(f"input_ids holds a batch of {input_ids.shape[0]} sequences; "
+                                 "pass one sequence at a time")
+            input_ids = input_ids[0]
+        elif input_ids.dim() != 1:
+            raise UsageError("input_ids must be 1-D or of shape (1, tokens)")
+        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise UsageError(f"input_ids must be integers (got {input_ids.dtype})")
+        arr = input_ids.detach().to("cpu").numpy()
+    else:
+        arr = np.asarray(input_ids)
+        if arr.ndim == 2 and arr.shape[0] == 1:
+            arr = arr[0]
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise UsageError("input_ids must be one sequence of integer token ids")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF):
+        raise UsageError("token ids must lie in [0, 2**32)")
+    return np.ascontiguousarray(arr, dtype=np.uint32)
+
+
+def cache_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) per layer of a transformers cache (DynamicCache, or the
+    legacy tuple of (k, v) pairs)."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        out = []
+        for i, layer in enumerate(layers):
+            k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if getattr(layer, "is_sliding", False) or not isinstance(k, torch.Tensor) \
+                    or not isinstance(v, torch.Tensor):
+                raise UsageError(f"cache layer {i} ({type(layer).__name__}) holds no plain "
+                                 "keys/values tensors; only full-attention caches can be stored")
+            out.append((k, v))
+        return out
+    if isinstance(cache, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) >= 2
+                                                for p in cache):
+        return [(p[0], p[1]) for p in cache]
+    raise UsageError(f"cannot read a {type(cache).__name__}: pass a DynamicCache")
+
+
+def _check_layers(layers, lay: BlockLayout) -> int:
+    """The tokens the cache holds (UsageError if it does not fit the layout)."""
+    if len(layers) != lay.layers:
+        raise UsageError(f"the cache has {len(layers)} layers; the namespace's layout has "
+                         f"{lay.layers}")
+    seq = None
+    for i, (k, v) in enumerate(layers):
+        for t in (k, v):
+            if t.dim() != 4 or t.shape[0] != 1 or t.shape[1] != lay.kv_heads \
+                    or t.shape[3] != lay.head_dim or t.dtype != lay.dtype:
+                raise UsageError(f"cache layer {i} is {tuple(t.shape)} {t.dtype}; the namespace "
+                                 f"holds (1, {lay.kv_heads}, tokens, {lay.head_dim}) {lay.dtype}")
+        if k.shape[2] != v.shape[2] or (seq is not None and k.shape[2] != seq):
+            raise UsageError(f"cache layer {i} holds {k.shape[2]} keys and {v.shape[2]} values; "
+                             f"layer 0 holds {seq}")
+        seq = k.shape[2]
+    return seq or 0
+
+
+def store_prefix(kv, input_ids, cache, *, layout: BlockLayout | None = None) -> int:
+    """Store the full blocks of `cache` (the KV of `input_ids`' leading tokens)
+    in the pool; returns how many blocks were new (present ones are skipped).
+
+    The cache may hold fewer tokens than input_ids (only what it covers is
+    stored) or more (the extra positions are ignored)."""
+    mkv = _as_model_kv(kv, layout)
+    lay = mkv.layout
+    toks = _tokens(input_ids)
+    layers = cache_tensors(cache)
+    seq = _check_layers(layers, lay)
+    t = lay.block_tokens
+    nb = min(seq, len(toks)) // t
+    if nb == 0:
+        return 0
+    toks = toks[:nb * t]
+    if mkv.kv.match(toks) == nb * t:
+        return 0
+    # [blocks][layers][K/V][kv_heads][block_tokens][head_dim], one copy
+    out = torch.empty((nb, lay.layers, 2, lay.kv_heads, t, lay.head_dim), dtype=lay.dtype)
+    with torch.no_grad():
+        for i, (k, v) in enumerate(layers):
+            for j, src in enumerate((k, v)):
+                out[:, i, j].copy_(src[0, :, :nb * t].unflatten(1, (nb, t)).transpose(0, 1))
+    return mkv.kv.store(toks, out.view(torch.uint8).numpy().reshape(-1))
+
+
+def _new_cache(layers):
+    """A DynamicCache whose layers hold `layers` [(keys, values)] as they are (no copy)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    base = getattr(cache, "layer_class_to_replicate", None)
+    if base is None or not hasattr(cache, "layers"):         # transformers < 4.56
+        return DynamicCache.from_legacy_cache(tuple(layers))
+    made = []
+    for k, v in layers:
+        layer = base()
+        layer.update(k[:, :, :0], v[:, :, :0])     # initialises device/dtype; copies nothing
+        layer.keys, layer.values = k, v
+        made.append(layer)
+    cache.layers = made
+    return cache
+
+
+def load_prefix(kv, input_ids, *, max_tokens: int | None = None, device=None,
+                layout: BlockLayout | None = None):
+    """Load the longest prefix of `input_ids` whose KV is in the pool.
+
+    Returns (DynamicCache, n_tokens), or (None, 0) when nothing matches.  The
+    cache holds the KV of input_ids[:n_tokens]: run the model on
+    input_ids[n_tokens:] with it.  By default n_tokens < len(input_ids)
+    (max_tokens = len - 1), so there is always a token left to compute the
+    next-token logits from; when every block matched, the last block's last
+    token is dropped from the cache (a view, no copy).  device: where the
+    cache goes (default: the model's device when kv_for_model opened it)."""
+    mkv = _as_model_kv(kv, layout)
+    lay = mkv.layout
+    toks = _tokens(input_ids)
+    limit = len(toks) - 1 if max_tokens is None else min(int(max_tokens), len(toks))
+    if limit <= 0:
+        return None, 0
+    t = lay.block_tokens
+    want = -(-limit // t)                                       # blocks covering `limit`
+    loaded = mkv.kv.load(toks[:want * t])
+    try:
+        nb = loaded.blocks
+        if nb == 0:
+            return None, 0
+        with warnings.catch_warnings():
+            # the pool's views are read-only; nothing here writes through them
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            srcs = [torch.frombuffer(v, dtype=lay.dtype).view(lay.shape) for v in loaded.views()]
+        # [layers][K/V][kv_heads][blocks][block_tokens][head_dim]: one copy out of the pool
+        buf = torch.stack(srcs, dim=3)
+        del srcs
+    finally:
+        loaded.release()
+    dev = torch.device(device) if device is not None else mkv.device
+    if buf.device != dev:
+        buf = buf.to(dev)
+    n = min(nb * t, limit)
+    buf = buf.view(lay.layers, 2, 1, lay.kv_heads, nb * t, lay.head_dim)[..., :n, :]
+    return _new_cache([(buf[i, 0], buf[i, 1]) for i in range(lay.layers)]), n
+
+
+def cache_prefix(cache, n_tokens: int):
+    """A DynamicCache of the first n_tokens of `cache` (views of its tensors, no
+    copy; the same on every transformers version, unlike Cache.crop)."""
+    layers = cache_tensors(cache)
+    if n_tokens < 0 or any(k.shape[2] < n_tokens for k, _ in layers):
+        raise UsageError(f"the cache holds fewer than {n_tokens} tokens")
+    return _new_cache([(k[:, :, :n_tokens], v[:, :, :n_tokens]) for k, v in layers])
+
+
+def cache_kwarg(model) -> str:
+    """The name of the forward/generate argument that takes a cache in this
+    transformers version: "cache" (recent releases) or "past_key_values"."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def output_cache(outputs):
+    """The cache a forward pass returned (`outputs.cache`, or
+    `outputs.past_key_values` in older transformers releases)."""
+    for name in ("cache", "past_key_values"):
+        c = outputs.get(name) if hasattr(outputs, "get") else getattr(outputs, name, None)
+        if c is not None:
+            return c
+    return None
+
+
+#: the small Llama used by the demo, the tests and the TTFT bench
+TINY_LLAMA = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384)
+
+
+def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, **config):
+    """A small Llama-architecture model with random weights drawn from `seed`
+    (the same weights in every process): for demos and tests where no
+    checkpoint can be downloaded.  config overrides TINY_LLAMA's fields."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **config}))
+    finally:
+        torch.random.set_rng_state(state)
+    return model.to(dtype).eval()
