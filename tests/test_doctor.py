@@ -386,3 +386,21 @@ def test_exit_codes_and_json(cli, host, small_pool):
 def test_usage_error(cli):
     r = cli("doctor", "--pool", "", "--json")
     assert r.code == 2 and r.json()["error"]["kind"] == "usage"
+
+
+@pytest.mark.parametrize("state,mode", [("devdax", "pool"), ("system-ram", "tiering"),
+                                        ("raw", "none")])
+def test_cxl_mode_says_pool_or_kernel_tiering(host, state, mode):
+    """Seed 001's two setups: CXL as a devdax pool vs CXL as a NUMA node tiered by the kernel."""
+    c = only(host(state).checks(), "cxl-mode")
+    assert c["status"] == "pass" and c["detail"].startswith(mode + ":")
+    if mode == "tiering":
+        assert "devdax" in c["detail"] and "numa_balancing" in c["detail"]
+
+
+def test_inspect_names_the_cxl_mode(host, cli):
+    host("system-ram")
+    r = cli("inspect", "--json")
+    assert r.code == 0, r.err
+    assert r.json()["host"]["cxl_mode"] == "tiering"
+    assert "CXL mode: tiering" in cli("inspect").out

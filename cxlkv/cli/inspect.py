@@ -64,7 +64,10 @@ def inspect_cmd(app: Application, pool, force, watch, as_json):
 def gather(pool, force):
     from cxlkv.host.discovery import discover
 
+    from cxlkv.host.doctor import host_mode
+
     host = discover()
+    host["cxl_mode"] = host_mode(host)      # seed 001: devdax pool vs kernel tiering
     rep = pool_report_of(pool, force) if pool is not None else None
     return host, rep
 
@@ -256,6 +259,10 @@ def render_host(app: Application, h: dict) -> None:
     if h["cxl_memory_nodes"]:
         app.out.print("CXL memory online as system RAM on node(s) "
                       f"{ranges(h['cxl_memory_nodes'])}")
+    if h.get("cxl_mode"):
+        from cxlkv.host.doctor import MODE_GUIDANCE
+
+        app.out.print(f"CXL mode: {h['cxl_mode']} - {MODE_GUIDANCE[h['cxl_mode']]}")
 
 
 # -- pool rendering ----------------------------------------------------------

@@ -14,6 +14,7 @@ Pitfalls, and where they come from:
   thp                   seed 000 5.5 / 6.2: huge pages off halves performance
   numa-balancing,
   demotion, tiers       seed 001 2.2 / checklist: tiering and demotion for CXL nodes
+  cxl-mode              seed 001: pool (devdax) vs kernel tiering (NUMA node) - which one
   auto-online           LAB.md: auto-onlined memory, daxctl 76.1 refusing to reconfigure
   temperature           seed 000 5.2: > 70 C doubles latency
   life-used, alarms     cxl-list(1) -H health fields
@@ -70,7 +71,36 @@ def check_host(h: dict, *, emulated: bool = False) -> list[Check]:
     else:
         out += _cxl_stack(h)
     out += _memory_policy(h)
+    out.append(host_mode_check(h))
     return out
+
+
+def host_mode(h: dict) -> str:
+    """Which of seed 001's setups this host is in: "pool" (CXL memory as devdax,
+    mapped by cxlkv as a shared pool), "tiering" (CXL memory online as CPU-less
+    NUMA nodes, placed by the kernel's demotion and promotion), "mixed" (both),
+    or "none" (no CXL memory in use)."""
+    pool = any(d.get("mode") == "devdax" for d in h["cxl"]["dax_devices"])
+    tiering = bool(h["cxl_memory_nodes"])
+    return {(True, True): "mixed", (True, False): "pool", (False, True): "tiering",
+            (False, False): "none"}[(pool, tiering)]
+
+
+MODE_GUIDANCE = {
+    "pool": "CXL memory is a devdax device: cxlkv maps it as the rack's shared KV pool; the "
+            "kernel's tiering does not touch it (demotion and NUMA balancing apply to DRAM only)",
+    "tiering": "CXL memory is online as NUMA node(s): the kernel demotes cold pages to it and "
+               "promotes hot ones (numa_balancing=2); it is this host's memory, not a shared pool "
+               "- for cxlkv's pool reconfigure it to devdax (cxlkv provision plan)",
+    "mixed": "part of the CXL memory is a devdax pool and part is online as NUMA node(s) for "
+             "kernel tiering: keep the pool's device in devdax, and check demotion for the rest",
+    "none": "no CXL memory in use: a pool here is emulated in a file",
+}
+
+
+def host_mode_check(h: dict) -> Check:
+    mode = host_mode(h)
+    return Check("cxl-mode", "how CXL memory is used", PASS, f"{mode}: {MODE_GUIDANCE[mode]}")
 
 
 def _kernel(k: dict) -> Check:
