@@ -226,7 +226,8 @@ class Area:
                 k = max(int(np.searchsorted(np.cumsum(sizes), want_b)) + 1 if want_b else 0,
                         want_n)
                 order = order[:max(1, min(k, len(order)))]
-            b, n, blocked = self._evict_batch(order.astype(np.uint64), t)
+            b, n, blocked = self._evict_batch(order.astype(np.uint64), t,
+                                              spill=not everything)
             done_blocks += b
             done_bytes += n
             if not blocked:
@@ -286,9 +287,12 @@ class Area:
             anc = np.where(has, anc[a], -1)
         return dist
 
-    def _evict_batch(self, idx: np.ndarray, t: np.ndarray) -> tuple[int, int, bool]:
+    def _evict_batch(self, idx: np.ndarray, t: np.ndarray,
+                     spill: bool = True) -> tuple[int, int, bool]:
         """Evict `idx` (in eviction order).  Returns (blocks, bytes, blocked):
-        blocked when a victim turned out pinned (it and its ancestors stay)."""
+        blocked when a victim turned out pinned (it and its ancestors stay).
+        With a spill store on this pool object (cxlkv.kv.spill) and spill
+        true, the payloads are copied out for it before the slots are freed."""
         m = self.m
         m.kv_set_state(self.table, self.nslots, idx, L.KV_PUBLISHED, L.KV_EVICTING, 0, 0)
         pinned = np.isin(idx, self.pinned())          # after the fence in kv_set_state
@@ -303,6 +307,10 @@ class Area:
             back = np.array([i for i in idx if int(i) in stay], dtype=np.uint64)
             m.kv_set_state(self.table, self.nslots, back, L.KV_EVICTING, L.KV_PUBLISHED, 0, 0)
             idx = np.array([i for i in idx if int(i) not in stay], dtype=np.uint64)
+        if spill and len(idx):
+            sp = self.pool.__dict__.get("_kv_spill")
+            if sp is not None:
+                self._spill_out(sp, idx, t)
         rec = lock_entry_offset(self.pool, self.pool.node.slot) + _FREEING
         nsd: dict[int, list[int]] = {}
         ten: dict[int, list[int]] = {}
@@ -356,6 +364,34 @@ class Area:
                          evicted_bytes=h.evicted_bytes + sum(v[1] for v in nsd.values()))
             self.pool.allocator.release_empty()
         return len(idx), total, bool(pinned.any())
+
+    def _spill_out(self, sp, idx: np.ndarray, t: np.ndarray) -> None:
+        """Copy the payloads of entries `idx` (EVICTING, unpinned) out of the
+        pool and queue them for the spill store's writer thread.  Memory
+        copies only - no disk I/O under the pool lock - and never an error:
+        what the store refuses is dropped and counted there."""
+        digests: dict[int, bytes] = {}
+        for i in idx:
+            e = t[int(i)]
+            ln = int(e["length"])
+            key = int(e["key_lo"]).to_bytes(8, "little") + int(e["key_hi"]).to_bytes(8, "little")
+            try:
+                if not ln or not sp.reserve(key, ln):
+                    continue
+            except Exception:
+                continue
+            try:
+                ns = int(e["ns"])
+                d = digests.get(ns)
+                if d is None:
+                    d = digests[ns] = (bytes(self.ns_record(ns).digest) if ns < self.max_ns
+                                       else bytes(16))
+                data = self._read(int(e["payload"]), ln)
+            except Exception as err:                  # pragma: no cover - defensive
+                sp.unreserve(key, ln)
+                sp._fail("copy", err)
+                continue
+            sp.put(key, d, data)
 
     def evict_on_path(self, key_lo: int, keep=None) -> int:
         """Evict the least recently used evictable entry on the probe path of

@@ -34,7 +34,7 @@ class KVCache:
 
     def __init__(self, pool, *, model: str, block_tokens: int, block_bytes: int, salt=None,
                  hash: str = "xxh3_128", hash_seed: str | None = None,
-                 quota: int | None = None):
+                 quota: int | None = None, spill_dir=None, spill_bytes: int | None = None):
         if pool.node is None:
             raise UsageError("the KV cache needs an attached node: use cxlkv.open_pool()")
         if not isinstance(model, str) or not model:
@@ -51,6 +51,8 @@ class KVCache:
             raise UsageError(f"hash must be one of {', '.join(K.HASHES)}, not {hash!r}")
         if quota is not None and (not isinstance(quota, int) or quota < 0):
             raise UsageError("quota must be a byte count >= 0 (0 = no quota)")
+        if spill_dir is not None and (not isinstance(spill_bytes, int) or spill_bytes < 0):
+            raise UsageError("spill_dir needs spill_bytes, the spill store's size in bytes")
         self.pool = pool
         self.area = Area(pool)
         self.m = pool.mapping
@@ -73,6 +75,10 @@ class KVCache:
             self.ns = self._open_namespace(name, quota)
             self.tenant = self._open_tenant(quota)
         self._stats_off = self.area.stats_off(slot, self.ns)
+        if spill_dir is not None:
+            from cxlkv.kv import spill as SP
+
+            SP.enable(pool, spill_dir, spill_bytes)
 
     # -- namespace and tenant records (pool lock held) ------------------------------
     def _open_namespace(self, name: bytes, quota) -> int:
@@ -216,6 +222,9 @@ class KVCache:
         """Leading tokens covered by published blocks (a multiple of block_tokens)."""
         keys = self._keys(tokens)
         found = self._lookup(keys)[0]
+        sp = self.pool.__dict__.get("_kv_spill")
+        if sp is not None and found < len(keys):
+            found += sp.run(keys[found:])
         self._count(lookups=1, hit_blocks=found, miss_blocks=len(keys) - found)
         return found * self.block_tokens
 
@@ -223,6 +232,9 @@ class KVCache:
         """Leading blocks present, for chain hashes the caller computed."""
         keys = self.keys_for_hashes(hashes)
         found = self._lookup(keys)[0]
+        sp = self.pool.__dict__.get("_kv_spill")
+        if sp is not None and found < len(keys):
+            found += sp.run(keys[found:])
         self._count(lookups=1, hit_blocks=found, miss_blocks=len(keys) - found)
         return found
 
@@ -504,7 +516,42 @@ class KVCache:
     def load_hashes(self, hashes) -> "Loaded":
         return self._load(self.keys_for_hashes(hashes))
 
+    def _promote(self, sp, keys: np.ndarray) -> int:
+        """Bring the spilled blocks that follow the pool's leading run of
+        `keys` back into the pool (read and verified from disk, stored through
+        the normal store path); returns how many were stored.  Never raises
+        for a full pool or pins: the caller then gets the pool's run only."""
+        lead = self._lookup(keys)[0]
+        if lead >= len(keys) or not sp.run(keys[lead:lead + 1]):
+            return 0
+        try:
+            # the leading run stays pinned so the promoted blocks chain under it
+            base, _, _, rec, _ = self._pin(keys[:lead])
+        except TooManyPins:
+            return 0
+        try:
+            items: list = [None] * base
+            for j in range(base, len(keys)):
+                b = sp.get(bytes(keys[j]), self._digest, self.block_bytes)
+                if b is None:
+                    break
+                items.append(b)
+            if len(items) == base:
+                return 0
+            try:
+                got = self._store(keys[:len(items)], None, items)
+            except (KVPoolFull, KVTableFull, QuotaExceeded) as e:
+                sp.promote_failed(e)
+                return 0
+            sp._bump("promoted", got)
+            return got
+        finally:
+            self.m.kv_unpin(self._pins_off, self.area.npins, rec)
+
     def _load(self, keys) -> "Loaded":
+        sp = self.pool.__dict__.get("_kv_spill")
+        if sp is not None:
+            self._promote(sp, keys)
         n, idx, pay, rec, _ = self._pin(keys)
         self._count(lookups=1, hit_blocks=n, miss_blocks=len(keys) - n, loaded_blocks=n,
                     loaded_bytes=n * self.block_bytes)
@@ -526,6 +573,9 @@ class KVCache:
             raise UsageError("out must be a writable buffer") from None
         if mv.readonly or not mv.c_contiguous:
             raise UsageError("out must be a writable C-contiguous buffer")
+        sp = self.pool.__dict__.get("_kv_spill")
+        if sp is not None:
+            self._promote(sp, keys)
         n, idx, pay, rec, ctl = self._pin(keys, start)
         try:
             if n:

@@ -62,15 +62,19 @@ class Pool:
         return self.allocator.publish(offsets)
 
     def kv(self, *, model: str, block_bytes: int, block_tokens: int = 16, salt=None,
-           hash: str = "xxh3_128", hash_seed: str | None = None, quota: int | None = None):
+           hash: str = "xxh3_128", hash_seed: str | None = None, quota: int | None = None,
+           spill_dir: str | None = None, spill_bytes: int | None = None):
         """The KV cache namespace `model` as the tenant named by `salt` (see cxlkv.kv.cache).
 
         hash="sha256_cbor" keys blocks as vLLM does (seed: hash_seed or
-        PYTHONHASHSEED); quota sets the tenant's byte quota (0 = none)."""
+        PYTHONHASHSEED); quota sets the tenant's byte quota (0 = none);
+        spill_dir / spill_bytes give this process a spill tier on local disk
+        for what it evicts (cxlkv.kv.spill)."""
         from cxlkv.kv.cache import KVCache
 
         return KVCache(self, model=model, block_tokens=block_tokens, block_bytes=block_bytes,
-                       salt=salt, hash=hash, hash_seed=hash_seed, quota=quota)
+                       salt=salt, hash=hash, hash_seed=hash_seed, quota=quota,
+                       spill_dir=spill_dir, spill_bytes=spill_bytes)
 
     def lock(self, timeout: float | None = None):
         """The pool lock as a context manager: `with pool.lock(): ...`.

@@ -1,0 +1,220 @@
+"""Spill tier figures (issue 8): spill write and promote throughput vs raw
+sequential file I/O on the same disk (same run), and the hit rate of a trace
+larger than the pool with and without the spill tier.
+
+    .venv/bin/python bench/spill.py [--dir DIR] [--mib N] [--json]
+"""
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+import cxlkv
+from cxlkv.kv import spill as SP
+from cxlkv.kv.cache import KVCache
+from cxlkv.pool.admin import init_pool
+
+MiB = 1 << 20
+BB = 256 * 1024
+
+
+def mkpool(path, size):
+    init_pool(path, {"size": size, "chunk_size": 1 * MiB, "max_nodes": 8, "lease_ms": 2000})
+
+
+def raw_io(d, nbytes):
+    """Sequential write (no fsync, as the spill writer) and read back of one file."""
+    buf = os.urandom(BB)
+    f = os.path.join(d, "raw.dat")
+    t0 = time.perf_counter()
+    fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    for _ in range(nbytes // BB):
+        os.write(fd, buf)
+    os.close(fd)
+    w = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with open(f, "rb") as fh:
+        while fh.read(BB):
+            pass
+    r = time.perf_counter() - t0
+    os.unlink(f)
+    return nbytes / w, nbytes / r
+
+
+def raw_files(d, nbytes):
+    """One file per 256 KiB block (the spill store's layout, without its header,
+    checksum and rename), then read back."""
+    buf = os.urandom(BB)
+    root = os.path.join(d, "rawfiles")
+    for i in range(256):
+        os.makedirs(os.path.join(root, f"{i:02x}"))
+    n = nbytes // BB
+    t0 = time.perf_counter()
+    for i in range(n):
+        fd = os.open(os.path.join(root, f"{i % 256:02x}", str(i)), os.O_WRONLY | os.O_CREAT, 0o600)
+        os.write(fd, buf)
+        os.close(fd)
+    w = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i in range(n):
+        with open(os.path.join(root, f"{i % 256:02x}", str(i)), "rb") as fh:
+            fh.read()
+    r = time.perf_counter() - t0
+    shutil.rmtree(root)
+    return nbytes / w, nbytes / r
+
+
+def store_only(d, nbytes):
+    """The SpillStore alone: offer nbytes of 256 KiB blocks, wait for the
+    writers; then get (read + verify) them all."""
+    st = SP.SpillStore(os.path.join(d, "direct"), 4 * nbytes, queue_bytes=2 * nbytes)
+    blk = os.urandom(BB)
+    keys = [os.urandom(16) for _ in range(nbytes // BB)]
+    t0 = time.perf_counter()
+    for k in keys:
+        st.offer(k, b"n" * 16, blk)
+    st.flush()
+    w = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for k in keys:
+        assert st.get(k, b"n" * 16, BB) is not None
+    r = time.perf_counter() - t0
+    st.close()
+    shutil.rmtree(os.path.join(d, "direct"))
+    return nbytes / w, nbytes / r
+
+
+def spill_throughput(d, pool_path, nbytes):
+    """Spill: fill a pool 4x over with spill on; bytes written by the writer
+    over the time from the first store to the queue drained.  Promote:
+    load_into of sequences wholly on disk; bytes over time."""
+    mkpool(pool_path, 64 * MiB)
+    sdir = os.path.join(d, "spill")
+    with cxlkv.open_pool(pool_path) as pool:
+        kv = KVCache(pool, model="bench", block_tokens=16, block_bytes=BB,
+                     spill_dir=sdir, spill_bytes=4 * nbytes)
+        sp = SP.store_of(pool)
+        nseq = nbytes // (8 * BB)
+        seqs = [list(range(s * 10000, s * 10000 + 16 * 8)) for s in range(nseq)]
+        data = np.random.default_rng(1).integers(0, 255, 8 * BB, dtype=np.uint8)
+        t0 = time.perf_counter()
+        for i, t in enumerate(seqs):
+            data[:8] = i
+            kv.store(t, data)
+        store_t = time.perf_counter() - t0
+        sp.flush()
+        spill_t = time.perf_counter() - t0
+        st = sp.stats()
+        written = st["written_bytes"]
+        # promote: sequences whose first block is not in the pool
+        cold = [t for t in seqs if kv._lookup(kv._keys(t))[0] == 0 and kv.match(t) == len(t)]
+        cold = cold[: max(1, (48 * MiB) // (8 * BB))]       # under the pool's free room
+        out = bytearray(8 * BB)
+        t0 = time.perf_counter()
+        got = 0
+        for t in cold:
+            got += kv.load_into(t, out)
+        prom_t = time.perf_counter() - t0
+        st2 = sp.stats()
+        SP.disable(pool)
+    shutil.rmtree(sdir, ignore_errors=True)
+    return {"stored_bytes": nseq * 8 * BB, "store_s": store_t, "spilled_bytes": written,
+            "spill_write_Bps": written / spill_t, "dropped": st["dropped"],
+            "promoted_bytes": got * BB, "promote_Bps": got * BB / prom_t,
+            "promoted": st2["promoted"], "corrupt": st2["corrupt"]}
+
+
+def hit_rate(d, pool_path, spill):
+    """A trace of 4000 requests over 600 prefixes of 8 blocks (1.2 GiB of
+    distinct blocks; Zipf-like popularity) through a 256 MiB pool; each request
+    loads what is cached and stores the rest."""
+    mkpool(pool_path, 256 * MiB)
+    rng = random.Random(7)
+    nprefix, nreq = 600, 4000
+    w = np.array([1 / (i + 1) ** 0.6 for i in range(nprefix)])
+    w /= w.sum()
+    trace = np.random.default_rng(7).choice(nprefix, size=nreq, p=w)
+    sdir = os.path.join(d, "spill-hr")
+    hits = total = 0
+    with cxlkv.open_pool(pool_path) as pool:
+        kw = {"spill_dir": sdir, "spill_bytes": 2048 * MiB} if spill else {}
+        kv = KVCache(pool, model="trace", block_tokens=16, block_bytes=BB, **kw)
+        data = np.zeros(8 * BB, dtype=np.uint8)
+        out = bytearray(8 * BB)
+        t0 = time.perf_counter()
+        for p in trace:
+            t = list(range(int(p) * 10000, int(p) * 10000 + 16 * 8))
+            n = kv.load_into(t, out)
+            hits += n
+            total += 8
+            if n < 8:
+                data[:8] = p
+                kv.store(t, data)
+        el = time.perf_counter() - t0
+        st = SP.store_of(pool).stats() if spill else None
+        if spill:
+            SP.disable(pool)
+    shutil.rmtree(sdir, ignore_errors=True)
+    return {"hit_rate": hits / total, "seconds": el, "spill": st}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", default=None, help="directory on the disk to measure (default /var/tmp)")
+    ap.add_argument("--mib", type=int, default=512)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    d = tempfile.mkdtemp(prefix="cxlkv-spill-bench-", dir=a.dir or "/var/tmp")
+    pool_path = os.path.join("/dev/shm", f"cxlkv-spill-bench-{os.getpid()}.pool")
+    try:
+        nbytes = a.mib * MiB
+        rw, rr = raw_io(d, nbytes)
+        sp = spill_throughput(d, pool_path, nbytes)
+        fw, fr = raw_files(d, nbytes)
+        sw, sr = store_only(d, nbytes)
+        rw2, rr2 = raw_io(d, nbytes)
+        os.unlink(pool_path)
+        h0 = hit_rate(d, pool_path, False)
+        os.unlink(pool_path)
+        h1 = hit_rate(d, pool_path, True)
+        rep = {"dir": d, "raw_write_Bps": (rw, rw2), "raw_read_Bps": (rr, rr2), **sp,
+               "spill_vs_raw_write": sp["spill_write_Bps"] / ((rw + rw2) / 2),
+               "promote_vs_raw_read": sp["promote_Bps"] / ((rr + rr2) / 2),
+               "raw_files_write_Bps": fw, "raw_files_read_Bps": fr,
+               "store_write_Bps": sw, "store_read_Bps": sr,
+               "hit_rate_no_spill": h0["hit_rate"], "hit_rate_spill": h1["hit_rate"],
+               "trace_s_no_spill": h0["seconds"], "trace_s_spill": h1["seconds"],
+               "trace_spill_stats": h1["spill"]}
+        if a.json:
+            print(json.dumps(rep, indent=1, default=float))
+        else:
+            G = 1 << 30
+            print(f"disk dir {d}")
+            print(f"raw sequential write {rw / G:.2f} / {rw2 / G:.2f} GiB/s (before/after), "
+                  f"read {rr / G:.2f} / {rr2 / G:.2f} GiB/s")
+            print(f"raw one file per block: write {fw / G:.2f} GiB/s, read {fr / G:.2f} GiB/s")
+            print(f"SpillStore alone: write {sw / G:.2f} GiB/s = {sw / ((rw + rw2) / 2):.2f}x raw "
+                  f"sequential, {sw / fw:.2f}x raw per-file; get+verify {sr / G:.2f} GiB/s = "
+                  f"{sr / ((rr + rr2) / 2):.2f}x raw read, {sr / fr:.2f}x raw per-file")
+            print(f"end to end, pool store -> evict -> disk: spill write {sp['spill_write_Bps'] / G:.2f} GiB/s "
+                  f"({sp['spilled_bytes'] / MiB:.0f} MiB, dropped {sp['dropped']}) = "
+                  f"{rep['spill_vs_raw_write']:.2f}x raw write")
+            print(f"end to end promote (disk -> verify -> pool store, evicting): {sp['promote_Bps'] / G:.2f} GiB/s "
+                  f"({sp['promoted_bytes'] / MiB:.0f} MiB) = {rep['promote_vs_raw_read']:.2f}x raw read")
+            print(f"hit rate, trace of 1.2 GiB distinct blocks through a 256 MiB pool: "
+                  f"{h0['hit_rate']:.3f} without spill, {h1['hit_rate']:.3f} with "
+                  f"({h0['seconds']:.1f} s / {h1['seconds']:.1f} s)")
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+        if os.path.exists(pool_path):
+            os.unlink(pool_path)
+
+
+if __name__ == "__main__":
+    main()
