@@ -213,7 +213,9 @@ def test_one_directory_one_process_one_store(kvpool, tmp_path):
 def test_own_size_limit_and_lru(tmp_path):
     n = 1000
     size = SP.HDR_SIZE + n
-    st = SP.SpillStore(tmp_path / "s", 3 * size)
+    # one writer: blocks reach the index in the order they were offered (with
+    # two, concurrent writes finish in either order - an LRU tie)
+    st = SP.SpillStore(tmp_path / "s", 3 * size, writers=1)
     nsd = b"n" * 16
     keys = [bytes([i]) * 16 for i in range(6)]
     for k in keys[:3]:
@@ -241,7 +243,7 @@ def test_own_size_limit_and_lru(tmp_path):
     assert st.stats()["dropped_store-full"] == 1           # bigger than the whole store
     st.close()
     # reopened: the index is rebuilt from the files, oldest first
-    st2 = SP.SpillStore(tmp_path / "s", 3 * size)
+    st2 = SP.SpillStore(tmp_path / "s", 3 * size, writers=1)
     assert st2.stats()["blocks"] == 3 and st2.get(keys[5], nsd, n) == keys[5][:1] * n
     st2.close()
 
