@@ -585,3 +585,29 @@ def test_inspect_shows_mixed_versions(cli, small_pool):
         assert sum(doc["versions"].values()) == len(doc["nodes"]) == 2
         human = cli("inspect", "--pool", small_pool)
         assert "mixed versions" in human.out
+
+
+def test_format_refuses_while_a_lock_manager_runs(cli, pool_path):
+    """Reformatting under a running lock manager broke the pool (it carried on
+    with the old geometry): format and init --force refuse, naming it."""
+    import subprocess
+    import sys
+
+    from cxlkv.pool.admin import init_pool
+
+    init_pool(pool_path, {**SMALL, "sync": "manager", "lease_ms": 300})
+    mgr = subprocess.Popen([sys.executable, "-m", "cxlkv", "lock-manager", "--pool", pool_path],
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        assert "active" in mgr.stderr.readline()
+        for verb in ("format", "init"):
+            r = cli(verb, "--pool", pool_path, "--force", "--sync", "manager",
+                    "--max-nodes", "64")
+            assert r.code == 1, (verb, r.err)
+            assert "lock manager is active" in r.err and f"pid {mgr.pid}" in r.err, r.err
+            assert "cxlkv-lock-manager@" in r.err
+    finally:
+        mgr.terminate()
+        mgr.wait(10)
+    r = cli("format", "--pool", pool_path, "--force", "--sync", "manager", "--max-nodes", "64")
+    assert r.code == 0, r.err

@@ -124,3 +124,17 @@ def test_killed_node_without_reaping(cli, used_pool):
 def test_operational_error_is_8(cli, tmp_path):
     r = cli("fsck", "--pool", str(tmp_path / "missing"), "--json")
     assert r.code == 8 and r.json()["error"]["exit_code"] == 8
+
+
+def test_tickets_of_gone_nodes_are_reported(small_pool):
+    """cas mode: tickets taken by nodes that are gone stall the next lock a
+    lease each; fsck says so (and fsck --repair resets them)."""
+    from cxlkv.state.fsck import check
+
+    with Pool.open(small_pool) as p:
+        hdr, _ = K.lock_offsets(p)
+        serving = p.mapping.load64(hdr + L.field_offset(L.LockHdrStruct, "now_serving"))
+        p.mapping.store64(hdr + L.field_offset(L.LockHdrStruct, "next_ticket"), serving + 2)
+    with Pool.open(small_pool, writable=False) as p:
+        codes = {f.code for f in check(p).errors}
+    assert "lock-tickets" in codes

@@ -316,3 +316,162 @@ def test_kill_9_during_kv_work_is_repaired(cli, kv_pool, site):
         owners = set(int(o) for o in d["owner"][(d["control"] & 0xFF) == L.CHUNK_HEAD])
         del d
         assert owners <= {0}
+
+
+# -- review findings: attaching is not a repair; liveness judged once, acted on safely ---------
+
+OTHER_BOOT = "12345678-1234-5678-1234-567812345678"
+
+
+def test_forced_repair_of_a_clean_pool_exits_0(cli, kv_pool):
+    """Attaching to repair under the pool lock is not an error corrected."""
+    q = NodeProc()
+    try:
+        q.attach(kv_pool)
+        assert fsck(cli, kv_pool)[0] == 0
+        rc, doc = fsck(cli, kv_pool, "--repair", "--force")
+        assert rc == 0, doc
+        assert doc["repairs"] == [] and doc["attached"] is True, doc
+        r = cli("fsck", "--pool", kv_pool, "--repair", "--force")
+        assert r.code == 0 and "repair(s) made" not in r.out, r.out
+    finally:
+        q.close()
+
+
+def _remote_node(path, slot=3):
+    from conftest import fake_node
+
+    fake_node(path, slot, pid=1, start_time_ns=1, boot_id=OTHER_BOOT, hostname="elsewhere")
+
+
+def test_node_attaching_while_liveness_is_watched_is_never_fenced(kv_pool):
+    """A node attaching while repair watches another host's node (up to a
+    lease) is not in the judged set: the offline repair stops (operational
+    error naming it) before touching anything, and the node keeps working."""
+    from cxlkv.state import repair as R
+
+    _remote_node(kv_pool)
+    q = NodeProc()
+    try:
+        def notice(count, seconds):
+            q.attach(kv_pool)                 # while the repair watches node 3
+
+        with pytest.raises(R.PoolChanged) as ei:
+            R.repair(kv_pool, notice=notice)
+        assert f"node {q.slot}" in str(ei.value) and "attached" in str(ei.value)
+        assert ei.value.exit_code == 8
+        r = q.call(op="alloc_publish", nbytes=4096, reserved=0, published=1)
+        assert r.get("published"), r
+        with Pool.open(kv_pool, writable=False) as p:         # no placeholders left
+            slots = {n.slot for n in N.read_nodes(p)}         # (q's reaper may reap 3)
+            assert q.slot in slots and slots <= {3, q.slot}, slots
+        # with --force the newcomer is left alone and the dead node is reaped
+        # (by the repair, or by q's own reaper, which watches it too)
+        with Pool.open(kv_pool, writable=False) as p:
+            free = [n.slot for n in N.read_nodes(p, include_free=True) if n.state == "free"]
+        _remote_node(kv_pool, slot=[f for f in free if f != 3][0])
+        q2 = NodeProc()
+        try:
+            rep = R.repair(kv_pool, force=True, notice=lambda c, s: q2.attach(kv_pool))
+            assert rep.exit_code in (0, 1) and rep.after.clean, rep.to_json()
+            reaped = {a["where"] for a in rep.actions if a["code"] == "node-reaped"}
+            assert f"node {q.slot}" not in reaped and f"node {q2.slot}" not in reaped
+            with Pool.open(kv_pool, writable=False) as p:
+                assert sorted(n.slot for n in N.read_nodes(p)) == sorted([q.slot, q2.slot])
+            for node in (q, q2):
+                r = node.call(op="alloc_publish", nbytes=4096, reserved=0, published=1)
+                assert r.get("published"), r
+        finally:
+            q2.close()
+    finally:
+        q.close()
+
+
+def test_offline_repair_blocks_attaches_while_it_runs(cli, kv_pool, monkeypatch):
+    """While an offline repair works, a process that tries to attach finds the
+    node table full; afterwards it attaches normally and nothing is left."""
+    from cxlkv.state import repair as R
+
+    damage(kv_pool, lambda p: A.set_bits(p, p.sb.nchunks - 1, 1, True))
+    q = NodeProc()
+    seen = {}
+    real = R._allocator
+
+    def during(pool, rep, live):
+        seen["attach"] = q.call(op="attach", path=kv_pool)
+        real(pool, rep, live)
+
+    monkeypatch.setattr(R, "_allocator", during)
+    try:
+        rc, doc = fsck(cli, kv_pool, "--repair")
+        assert rc == 1 and doc["after"]["clean"], doc
+        assert seen["attach"].get("error") == "PoolFull", seen
+        with Pool.open(kv_pool, writable=False) as p:
+            assert N.read_nodes(p) == []
+        q.attach(kv_pool)
+    finally:
+        q.close()
+    assert fsck(cli, kv_pool)[0] == 0
+
+
+def test_undecided_nodes_count_as_alive(kv_pool):
+    """A node still not judged when the watch ends is never treated as dead."""
+    from cxlkv.state import repair as R
+
+    _remote_node(kv_pool)
+    ticks = iter([0.0, 0.0, 0.1, 0.1] + [100.0] * 10)
+    with Pool.open(kv_pool, writable=False) as p:
+        judged = R.judge_nodes(p, clock=lambda: next(ticks), sleep=lambda s: None)
+    assert judged[3][1] == "undecided"
+
+
+def _duplicate_with_payload(p, payload):
+    """Copy a published leaf entry into the empty slot after it, with its own payload."""
+    a, t, live = entries(p)
+    st = t["ctl"] & 0xFF
+    n = a.nslots
+    i = next(i for i in live if st[(i + 1) % n] == L.KV_EMPTY and int(t["children"][i]) == 0)
+    raw = bytearray(p.mapping.read(a.entry_off(i), L.HASH_ENTRY_SIZE))
+    off = L.field_offset(L.HashEntryStruct, "payload")
+    raw[off:off + 8] = payload.to_bytes(8, "little")
+    p.mapping.write(a.entry_off((i + 1) % n), bytes(raw))
+    return i
+
+
+def test_duplicate_key_entry_payload_is_freed_not_leaked(cli, kv_pool):
+    """A key stored twice with two payloads: the farther entry is dropped and
+    its payload - a published KV-sized block only it referred to - freed."""
+    with cxlkv.open_pool(kv_pool) as pool:
+        extra = int(pool.alloc(BLOCK))
+        pool.publish([extra])
+    damage(kv_pool, lambda p: _duplicate_with_payload(p, extra))
+    doc = check_repairs(cli, kv_pool, "kv-duplicate-key")
+    dup = [r for r in doc["repairs"] if r["code"] == "kv-duplicate-key"]
+    assert dup and "payload slot freed" in dup[0]["message"], doc["repairs"]
+    with Pool.open(kv_pool, writable=False) as p:
+        assert A.slot_bits(p, extra) == (False, False, False)
+    assert kv_intact(kv_pool, *CHAINS) == 8
+
+
+def test_duplicate_key_sharing_a_payload_keeps_nothing_dangling(cli, kv_pool):
+    """A duplicate pointing at another entry's payload is not freed on its own
+    account (the shared-payload rule drops both and frees it once)."""
+    def dup_shared(p):
+        a, t, live = entries(p)
+        i = _duplicate_with_payload(p, 0)
+        set_entry_word(p, (i + 1) % a.nslots, "payload", int(t["payload"][i]))
+
+    damage(kv_pool, dup_shared)
+    rc, doc = fsck(cli, kv_pool, "--repair")
+    assert rc == 1 and doc["after"]["clean"], doc
+    assert fsck(cli, kv_pool)[0] == 0
+
+
+def test_fsck_usage_error_is_16_as_e2fsck(cli, kv_pool):
+    """e2fsck's 2 means "corrected, reboot": a usage error is 16."""
+    r = cli("fsck", "--pool", kv_pool, "--no-such-flag")
+    assert r.code == 16 and "no such option" in r.err.lower(), r.err
+    r = cli("fsck", "--pool", kv_pool, "--bogus", "--json")
+    assert r.code == 16 and r.json()["error"]["kind"] == "usage"
+    r = cli("fsck", "--help")
+    assert r.code == 0 and "16" in r.out

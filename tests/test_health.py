@@ -175,7 +175,7 @@ def test_never_blocks_past_timeout(cli, hpool, monkeypatch):
     from cxlkv.cli import health as cli_health
 
     release = threading.Event()
-    monkeypatch.setattr(cli_health, "check_pool", lambda *a: release.wait(60))
+    monkeypatch.setattr(cli_health, "check_pool", lambda *a, **kw: release.wait(60))
     t0 = time.monotonic()
     try:
         code, st, text, _ = health(cli, hpool, "--timeout", "0.5")
@@ -187,7 +187,8 @@ def test_never_blocks_past_timeout(cli, hpool, monkeypatch):
 
 def test_undecided_remote_node_within_timeout(cli, pool_path):
     """A node of another host needs a lease of watching to be judged dead; with
-    a --timeout shorter than the lease health answers in time anyway."""
+    a --timeout shorter than the lease health answers in time anyway - and
+    does not say OK: WARNING, with the --timeout that would judge it."""
     init_pool(pool_path, {"size": 16 * MiB, "chunk_size": BLOCK, "max_nodes": 8,
                           "lease_ms": 30_000})
     fake_node(pool_path, 3, pid=1, start_time_ns=1, boot_id="12345678-1234-5678-1234-567812345678",
@@ -195,7 +196,102 @@ def test_undecided_remote_node_within_timeout(cli, pool_path):
     t0 = time.monotonic()
     code, st, text, perf = health(cli, pool_path, "--timeout", "1")
     assert time.monotonic() - t0 < 2.0
-    assert (code, st) == (0, "OK") and "not yet judged" in text
+    assert (code, st) == (1, "WARNING"), text
+    assert "1 node(s) not yet judged" in text and "--timeout >= 39" in text
+
+
+def test_default_timeout_judges_a_dead_node_of_another_host(cli, pool_path):
+    """Without --timeout, health watches long enough for the pool's lease:
+    a dead node of another host is reported (it was never, with 10 s against
+    the default 10 s lease)."""
+    init_pool(pool_path, {"size": 16 * MiB, "chunk_size": BLOCK, "max_nodes": 8,
+                          "lease_ms": 1500})
+    fake_node(pool_path, 3, pid=1, start_time_ns=1, boot_id="12345678-1234-5678-1234-567812345678",
+              hostname="elsewhere")
+    from cxlkv.cli import health as cli_health
+
+    cli_health.DEFAULT_TIMEOUT, old = 1.0, cli_health.DEFAULT_TIMEOUT   # below 1.25 x lease
+    try:
+        t0 = time.monotonic()
+        code, st, text, perf = health(cli, pool_path)
+    finally:
+        cli_health.DEFAULT_TIMEOUT = old
+    assert time.monotonic() - t0 < 4.0           # judge_timeout(1.5) = 3 s at most
+    assert (code, st) == (1, "WARNING") and "dead node" in text and "node 3" in text, text
+    from cxlkv.daemons import health as H
+
+    assert H.judge_timeout(10.0) == 14.0         # the default lease: 10 s is too short
+
+
+def test_slow_device_tools_do_not_hide_the_pool_verdict(cli, pool_path, monkeypatch):
+    """Device tools that take longer than the time left make the device
+    unknown, not the whole answer: the pool's own verdict stands, in time."""
+    from cxlkv.daemons import health as H
+    from cxlkv.host import numa
+
+    init_pool(pool_path, {"size": 16 * MiB, "chunk_size": BLOCK, "max_nodes": 8,
+                          "lease_ms": 300, "sync": "manager"})
+    release = threading.Event()
+
+    def slow(path, timeout=5.0):
+        release.wait(timeout + 5)                 # a tool that outlives its budget
+        return None
+
+    monkeypatch.setattr(H, "device_health", slow)
+    monkeypatch.setattr(numa, "dax_of", lambda path: "dax0.0")
+    t0 = time.monotonic()
+    try:
+        r = cli("health", "--pool", pool_path, "--timeout", "2", "--json")
+    finally:
+        release.set()
+    assert time.monotonic() - t0 < 2.5
+    doc = r.json()
+    assert (r.code, doc["status"]) == (2, "CRITICAL") and "no lock manager" in doc["summary"]
+    dev = [c for c in doc["checks"] if c["check"] == "device"]
+    assert dev and "device unknown" in dev[0]["text"], r.out
+
+
+def test_device_health_bounds_all_tools_together(monkeypatch):
+    """device_health's timeout is one budget for all the tools."""
+    from cxlkv.daemons import health as H
+    from cxlkv.host import discovery as D
+    from cxlkv.host import numa
+
+    release = threading.Event()
+    monkeypatch.setattr(numa, "dax_of", lambda path: "dax0.0")
+    monkeypatch.setattr(D, "cxl_inventory", lambda r: release.wait(30))
+    t0 = time.monotonic()
+    try:
+        d = H.device_health("/dev/dax0.0", timeout=0.3)
+    finally:
+        release.set()
+    assert time.monotonic() - t0 < 1.0
+    assert d["temperature_c"] is None and "did not answer" in d["error"]
+
+
+def test_corrupt_kv_header_is_critical(cli, hpool):
+    """usage() used to swallow the KV error: a corrupt KV header read OK."""
+    import cxlkv
+
+    with cxlkv.open_pool(hpool) as pool:
+        pool.kv(model="m", block_tokens=4, block_bytes=BLOCK)
+    with Pool.open(hpool, writable=False) as p:
+        off = p.sb.regions["kv"][0]
+    patch_bytes(hpool, off, b"\xff" * 8)
+    code, st, text, perf = health(cli, hpool)
+    assert (code, st) == (2, "CRITICAL") and "KV header corrupt: run cxlkv fsck" in text, text
+
+
+def test_internal_errors_are_unknown(cli, hpool, monkeypatch):
+    """Whatever goes wrong inside, a plugin exits 0-3: UNKNOWN."""
+    from cxlkv.daemons import health as H
+
+    def boom(*a, **kw):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(H, "evaluate", boom)
+    code, st, text, _ = health(cli, hpool)
+    assert (code, st) == (3, "UNKNOWN") and "internal error: RuntimeError: a bug" in text
 
 
 def test_device_temperature_thresholds(cli, hpool, monkeypatch):
@@ -228,3 +324,24 @@ def test_device_health_from_the_captured_guest(tmp_path, monkeypatch):
     assert d["temperature_c"] is None
     monkeypatch.setattr(numa, "dax_of", lambda path: None)
     assert H.device_health("/tmp/x.pool") is None
+
+
+def test_incompatible_pool_never_advises_an_older_cxlkv(cli, hpool):
+    """A pool with features this cxlkv lacks, formatted by an older (or
+    unparsable) version: the message asks for a newer cxlkv, never that one."""
+    from cxlkv import __version__
+    from cxlkv.pool.superblock import _needs
+
+    for copy in "AB":
+        rewrite_superblock(hpool, copy, incompat=1 << 40, creator=b"cxlkv 0.0.1")
+    code, st, text, _ = health(cli, hpool)
+    assert (code, st) == (3, "UNKNOWN") and "needs a newer cxlkv" in text, text
+    assert "use cxlkv 0.0.1" not in text
+    s = L.SuperblockStruct()
+    for creator, newer in ((b"cxlkv 99.0.0", True), (b"cxlkv 0.0.10", False),
+                           (b"cxlkv " + __version__.encode(), False),
+                           (b"cxlkv not-a-version", False)):
+        s.creator = creator
+        msg = _needs(s)
+        assert ("use cxlkv 99.0.0 or later" in msg) == newer, (creator, msg)
+        assert newer or "needs a newer cxlkv" in msg

@@ -208,3 +208,38 @@ def test_detach_without_a_manager_leaves_recovery_to_the_next(mpool, manager):
         from cxlkv.state.fsck import check
         rep = check(p)
         assert rep.clean and rep.stats["allocator"]["slots_allocated"] == 0
+
+
+def _maps(pid: int, path: str) -> bool:
+    import psutil
+
+    try:
+        return any(m.path == os.path.realpath(path) for m in psutil.Process(pid).memory_maps())
+    except psutil.Error:
+        return False
+
+
+def test_managers_step_down_when_the_pool_is_reformatted(mpool, manager, monkeypatch):
+    """A pool reformatted under its lock managers (as the runbook once let
+    happen): the active one and a standby notice the new superblock and exit
+    with a clear error instead of writing old-geometry words into it."""
+    from cxlkv.pool import admin
+
+    active = manager()
+    standby = manager("--standby", wait=False)
+    deadline = time.monotonic() + 30
+    while not _maps(standby.p.pid, mpool):               # it has opened the old pool
+        assert time.monotonic() < deadline and standby.p.poll() is None
+        time.sleep(0.01)
+    monkeypatch.setattr(admin, "_refuse_manager", lambda pool, path: None)   # skip the refusal
+    admin.format_pool(mpool, {"sync": "manager", "max_nodes": 64, "chunk_size": 1 << 20,
+                              "lease_ms": LEASE_MS}, force=True, observe_remote=False)
+    for m in (active, standby):
+        assert m.p.wait(15) == 1
+        err = m.p.stderr.read()
+        assert "reformatted" in err and "stepping down" in err, err
+    manager()                                             # a new one serves the new pool
+    with cxlkv.open_pool(mpool) as pool:
+        assert pool.sb.max_nodes == 64
+        with pool.lock(timeout=10):
+            pass

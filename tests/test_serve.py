@@ -157,10 +157,46 @@ def test_sigterm_detaches_and_exits_0(spool, serve):
         assert check(p).clean
 
 
+def test_first_sigterm_under_lock_contention_exits_within_the_deadline(spool, serve):
+    """Another node holds the pool lock the detach's own recovery needs: the
+    agent still exits 0 within --stop-timeout, with a warning, and its node
+    (no longer heartbeating) is reaped by the others."""
+    s = serve(spool, "--stop-timeout", "1")
+    q = NodeProc()
+    try:
+        q.attach(spool)
+        agent_slot = next(n.slot for n in attached(spool) if n.slot != q.slot)
+        assert q.call(op="lock") == {"locked": True}
+        wait_for(lambda: sample(s.metrics(), "cxlkv_agent_ticks_total") > 3, what="ticks")
+        t0 = time.monotonic()
+        s.p.send_signal(signal.SIGTERM)
+        assert s.p.wait(10) == 0
+        assert time.monotonic() - t0 < 3.0             # 1 s, plus starting to stop
+        s.wait_log(lambda d: d["msg"] == "stopped")
+        warn = s.wait_log(lambda d: d["level"] == "warning" and "could not detach" in d["msg"])
+        assert f"node {agent_slot}" in warn["msg"] and f"node {q.slot}" in warn["msg"]
+        assert q.call(op="unlock") == {"unlocked": True}
+        # the tickets the agent gave up cost nothing: the lock is free at once
+        # (a ticket nobody claims would hold every waiter up for a lease)
+        t1 = time.monotonic()
+        assert q.call(op="lock", timeout=0.9) == {"locked": True}
+        assert time.monotonic() - t1 < 0.9
+        assert q.call(op="unlock") == {"unlocked": True}
+        # q's reaper finds the agent's process gone (same host) and reaps it
+        wait_for(lambda: [n.slot for n in attached(spool)] == [q.slot], what="reaped")
+        r = q.call(op="alloc_publish", nbytes=4096, reserved=0, published=1)
+        assert r.get("published"), r
+    finally:
+        q.close()
+    with Pool.open(spool, writable=False) as p:
+        assert check(p).clean
+
+
 def test_second_sigterm_exits_at_once(spool, serve):
-    """With the pool lock held elsewhere the clean detach waits for it; a
-    second SIGTERM ends the agent at once (its node is reaped later)."""
-    s = serve(spool)
+    """With the pool lock held elsewhere the clean detach waits for it (up
+    to --stop-timeout); a second SIGTERM ends the agent at once (its node is
+    reaped later)."""
+    s = serve(spool, "--stop-timeout", "120")
     q = NodeProc()
     try:
         q.attach(spool)
@@ -403,3 +439,148 @@ def test_numa_node(spool, serve):
     att = s.wait_log(lambda d: d["msg"] == "attached")
     assert att["numa_cpu_node"] == 0
     assert s.stop() == 0
+
+
+# -- the agent reports its own failures; /healthz does not serve a stale verdict --------------
+
+@pytest.fixture
+def agent(spool):
+    """An agent in this process (ticks driven by the test)."""
+    import io
+
+    from cxlkv.daemons.agent import Agent, AgentConfig, make_logger
+
+    made = []
+
+    def make(path=spool, **kw):
+        log = io.StringIO()
+        a = Agent(AgentConfig(pool=path, interval=0.1, metrics_addr="127.0.0.1:0", **kw),
+                  make_logger(True, log))
+        a.logbuf = log
+        a.start()
+        made.append(a)
+        return a
+
+    yield make
+    for a in made:
+        a.shutdown()
+
+
+def test_reaper_survives_a_failing_recovery(agent, spool):
+    """A recovery that raises (damage a later round no longer trips over) used
+    to end the reaper thread for good while /healthz stayed 200."""
+    boom = {"on": True, "calls": 0}
+
+    def damaged(pool, slot, epoch):
+        if boom["on"]:
+            boom["calls"] += 1
+            raise ValueError("offset is not a slot of that slab")
+
+    N.register_recovery(damaged, order=1)
+    try:
+        a = agent()
+        q = NodeProc()
+        q.attach(spool)
+        q.kill()
+        node = a.pool.node
+        wait_for(lambda: boom["calls"] >= 2, what="the reaper retrying")
+        assert node._reaper.is_alive() and "ValueError" in node.reap_error
+        boom["on"] = False                          # the damage is gone: the next round reaps
+        wait_for(lambda: q.slot not in {n.slot for n in attached(spool)}, what="the reap")
+        assert node._reaper.is_alive()
+        a.tick()
+        assert a.healthz()[0]
+    finally:
+        N._recoveries.remove(damaged)
+
+
+def test_dead_reaper_thread_is_critical(agent):
+    import threading
+
+    a = agent()
+    gone = threading.Thread(target=lambda: None)
+    gone.start()
+    gone.join()
+    a.pool.node._reaper, live = gone, a.pool.node._reaper
+    try:
+        a.tick()
+        ok, line = a.healthz()
+        assert not ok and line.startswith("CXLKV CRITICAL") and "reaper thread stopped" in line
+    finally:
+        a.pool.node._reaper = live
+
+
+def test_dead_lock_manager_thread_is_critical(agent, tmp_path):
+    pool_path = str(tmp_path / "manager.pool")
+    init_pool(pool_path, {"size": 16 * MiB, "chunk_size": BLOCK, "max_nodes": 8,
+                          "lease_ms": 300, "sync": "manager"})
+    a = agent(pool_path, with_lock_manager=True)
+    assert a.healthz()[0]
+
+    def crash(*args, **kw):
+        raise RuntimeError("a bug in the manager")
+
+    a.manager.mgr.step = crash
+    wait_for(lambda: not a.manager.alive(), what="the manager thread to die")
+    a.tick()
+    ok, line = a.healthz()
+    assert not ok and "CRITICAL" in line and "lock manager this agent hosts stopped" in line
+    assert "a bug in the manager" in line
+
+
+def test_healthz_503_when_the_snapshot_is_stale(agent):
+    a = agent()
+    assert a.healthz()[0]
+    code = urllib.request.urlopen(a.server.url + "/healthz", timeout=10).status
+    assert code == 200
+    a.snapshot["at"] -= a.max_snapshot_age() + 1           # as if the tick had hung
+    ok, line = a.healthz()
+    assert not ok and "UNKNOWN" in line and "stuck" in line
+    try:
+        urllib.request.urlopen(a.server.url + "/healthz", timeout=10)
+        raise AssertionError("expected 503")
+    except urllib.error.HTTPError as e:
+        assert e.code == 503
+
+
+def test_tick_reads_usage_once(agent, monkeypatch):
+    """usage() reads the descriptors and the whole hash table: once per tick."""
+    from cxlkv.daemons import health as H
+
+    a = agent()
+    calls = []
+    real = H.usage
+    monkeypatch.setattr(H, "usage", lambda pool: calls.append(1) or real(pool))
+    a.tick()
+    assert len(calls) == 1
+    assert a.snapshot["usage"]["data_bytes"] > 0 and a.healthz()[0]
+
+
+def test_slow_device_tools_never_delay_a_tick(agent, monkeypatch):
+    """The device is read in a thread of its own: a `cxl list` that hangs
+    leaves the ticks (and /healthz) going."""
+    import threading
+
+    from cxlkv.daemons import health as H
+    from cxlkv.host import numa
+
+    release = threading.Event()
+    started = threading.Event()
+
+    def hung(path, timeout=5.0):
+        started.set()
+        release.wait(60)
+        return None
+
+    monkeypatch.setattr(numa, "dax_of", lambda path: "dax0.0")
+    monkeypatch.setattr(H, "device_health", hung)
+    try:
+        a = agent()
+        assert started.wait(10)
+        t0 = time.monotonic()
+        a.tick()
+        a.tick()
+        assert time.monotonic() - t0 < 2.0
+        assert a.healthz()[0]
+    finally:
+        release.set()

@@ -33,7 +33,8 @@ def directives(text: str) -> dict[str, list[str]]:
     return out
 
 
-def test_install_writes_the_units_ready_for_this_installation(cli, tmp_path):
+def test_install_writes_the_units_ready_for_this_installation(cli, tmp_path, monkeypatch):
+    monkeypatch.setattr(U, "_HIDDEN", ())        # a checkout under /home (CI) is warned about
     doc = install(cli, tmp_path)
     units = tmp_path / "units"
     assert sorted(p.name for p in units.iterdir()) == sorted(U.UNITS)
@@ -49,6 +50,10 @@ def test_install_writes_the_units_ready_for_this_installation(cli, tmp_path):
     assert lockmgr["ExecStart"] == [f"{EXE} lock-manager --pool ${{CXLKV_POOL}} --standby"]
     health = directives((units / "cxlkv-health@.service").read_text())
     assert health["ExecStart"][0].startswith(f"{EXE} health --pool ${{CXLKV_POOL}}")
+    # no settings file: the unit does not start, rather than fail and restart in a loop
+    assert f"{tmp_path}/etc/%i.toml" in serve["ConditionPathExists"]
+    # `cxl list` reads the device health through /dev/cxl/memN
+    assert "char-cxl r" in serve["DeviceAllow"] and "char-cxl r" in health["DeviceAllow"]
     for d in (serve, lockmgr, health):          # sandboxed
         assert d["DeviceAllow"][0].startswith("char-dax")
         assert d["DevicePolicy"] == ["closed"]
@@ -106,3 +111,27 @@ def test_systemd_analyze_verify(cli, tmp_path):
     r = subprocess.run(["systemd-analyze", "verify", "--man=no", str(bad)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and ("DynamicUser" in r.stderr or "boolean" in r.stderr)
+
+
+def test_sandbox_warnings(cli, tmp_path):
+    """What ProtectHome=, ProtectSystem=strict and PrivateTmp= would break is
+    said at install time, with the drop-in that fixes it."""
+    w = U.sandbox_warnings("/home/alice/venv/bin/cxlkv", {})
+    assert len(w) == 1 and "ProtectHome" in w[0] and "/home/alice/venv/bin/cxlkv" in w[0]
+    script = tmp_path / "cxlkv"
+    script.write_text("#!/root/venv/bin/python3\nimport cxlkv\n")
+    w = U.sandbox_warnings(str(script), {})
+    assert len(w) == 1 and "interpreter /root/venv/bin/python3" in w[0]
+    w = U.sandbox_warnings("/opt/cxlkv/bin/cxlkv", {
+        "kv0": "/srv/pools/kv0.pool", "kv1": "/tmp/kv1.pool", "kv2": "/dev/shm/kv2.pool",
+        "kv3": "/dev/dax0.0", "kv4": "/dev/hugepages/kv4.pool"})
+    assert len(w) == 2, w
+    assert w[0].startswith("kv0:") and "ReadWritePaths=/srv/pools" in w[0]
+    assert w[1].startswith("kv1:") and "invisible" in w[1]
+    # install-units reads the pools of the NAME.env files present
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "kv0.env").write_text("CXLKV_POOL=/srv/pools/kv0.pool\n")
+    r = cli("install-units", "--dest", tmp_path / "units", "--confdir", etc, "--exe",
+            "/opt/cxlkv/bin/cxlkv", "--group", "root")
+    assert r.code == 0 and "ReadWritePaths=/srv/pools" in r.err, r.err

@@ -45,7 +45,8 @@ def format_options(f):
                      help="Group that owns the pool file or device (mode 0660)."),
         click.option("--force", is_flag=True,
                      help="Overwrite an existing pool or other data, and accept a world-readable "
-                          "or world-writable path. Never overrides live nodes."),
+                          "or world-writable path. Never overrides live nodes or a running "
+                          "lock manager."),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -141,8 +142,9 @@ def format_cmd(app: Application, pool, size, sync, chunk_size, max_nodes, lease,
     creating a file when --size is given and the path is missing.  Without
     --force it formats only a missing path or a blank (all-zero) target:
     an existing pool or other data is refused.  Live nodes are refused even
-    with --force.  Formatting zeroes the whole pool, so no previous contents
-    survive.
+    with --force, and so is a lock manager heartbeating for the pool (stop
+    cxlkv-lock-manager@ on every host first).  Formatting zeroes the whole
+    pool, so no previous contents survive.
     """
     from cxlkv.pool.admin import format_pool
 

@@ -7,23 +7,41 @@ from rich.table import Table
 from cxlkv.cli.app import Application, exit_codes_epilog, json_option, pass_app, pool_option
 from cxlkv.errors import CxlkvError
 
-EXIT_CLEAN, EXIT_CORRECTED, EXIT_ERRORS, EXIT_OPERATIONAL = 0, 1, 4, 8
+#: e2fsck's codes; a usage error is 16 as in e2fsck (its 2 means "corrected, reboot")
+EXIT_CLEAN, EXIT_CORRECTED, EXIT_ERRORS, EXIT_OPERATIONAL, EXIT_USAGE = 0, 1, 4, 8, 16
 FSCK_CODES = ((EXIT_CLEAN, "clean"),
               (EXIT_CORRECTED, "errors found and corrected (--repair); the pool is clean now"),
-              (2, "usage error"),
               (EXIT_ERRORS, "errors found and left uncorrected"),
               (EXIT_OPERATIONAL, "operational error: the pool could not be checked or "
-                                 "repaired (or --repair refused: live nodes attached)"))
+                                 "repaired (or --repair refused: live nodes attached, or a "
+                                 "node attached while it ran)"),
+              (EXIT_USAGE, "usage error"))
 
 
-@click.command("fsck", epilog=exit_codes_epilog(FSCK_CODES))
+class FsckUsage(CxlkvError):
+    """A usage error is 16 for fsck, as for e2fsck (2 would read "corrected")."""
+
+    exit_code = EXIT_USAGE
+    kind = "usage"
+
+
+class FsckCommand(click.Command):
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.ClickException as e:
+            raise FsckUsage(f"{e.format_message()} (see cxlkv fsck --help)") from None
+
+
+@click.command("fsck", cls=FsckCommand, epilog=exit_codes_epilog(FSCK_CODES))
 @pool_option(required=True)
 @click.option("--repair", is_flag=True,
               help="Repair what is found (refused while live nodes are attached, "
                    "unless --force).")
 @click.option("--force", is_flag=True,
-              help="Open a world-readable or world-writable pool; with --repair, repair "
-                   "while live nodes are attached (under the pool lock).")
+              help="Open a world-readable or world-writable pool; with --repair, also "
+                   "repair while live nodes are attached (attached as a node, under the "
+                   "pool lock; nodes of other hosts not judged yet count as live).")
 @json_option
 @pass_app
 def fsck_cmd(app: Application, pool, repair, force, as_json):
@@ -42,6 +60,11 @@ def fsck_cmd(app: Application, pool, repair, force, as_json):
     that are not alive (their locks, pins and reservations reclaimed),
     restores or frees what allocator structures say inconsistently, drops
     inconsistent KV entries and recomputes counters; then checks again.
+    Liveness is judged once (nodes of other hosts watched for up to a
+    lease); only nodes judged dead are reaped, and a node that attaches
+    meanwhile stops an offline repair (exit 8) - in sync mode cas it cannot
+    attach at all while the repair runs.  --force serves both overrides: an
+    unsafe mode and live nodes (attaching is not counted as a repair).
     """
     if repair:
         return _repair(app, pool, force)
@@ -105,6 +128,8 @@ def _repair(app: Application, pool: str, force: bool) -> int:
     if rep.after.errors:
         _findings(app, f"fsck {pool}: left", rep.after.findings)
     _summary(app, pool, rep.after)
+    if rep.attached:
+        app.out.print(f"{pool}: repaired under the pool lock, attached as a node (--force)")
     if rep.exit_code == EXIT_CORRECTED:
         app.out.print(f"{pool}: {len(rep.actions)} repair(s) made; the pool is clean now")
     return rep.exit_code

@@ -12,8 +12,9 @@ from cxlkv.errors import CxlkvError
 
 HEALTH_CODES = ((0, "OK"), (1, "WARNING"), (2, "CRITICAL"),
                 (3, "UNKNOWN: could not check (unreadable pool, newer format, timed out, "
-                    "usage error)"),
-                (70, "internal error (a bug)"))
+                    "usage error, internal error)"))
+#: --timeout when none is given (longer when the pool's lease needs it)
+DEFAULT_TIMEOUT = 10.0
 
 
 class HealthUsage(CxlkvError):
@@ -49,9 +50,11 @@ def _pct(ctx, param, value):
               help="WARNING when a CXL device behind the pool reaches C degrees Celsius.")
 @click.option("--crit-temp", type=float, default=85.0, show_default=True, metavar="C",
               help="CRITICAL when a CXL device behind the pool reaches C degrees Celsius.")
-@click.option("--timeout", type=click.FloatRange(0.1, 3600), default=10.0, show_default=True,
+@click.option("--timeout", type=click.FloatRange(0.1, 3600), default=None,
               metavar="SECONDS", help="Answer within SECONDS whatever happens (UNKNOWN if the "
-                                      "checks have not finished).")
+                                      "checks have not finished).  Judging a node of another "
+                                      "host takes 1.25 x the pool's lease + 1 s; the default "
+                                      "is 10, or that when it is longer.")
 @json_option
 @pass_app
 def health_cmd(app: Application, pool, warn_used, crit_used, warn_temp, crit_temp, timeout,
@@ -67,7 +70,11 @@ def health_cmd(app: Application, pool, warn_used, crit_used, warn_temp, crit_tem
     DAX device that reports them.  Read-only: it never attaches as a node and
     never repairs (see cxlkv fsck --repair).  Remote nodes and the lock
     manager are judged by watching their heartbeats, for at most 80 % of
-    --timeout.
+    --timeout; nodes still not judged then make a WARNING that says which
+    --timeout would do.  The device tools run meanwhile and get what is
+    left (to 95 %): when they have not answered the device is reported
+    unknown and the pool's verdict stands.  Any failure is UNKNOWN (3):
+    the exit status is always 0-3.
     """
     from cxlkv.daemons import health as H
 
@@ -75,7 +82,10 @@ def health_cmd(app: Application, pool, warn_used, crit_used, warn_temp, crit_tem
         raise HealthUsage("a warning threshold is above its critical one "
                           "(see cxlkv health --help)")
     th = H.Thresholds(warn_used, crit_used, warn_temp, crit_temp)
-    h = run_checks(pool, th, timeout)
+    try:
+        h = run_checks(pool, th, timeout)
+    except (Exception, KeyboardInterrupt) as e:     # noqa: BLE001 - a plugin answers 0-3
+        h = internal_failure(pool, e)
     if app.json:
         app.emit_json(h.to_json())
     else:
@@ -84,9 +94,15 @@ def health_cmd(app: Application, pool, warn_used, crit_used, warn_temp, crit_tem
     return h.status
 
 
-def check_pool(path: str, th, deadline: float):
-    """The checks themselves (run in a worker thread by run_checks)."""
+def check_pool(path: str, th, start: float, limits: dict, derive: bool = False):
+    """The checks themselves (run in a worker thread by run_checks): the pool
+    first - heartbeats watched until 80 % of the time limit - while the
+    device tools run alongside; the device gets what is left until 95 % of
+    the limit, in all, and is reported unknown when it has not answered by
+    then (the pool's verdict stands).  With `derive` the time limit grows to
+    what judging a node of another host takes (H.judge_timeout of the lease)."""
     from cxlkv.daemons import health as H
+    from cxlkv.host import numa
     from cxlkv.pool.pool import Pool
     from cxlkv.state import nodes as N
 
@@ -95,38 +111,79 @@ def check_pool(path: str, th, deadline: float):
     except CxlkvError as e:
         return H.open_failure(path, e)
     with p:
-        left = deadline - time.monotonic()
-        dev = H.device_health(path, timeout=max(0.1, left / 2))
+        if derive:
+            limits["timeout"] = max(limits["timeout"], H.judge_timeout(p.sb.lease_ms / 1000.0))
+        limit = limits["timeout"]
+        dev_end = start + 0.95 * limit
+        box: dict = {}
+
+        def device():
+            try:
+                box["d"] = H.device_health(path, timeout=max(0.1, dev_end - time.monotonic()))
+            except Exception as e:             # noqa: BLE001 - the device is unknown then
+                box["e"] = f"{type(e).__name__}: {e}"
+
+        dev_t = threading.Thread(target=device, name="cxlkv-health-device", daemon=True)
+        dev_t.start()
         mgr = H.ManagerWatch(p) if p.sb.sync == "manager" else None
-        h = H.evaluate(p, th, observer=N.Observer(p), manager=mgr, device=dev,
-                       deadline=deadline)
+        h = H.evaluate(p, th, observer=N.Observer(p), manager=mgr, device=None,
+                       deadline=start + 0.8 * limit)
+        dev_t.join(max(0.0, dev_end - time.monotonic()))
+        if "d" in box:
+            H.add_device(h, box["d"], th)
+        else:
+            why = box.get("e") or "the device tools did not answer within the time left"
+            try:
+                dax = numa.dax_of(path)
+            except Exception:                 # noqa: BLE001 - no device figures then
+                dax = None
+            if dax is not None:
+                H.add_device(h, {"device": dax, "memdevs": [], "temperature_c": None,
+                                 "alarms": [], "error": why}, th)
         for w in p.warnings:
             if "superblock copy" not in w:
                 h.add("permissions", H.WARNING, w)
         return h
 
 
-def run_checks(path: str, th, timeout: float):
+def run_checks(path: str, th, timeout: float | None):
     """check_pool in a daemon thread; UNKNOWN when it has not answered in time
-    (whatever it is blocked on: a hung device, a tool that does not return)."""
+    (whatever it is blocked on: a hung device, a tool that does not return)
+    or failed.  timeout None: DEFAULT_TIMEOUT, or longer when the pool's
+    lease needs it (see check_pool)."""
     from cxlkv.daemons import health as H
 
     start = time.monotonic()
+    limits = {"timeout": DEFAULT_TIMEOUT if timeout is None else timeout}
     box: dict = {}
 
     def work():
         try:
-            box["h"] = check_pool(path, th, start + 0.8 * timeout)
+            box["h"] = check_pool(path, th, start, limits, derive=timeout is None)
         except BaseException as e:        # noqa: BLE001 - reported by the caller
             box["e"] = e
 
     t = threading.Thread(target=work, name="cxlkv-health", daemon=True)
     t.start()
-    t.join(max(0.0, start + timeout - time.monotonic()))
+    while t.is_alive():
+        left = start + limits["timeout"] - time.monotonic()
+        if left <= 0:
+            break
+        t.join(min(left, 0.05))
     if "e" in box:
-        raise box["e"]
+        return internal_failure(path, box["e"])
     if "h" not in box:
         h = H.Health(path)
-        h.add("timeout", H.UNKNOWN, f"no answer within --timeout {timeout:g} s")
+        h.add("timeout", H.UNKNOWN, f"no answer within --timeout {limits['timeout']:g} s")
         return h
     return box["h"]
+
+
+def internal_failure(path: str, e: BaseException):
+    """A check that failed in an unforeseen way: UNKNOWN (3), never another code."""
+    from cxlkv.daemons import health as H
+
+    h = H.Health(path)
+    what = e.message if isinstance(e, CxlkvError) else f"internal error: {type(e).__name__}: {e}"
+    h.add("internal", H.UNKNOWN, f"cannot check: {what}")
+    return h

@@ -6,7 +6,8 @@ import click
 from cxlkv.cli.app import Application, exit_codes_epilog, pass_app
 from cxlkv.errors import EXIT_CODES
 
-SERVE_CODES = ((0, "stopped by SIGTERM or SIGINT after detaching cleanly"),) + tuple(
+SERVE_CODES = ((0, "stopped by SIGTERM or SIGINT after detaching cleanly (or, with a warning, "
+                   "after --stop-timeout)"),) + tuple(
     r for r in EXIT_CODES if r[0] not in (0, 1, 130)) + (
     (1, "refused: no free node slot, metrics address in use, --with-lock-manager on a "
         "cas pool"),)
@@ -59,6 +60,11 @@ def _numa(ctx, param, value):
               help="CRITICAL (503) at device temperature C.")
 @click.option("--force", is_flag=True, default=False,
               help="Attach to a world-readable or world-writable pool.")
+@click.option("--stop-timeout", type=click.FloatRange(0.1, 3600), default=5.0,
+              show_default=True, metavar="SECONDS",
+              help="On SIGTERM, exit within SECONDS: when the clean detach cannot finish "
+                   "by then (another node holds the pool lock), stop heartbeating and exit "
+                   "0 anyway, leaving the node to be reaped.")
 @pass_app
 def serve_cmd(app: Application, **opts):
     """Run the node agent of this host for a pool, in the foreground.
@@ -69,8 +75,9 @@ def serve_cmd(app: Application, **opts):
     free space above the KV low watermark in the background by evicting
     unpinned blocks; optionally hosts the lock manager; serves Prometheus
     metrics and /healthz (200 healthy, 503 not).  Logs to stderr.  SIGTERM
-    or SIGINT detaches cleanly and exits 0 within a few seconds; a second
-    one exits at once.
+    or SIGINT detaches cleanly and exits 0 within --stop-timeout; when the
+    detach cannot finish by then it stops heartbeating and exits 0 with a
+    warning (the other nodes reap it).  A second signal exits at once.
     """
     from cxlkv.daemons.agent import AgentConfig, make_logger, serve
 

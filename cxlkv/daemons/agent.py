@@ -15,19 +15,32 @@ It attaches to the pool as a node and then, until SIGTERM:
   recently used and leaf first, until 10 % is free - so stores do not
   have to evict inline, and allocations outside the KV cache do not fail;
   times one pool-lock acquisition (the lock wait histogram); takes a
-  snapshot of the pool for the metrics and /healthz (cxlkv.daemons.health);
-  every minute reads the CXL device's health;
+  snapshot of the pool for the metrics and /healthz (cxlkv.daemons.health),
+  reading the usage figures once; the tick's lock waits give up as soon as
+  the agent is asked to stop;
+* every minute reads the CXL device's health, in a thread of its own (a
+  slow `cxl list` never delays a tick);
 * serves Prometheus metrics and /healthz on --metrics-addr (loopback
   unless told otherwise).
 
 SIGTERM or SIGINT: stop ticking, detach (its own recovery runs: nothing of
-it outlives the slot), stop the lock manager and the HTTP server, exit 0.
-A second signal kills the process at once (the node is then reaped by the
-others after its lease).  Logs go to stderr; log_json gives one JSON object
+it outlives the slot), stop the lock manager and the HTTP server, exit 0 -
+all within --stop-timeout (5 s).  When the detach cannot finish in time
+(another node holds the pool lock its recovery needs) the agent stops
+heartbeating, logs a warning and exits 0 all the same: its slot is reaped by
+the other nodes (at once on this host, after a lease elsewhere) and its
+recovery runs then.  A second signal kills the process at once (the node is
+then reaped by the others after its lease).
+
+/healthz answers 503 when the last snapshot is older than max(3 x
+--interval, lease) (the tick is stuck), and the `agent` check is CRITICAL
+when the node is fenced or one of its threads (heartbeat, reaper, the hosted
+lock manager) has died.  Logs go to stderr; log_json gives one JSON object
 a line.  Under systemd (Type=notify) it reports READY=1 and STOPPING=1.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -43,6 +56,10 @@ from cxlkv.errors import CxlkvError, RefusedError, UsageError
 from cxlkv.state import nodes as N
 
 DEVICE_REFRESH_S = 60.0
+#: the device tools (cxl, ndctl, daxctl) together, per refresh
+DEVICE_TIMEOUT_S = 5.0
+#: a tick's pool-lock wait is cut in slices this long, to notice a stop request
+LOCK_SLICE_S = 0.5
 
 
 # -- configuration ------------------------------------------------------------------
@@ -60,6 +77,7 @@ class AgentConfig:
     warn_temp: float = 70.0
     crit_temp: float = 85.0
     force: bool = False
+    stop_timeout: float = 5.0
 
 
 _TYPES = {f.name: f.type for f in fields(AgentConfig)}
@@ -140,6 +158,10 @@ def sd_notify(state: str) -> None:
         pass
 
 
+class _Stopping(Exception):
+    """A tick's wait given up because the agent is stopping."""
+
+
 # -- reaps are counted by a recovery hook ----------------------------------------------
 
 _AGENTS: dict[int, "Agent"] = {}      # id(pool object) -> the agent it belongs to
@@ -160,7 +182,8 @@ def _count_reap(pool, slot: int, epoch: int) -> None:
 
 class ManagerThread:
     """A lock manager run by the agent: standby, taking over whenever no
-    other is active, until stopped."""
+    other is active, until stopped.  `dead` says why the thread ended when
+    it ended without being asked to (the agent reports it CRITICAL)."""
 
     def __init__(self, agent, path: str):
         self.agent, self.path = agent, path
@@ -168,6 +191,7 @@ class ManagerThread:
         self.stopping = False
         self.active = False
         self.error: CxlkvError | None = None
+        self.dead = ""
         self.thread = threading.Thread(target=self._run, name="cxlkv-lock-manager", daemon=True)
 
     def _log(self, msg: str) -> None:
@@ -185,6 +209,21 @@ class ManagerThread:
         self.thread.start()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:      # noqa: BLE001 - reported by the agent's health
+            self.dead = f"{type(e).__name__}: {e}"
+            self.agent.event(logging.ERROR, f"lock manager thread died: {self.dead}")
+        else:
+            if not self.stopping:
+                self.dead = str(self.error or "stopped")
+        finally:
+            self.active = False
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def _loop(self) -> None:
         from cxlkv.daemons.lockmgr import LockManager, ManagerExists
 
         while not self.stopping:
@@ -194,6 +233,7 @@ class ManagerThread:
                 self.active = False
             except CxlkvError as e:
                 if not self.stopping:
+                    self.error = e
                     self.agent.event(logging.ERROR, f"lock manager: {e}")
             finally:
                 _AGENTS.pop(id(self.mgr.pool), None)
@@ -208,6 +248,7 @@ class ManagerThread:
                 self.mgr = LockManager(self.path, standby=True, log=self._log)
                 _AGENTS[id(self.mgr.pool)] = self.agent
             except CxlkvError as e:
+                self.error = e
                 self.agent.event(logging.ERROR, f"lock manager: cannot restart: {e}")
                 return
 
@@ -231,6 +272,8 @@ class Agent:
             raise UsageError("--interval must be positive")
         if cfg.warn_used > cfg.crit_used or cfg.warn_temp > cfg.crit_temp:
             raise UsageError("a warning threshold is above its critical one")
+        if cfg.stop_timeout <= 0:
+            raise UsageError("--stop-timeout must be positive")
         if cfg.metrics_addr:
             from cxlkv.daemons.metrics import parse_addr
 
@@ -247,11 +290,20 @@ class Agent:
         self.observer = None
         self.mgr_watch = None
         self.device = None
-        self._device_at = -1e9
         self._last_error = ""
         self._last_status = None
         self.stop_event = threading.Event()
+        self.stop_deadline: float | None = None
         self.own: set[tuple[int, int]] = set()     # (slot, epoch) this agent attached as
+        self._device_thread: threading.Thread | None = None
+        self.detach_abandoned = False
+        self._dax = None                            # the pool's DAX device, None: a file
+
+    def request_stop(self) -> None:
+        """Stop ticking; the shutdown that follows has --stop-timeout from now."""
+        if self.stop_deadline is None:
+            self.stop_deadline = time.monotonic() + self.cfg.stop_timeout
+        self.stop_event.set()
 
     def event(self, level: int, msg: str, **fields) -> None:
         self.log.log(level, msg, extra={"fields": fields})
@@ -279,6 +331,7 @@ class Agent:
                 self.server.start()
                 self.event(logging.INFO, f"metrics on {self.server.url}/metrics",
                            metrics_url=self.server.url)
+            self._start_device_watch()
             self.tick()
         except BaseException:
             self.shutdown()
@@ -322,50 +375,140 @@ class Agent:
             fields_["numa_mem_node"] = getattr(b, "mem_node", None)
         self.event(logging.INFO, "attached", **fields_)
 
-    def _detach(self) -> None:
+    def _detach(self, deadline: float | None = None) -> bool:
+        """Detach (its own recovery runs, under the pool lock).  With a
+        deadline the detach runs in a thread and is given up when it has not
+        finished by then: the node stops heartbeating and stays in the table,
+        for the other nodes to reap (at once on this host, after a lease
+        elsewhere).  Returns True when the node detached."""
         pool, self.pool = self.pool, None
         if pool is None:
-            return
-        slot = pool.node.slot if pool.node is not None else -1
-        try:
-            pool.close()
-            self._wait_slot_freed(slot)
-            self.event(logging.INFO, "detached", node=slot)
-        finally:
-            _AGENTS.pop(id(pool), None)
+            return True
+        node = pool.node
+        slot = node.slot if node is not None else -1
+        # let the queue pass a ticket a tick gave up before the detach's
+        # recovery takes a new one (see _pool_lock), until the stop deadline
+        if deadline is not None and not self._ticket_passed(deadline, pool):
+            if node is not None:
+                node._stop.set()                # no more heartbeats
+            self._abandoned_detach(pool, slot)
+            return False
+        if deadline is None:
+            try:
+                pool.close()
+                self._wait_slot_freed(slot, None)
+                self.event(logging.INFO, "detached", node=slot)
+            finally:
+                _AGENTS.pop(id(pool), None)
+            return True
+        box: dict = {}
 
-    def _wait_slot_freed(self, slot: int) -> None:
+        def work():
+            try:
+                pool.close()
+            except BaseException as e:          # noqa: BLE001 - re-raised below
+                box["e"] = e
+
+        t = threading.Thread(target=work, name="cxlkv-detach", daemon=True)
+        t.start()
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            if node is not None:
+                node._stop.set()                # no more heartbeats, whatever detach waits on
+            self._abandoned_detach(pool, slot)
+            return False
+        _AGENTS.pop(id(pool), None)
+        if "e" in box:
+            raise box["e"]
+        self._wait_slot_freed(slot, deadline)
+        self.event(logging.INFO, "detached", node=slot)
+        return True
+
+    def _abandoned_detach(self, pool, slot: int) -> None:
+        self.detach_abandoned = True
+        holder = "another node"
+        try:
+            from cxlkv.state.locks import describe_owner
+
+            if pool.sb.sync == "cas":
+                holder = describe_owner(pool)
+        except Exception:                       # noqa: BLE001 - only for the message
+            pass
+        self.event(logging.WARNING,
+                   f"could not detach within --stop-timeout {self.cfg.stop_timeout:g} s "
+                   f"(its recovery needs the pool lock, held by {holder}); exiting without "
+                   f"detaching: node {slot} stopped heartbeating and is reaped by the other "
+                   "nodes (at once on this host, after a lease elsewhere)", node=slot)
+
+    def _wait_slot_freed(self, slot: int, deadline: float | None) -> None:
         """Sync mode manager: a detach is a request the lock manager answers;
         when it is ours, let it answer before it stops."""
         mt = self.manager
         if slot < 0 or mt is None or not mt.active or mt.mgr is None:
             return
-        deadline = time.monotonic() + mt.mgr.lease + 1.0
-        while time.monotonic() < deadline and mt.active:
+        end = time.monotonic() + mt.mgr.lease + 1.0
+        if deadline is not None:
+            end = min(end, deadline)
+        while time.monotonic() < end and mt.active:
             if N.read_slot(mt.mgr.pool, slot).state == "free":
                 return
             time.sleep(0.005)
 
     def shutdown(self) -> None:
         """Detach, stop the lock manager and the HTTP server (in that order:
-        detaching in manager mode needs a lock manager)."""
+        detaching in manager mode needs a lock manager), all by the stop
+        deadline (--stop-timeout after the stop request)."""
         sd_notify("STOPPING=1")
+        deadline = self.stop_deadline
+        if deadline is None:
+            deadline = time.monotonic() + self.cfg.stop_timeout
+        self.stop_event.set()                    # the device watch, too
         try:
-            self._detach()
+            self._detach(deadline)
         finally:
             if self.manager is not None:
                 lease = 1.0
                 if self.manager.mgr is not None:
                     lease = self.manager.mgr.lease
-                self.manager.stop(timeout=lease + 2.0)
+                self.manager.stop(timeout=max(0.2, min(lease + 2.0,
+                                                       deadline - time.monotonic())))
             if self.server is not None:
                 self.server.stop()
                 self.server = None
+            t = self._device_thread
+            if t is not None:
+                t.join(max(0.0, min(0.5, deadline - time.monotonic())))
 
     def run(self) -> None:
         """Tick until stop_event is set."""
         while not self.stop_event.wait(self.cfg.interval):
             self.tick()
+
+    # -- the device, in a thread of its own ---------------------------------------------
+    def _start_device_watch(self) -> None:
+        from cxlkv.host import numa
+
+        try:
+            self._dax = numa.dax_of(self.cfg.pool)
+        except Exception:                          # noqa: BLE001 - then: no device figures
+            self._dax = None
+        if self._dax is None:
+            return                                 # a file-backed pool: nothing to read
+        self._device_thread = threading.Thread(target=self._device_loop, daemon=True,
+                                               name="cxlkv-device")
+        self._device_thread.start()
+
+    def _device_loop(self) -> None:
+        from cxlkv.daemons import health as H
+
+        while not self.stop_event.is_set():
+            try:
+                self.device = H.device_health(self.cfg.pool, timeout=DEVICE_TIMEOUT_S)
+            except Exception as e:                 # noqa: BLE001 - figures unknown
+                self.device = {"device": self._dax, "memdevs": [], "temperature_c": None,
+                               "alarms": [], "error": f"{type(e).__name__}: {e}"}
+            if self.stop_event.wait(DEVICE_REFRESH_S):
+                return
 
     # -- one round ------------------------------------------------------------------
     def tick(self) -> None:
@@ -374,10 +517,13 @@ class Agent:
         self.metrics.ticks.inc()
         try:
             self._check_fenced()
-            u = H.usage(self.pool)
-            self._keep_watermark(u)
+            u = H.usage(self.pool)                  # once per tick: the watermark and health
+            if self._keep_watermark(u):
+                u = H.usage(self.pool)              # evicted: the figures changed
             self._probe_lock()
-            snap = self._snapshot()
+            snap = self._snapshot(u)
+        except _Stopping:
+            return
         except Exception as e:        # noqa: BLE001 - a daemon keeps going; /healthz says 503
             msg = str(e) if isinstance(e, CxlkvError) else f"{type(e).__name__}: {e}"
             if msg != self._last_error:
@@ -385,7 +531,8 @@ class Agent:
                 self.event(logging.ERROR, f"tick failed: {msg}")
             h = H.Health(self.cfg.pool)
             h.add("agent", H.UNKNOWN, f"agent tick failed: {msg}")
-            self.snapshot = {**self.snapshot, "health": h}
+            self._agent_checks(h, ok=False)
+            self.snapshot = {**self.snapshot, "health": h, "at": time.monotonic()}
             return
         self._last_error = ""
         self.snapshot = snap
@@ -410,49 +557,109 @@ class Agent:
         self._detach()
         self._attach()
 
-    def _keep_watermark(self, u: dict) -> None:
+    def _keep_watermark(self, u: dict) -> bool:
+        """Evict when free space is below the low watermark; True if it did."""
         from cxlkv.kv.area import HIGH_WATERMARK, LOW_WATERMARK
 
         size = u["data_bytes"]
         free = u["bytes"]["free"]
         if self.area is None or free >= LOW_WATERMARK * size or not u["kv_evictable_bytes"]:
-            return
+            return False
         need = int(HIGH_WATERMARK * size) - free
-        t0 = time.monotonic()
-        with self.pool.lock(timeout=self._lock_timeout()):
-            self.metrics.lock_wait.observe(time.monotonic() - t0)
+        with self._pool_lock():
             blocks, nbytes = self.area.evict(need_bytes=need)
         self.metrics.evicted_blocks.inc(blocks)
         self.metrics.evicted_bytes.inc(nbytes)
         self.event(logging.INFO, "evicted KV blocks to restore the free-space watermark",
                    blocks=blocks, bytes=nbytes, free_before=free, data_bytes=size)
+        return bool(blocks)
 
     def _lock_timeout(self) -> float:
         return max(1.0, 2 * self.pool.sb.lease_ms / 1000.0)
 
-    def _probe_lock(self) -> None:
-        t0 = time.monotonic()
-        with self.pool.lock(timeout=self._lock_timeout()):
-            self.metrics.lock_wait.observe(time.monotonic() - t0)
+    @contextlib.contextmanager
+    def _pool_lock(self):
+        """The pool lock for a tick: waited for up to two leases, in slices of
+        LOCK_SLICE_S, given up (_Stopping) as soon as the agent is asked to
+        stop; the wait goes into the lock wait histogram.
 
-    def _snapshot(self) -> dict:
+        Sync mode cas: a slice that times out gives its ticket up (its lock
+        entry says ABANDONED, so the queue skips it at once).  A new ticket
+        is taken only once the queue has passed that one: taking it earlier
+        would overwrite the entry and leave a ticket nobody claims, which
+        costs every waiter a lease."""
+        from cxlkv.state.locks import LockTimeout
+
+        lock = self.pool.lock()
+        t0 = time.monotonic()
+        deadline = t0 + self._lock_timeout()
+        while True:
+            if not self._ticket_passed(deadline, stop=self.stop_event):
+                if self.stop_event.is_set():
+                    raise _Stopping()
+                raise LockTimeout(f"{self.pool.path}: timed out waiting for the pool lock "
+                                  "(the queue has not reached this agent's last ticket)")
+            left = deadline - time.monotonic()
+            try:
+                lock.acquire(max(0.001, min(LOCK_SLICE_S, left)))
+            except LockTimeout:
+                if self.stop_event.is_set():
+                    raise _Stopping() from None
+                if time.monotonic() >= deadline:
+                    raise
+                continue
+            if self.stop_event.is_set():
+                lock.release()
+                raise _Stopping()
+            break
+        self.metrics.lock_wait.observe(time.monotonic() - t0)
+        try:
+            yield lock
+        finally:
+            lock.release()
+
+    def _ticket_passed(self, deadline: float, pool=None, stop=None) -> bool:
+        """Sync mode cas: wait (until `deadline`, or `stop` is set) for the
+        ticket queue to pass the ticket this node last gave up.  True when
+        there is none, or it has passed; always True in sync mode manager
+        (a withdrawn request leaves nothing behind)."""
+        from cxlkv.pool import layout as L
+        from cxlkv.state import locks as K
+
+        pool = pool or self.pool
+        if pool.sb.sync != "cas" or pool.node is None or pool.node.slot < 0:
+            return True
+        m = pool.mapping
+        hdr, _ = K.lock_offsets(pool)
+        serving = hdr + L.field_offset(L.LockHdrStruct, "now_serving")
+        entry = K.entry_offset(pool, pool.node.slot)
+        m.invalidate(entry, 16)
+        if m.load64(entry) != L.LOCK_ABANDONED:
+            return True
+        ticket = m.load64(entry + 8)
+        while True:
+            m.invalidate(serving, 8)
+            if m.load64(serving) > ticket:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            if stop is not None and stop.wait(0.005):
+                return False
+            if stop is None:
+                time.sleep(0.005)
+
+    def _probe_lock(self) -> None:
+        with self._pool_lock():
+            pass
+
+    def _snapshot(self, u: dict | None = None) -> dict:
         from cxlkv.daemons import health as H
         from cxlkv.pool import layout as L
 
         pool = self.pool
-        now = time.monotonic()
-        if now - self._device_at >= DEVICE_REFRESH_S:
-            self._device_at = now
-            self.device = H.device_health(pool.path, timeout=5.0)
         h = H.evaluate(pool, self.th, observer=self.observer, manager=self.mgr_watch,
-                       deadline=None, device=self.device)
-        node = pool.node
-        if node is None or node.fenced:
-            h.add("agent", H.CRITICAL, "this agent's node is fenced")
-        elif node._thread is not None and not node._thread.is_alive():
-            h.add("agent", H.CRITICAL, "this agent's heartbeat thread stopped")
-        else:
-            h.add("agent", H.OK, f"attached as node {node.slot}")
+                       deadline=None, device=self.device, figures=u)
+        self._agent_checks(h)
         nodes = dict(h.data["nodes"])
         nodes["free"] = pool.sb.max_nodes - sum(nodes[k] for k in ("alive", "dead", "unknown"))
         vers: dict = {}
@@ -462,20 +669,60 @@ class Agent:
                 vers[key] = vers.get(key, 0) + 1
         nodes["versions"] = vers
         kv = None
-        if pool.sb.compat & L.COMPAT_KV:
+        if pool.sb.compat & L.COMPAT_KV and not h.data["usage"].get("kv_error"):
             from cxlkv.kv.cache import kv_report
 
             kv = kv_report(pool)
         return {"usage": h.data["usage"], "kv": kv, "nodes": nodes, "health": h,
-                "device": self.device,
+                "device": self.device, "at": time.monotonic(),
                 "manager": None if self.manager is None else self.manager.active}
+
+    def _agent_checks(self, h, ok: bool = True) -> None:
+        """The agent's own state: its node fenced, or one of its threads
+        (heartbeat, reaper, the hosted lock manager) dead -> CRITICAL."""
+        from cxlkv.daemons import health as H
+
+        pool = self.pool
+        node = pool.node if pool is not None else None
+        mt = self.manager
+        bad = []
+        if pool is not None and (node is None or node.fenced):
+            bad.append("this agent's node is fenced")
+        if node is not None and node._thread is not None and not node._thread.is_alive() \
+                and not node.fenced:
+            bad.append("this agent's heartbeat thread stopped")
+        if node is not None and node._reaper is not None and not node._reaper.is_alive() \
+                and not node.fenced:
+            bad.append("this agent's reaper thread stopped: dead nodes are not reaped"
+                       + (f" ({node.reap_error})" if node.reap_error else ""))
+        if mt is not None and not mt.stopping and not mt.alive():
+            bad.append("the lock manager this agent hosts stopped"
+                       + (f": {mt.dead}" if mt.dead else ""))
+        for text in bad:
+            h.add("agent", H.CRITICAL, text)
+        if ok and not bad and node is not None:
+            h.add("agent", H.OK, f"attached as node {node.slot}")
+
+    def max_snapshot_age(self) -> float:
+        """How old the snapshot may get before /healthz stops believing it."""
+        lease = 0.0
+        pool = self.pool
+        if pool is not None:
+            lease = pool.sb.lease_ms / 1000.0
+        return max(3 * self.cfg.interval, lease)
 
     def healthz(self) -> tuple[bool, str]:
         from cxlkv.daemons import health as H
 
-        h = self.snapshot.get("health")
+        snap = self.snapshot
+        h = snap.get("health")
         if h is None:
             return False, "CXLKV UNKNOWN - the agent has not checked the pool yet"
+        age = time.monotonic() - snap.get("at", 0.0)
+        if age > self.max_snapshot_age():
+            return False, (f"CXLKV UNKNOWN - {self.cfg.pool}: the agent's last check is "
+                           f"{age:.1f} s old (its maintenance tick is stuck); last: "
+                           f"{h.line()}")
         return h.status in (H.OK, H.WARNING), h.line()
 
 
@@ -491,7 +738,7 @@ def serve(cfg: AgentConfig, log: logging.Logger | None = None) -> int:
             os.kill(os.getpid(), signum)
             return
         stopping.append(signum)
-        agent.stop_event.set()
+        agent.request_stop()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -506,4 +753,15 @@ def serve(cfg: AgentConfig, log: logging.Logger | None = None) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+    if agent.detach_abandoned:
+        # a thread may still wait for the pool lock inside the mapping: end the
+        # process here, without the interpreter's teardown
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except (OSError, ValueError):
+                pass
+        for h in agent.log.handlers:
+            h.flush()
+        os._exit(0)
     return 0

@@ -10,11 +10,15 @@ Checks and their statuses (Nagios: 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN):
               unpinned KV blocks the evictor may take) as a share of the data
               area: >= warn -> WARNING, >= crit -> CRITICAL.  A warm cache
               sitting full is healthy: its blocks are evictable.
-  nodes       dead nodes not yet reaped -> WARNING
+  kv          the KV header cannot be read (corrupt) -> CRITICAL
+  nodes       dead nodes not yet reaped -> WARNING; a one-shot check (cxlkv
+              health) whose deadline came before it could judge a node of
+              another host (that takes a lease of watching) -> WARNING
   lock-manager  sync mode manager and no lock manager heartbeat -> CRITICAL
   device      CXL device temperature >= warn / crit, health alarms -> WARNING /
               CRITICAL; unknown (a file-backed pool, a device reporting no
-              health) adds nothing
+              health, tools that did not answer within the time left) adds
+              nothing: it never hides the pool's own verdict
   (the agent adds `agent`: its own node fenced or its threads gone -> CRITICAL)
 
 Liveness of remote nodes and of the lock manager is judged by watching
@@ -140,8 +144,9 @@ def usage(pool) -> dict:
 
         try:
             a = Area(pool)
-        except E.CxlkvError:
+        except E.CxlkvError as e:
             a = None
+            out["kv_error"] = e.message
         if a is not None:
             t = a.entries()
             st = t["ctl"] & 0xFF
@@ -215,10 +220,13 @@ def device_health(path: str, timeout: float = 5.0) -> dict | None:
     None when the pool is not a DAX device (an emulated pool in a file).
     Otherwise {"device", "memdevs": [{memdev, temperature_c, alarms}],
     "temperature_c": the hottest, or None when no memdev reports one}.
-    Uses cxlkv.host (the tool seam: `cxl list`, `ndctl list`, `daxctl list`,
-    each bounded by `timeout`); on any failure the figures are unknown.
+    Uses cxlkv.host (the tool seam: `cxl list`, `ndctl list`, `daxctl list`);
+    `timeout` bounds them all together (they run in a thread that is given
+    up when it has not answered by then).  On any failure, or no answer in
+    time, the figures are unknown ("error" says why).
     """
     import copy
+    import threading
 
     from cxlkv.host import discovery as D
     from cxlkv.host import numa, tools
@@ -227,13 +235,37 @@ def device_health(path: str, timeout: float = 5.0) -> dict | None:
     if dax is None:
         return None
     out = {"device": dax, "memdevs": [], "temperature_c": None, "alarms": [], "error": None}
-    try:
-        r = copy.copy(tools.runner())          # the seam tests replace, with our time limit
-        r.timeout = max(0.1, timeout)
-        inv = D.cxl_inventory(r)
-    except (E.CxlkvError, OSError, ValueError, KeyError) as e:
-        out["error"] = str(e)
+    box: dict = {}
+
+    def work():
+        try:
+            r = copy.copy(tools.runner())      # the seam tests replace, with our time limit
+            r.timeout = max(0.1, timeout)
+            box["inv"] = D.cxl_inventory(r)
+        except (E.CxlkvError, OSError, ValueError, KeyError) as e:
+            box["e"] = str(e)
+        except Exception as e:                 # noqa: BLE001 - figures unknown, not a crash
+            box["e"] = f"{type(e).__name__}: {e}"
+
+    t = threading.Thread(target=work, name="cxlkv-device-health", daemon=True)
+    t.start()
+    t.join(max(0.0, timeout))
+    if t.is_alive():
+        out["error"] = f"the device tools did not answer within {timeout:.1f} s"
         return out
+    if "e" in box:
+        out["error"] = box["e"]
+        return out
+    try:
+        return _device_figures(out, box["inv"], dax)
+    except (TypeError, KeyError, ValueError, AttributeError) as e:
+        out.update(memdevs=[], alarms=[], temperature_c=None,
+                   error=f"unexpected output of the device tools ({type(e).__name__}: {e})")
+        return out
+
+
+def _device_figures(out: dict, inv: dict, dax: str) -> dict:
+    """device_health's answer from the tools' inventory."""
     dev = next((d for d in inv["dax_devices"] if d["chardev"] == dax), None)
     region = next((x for x in inv["regions"] if dev and x["region"] == dev.get("cxl_region")),
                   None)
@@ -277,11 +309,21 @@ def open_failure(path: str, exc: E.CxlkvError) -> Health:
     return h
 
 
+def judge_timeout(lease_s: float) -> float:
+    """The --timeout a one-shot check needs to judge a node of another host
+    (watched for a lease within 80 % of the timeout)."""
+    import math
+
+    return float(math.ceil(1.25 * lease_s + 1.0))
+
+
 def evaluate(pool, th: Thresholds, *, observer, manager: ManagerWatch | None,
              deadline: float | None, device: dict | None = None,
-             clock=time.monotonic) -> Health:
+             clock=time.monotonic, figures: dict | None = None) -> Health:
     """Judge an open pool (read-only use of it).  `deadline` bounds how long
-    undecided heartbeats are watched (None: judge from what was seen)."""
+    undecided heartbeats are watched (None: judge from what was seen; the
+    agent, which watches across its ticks).  `figures`: usage(pool), when the
+    caller already has it."""
     h = Health(pool.path)
     sb = pool.sb
     for copy, problem in sorted(pool.superblock_problems.items()):
@@ -290,8 +332,10 @@ def evaluate(pool, th: Thresholds, *, observer, manager: ManagerWatch | None,
     if not pool.superblock_problems:
         h.add("superblock", OK, f"both superblock copies good (seq {sb.seq})")
 
-    u = usage(pool)
+    u = usage(pool) if figures is None else figures
     h.data["usage"] = u
+    if u.get("kv_error"):
+        h.add("kv", CRITICAL, f"KV header corrupt: run cxlkv fsck ({u['kv_error']})")
     pct = u["unevictable_pct"]
     st = CRITICAL if pct >= th.crit_used else WARNING if pct >= th.warn_used else OK
     h.add("usage", st, f"{pct:.1f}% unevictable ({u['unevictable_bytes']} of "
@@ -310,6 +354,11 @@ def evaluate(pool, th: Thresholds, *, observer, manager: ManagerWatch | None,
     if dead:
         h.add("nodes", WARNING, f"{len(dead)} dead node(s) not reaped yet: "
                                 + ", ".join(n.describe() for n in dead))
+    elif counts["unknown"] and deadline is not None:
+        lease = sb.lease_ms / 1000.0
+        h.add("nodes", WARNING, f"{counts['unknown']} node(s) not yet judged: run with "
+                                f"--timeout >= {judge_timeout(lease):g} (1.25 x the lease of "
+                                f"{lease:g} s, plus 1)")
     else:
         extra = f", {counts['unknown']} not yet judged" if counts["unknown"] else ""
         mixed = f", mixed versions {', '.join(versions)}" if len(versions) > 1 else ""
@@ -329,8 +378,21 @@ def evaluate(pool, th: Thresholds, *, observer, manager: ManagerWatch | None,
             h.add("lock-manager", OK, "lock manager heartbeating")
         else:
             h.add("lock-manager", UNKNOWN if deadline is not None else OK,
-                  "lock manager heartbeat not judged yet (--timeout shorter than a lease)")
+                  "lock manager heartbeat not judged yet" + (
+                      f": run with --timeout >= {judge_timeout(sb.lease_ms / 1000.0):g}"
+                      if deadline is not None else ""))
 
+    h.metric("used", pct, "%", th.warn_used, th.crit_used, 0, 100)
+    h.metric("unevictable", u["unevictable_bytes"], "B", "", "", 0, u["data_bytes"])
+    h.metric("evictable", u["bytes"]["kv_evictable"], "B", "", "", 0, u["data_bytes"])
+    h.metric("nodes", counts["alive"], "", "", "", 0, sb.max_nodes)
+    h.metric("dead", len(dead), "", 0, "", 0, sb.max_nodes)
+    add_device(h, device, th)
+    return h
+
+
+def add_device(h: Health, device: dict | None, th: Thresholds) -> None:
+    """The device check (temperature, alarms) from device_health()'s answer."""
     h.data["device"] = device
     if device is not None:
         t = device.get("temperature_c")
@@ -338,17 +400,10 @@ def evaluate(pool, th: Thresholds, *, observer, manager: ManagerWatch | None,
             st = CRITICAL if t >= th.crit_temp else WARNING if t >= th.warn_temp else OK
             h.add("device", st, f"{device['device']} temperature {t:g} C")
         elif device.get("error"):
-            h.add("device", OK, f"{device['device']} health unknown ({device['error']})")
+            h.add("device", OK, f"{device['device']} device unknown ({device['error']})")
         else:
             h.add("device", OK, f"{device['device']} reports no temperature")
         if device.get("alarms"):
             h.add("device", WARNING, "device alarms: " + ", ".join(device["alarms"]))
-
-    h.metric("used", pct, "%", th.warn_used, th.crit_used, 0, 100)
-    h.metric("unevictable", u["unevictable_bytes"], "B", "", "", 0, u["data_bytes"])
-    h.metric("evictable", u["bytes"]["kv_evictable"], "B", "", "", 0, u["data_bytes"])
-    h.metric("nodes", counts["alive"], "", "", "", 0, sb.max_nodes)
-    h.metric("dead", len(dead), "", 0, "", 0, sb.max_nodes)
-    if device is not None and device.get("temperature_c") is not None:
-        h.metric("temp", device["temperature_c"], "", th.warn_temp, th.crit_temp)
-    return h
+        if t is not None:
+            h.metric("temp", t, "", th.warn_temp, th.crit_temp)

@@ -23,6 +23,12 @@ every round and steps down when it finds another token.  A second manager
 refuses to start unless --standby, which waits for the active one's
 heartbeat to stop for a lease and then takes over.  All state lives in the
 pool, so a restarted manager carries on where the last one stopped.
+
+A manager knows the pool by the superblock it opened: it re-reads the
+superblock with every heartbeat (and a standby before every bid for the
+lease) and steps down - exits with PoolReformatted - when the uuid or the
+geometry changed (the pool was reformatted under it: its words now lie in
+other structures, so it must not write another one).
 """
 from __future__ import annotations
 
@@ -55,6 +61,18 @@ class ManagerExists(RefusedError):
     kind = "manager-active"
 
 
+class PoolReformatted(RefusedError):
+    """The pool's superblock (uuid or geometry) is no longer the one this
+    manager opened: it stepped down without writing anything more."""
+
+    kind = "pool-reformatted"
+
+
+def _identity(sb) -> tuple:
+    return (sb.uuid, sb.sync, sb.pool_size, sb.chunk_size, sb.max_nodes, sb.hash_slots,
+            tuple(sorted(sb.regions.items())))
+
+
 class LockManager:
     def __init__(self, path: str, *, standby: bool = False, log=None):
         self.pool = Pool.open(path, writable=True)
@@ -75,6 +93,37 @@ class LockManager:
         self.stop = False
         self.grants = 0
         self._nodes = None
+        self._identity = _identity(self.pool.sb)
+        self.reformatted = False
+
+    # -- the superblock it was opened with -------------------------------------
+    def check_superblock(self) -> None:
+        """Raise PoolReformatted (and never write again) when neither superblock
+        copy is the one this manager opened: same uuid and geometry."""
+        from cxlkv.pool import superblock as S
+        from cxlkv.pool.pool import read_superblocks
+
+        if self.reformatted:
+            raise PoolReformatted(f"{self.path} was reformatted under this lock manager",
+                                  path=self.path)
+        seen = []
+        for raw in read_superblocks(self.m):
+            try:
+                sb = S.decode(raw)
+            except CxlkvError as e:
+                seen.append(str(e))
+                continue
+            if _identity(sb) == self._identity:
+                return
+            seen.append(f"uuid {sb.uuid}, {sb.max_nodes} node slots, chunk {sb.chunk_size}")
+        self.reformatted = True
+        self.log(f"the superblock changed (was uuid {self.pool.sb.uuid}; now: "
+                 f"{'; '.join(seen)}): the pool was reformatted - stepping down")
+        raise PoolReformatted(
+            f"{self.path} was reformatted under this lock manager (superblock uuid "
+            f"{self.pool.sb.uuid} or its geometry changed): stepped down; start it again "
+            "for the new pool", path=self.path,
+            hint="reformat only with every cxlkv-lock-manager@ unit stopped (cxlkv-runbook(7))")
 
     # -- the lease ---------------------------------------------------------------
     def _lease(self) -> tuple[int, int]:
@@ -83,6 +132,7 @@ class LockManager:
 
     def acquire_lease(self) -> None:
         while not self.stop:
+            self.check_superblock()
             token, _ = self._lease()
             if token and P.heartbeating(self.pool, token):
                 if not self.standby:
@@ -96,6 +146,7 @@ class LockManager:
             self.m.flush(self.hdr + P.MGR_TOKEN, 8)
             time.sleep(CONTEND_WAIT_S)
             if self._lease()[0] == self.token:
+                self.check_superblock()
                 self._take_office()
                 return
         raise CxlkvError("stopped before becoming active")
@@ -209,6 +260,7 @@ class LockManager:
         while not self.stop:
             now = time.monotonic()
             if now - last_beat >= min(0.05, self.lease / 10):
+                self.check_superblock()
                 if not self.still_active():
                     self.log("another manager holds the lease: stepping down")
                     raise ManagerExists("another lock manager took over", path=self.path)
@@ -227,7 +279,7 @@ class LockManager:
         self.log("stopped")
 
     def close(self) -> None:
-        if self.still_active():
+        if not self.reformatted and self.still_active():
             self.m.store64(self.hdr + P.MGR_TOKEN, 0)   # hand over at once, not after a lease
             self.m.flush(self.hdr + P.MGR_TOKEN, 8)
         self.pool.close()

@@ -110,18 +110,38 @@ def check_kv(pool, rep, live: set[int]) -> None:
                        "hash_slots": n}
 
 
-def _dead_pin_slots(a) -> list[int]:
-    """Node slots that are not attached (or attaching) but still pin blocks."""
+def _dead_pin_slots(a, placeholders=frozenset()) -> list[int]:
+    """Node slots that are not attached (or attaching) but still pin blocks.
+    `placeholders`: slots an offline repair holds to block attaches (free
+    slots, as far as pins go)."""
     from cxlkv.state import nodes as N
 
     out = []
     for n in N.read_nodes(a.pool, include_free=True):
-        if n.state in ("attached", "claimed"):
+        if n.state in ("attached", "claimed") and n.slot not in placeholders:
             continue
         pins = np.frombuffer(a._read(a.pins_off(n.slot), a.npins * 8), dtype="<u8")
         if pins.any():
             out.append(n.slot)
     return out
+
+
+def _slot_size(pool, off: int) -> int:
+    """Slot size of the slab holding pool offset `off` (0 when none)."""
+    data_off, chunk, nchunks, base = A.geometry(pool)
+    if not data_off <= off < data_off + chunk * nchunks:
+        return 0
+    m = pool.mapping
+    idx = (off - data_off) // chunk
+    m.invalidate(base + idx * L.CHUNK_DESC_SIZE, 8)
+    ctl = m.load64(base + idx * L.CHUNK_DESC_SIZE)
+    head = ctl >> 8 if ctl & 0xFF == L.CHUNK_TAIL else idx
+    if head > idx:
+        return 0
+    m.invalidate(base + head * L.CHUNK_DESC_SIZE, L.CHUNK_DESC_SIZE)
+    if m.load64(base + head * L.CHUNK_DESC_SIZE) & 0xFF != L.CHUNK_HEAD:
+        return 0
+    return int(m.load64(base + head * L.CHUNK_DESC_SIZE + A._F["slot_size"]))
 
 
 def repair_kv(pool, rep, live: set[int]) -> None:
@@ -154,8 +174,22 @@ def repair_kv(pool, rep, live: set[int]) -> None:
             return False
         return True
 
-    def drop(i: int, code: str, why: str, free: bool) -> None:
+    def kv_block(i: int, off: int) -> bool:
+        """Is entry i's payload a block only it refers to: an allocated,
+        published slot of the size class of its namespace's blocks, which no
+        other live entry uses?"""
+        bits = A.slot_bits(pool, off)
+        if bits is None or not (bits[0] and bits[1]) or refs.get(off, 0) != 1:
+            return False
+        ns = int(t["ns"][i])
+        if ns >= a.max_ns or ns_recs[ns].state != L.KV_REC_ACTIVE:
+            return False
+        return _slot_size(pool, off) == A.slot_size_for(pool, max(1, ns_recs[ns].block_bytes))
+
+    def drop(i: int, code: str, why: str, free) -> None:
         off = int(t["payload"][i])
+        if free == "kv-block":                  # decided before the entry goes
+            free = kv_block(i, off)
         m.kv_remove(a.table, n, a.hdr, i)
         freed = free and free_payload(off)
         rep.did(code, f"entry {i}", f"dropped: {why}" + ("; its payload slot freed" if freed
@@ -199,12 +233,15 @@ def repair_kv(pool, rep, live: set[int]) -> None:
         if int(i) in bad:
             continue
         if k in seen:
-            bad[int(i)] = ("kv-duplicate-key", f"same key as entry {seen[k]}", False)
+            # lookups never reach it; its payload is freed when it is a KV block
+            # that only this entry refers to (else it would leak for good)
+            bad[int(i)] = ("kv-duplicate-key", f"same key as entry {seen[k]}", "kv-block")
         else:
             seen[k] = int(i)
     pays = t["payload"][idx]
     uniq, counts = np.unique(pays, return_counts=True)
     shared = set(int(p) for p in uniq[counts > 1])
+    refs = {int(p): int(c) for p, c in zip(uniq, counts)}
     ns_recs, ten_recs = a.ns_records(), a.tenant_records()
     for i in idx:
         i = int(i)
@@ -235,7 +272,7 @@ def repair_kv(pool, rep, live: set[int]) -> None:
         if free_payload(p):
             rep.did("kv-shared-payload", f"payload {p:#x}", "freed (its entries were dropped)")
     # pins of nodes that are gone, then every derived counter
-    for slot in _dead_pin_slots(a):
+    for slot in _dead_pin_slots(a, getattr(rep, "blocked", frozenset())):
         a.fold_stats(slot)
         a.clear_node(slot)
         rep.did("kv-dead-pins", f"node {slot}", "pins of a node that is not attached cleared")

@@ -209,6 +209,8 @@ def _refuse_live(path: str, warnings: list[str], observe: bool = True, notice=No
                         "of --force")
         return
     with pool:
+        if pool.sb.sync == "manager":
+            _refuse_manager(pool, path)
         alive = live_nodes(pool, observe=observe, notice=notice)
     if alive:
         names = ", ".join(n.describe() for n in alive)
@@ -216,6 +218,21 @@ def _refuse_live(path: str, warnings: list[str], observe: bool = True, notice=No
             f"refusing to reformat {path}: {len(alive)} live node(s) attached: {names}",
             [n.to_json() for n in alive], path=path,
             hint="stop the serving processes (or let their lease lapse), then retry")
+
+
+def _refuse_manager(pool, path: str) -> None:
+    """Sync mode manager: a lock manager heartbeating (watched for up to a
+    lease) would carry on with the old geometry - writing its words into
+    what the new format puts there.  Refused, even with --force."""
+    from cxlkv.state import protocol as P
+
+    if P.manager_alive(pool):
+        raise RefusedError(
+            f"refusing to reformat {path}: a lock manager is active for it "
+            f"({P.describe_manager(pool)})", path=path,
+            hint="stop the lock managers on every host first (systemctl stop "
+                 "cxlkv-lock-manager@POOL and cxlkv-serve@POOL when it runs one with "
+                 "--with-lock-manager), then retry")
 
 
 def _group_id(group: str | None) -> int | None:

@@ -175,16 +175,37 @@ def decode(raw: bytes | bytearray | memoryview, *, copy: str = "A") -> Superbloc
 
 def _needs(s: L.SuperblockStruct) -> str:
     """Which cxlkv a pool needs: the one that formatted it (its `creator`,
-    trusted once the checksum holds), or at least a newer one."""
+    trusted once the checksum holds) when that is newer than this one, else
+    (an older or unparsable creator: it cannot be what is missing) at least a
+    newer one."""
     from cxlkv import __version__
 
     creator = s.creator.split(b"\0", 1)[0].decode("utf-8", "replace")
     made_by = creator.split()[1] if creator.startswith("cxlkv ") and len(creator.split()) > 1 \
         else None
-    if made_by and made_by != __version__:
+    if made_by and _version_key(made_by) is not None and _version_key(__version__) is not None \
+            and _version_key(made_by) > _version_key(__version__):
         return (f"it was formatted by {creator}: use cxlkv {made_by} or later "
                 f"(this is cxlkv {__version__})")
     return f"it needs a newer cxlkv than this one ({__version__}): upgrade cxlkv to use it"
+
+
+def _version_key(text: str):
+    """A comparable version (packaging's when it is installed, else a tuple of
+    the leading dot-separated integers); None when it cannot be read."""
+    try:
+        from packaging.version import InvalidVersion, Version
+    except ImportError:                         # pragma: no cover - packaging is common
+        Version = None
+    if Version is not None:
+        try:
+            return Version(text)
+        except InvalidVersion:
+            return None
+    import re
+
+    m = re.match(r"(\d+(?:\.\d+)*)", text)
+    return tuple(int(x) for x in m.group(1).split(".")) if m else None
 
 
 def _validate(s: L.SuperblockStruct, where: str) -> Superblock:

@@ -111,6 +111,11 @@ def _check_locks(pool, rep: Report, live: set[int]) -> None:
             rep.error("lock-owner", "lock", f"held by token {h.owner:#x}, which is not an "
                                             "attached node")
     ents = K.read_entries(pool)
+    if pool.sb.sync == "cas":
+        queued = ((ents["state"] == L.LOCK_WAITING) | (ents["state"] == L.LOCK_LOCKED)).any()
+        if h.next_ticket > h.now_serving and not live and not queued:
+            rep.error("lock-tickets", "lock", f"{h.next_ticket - h.now_serving} ticket(s) taken "
+                      "by nodes that are gone: the next lock waits a lease for each")
     for slot in np.flatnonzero(ents["state"] != L.LOCK_IDLE):
         st, ep = int(ents["state"][slot]), int(ents["epoch"][slot])
         where = f"lock entry {slot}"

@@ -513,19 +513,26 @@ class Attachment:
                 return
 
     def _reap_loop(self) -> None:
-        """Reaper thread: judges the other nodes and recovers the dead ones."""
+        """Reaper thread: judges the other nodes and recovers the dead ones.
+
+        It ends only when told to (detach sets the stop flag before the
+        mapping is closed) or when this node is fenced; a failed round - a
+        recovery tripping over damage, an I/O error - is logged (once per
+        distinct error, in reap_error) and the next round tries again."""
         while not self._stop.wait(self.interval):
             if self.fenced:
                 return
             try:
                 self._reap_dead()
-            except (ValueError, OSError):   # mapping closed under us
-                return
             except Exception as e:          # noqa: BLE001 - keep reaping; say why once
-                if str(e) != self.reap_error:
-                    self.reap_error = str(e)
-                    sys.stderr.write(f"cxlkv: reaping in {self.pool.path} failed: "
-                                     f"{type(e).__name__}: {e}\n")
+                if self._stop.is_set():
+                    return                  # the mapping is being closed under us
+                msg = f"{type(e).__name__}: {e}"
+                if msg != self.reap_error:
+                    self.reap_error = msg
+                    sys.stderr.write(f"cxlkv: reaping in {self.pool.path} failed: {msg}\n")
+            else:
+                self.reap_error = ""
 
     def detach(self) -> None:
         lock = getattr(self.pool, "_lock", None)

@@ -25,18 +25,37 @@ and after.  In order:
  6. slabs owned by tokens that are not attached nodes: their unpublished
     slots freed, the slab orphaned (any node adopts it), released if empty.
 
-Without live nodes this runs on its own (nothing else writes the pool);
-with --force and live nodes it attaches as a node and runs 3-6 under the
-pool lock (2 takes the lock itself, per node).
+Liveness is judged once, before anything is written: nodes of this host at
+once, nodes of other hosts by watching their heartbeats for up to a lease.
+A node still undecided when the watch ends counts as alive.  Only slots
+judged dead are reaped, each with the control word that was judged (a slot
+that changed since - a node that re-attached - is never fenced); the node
+table is read again before acting and the repair stops with an operational
+error naming the node when a slot changed under it.
+
+Without live nodes this runs on its own (nothing else writes the pool).  In
+sync mode cas it first blocks new attaches: every free slot is taken by a
+placeholder node of this process (a process that tries to attach meanwhile
+finds the table full; a placeholder left by a repair that was killed is
+judged dead at once on this host and reaped), and they are freed at the end.
+In sync mode manager the lock manager grants slots, so new attaches are only
+detected: the repair stops with an operational error when a node attached
+while it ran (run it again).  With --force and live nodes it attaches as a
+node and runs 3-6 under the pool lock (2 takes the lock itself, per node);
+nodes attaching meanwhile are left alone.  Attaching is recorded in
+`attached`, not as a repair.
 """
 from __future__ import annotations
 
+import socket
 import time
+import uuid as uuidlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from cxlkv.errors import LiveNodesError
+from cxlkv import __version__
+from cxlkv.errors import CxlkvError, LiveNodesError
 from cxlkv.pool import layout as L
 from cxlkv.pool.pool import Pool
 from cxlkv.state import alloc as A
@@ -45,6 +64,9 @@ from cxlkv.state import locks as K
 from cxlkv.state import nodes as N
 
 _F = A._F
+_CONTROL = L.field_offset(L.NodeStruct, "control")
+_HEARTBEAT = L.field_offset(L.NodeStruct, "heartbeat")
+_MGR_LINE = L.field_offset(L.NodeStruct, "mgr_control")
 
 
 @dataclass
@@ -53,6 +75,11 @@ class Repair:
     after: fsck.Report | None = None
     actions: list[dict] = field(default_factory=list)
     attached: bool = False
+    #: slot -> verdict ("alive", "dead", "undecided": counted as alive) of every
+    #: slot in use when the repair began
+    verdicts: dict = field(default_factory=dict)
+    #: free slots held by placeholders while an offline repair runs (sync mode cas)
+    blocked: set = field(default_factory=set)
 
     def did(self, code: str, where: str, message: str) -> None:
         self.actions.append({"code": code, "where": where, "message": message})
@@ -67,6 +94,7 @@ class Repair:
     def to_json(self) -> dict:
         return {"clean": self.after.clean if self.after else self.before.clean,
                 "exit_code": self.exit_code, "attached": self.attached,
+                "nodes": {str(k): v for k, v in sorted(self.verdicts.items())},
                 "before": self.before.to_json(), "repairs": self.actions,
                 "after": self.after.to_json() if self.after else None}
 
@@ -80,9 +108,13 @@ def repair(path: str, *, force: bool = False, notice=None) -> Repair:
     pool = Pool.open(path, writable=True, force=force)
     try:
         rep = Repair(fsck.check(pool))
-        live = N.live_nodes(pool, observe=True, notice=notice)
+        judged = judge_nodes(pool, notice=notice)
+        rep.verdicts = {slot: v for slot, (_, v) in judged.items()}
+        live = [n for n, v in judged.values() if v != "dead"]
         if live and not force:
-            names = ", ".join(n.describe() for n in live)
+            names = ", ".join(n.describe() + ("" if judged[n.slot][1] == "alive"
+                                              else " (not judged yet: counted as alive)")
+                              for n in live)
             raise LiveNodesError(
                 f"refusing to repair {path}: {len(live)} live node(s) attached: {names}",
                 [n.to_json() for n in live], path=path,
@@ -92,31 +124,172 @@ def repair(path: str, *, force: bool = False, notice=None) -> Repair:
         m.set_geometry(*A.geometry(pool))
         m.flush_meta = pool.sb.sync == "manager" or m.noncoherent
         _superblock(pool, rep)
-        if live:
-            pool.attach()                   # the pool lock, for 3-6
-            rep.attached = True
-            rep.did("attached", f"node {pool.node.slot}", "attached as a node to repair under "
-                                                          "the pool lock (--force)")
-        _nodes(pool, rep, {n.slot for n in live})
-        lock = pool.lock() if rep.attached else None
-        if lock is not None:
-            lock.acquire()
         try:
-            tokens = A._live_tokens(pool)
-            _locks(pool, rep, tokens, offline=not rep.attached)
-            _allocator(pool, rep, tokens)
-            from cxlkv.kv.check import repair_kv
-
-            repair_kv(pool, rep, tokens)
-            _dead_owner_slabs(pool, rep, tokens)
-        finally:
+            if live:
+                pool.attach()                   # the pool lock, for 3-6
+                rep.attached = True
+            elif pool.sb.sync == "cas":
+                _block_attaches(pool, rep)
+            _verify_unchanged(pool, rep, judged)
+            _nodes(pool, rep, judged)
+            if not rep.attached:
+                if pool.sb.sync == "cas":
+                    _block_attaches(pool, rep)      # the slots just freed, too
+                _verify_unchanged(pool, rep, judged, after_reaping=True)
+            lock = pool.lock() if rep.attached else None
             if lock is not None:
-                lock.release()
+                lock.acquire()
+            try:
+                tokens = A._live_tokens(pool) - _placeholder_tokens(pool, rep)
+                _locks(pool, rep, tokens, offline=not rep.attached)
+                _allocator(pool, rep, tokens)
+                from cxlkv.kv.check import repair_kv
+
+                repair_kv(pool, rep, tokens)
+                _dead_owner_slabs(pool, rep, tokens)
+            finally:
+                if lock is not None:
+                    lock.release()
+            if not rep.attached:
+                _verify_unchanged(pool, rep, judged, after_reaping=True)
+        finally:
+            _unblock_attaches(pool, rep)
     finally:
         pool.close()
     with Pool.open(path, writable=False, force=force) as p:
         rep.after = fsck.check(p)
     return rep
+
+
+class PoolChanged(CxlkvError):
+    """The node table changed while the repair ran (fsck: operational error)."""
+
+    exit_code = 8
+    kind = "changed"
+
+
+# -- 0. who is alive ---------------------------------------------------------------------
+
+def judge_nodes(pool, *, notice=None, clock=time.monotonic,
+                sleep=time.sleep) -> dict[int, tuple]:
+    """{slot: (NodeInfo as judged, verdict)} for every slot in use.
+
+    Local nodes are decided at once; other hosts' nodes are watched for up
+    to a lease (notice(count, seconds) is called first).  Verdicts: "alive",
+    "dead", or "undecided" (still not judged when the watch ended: never
+    treated as dead).  The NodeInfo of a dead verdict carries the control
+    word that was judged dead.
+    """
+    obs = N.Observer(pool, clock=clock)
+    res = {n.slot: (n, v) for n, v in obs.scan()}
+    pending = {s for s, (_, v) in res.items() if v == "unknown"}
+    lease = pool.sb.lease_ms / 1000.0
+    if pending and notice is not None:
+        notice(len(pending), lease)
+    deadline = clock() + lease + 0.05
+    while pending and clock() < deadline:
+        sleep(min(0.05, lease / 20))
+        for slot in list(pending):
+            n = N.read_slot(pool, slot)
+            v = obs.verdict(n)
+            res[slot] = (n, v)
+            if v != "unknown":
+                pending.discard(slot)
+    return {s: (n, "undecided" if v == "unknown" else v) for s, (n, v) in sorted(res.items())}
+
+
+def _changed(pool, n, why: str) -> PoolChanged:
+    return PoolChanged(
+        f"{pool.path}: {n.describe()} {why} while fsck --repair ran; stopped before touching "
+        "it", path=pool.path,
+        hint="nothing else may attach during an offline repair: stop the engines and "
+             "cxlkv-serve on every host (or use --force) and run fsck --repair again")
+
+
+def _verify_unchanged(pool, rep: Repair, judged: dict, after_reaping: bool = False) -> None:
+    """Read the node table again and stop (PoolChanged) when a node attached
+    since liveness was judged.
+
+    Before reaping: a slot judged dead must still hold the judged word (or
+    be fenced or freed, same epoch, by another reaper); a slot that was free
+    and is in use now is a node that attached meanwhile - an error offline,
+    left alone with --force (we work under the pool lock then; so is a dead
+    slot the live nodes reaped and a new node took).  After
+    reaping (offline only): every slot in use must be one judged dead, same
+    epoch (left for the check after), or a placeholder of ours.
+    """
+    own = pool.node.slot if pool.node is not None else -1
+    for n in N.read_nodes(pool):
+        if n.slot == own or n.slot in rep.blocked:
+            continue
+        was = judged.get(n.slot)
+        if was is None:
+            if not rep.attached:
+                raise _changed(pool, n, "attached")
+            continue
+        j, v = was
+        if v != "dead":
+            continue
+        if n.epoch != j.epoch:
+            if rep.attached:
+                continue                # reaped by a live node's reaper, taken by a new node
+            raise _changed(pool, n, "attached")
+        if after_reaping or n.control == j.control or n.state == "fenced":
+            continue
+        raise _changed(pool, n, f"(judged dead with state word {j.control:#x}, now "
+                                f"{n.control:#x}) changed")
+
+
+def _block_attaches(pool, rep: Repair) -> None:
+    """Offline repair, sync mode cas: take every free slot with a placeholder
+    node (this process's identity), so nothing attaches while we repair."""
+    m = pool.mapping
+    pid, start = N.my_identity()
+    boot, pidns = N.local_boot_id(), N.local_pidns()
+    for slot in range(pool.sb.max_nodes):
+        off = N.node_offset(pool, slot)
+        m.invalidate(off, 64)
+        cur = m.load64(off + _CONTROL)
+        state, epoch = L.node_state(cur)
+        if state != L.NODE_FREE or epoch + 1 >= N.MAX_EPOCH:
+            continue
+        claimed = L.node_control(L.NODE_CLAIMED, epoch + 1)
+        if m.cas64(off + _CONTROL, cur, claimed) != cur:
+            continue                            # taken meanwhile: _verify_unchanged says so
+        s = L.NodeStruct()
+        s.pidns, s.ident_epoch = pidns, epoch + 1
+        s.pid, s.start_time_ns, s.attach_time_ns = pid, start, time.time_ns()
+        s.format_version = L.FORMAT_VERSION
+        s.boot_id[:] = uuidlib.UUID(boot).bytes
+        s.hostname = socket.gethostname().encode()[:63]
+        s.sw_version = f"cxlkv {__version__} fsck".encode()[:31]
+        m.write(off + 64, bytes(s)[64:_MGR_LINE])
+        m.store64(off + _HEARTBEAT, 0)
+        m.flush(off, L.NODE_SIZE)
+        attached = L.node_control(L.NODE_ATTACHED, epoch + 1)
+        m.cas64(off + _CONTROL, claimed, attached)
+        m.flush(off, 64)
+        rep.blocked.add(slot)
+
+
+def _placeholder_tokens(pool, rep: Repair) -> set[int]:
+    """Owner tokens of our placeholders: they own nothing, and phases 3-6 must
+    not take a stray token that happens to equal one for a live node's."""
+    return {(n.slot + 1) | n.epoch << 16 for n in N.read_nodes(pool)
+            if n.slot in rep.blocked}
+
+
+def _unblock_attaches(pool, rep: Repair) -> None:
+    m = pool.mapping
+    for slot in sorted(rep.blocked):
+        off = N.node_offset(pool, slot) + _CONTROL
+        m.invalidate(off, 8)
+        cur = m.load64(off)
+        state, epoch = L.node_state(cur)
+        if state == L.NODE_ATTACHED:
+            m.cas64(off, cur, L.node_control(L.NODE_FREE, epoch))
+            m.flush(off, 8)
+    rep.blocked.clear()
 
 
 # -- 1. superblock ---------------------------------------------------------------------
@@ -133,38 +306,54 @@ def _superblock(pool, rep: Repair) -> None:
 
 # -- 2. nodes --------------------------------------------------------------------------
 
-def _nodes(pool, rep: Repair, live: set[int]) -> None:
-    own = pool.node.slot if pool.node is not None else -1
-    for n in N.read_nodes(pool):
-        if n.slot in live or n.slot == own:
+def _nodes(pool, rep: Repair, judged: dict) -> None:
+    """Reap the slots judged dead, each with the control word that was judged."""
+    for slot, (n, v) in judged.items():
+        if v != "dead":
             continue
         where = f"node {n.slot}"
         if n.state.startswith("unknown"):
-            _force_free(pool, n)
-            rep.did("node-state", where, f"invalid state word {n.control:#x}: slot freed")
+            if _force_free(pool, n):
+                rep.did("node-state", where, f"invalid state word {n.control:#x}: slot freed")
             continue
         if pool.sb.sync == "manager":
             done = _reap_managed(pool, n)
         else:
-            done = N.reap(pool, n.slot, n.control)
-            if not done:                        # changed under us: judge it again next run
+            cur = N.read_slot(pool, n.slot)
+            if cur.epoch == n.epoch and cur.state == "fenced":
+                done = N.reap(pool, n.slot, cur.control)    # another reaper stopped half way
+            else:
+                done = N.reap(pool, n.slot, n.control)
+            if not done:
                 cur = N.read_slot(pool, n.slot)
-                done = cur.state == "free"
+                if rep.attached and cur.epoch != n.epoch:
+                    continue            # reaped by a live node's reaper, taken by a new node
+                if cur.epoch != n.epoch or cur.state not in ("free", "fenced"):
+                    raise _changed(pool, cur, f"(judged dead with state word {n.control:#x}, "
+                                              f"now {cur.control:#x}) changed")
+                done = cur.state == "free"          # another reaper freed it
         if done:
             rep.did("node-reaped", where, f"{n.describe()} ({n.state}, epoch {n.epoch}) was "
                                           "not alive: fenced, recovered and freed")
 
 
-def _force_free(pool, n) -> None:
+def _force_free(pool, n) -> bool:
+    """Free a slot with an invalid state word, unless the word changed since
+    it was judged."""
     m = pool.mapping
     off = N.node_offset(pool, n.slot)
     free = L.node_control(L.NODE_FREE, n.epoch)
     if pool.sb.sync == "manager":
         from cxlkv.state import protocol as P
 
+        if N.read_slot(pool, n.slot).control != n.control:
+            raise _changed(pool, n, "changed")
         P.set_mgr(pool, n.slot, free, 0)
-    m.store64(off + L.field_offset(L.NodeStruct, "control"), free)
+        m.store64(off + _CONTROL, free)
+    elif m.cas64(off + _CONTROL, n.control, free) != n.control:
+        raise _changed(pool, N.read_slot(pool, n.slot), "changed")
     m.flush(off, 64)
+    return True
 
 
 def _reap_managed(pool, n) -> bool:
