@@ -304,6 +304,46 @@ Mapping_slab_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromSsize_t(i);
 }
 
+/* Set one per-slot bit (`field`: CD_PUB or CD_DIRTY) of allocated slots,
+ * flushed in manager mode; -> slots done.  ValueError at the first offset
+ * that is not an allocated slot (the ones before it are done). */
+static PyObject *
+set_slot_bits(Mapping *m, PyObject *const *args, Py_ssize_t nargs, uint64_t field,
+              const char *what)
+{
+    if (nargs_check(nargs, 1, 1, what) < 0 || need_geometry(m, what) < 0 ||
+        check_writable(m, what) < 0)
+        return NULL;
+    Py_buffer in;
+    if (get_offsets(args[0], &in, 0) < 0)
+        return NULL;
+    const uint64_t *offs = in.buf;
+    Py_ssize_t n = in.len / 8, i;
+    const char *err = NULL;
+    for (i = 0; i < n; i++) {
+        uint64_t head, slot, ss;
+        if ((err = decode_slot(m, offs[i], &head, &slot, &ss)))
+            break;
+        uint64_t d = m->desc_base + head * CXLKV_CHUNK_DESC_SIZE;
+        uint64_t w = slot / 64, bit = 1ull << (slot % 64);
+        if (!(pool_load64(m, d + CD_ALLOC + w * 8) & bit)) {
+            err = "slot is not allocated";
+            break;
+        }
+        bit_set(m, d + field + w * 8, bit);
+        if (m->flush_meta)
+            pool_flush(m, d + field + w * 8, 8);
+    }
+    uint64_t bad = i < n ? offs[i] : 0;
+    PyBuffer_Release(&in);
+    if (err) {
+        PyErr_Format(PyExc_ValueError, "%s of offset %llu (item %zd): %s", what,
+                     (unsigned long long)bad, i, err);
+        return NULL;
+    }
+    return PyLong_FromSsize_t(i);
+}
+
 /* slab_mark_freeing(offsets) -> marked
  * Set the dirty bit of allocated slots: "this free has begun".  A free that
  * is recorded before it starts (a foreign free, an eviction) marks the slot
@@ -312,72 +352,12 @@ Mapping_slab_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 PyObject *
 Mapping_slab_mark_freeing(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs_check(nargs, 1, 1, "slab_mark_freeing") < 0 ||
-        need_geometry(m, "slab_mark_freeing") < 0 || check_writable(m, "slab_mark_freeing") < 0)
-        return NULL;
-    Py_buffer in;
-    if (get_offsets(args[0], &in, 0) < 0)
-        return NULL;
-    const uint64_t *offs = in.buf;
-    Py_ssize_t n = in.len / 8, i;
-    const char *err = NULL;
-    for (i = 0; i < n; i++) {
-        uint64_t head, slot, ss;
-        if ((err = decode_slot(m, offs[i], &head, &slot, &ss)))
-            break;
-        uint64_t d = m->desc_base + head * CXLKV_CHUNK_DESC_SIZE;
-        uint64_t w = slot / 64, bit = 1ull << (slot % 64);
-        if (!(pool_load64(m, d + CD_ALLOC + w * 8) & bit)) {
-            err = "slot is not allocated";
-            break;
-        }
-        bit_set(m, d + CD_DIRTY + w * 8, bit);
-        if (m->flush_meta)
-            pool_flush(m, d + CD_DIRTY + w * 8, 8);
-    }
-    uint64_t bad = i < n ? offs[i] : 0;
-    PyBuffer_Release(&in);
-    if (err) {
-        PyErr_Format(PyExc_ValueError, "mark_freeing of offset %llu: %s",
-                     (unsigned long long)bad, err);
-        return NULL;
-    }
-    return PyLong_FromSsize_t(i);
+    return set_slot_bits(m, args, nargs, CD_DIRTY, "slab_mark_freeing");
 }
 
 /* slab_publish(offsets) -> published: mark allocated slots published */
 PyObject *
 Mapping_slab_publish(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs_check(nargs, 1, 1, "slab_publish") < 0 || need_geometry(m, "slab_publish") < 0 ||
-        check_writable(m, "slab_publish") < 0)
-        return NULL;
-    Py_buffer in;
-    if (get_offsets(args[0], &in, 0) < 0)
-        return NULL;
-    const uint64_t *offs = in.buf;
-    Py_ssize_t n = in.len / 8, i;
-    const char *err = NULL;
-    for (i = 0; i < n; i++) {
-        uint64_t head, slot, ss;
-        if ((err = decode_slot(m, offs[i], &head, &slot, &ss)))
-            break;
-        uint64_t d = m->desc_base + head * CXLKV_CHUNK_DESC_SIZE;
-        uint64_t w = slot / 64, bit = 1ull << (slot % 64);
-        if (!(pool_load64(m, d + CD_ALLOC + w * 8) & bit)) {
-            err = "slot is not allocated";
-            break;
-        }
-        bit_set(m, d + CD_PUB + w * 8, bit);
-        if (m->flush_meta)
-            pool_flush(m, d + CD_PUB + w * 8, 8);
-    }
-    uint64_t bad = i < n ? offs[i] : 0;
-    PyBuffer_Release(&in);
-    if (err) {
-        PyErr_Format(PyExc_ValueError, "publish of offset %llu (item %zd): %s",
-                     (unsigned long long)bad, i, err);
-        return NULL;
-    }
-    return PyLong_FromSsize_t(n);
+    return set_slot_bits(m, args, nargs, CD_PUB, "slab_publish");
 }
