@@ -102,6 +102,14 @@ def store_chains(path, n, args=ARGS, gap=0.0):
 
 
 # -- snapshot while serving -----------------------------------------------------------------
+def _published(path) -> int:
+    from cxlkv.kv.area import Area
+    from cxlkv.pool.pool import Pool
+
+    with Pool.open(path, writable=False) as p:
+        return Area(p).header().live
+
+
 def test_snapshot_while_a_writer_stores_then_restore_is_bit_exact(tmp_path, cli):
     # a pool small enough that the writer keeps evicting while we copy
     src = make_pool(tmp_path / "src.pool", size=8 * MiB)
@@ -111,6 +119,11 @@ def test_snapshot_while_a_writer_stores_then_restore_is_bit_exact(tmp_path, cli)
         w.attach(src)
         assert "ns" in w.call(op="kv_open", args=ARGS)
         w.send(op="kv_churn", seed=1, rounds=6000, stem=32, variants=300)
+        # the first snapshot starts once the writer has published something
+        deadline = time.monotonic() + 60
+        while not _published(src):
+            assert time.monotonic() < deadline, "the writer stored nothing in 60 s"
+            select.select([w.p.stdout], [], [], 0.01)
         busy = 0
         while len(snaps) < 3 or not select.select([w.p.stdout], [], [], 0)[0]:
             d = tmp_path / f"snap{len(snaps)}"
