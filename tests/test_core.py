@@ -332,3 +332,22 @@ def test_mapping_past_the_end_of_a_file_is_refused(tmp_path):
 def test_misaligned_buffer_refused():
     with pytest.raises(ValueError, match="aligned"):
         _core.Mapping.from_buffer(memoryview(bytearray(64))[1:])
+
+
+def test_gather_copies_each_buffer_to_its_block_and_skips_none():
+    from cxlkv._core import gather
+
+    bb = 4096
+    srcs = [bytes([i + 1]) * bb for i in range(4)]
+    dst = bytearray(b"\xee" * 4 * bb)
+    assert gather([srcs[0], None, srcs[2], memoryview(srcs[3])], dst, bb) == 3
+    assert dst[:bb] == srcs[0] and dst[bb:2 * bb] == b"\xee" * bb
+    assert dst[2 * bb:] == srcs[2] + srcs[3]
+    with pytest.raises(ValueError, match="destination too small"):
+        gather(srcs, bytearray(3 * bb), bb)
+    with pytest.raises(ValueError, match="block 1 is 10 bytes"):
+        gather([srcs[0], b"x" * 10], dst, bb)
+    with pytest.raises(BufferError):
+        gather([srcs[0]], bytes(bb), bb)            # read-only destination
+    with pytest.raises(TypeError):
+        gather(5, dst, bb)

@@ -17,7 +17,7 @@ except ImportError as e:  # pragma: no cover - depends on the build
 
 #: The interface version this Python code was written against; a stale or
 #: foreign build of the extension is refused at import.
-EXPECTED_ABI = 7
+EXPECTED_ABI = 8
 if _native.ABI_VERSION != EXPECTED_ABI:  # pragma: no cover - depends on the build
     raise ImportError(
         f"cxlkv C core ABI {_native.ABI_VERSION} does not match the Python code "
@@ -45,6 +45,7 @@ layout = _native.layout
 constants = _native.constants
 kv_chain = _native.kv_chain
 kv_keys = _native.kv_keys
+gather = _native.gather
 
-__all__ = ["Mapping", "fence", "sfence", "cpu_info", "layout", "constants", "kv_chain", "kv_keys", "crashpoint",
+__all__ = ["Mapping", "fence", "sfence", "cpu_info", "layout", "constants", "kv_chain", "kv_keys", "gather", "crashpoint",
            "CRASH_ENABLED"]

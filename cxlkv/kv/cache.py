@@ -34,7 +34,8 @@ class KVCache:
 
     def __init__(self, pool, *, model: str, block_tokens: int, block_bytes: int, salt=None,
                  hash: str = "xxh3_128", hash_seed: str | None = None,
-                 quota: int | None = None, spill_dir=None, spill_bytes: int | None = None):
+                 quota: int | None = None, spill_dir=None, spill_bytes: int | None = None,
+                 hot_bytes: int | None = None):
         if pool.node is None:
             raise UsageError("the KV cache needs an attached node: use cxlkv.open_pool()")
         if not isinstance(model, str) or not model:
@@ -79,6 +80,10 @@ class KVCache:
             from cxlkv.kv import spill as SP
 
             SP.enable(pool, spill_dir, spill_bytes)
+        if hot_bytes is not None:
+            from cxlkv.kv import hot as H
+
+            H.enable(pool, hot_bytes)
 
     # -- namespace and tenant records (pool lock held) ------------------------------
     def _open_namespace(self, name: bytes, quota) -> int:
@@ -552,10 +557,14 @@ class KVCache:
         sp = self.pool.__dict__.get("_kv_spill")
         if sp is not None:
             self._promote(sp, keys)
-        n, idx, pay, rec, _ = self._pin(keys)
+        n, idx, pay, rec, ctl = self._pin(keys)
         self._count(lookups=1, hit_blocks=n, miss_blocks=len(keys) - n, loaded_blocks=n,
                     loaded_bytes=n * self.block_bytes)
-        return Loaded(self, pay, rec)
+        hot = self.pool.__dict__.get("_kv_hot")
+        if hot is None or not n:
+            return Loaded(self, pay, rec)
+        return Loaded(self, pay, rec, hot=(hot, keys[:n], idx, ctl,
+                                           hot.lookup(keys, idx, ctl, n, self.block_bytes)))
 
     def load_into(self, tokens, out, start: int = 0) -> int:
         """Copy the matched leading blocks into `out` (a writable buffer of at
@@ -582,12 +591,21 @@ class KVCache:
                 if mv.nbytes < n * self.block_bytes:
                     raise UsageError(f"out holds {mv.nbytes} bytes; {n} matched blocks need "
                                      f"{n * self.block_bytes}")
-                self.m.read_blocks(pay, mv.cast("B")[:n * self.block_bytes]
-                                   if mv.format != "B" or mv.ndim != 1 else
-                                   mv[:n * self.block_bytes], self.block_bytes)
+                bb = self.block_bytes
+                dst = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+                hot = self.pool.__dict__.get("_kv_hot")
+                got = None if hot is None else hot.lookup(keys[start:start + n], idx, ctl, n, bb)
+                if not got or not any(g is not None for g in got):
+                    self.m.read_blocks(pay, dst[:n * bb], bb)
+                else:
+                    _copy_mixed(self.m, pay, got, dst, bb)
                 # a node paused past its lease loses its pins: had that
                 # happened, the blocks may have been reused under the copy
                 n = self._still_valid(idx, ctl)
+                if hot is not None and n:
+                    hot.insert(keys[start:start + n], idx, ctl,
+                               [dst[j * bb:(j + 1) * bb] if got is None or got[j] is None
+                                else None for j in range(n)])
         finally:
             self.m.kv_unpin(self._pins_off, self.area.npins, rec)
         self._count(lookups=1, hit_blocks=n, miss_blocks=max(0, len(keys) - start - n),
@@ -606,15 +624,35 @@ class KVCache:
                 f"block_bytes={self.block_bytes} hash={self.hash}>")
 
 
+def _copy_mixed(m, pay: np.ndarray, got: list, dst: memoryview, bb: int) -> None:
+    """Copy n blocks into dst: the DRAM copies where `got` has one (one C
+    call), runs of the others out of the pool (one C call a run)."""
+    from cxlkv._core import gather
+
+    n, j = len(got), 0
+    gather(got, dst, bb)
+    while j < n:
+        if got[j] is not None:
+            j += 1
+            continue
+        k = j
+        while k < n and got[k] is None:
+            k += 1
+        m.read_blocks(pay[j:k], dst[j * bb:k * bb], bb)
+        j = k
+
+
 class Loaded:
     """Pinned blocks of one load; a context manager yielding their views."""
 
-    def __init__(self, kv: KVCache, payloads: np.ndarray, records: np.ndarray):
+    def __init__(self, kv: KVCache, payloads: np.ndarray, records: np.ndarray, hot=None):
         self._kv = kv
         self.payloads = payloads
         self._records = records
         self._views: list[memoryview] | None = None
         self._released = False
+        # (hot tier, keys, entry indexes, versions, DRAM copy or None per block)
+        self._hot = hot
 
     @property
     def blocks(self) -> int:
@@ -629,10 +667,13 @@ class Loaded:
             raise UsageError("these blocks were released")
         if self._views is None:
             m, bb = self._kv.m, self._kv.block_bytes
+            got = self._hot[4] if self._hot else [None] * len(self.payloads)
             if m.flush_meta:
-                for p in self.payloads:
-                    m.invalidate(int(p), bb)
-            self._views = [m.view(int(p), bb) for p in self.payloads]
+                for p, g in zip(self.payloads, got):
+                    if g is None:
+                        m.invalidate(int(p), bb)
+            self._views = [m.view(int(p), bb) if g is None else memoryview(g)
+                           for p, g in zip(self.payloads, got)]
         return self._views
 
     def __enter__(self) -> list[memoryview]:
@@ -646,6 +687,8 @@ class Loaded:
         if self._released:
             return
         self._released = True
+        if self._hot and self._views is not None:
+            self._remember()
         for v in self._views or ():
             try:
                 v.release()
@@ -653,6 +696,18 @@ class Loaded:
                 pass          # an export (np.frombuffer) outlives the block: documented
         self._views = None
         self._kv.m.kv_unpin(self._kv._pins_off, self._kv.area.npins, self._records)
+
+    def _remember(self) -> None:
+        """Give the blocks read from the pool to the hot tier (still pinned,
+        and only if their entries did not change meanwhile)."""
+        hot, keys, idx, ctl, got = self._hot
+        try:
+            n = self._kv._still_valid(idx, ctl)
+            if n:
+                hot.insert(keys[:n], idx, ctl,
+                           [v if g is None else None for v, g in zip(self._views[:n], got)])
+        except Exception:                 # a cache: never fail a release over it
+            pass
 
     def __del__(self):
         if not self._released:
