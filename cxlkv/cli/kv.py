@@ -171,3 +171,77 @@ def drop_cmd(app: Application, pool, namespace, force, as_json):
                  "and were kept; run the command again when they are released")
         return 1
     return 0
+
+
+@kv_group.command("secret")
+@pool_option(required=True)
+@click.option("--export", "export", metavar="FILE",
+              help="Write the pool's tenant secret to FILE (created mode 0600; an existing "
+                   "file is refused).")
+@click.option("--import", "import_", metavar="FILE",
+              help="Make the secret in FILE (64 hex digits, as --export writes it) the pool's "
+                   "tenant secret.")
+@force_option
+@json_option
+@pass_app
+def secret_cmd(app: Application, pool, export, import_, force, as_json):
+    """Show, export or import the pool's tenant secret.
+
+    Salted tenants' block keys are derived under the pool's tenant secret
+    (HMAC of the tenant's salt), so pools of different racks that share
+    blocks through the remote tier (cxlkv-remote(1)) must hold the same
+    secret: export it from one pool and import it into the others. Without
+    options it prints the secret's fingerprint only, to compare racks.
+    --import is refused while another node is attached or the pool already
+    has salted tenants (their blocks would become unreachable): import into
+    a freshly formatted pool before the serving processes start.
+    """
+    import os
+
+    import cxlkv
+    from cxlkv.errors import RefusedError, UsageError
+    from cxlkv.kv.cache import secret_fingerprint, set_tenant_secret
+
+    if export and import_:
+        raise UsageError("give --export or --import, not both")
+    changed = None
+    if import_:
+        try:
+            text = open(import_, encoding="ascii").read().strip()
+            secret = bytes.fromhex(text)
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise UsageError(f"{import_}: not a tenant secret file ({e})",
+                             hint="cxlkv kv secret --export FILE writes one") from None
+        if len(secret) != 32:
+            raise UsageError(f"{import_}: a tenant secret is 64 hex digits, not {len(text)}")
+        with cxlkv.open_pool(pool, force=force) as p:
+            changed = set_tenant_secret(p, secret, why="the tenant secret")
+            fp = secret_fingerprint(p.sb.tenant_secret)
+    else:
+        with _open_ro(pool, force) as p:
+            secret = bytes(p.sb.tenant_secret)
+        fp = secret_fingerprint(secret)
+        if export:
+            try:
+                fd = os.open(export, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                raise RefusedError(f"{export} exists: not overwriting it",
+                                   hint="remove it or choose another file") from None
+            with os.fdopen(fd, "w") as f:
+                f.write(secret.hex() + "\n")
+    if app.json:
+        doc = {"pool": pool, "fingerprint": fp}
+        if export:
+            doc["exported"] = export
+        if import_:
+            doc["imported"] = import_
+            doc["changed"] = changed
+        app.emit_json(doc)
+    else:
+        if export:
+            app.out.print(f"{pool}: tenant secret written to {export} (mode 0600)")
+        if import_:
+            app.out.print(f"{pool}: tenant secret {'replaced' if changed else 'unchanged (same)'}"
+                          f" from {import_}")
+        app.out.print(f"fingerprint {fp}")
+    return 0

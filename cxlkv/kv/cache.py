@@ -783,3 +783,44 @@ def drop_namespace(pool, name: str) -> dict:
             a.m.zero(a.ns_off(i), L.KV_NS_SIZE)
     return {"namespace": name, "evicted": blocks, "evicted_bytes": nbytes,
             "pinned_left": left - pending, "pending_left": pending, "dropped": not left}
+
+
+def secret_fingerprint(secret: bytes) -> str:
+    """A short public name of a tenant secret (compare racks without showing it)."""
+    import hashlib
+
+    return hashlib.sha256(b"cxlkv-secret-fp\0" + bytes(secret)).hexdigest()[:16]
+
+
+def set_tenant_secret(pool, secret: bytes, *, why: str = "") -> bool:
+    """Replace the pool's tenant secret (the key salted tenants' block keys
+    are derived under); returns whether it changed.  Takes the pool lock.
+
+    Refused while another node is attached (its open KV handles hold salts
+    derived under the old secret) or while salted tenants hold blocks (they
+    would become unreachable)."""
+    from cxlkv import errors as E
+    from cxlkv.state import nodes as N
+
+    secret = bytes(secret)
+    if len(secret) != 32:
+        raise UsageError(f"a tenant secret is 32 bytes, not {len(secret)}")
+    lk = pool.lock()
+    with contextlib.nullcontext() if lk.held_by_me() else lk:
+        if bytes(pool.sb.tenant_secret) == secret:
+            return False
+        area = Area(pool)
+        others = [n for n in N.read_nodes(pool) if n.state in ("attached", "claimed")
+                  and n.slot != pool.node.slot]
+        salted = any(i and r.state == L.KV_REC_ACTIVE and r.blocks
+                     for i, r in enumerate(area.tenant_records()))
+        if others or salted:
+            raise E.RefusedError(
+                f"{pool.path}: {why or 'the tenant secret'} cannot be replaced now "
+                f"({'other nodes are attached' if others else 'salted tenants hold blocks in it'})",
+                path=pool.path,
+                hint="replace it in a freshly formatted pool before any node attaches, or drop "
+                     "the salted tenants' namespaces first")
+        pool.update_superblock(tenant_secret=secret)
+    return True
+

@@ -472,18 +472,11 @@ def _prepare_target(pool, area: Area, doc: dict) -> bool:
     salted = any(t["salt"] != "00" * 16 for t in doc["tenants"])
     if not salted or bytes(pool.sb.tenant_secret) == secret:
         return False
-    others = [n for n in N.read_nodes(pool) if n.state in ("attached", "claimed")
-              and n.slot != pool.node.slot]
-    if others or any(i and r.state == L.KV_REC_ACTIVE
-                     for i, r in enumerate(area.tenant_records())):
-        raise E.RefusedError(
-            f"{pool.path}: the snapshot's tenants were keyed under another pool secret, and "
-            "this pool's secret cannot be replaced now "
-            f"({'other nodes are attached' if others else 'it has tenants of its own'})",
-            path=pool.path,
-            hint="restore into a freshly formatted pool before any node attaches")
-    pool.update_superblock(tenant_secret=secret)
-    return True
+    from cxlkv.kv.cache import set_tenant_secret
+
+    return set_tenant_secret(pool, secret,
+                             why="the snapshot's tenants were keyed under another pool "
+                                 "secret, and this pool's secret")
 
 
 def restore(pool, src, progress=None) -> dict:
