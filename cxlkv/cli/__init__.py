@@ -41,6 +41,8 @@ COMMANDS = {
                "Check a pool's health for cron and Nagios (exit 0/1/2/3), read-only."),
     "install-units": ("cxlkv.cli.install_units", "install_units_cmd",
                       "Install the systemd units (serve, lock manager, health timer)."),
+    "remote": ("cxlkv.cli.remote", "remote_group",
+               "The remote tier's Redis / Valkey cluster: status (exit 0/1/2)."),
 }
 
 

@@ -1,0 +1,206 @@
+"""Remote tier figures (issue 9): put and get throughput of the tier
+(RemoteClient: write-behind push + flush; lookup with verification) against
+a plain pipelined redis-py cluster client moving the same bytes (SET / GET
+pipelines of the same batch size), on the same cluster, in the same run.
+Also the tier's two ways of pipelining (per-node pipelines, the default, and
+redis-py's cluster pipeline) so the default stays the faster one.
+
+    .venv/bin/python bench/remote.py [--mib N] [--batch N] [--nodes H:P,...] [--json]
+
+Without --nodes it starts a 3-master cluster on loopback (cxlkv.remote.testcluster).
+"""
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+
+from cxlkv.remote import RemoteClient, RemoteConfig
+from cxlkv.remote.redis_cluster import RedisClusterTier
+from cxlkv.remote.testcluster import TestCluster
+
+MiB = 1 << 20
+KiB = 1 << 10
+NS = bytes(range(16))
+
+
+def flushall(cfg):
+    """Empty every master (between phases, so memory stays bounded)."""
+    from redis.cluster import ClusterNode, RedisCluster
+
+    rc = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in cfg.endpoints()],
+                      password=cfg.secret())
+    try:
+        rc.flushall(target_nodes=RedisCluster.PRIMARIES)
+    finally:
+        rc.close()
+
+
+def data_set(nbytes, bs, seed):
+    n = max(1, nbytes // bs)
+    rnd = os.urandom(bs + 4096)
+    # distinct contents without generating nbytes of randomness
+    vals = [rnd[(i * 97) % 4096:(i * 97) % 4096 + bs] for i in range(n)]
+    keys = [seed.to_bytes(4, "little") + i.to_bytes(12, "little") for i in range(n)]
+    return keys, vals
+
+
+def tier_run(cfg, keys, vals, bs, batch, strategy):
+    """push everything + flush; then lookup in batches.  Bytes/s each."""
+    tier = (lambda: RedisClusterTier(cfg, strategy=strategy))
+    with RemoteClient(cfg, tier=tier, batch_bytes=batch * (bs + 72)) as rc:
+        rc.lookup(NS, keys[:1], bs, 5.0)                       # connect
+        t0 = time.perf_counter()
+        for k, v in zip(keys, vals):
+            while not rc.push(k, NS, v):                         # queue full: wait a little
+                rc.flush(0.001)
+        assert rc.flush(600)
+        put_s = time.perf_counter() - t0
+        st = rc.stats()
+        assert st["pushed"] == len(keys), st
+        t0 = time.perf_counter()
+        hits = 0
+        for i in range(0, len(keys), batch):
+            got = rc.lookup(NS, keys[i:i + batch], bs, 60.0)
+            hits += sum(g is not None for g in got)
+        get_s = time.perf_counter() - t0
+        assert hits == len(keys), (hits, rc.stats())
+    nbytes = len(keys) * bs
+    return nbytes / put_s, nbytes / get_s
+
+
+def plain_sync(cfg, keys, vals, bs, batch):
+    """redis-py's synchronous cluster client: SET / GET pipelines of `batch`."""
+    from redis.cluster import ClusterNode, RedisCluster
+
+    rc = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in cfg.endpoints()],
+                      password=cfg.secret())
+    names = [b"plain:" + k.hex().encode() for k in keys]
+    try:
+        rc.ping()
+        t0 = time.perf_counter()
+        for i in range(0, len(keys), batch):
+            p = rc.pipeline(transaction=False)
+            for n, v in zip(names[i:i + batch], vals[i:i + batch]):
+                p.set(n, v)
+            p.execute()
+        put_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        got = 0
+        for i in range(0, len(keys), batch):
+            p = rc.pipeline(transaction=False)
+            for n in names[i:i + batch]:
+                p.get(n)
+            got += sum(v is not None for v in p.execute())
+        get_s = time.perf_counter() - t0
+        assert got == len(keys)
+    finally:
+        rc.close()
+    nbytes = len(keys) * bs
+    return nbytes / put_s, nbytes / get_s
+
+
+def plain_async(cfg, keys, vals, bs, batch):
+    """redis-py's asyncio cluster client: the same pipelines."""
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+    names = [b"aplain:" + k.hex().encode() for k in keys]
+
+    async def run():
+        rc = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in cfg.endpoints()],
+                          password=cfg.secret())
+        try:
+            await rc.initialize()
+            t0 = time.perf_counter()
+            for i in range(0, len(keys), batch):
+                p = rc.pipeline(transaction=False)
+                for n, v in zip(names[i:i + batch], vals[i:i + batch]):
+                    p.set(n, v)
+                await p.execute()
+            put_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            got = 0
+            for i in range(0, len(keys), batch):
+                p = rc.pipeline(transaction=False)
+                for n in names[i:i + batch]:
+                    p.get(n)
+                got += sum(v is not None for v in await p.execute())
+            get_s = time.perf_counter() - t0
+            assert got == len(keys)
+        finally:
+            await rc.aclose()
+        return put_s, get_s
+
+    put_s, get_s = asyncio.run(run())
+    nbytes = len(keys) * bs
+    return nbytes / put_s, nbytes / get_s
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mib", type=int, default=256, help="bytes moved per phase (MiB)")
+    ap.add_argument("--batch", type=int, default=32, help="blocks per pipeline / lookup")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions (the median is kept)")
+    ap.add_argument("--nodes", default=None, help="an existing cluster (its data is FLUSHED)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    cluster = None
+    if a.nodes:
+        cfg = RemoteConfig(nodes=a.nodes, ttl_s=0, queue_bytes=1024 * MiB)
+    else:
+        cluster = TestCluster(masters=3).__enter__()
+        cfg = RemoteConfig(nodes=tuple(cluster.addrs), ttl_s=0, queue_bytes=1024 * MiB)
+    rep = {"mib": a.mib, "batch": a.batch, "reps": a.reps, "cpus": os.cpu_count(), "sizes": {}}
+    G = 1e9
+    try:
+        for bs in (256 * KiB, 64 * KiB):
+            keys, vals = data_set(a.mib * MiB, bs, seed=bs)
+            runs = {"tier_node": [], "tier_pipeline": [], "plain_sync": [], "plain_async": []}
+            for _ in range(a.reps):
+                for name in runs:
+                    flushall(cfg)
+                    if name.startswith("tier"):
+                        r = tier_run(cfg, keys, vals, bs, a.batch, name.split("_")[1])
+                    elif name == "plain_sync":
+                        r = plain_sync(cfg, keys, vals, bs, a.batch)
+                    else:
+                        r = plain_async(cfg, keys, vals, bs, a.batch)
+                    runs[name].append(r)
+            med = {k: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v))
+                   for k, v in runs.items()}
+            best_put = max(med["plain_sync"][0], med["plain_async"][0])
+            best_get = max(med["plain_sync"][1], med["plain_async"][1])
+            rep["sizes"][bs] = {
+                **{f"{k}_put_GBps": v[0] / G for k, v in med.items()},
+                **{f"{k}_get_GBps": v[1] / G for k, v in med.items()},
+                "tier_vs_plain_put": med["tier_node"][0] / best_put,
+                "tier_vs_plain_get": med["tier_node"][1] / best_get,
+                "node_vs_pipeline_put": med["tier_node"][0] / med["tier_pipeline"][0],
+                "node_vs_pipeline_get": med["tier_node"][1] / med["tier_pipeline"][1],
+            }
+            flushall(cfg)
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    if a.json:
+        print(json.dumps(rep, indent=1))
+        return
+    print(f"remote tier vs plain redis-py cluster pipelines, {a.mib} MiB per phase, "
+          f"{a.batch} blocks per batch, median of {a.reps}, {os.cpu_count()} CPUs "
+          f"({'cluster ' + a.nodes if a.nodes else '3 masters on loopback'})")
+    for bs, r in rep["sizes"].items():
+        print(f"{bs // KiB} KiB blocks:")
+        for what in ("put", "get"):
+            print(f"  {what}: tier {r[f'tier_node_{what}_GBps']:.2f} GB/s "
+                  f"(cluster-pipeline strategy {r[f'tier_pipeline_{what}_GBps']:.2f}), "
+                  f"plain sync {r[f'plain_sync_{what}_GBps']:.2f}, "
+                  f"plain asyncio {r[f'plain_async_{what}_GBps']:.2f} GB/s -> "
+                  f"tier / best plain = {r[f'tier_vs_plain_{what}']:.2f}x, "
+                  f"node / pipeline strategy = {r[f'node_vs_pipeline_{what}']:.2f}x")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+"""The remote tier: KV blocks shared across racks through an existing Redis
+Cluster or Valkey cluster (never a store of cxlkv's own).
+
+    from cxlkv.remote import RemoteClient, RemoteConfig
+    rc = RemoteClient(RemoteConfig.from_toml("/etc/cxlkv/kv0.toml"))
+
+Modules: `value` (the value format), `config` (RemoteConfig), `tier`
+(the RemoteTier interface and the synchronous RemoteClient),
+`redis_cluster` (RemoteTier on redis-py's asyncio cluster client),
+`status` (what `cxlkv remote status` reports), `testcluster` (a real
+cluster on loopback for tests and benches).
+"""
+from cxlkv.remote.config import RemoteConfig
+from cxlkv.remote.tier import (Batch, RemoteClient, RemoteError, RemoteTier, RemoteUnavailable,
+                               key_name, ns_hash_name)
+from cxlkv.remote.value import CorruptValue
+
+__all__ = ["RemoteConfig", "RemoteClient", "RemoteTier", "RemoteError", "RemoteUnavailable",
+           "Batch", "CorruptValue", "key_name", "ns_hash_name"]

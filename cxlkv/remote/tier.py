@@ -1,0 +1,633 @@
+"""The remote tier's interface (`RemoteTier`, asyncio) and its synchronous
+facade for ordinary threaded code (`RemoteClient`).
+
+    from cxlkv.remote import RemoteClient, RemoteConfig
+
+    rc = RemoteClient(RemoteConfig(nodes=("10.0.1.5:6379",), wait_replicas=1))
+    rc.register_namespace(ns_digest, "llama-3-8b/bf16/paged16")
+    views = rc.lookup(ns_digest, keys, block_bytes, budget_s=0.005)   # memoryview | None each
+    rc.exists(ns_digest, keys, budget_s=0.002)                        # bool each
+    rc.push(key, ns_digest, payload)        # write-behind: True queued, False dropped / known
+    rc.flush(5.0); rc.stats(); rc.close()
+
+RemoteClient never raises to its caller once constructed: a slow cluster is
+a timeout, a down one an error, both answered as misses within the caller's
+budget and counted in stats(); a full queue, a down cluster and a cluster
+over its memory budget drop pushes (counted per kind, one log line per
+kind).  One background thread runs an asyncio loop with every cluster
+connection; callers' threads only queue work for it and wait for answers.
+
+Keys in the cluster: `<prefix><ns8>:<key32>` - the namespace digest's first
+8 hex digits, then the 16-byte block key in hex - and the hash
+`<prefix>ns` maps each namespace digest (32 hex) to its name.  Values are
+`cxlkv.remote.value`: a 72-byte header + payload, written with SET NX (blocks
+are immutable: content-addressed) and EX ttl_s.
+"""
+from __future__ import annotations
+
+import abc
+import asyncio
+import collections
+import concurrent.futures
+import sys
+import threading
+import time
+
+from cxlkv.errors import EXIT_DEVICE, CxlkvError
+from cxlkv.remote import value as V
+from cxlkv.remote.config import RemoteConfig
+
+#: the writer sends batches of at most this many value bytes (pipelined)
+BATCH_BYTES = 8 << 20
+#: lookups split in concurrent chunks of about this many value bytes, so
+#: that a budget running out still returns the chunks that arrived
+CHUNK_BYTES = 4 << 20
+#: how often the writer reads the cluster's used_memory when max_bytes is set
+BUDGET_POLL_S = 2.0
+#: after the cluster was found unreachable, lookups are misses and pushes are
+#: dropped at once for this long (then the next call tries again)
+RETRY_S = 1.0
+
+
+class RemoteError(CxlkvError):
+    """The remote cluster answered with an error."""
+
+    exit_code = EXIT_DEVICE
+    kind = "remote"
+
+
+class RemoteUnavailable(RemoteError):
+    """The remote cluster cannot be reached (no node answers, connection
+    refused or timed out, authentication refused, slots not served)."""
+
+    kind = "remote-unavailable"
+
+
+class Batch(list):
+    """A tier's answer for a batch: one entry per key, in order.  `failed`:
+    how many keys got no answer (their entry is None); `error`: the first
+    failure, as text.  put_many entries are True (stored), False (the key
+    was there already: NX) or None (failed); `replicated[i]` is True when
+    WAIT confirmed the replicas asked for after the write."""
+
+    def __init__(self, items=(), failed: int = 0, error: str | None = None,
+                 replicated: list | None = None):
+        super().__init__(items)
+        self.failed = failed
+        self.error = error
+        self.replicated = replicated
+
+
+class RemoteTier(abc.ABC):
+    """A key-value store shared by racks (cluster key names and values as
+    bytes).  Methods raise RemoteUnavailable when nothing can be reached; a
+    partial failure is reported in the returned Batch."""
+
+    @abc.abstractmethod
+    async def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        """The values of `keys` (None: absent or failed)."""
+
+    @abc.abstractmethod
+    async def put_many(self, items: list[tuple[bytes, bytes]], ttl_s: int, *,
+                       wait_replicas: int = 0, wait_timeout_s: float = 1.0) -> list[bool]:
+        """SET each (key, value) if absent (NX), with expiry ttl_s (0: none).
+        With wait_replicas > 0, wait for that many replicas of every master
+        written to (at most wait_timeout_s) and report it in `replicated`."""
+
+    @abc.abstractmethod
+    async def exists_many(self, keys: list[bytes]) -> list[bool]:
+        """Whether each key is present (False: absent or failed)."""
+
+    async def delete_many(self, keys: list[bytes]) -> int:
+        """Delete keys; how many were there."""
+        raise NotImplementedError
+
+    async def set_names(self, hash_key: bytes, mapping: dict[str, str]) -> None:
+        """HSETNX each field of `mapping` into the hash `hash_key`."""
+        raise NotImplementedError
+
+    async def used_memory(self) -> int:
+        """Memory the store uses, in bytes (Redis: used_memory summed over masters)."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release every connection."""
+
+
+def key_name(prefix: str, ns_digest: bytes, key: bytes) -> bytes:
+    """The cluster key of block `key` of namespace `ns_digest`."""
+    return f"{prefix}{bytes(ns_digest)[:4].hex()}:{bytes(key).hex()}".encode()
+
+
+def ns_hash_name(prefix: str) -> bytes:
+    return f"{prefix}ns".encode()
+
+
+def _keys16(keys) -> list[bytes]:
+    out = [bytes(k) for k in keys]
+    for k in out:
+        if len(k) != 16:
+            raise ValueError(f"a block key is 16 bytes, not {len(k)}")
+    return out
+
+
+def _digest16(d) -> bytes:
+    d = bytes(d)
+    if len(d) != 16:
+        raise ValueError(f"a namespace digest is 16 bytes, not {len(d)}")
+    return d
+
+
+def _log(msg: str) -> None:
+    sys.stderr.write(f"cxlkv: remote: {msg}\n")
+
+
+_COUNTERS = ("lookups", "hits", "misses", "hit_bytes", "corrupt", "incompatible", "deleted",
+             "timeouts", "errors", "skipped", "exists_checked", "pushed", "pushed_bytes",
+             "pushed_replicated", "present", "dropped_queue-full", "dropped_unavailable",
+             "dropped_over-budget", "dropped_closed")
+
+
+class RemoteClient:
+    """The synchronous facade (see the module doc).  `tier`: a RemoteTier, or
+    a callable returning one (called on the client's loop thread); default:
+    RedisClusterTier(config)."""
+
+    def __init__(self, config: RemoteConfig | None = None, *, tier=None,
+                 batch_bytes: int = BATCH_BYTES, chunk_bytes: int = CHUNK_BYTES,
+                 budget_poll_s: float = BUDGET_POLL_S, retry_s: float = RETRY_S,
+                 name: str = "cxlkv-remote"):
+        self.config = config if config is not None else RemoteConfig()
+        if tier is None:
+            self.config.require_nodes()
+            self.config.secret()              # a missing password file: an error now
+        self.batch_bytes = max(1, batch_bytes)
+        self.chunk_bytes = max(1, chunk_bytes)
+        self.budget_poll_s = budget_poll_s
+        self.retry_s = retry_s
+        self._prefix = self.config.prefix
+        self._mu = threading.Lock()           # queue, counters, flags
+        self._idle = threading.Condition(self._mu)
+        self.counters: collections.Counter = collections.Counter()
+        self._logged: set[str] = set()
+        self._q: collections.deque = collections.deque()
+        self._queued: set[bytes] = set()
+        self._pending = 0                     # value bytes queued or being sent
+        self._writer_busy = False
+        self._wake_sent = False
+        self._down_until = 0.0
+        self._over = False
+        self._used: int | None = None         # last used_memory polled (+ pushed since)
+        self._polled_at = -1e18
+        self._names_done: set[bytes] = set()
+        self._closed = False
+        self.loop = asyncio.new_event_loop()
+        self._wake: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run_loop, name=name, daemon=True)
+        self._thread.start()
+        try:
+            self.tier: RemoteTier = self._call(self._make_tier(tier), None)
+            self._writer_task = self._call(self._start_writer(), None)
+        except BaseException:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(5.0)
+            raise
+
+    # -- the loop thread ----------------------------------------------------------------
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def _call(self, coro, timeout):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def _spawn(self, coro) -> concurrent.futures.Future | None:
+        """Run `coro` on the loop (None when the client is closing: the loop
+        may be gone)."""
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        except RuntimeError:                       # the loop is closed
+            coro.close()
+            return None
+
+    async def _make_tier(self, tier):
+        if tier is None:
+            from cxlkv.remote.redis_cluster import RedisClusterTier
+
+            return RedisClusterTier(self.config)
+        return tier() if callable(tier) and not isinstance(tier, RemoteTier) else tier
+
+    async def _start_writer(self):
+        self._wake = asyncio.Event()
+        return asyncio.get_running_loop().create_task(self._writer())
+
+    # -- bookkeeping --------------------------------------------------------------------
+    def _bump(self, name: str, n: int = 1) -> None:
+        with self._mu:
+            self.counters[name] += n
+
+    def _log_once(self, kind: str, msg: str) -> None:
+        with self._mu:
+            if kind in self._logged:
+                return
+            self._logged.add(kind)
+        _log(f"{self.config.scrub(msg)}; counted in stats(), logged once")
+
+    def _drop(self, kind: str, n: int = 1, err: str | None = None) -> None:
+        self._bump(f"dropped_{kind}", n)
+        self._log_once(f"drop-{kind}", f"dropping pushed blocks ({kind}"
+                                       f"{': ' + err if err else ''})")
+
+    def _down(self, err: str) -> None:
+        with self._mu:
+            self._down_until = time.monotonic() + self.retry_s
+        self._log_once("unavailable", f"cluster unavailable ({err}): lookups are misses, "
+                                      "pushes are dropped until it answers again")
+
+    def _is_down(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    def _name(self, ns_digest: bytes, key) -> bytes:
+        return key_name(self._prefix, ns_digest, key)
+
+    # -- reads ----------------------------------------------------------------------------
+    def lookup(self, ns_digest: bytes, keys, block_bytes: int,
+               budget_s: float) -> list[memoryview | None]:
+        """The payloads of blocks `keys` (16-byte keys) of namespace
+        `ns_digest`, verified; None for each miss.  Returns within budget_s:
+        chunks that have not arrived by then are misses (counted `timeouts`);
+        an unreachable cluster is all misses (`errors`, then `skipped` for
+        RETRY_S).  A damaged value is a miss, counted `corrupt` and deleted
+        in the background; an intact one this reader cannot use (a newer
+        format, another block size) is a miss counted `incompatible`."""
+        start = time.monotonic()
+        deadline = start + max(0.0, budget_s)
+        keys = _keys16(keys)
+        ns_digest = _digest16(ns_digest)
+        n = len(keys)
+        out: list[memoryview | None] = [None] * n
+        if n == 0:
+            return out
+        self._bump("lookups")
+        if self._closed or self._is_down():
+            self._bump("skipped")
+            self._bump("misses", n)
+            return out
+        names = [self._name(ns_digest, k) for k in keys]
+        per = max(1, self.chunk_bytes // (block_bytes + V.HEADER_SIZE))
+        raw = self._fetch(names, per, deadline, "get_many")
+        bad = []
+        hits = 0
+        for i, v in enumerate(raw):
+            if v is None:
+                continue
+            try:
+                out[i] = V.decode(keys[i], ns_digest, block_bytes, v)
+                hits += 1
+            except V.CorruptValue as e:
+                if e.damaged:
+                    self._bump("corrupt")
+                    bad.append((names[i], keys[i]))
+                    self._log_once("corrupt", f"{names[i].decode()}: damaged value ({e}) "
+                                              "deleted: a miss")
+                else:
+                    self._bump("incompatible")
+                    self._log_once("incompatible", f"{names[i].decode()}: {e}: a miss, kept")
+        with self._mu:
+            self.counters["hits"] += hits
+            self.counters["misses"] += n - hits
+            self.counters["hit_bytes"] += hits * block_bytes
+        if bad:
+            self._spawn(self._delete_damaged(ns_digest, block_bytes, bad))
+        return out
+
+    def exists(self, ns_digest: bytes, keys, budget_s: float) -> list[bool]:
+        """Whether each block is in the cluster (values not read nor checked;
+        False for a miss, a timeout or an error), within budget_s."""
+        deadline = time.monotonic() + max(0.0, budget_s)
+        keys = _keys16(keys)
+        ns_digest = _digest16(ns_digest)
+        if not keys:
+            return []
+        self._bump("exists_checked", len(keys))
+        if self._closed or self._is_down():
+            self._bump("skipped")
+            return [False] * len(keys)
+        names = [self._name(ns_digest, k) for k in keys]
+        got = self._fetch(names, 4096, deadline, "exists_many")
+        return [bool(x) for x in got]
+
+    def _fetch(self, names: list[bytes], per: int, deadline: float, op: str) -> list:
+        """Run tier.<op> over chunks of `names` on the loop; what arrived by
+        `deadline` (the rest None).  Counts timeouts and errors."""
+        # the loop answers a little before the deadline with what it has; the
+        # caller waits until the deadline, and gives up on the loop after it
+        left = deadline - time.monotonic()
+        inner = deadline - min(0.005, 0.2 * max(0.0, left))
+        fut = self._spawn(self._gather(op, names, per, inner))
+        if fut is None:
+            return [None] * len(names)
+        try:
+            res, timed_out, err, unavailable = fut.result(max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            self._bump("timeouts")
+            return [None] * len(names)
+        except Exception as e:                     # noqa: BLE001 - never raise to the caller
+            fut.cancel()
+            self._bump("errors")
+            self._log_once("error", f"{op}: {type(e).__name__}: {e}")
+            return [None] * len(names)
+        if timed_out:
+            self._bump("timeouts")
+        if err:
+            self._bump("errors")
+            self._log_once("error", f"{op}: {err}")
+            if unavailable:
+                self._down(err)
+        return res
+
+    async def _gather(self, op: str, names: list[bytes], per: int, deadline: float):
+        fn = getattr(self.tier, op)
+        chunks = [names[i:i + per] for i in range(0, len(names), per)]
+        tasks = [asyncio.ensure_future(fn(c)) for c in chunks]
+        done, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
+        for t in pending:
+            t.cancel()
+        res: list = []
+        err = None
+        unavailable = False
+        for c, t in zip(chunks, tasks):
+            if t in done and not t.cancelled() and t.exception() is None:
+                r = t.result()
+                res.extend(r)
+                if getattr(r, "failed", 0) and err is None:
+                    err = getattr(r, "error", None) or "some keys failed"
+            else:
+                res.extend([None] * len(c))
+                if t in done and not t.cancelled():
+                    e = t.exception()
+                    unavailable = unavailable or isinstance(e, RemoteUnavailable)
+                    err = err or f"{type(e).__name__}: {e}"
+        return res, bool(pending), err, unavailable
+
+    async def _delete_damaged(self, ns_digest: bytes, block_bytes: int, bad) -> None:
+        """Delete damaged values - after reading each again and finding it
+        still damaged (never a value that changed meanwhile, nor one a
+        misrouted answer made look damaged)."""
+        try:
+            names = [nm for nm, _ in bad]
+            again = await self.tier.get_many(names)
+            gone = []
+            for (nm, key), v in zip(bad, again):
+                if v is None:
+                    continue
+                try:
+                    V.decode(key, ns_digest, block_bytes, v)
+                except V.CorruptValue as e:
+                    if e.damaged:
+                        gone.append(nm)
+            if gone:
+                self._bump("deleted", await self.tier.delete_many(gone))
+        except Exception as e:                     # noqa: BLE001 - best effort
+            self._log_once("delete", f"could not delete damaged values ({type(e).__name__}: "
+                                     f"{e})")
+
+    # -- namespace names ------------------------------------------------------------------
+    def register_namespace(self, ns_digest: bytes, name: str) -> None:
+        """Record `name` for `ns_digest` in the cluster's `<prefix>ns` hash
+        (once per namespace and client, in the background, never overwriting)."""
+        field = _digest16(ns_digest).hex()
+        with self._mu:
+            if field.encode() in self._names_done or self._closed:
+                return
+            self._names_done.add(field.encode())
+
+        async def put():
+            try:
+                await self.tier.set_names(ns_hash_name(self._prefix), {field: name})
+            except Exception as e:                 # noqa: BLE001 - retried next time
+                with self._mu:
+                    self._names_done.discard(field.encode())
+                self._log_once("names", f"could not record namespace names "
+                                        f"({type(e).__name__}: {e})")
+
+        self._spawn(put())
+
+    # -- writes ---------------------------------------------------------------------------
+    def push(self, key, ns_digest: bytes, payload) -> bool:
+        """Queue block `key` of namespace `ns_digest` for writing (the payload
+        is copied before returning).  False: dropped (counted) or already
+        queued."""
+        key = _keys16([key])[0]
+        ns_digest = _digest16(ns_digest)
+        size = V.HEADER_SIZE + memoryview(payload).nbytes
+        with self._mu:
+            if self._closed:
+                self.counters["dropped_closed"] += 1
+                return False
+            if key in self._queued:
+                return False
+            kind = ("unavailable" if time.monotonic() < self._down_until
+                    else "over-budget" if self._over
+                    else "queue-full" if self._pending + size > self.config.queue_bytes
+                    else None)
+            if kind is None:
+                self._pending += size
+                self._queued.add(key)
+        if kind is not None:
+            self._drop(kind)
+            return False
+        try:
+            val = V.encode(key, ns_digest, payload)
+        except Exception:
+            self._release([(None, key, size)])
+            raise
+        with self._mu:
+            self._q.append((self._name(ns_digest, key), key, val))
+            wake = not self._writer_busy and not self._wake_sent
+            self._wake_sent = self._wake_sent or wake
+        if wake:
+            try:
+                self.loop.call_soon_threadsafe(self._wake.set)
+            except RuntimeError:                   # closed meanwhile: close() drops it
+                pass
+        return True
+
+    def _release(self, items) -> None:
+        with self._mu:
+            for _, key, val in items:
+                self._pending -= val if isinstance(val, int) else len(val)
+                self._queued.discard(key)
+            self._idle.notify_all()
+
+    async def _writer(self) -> None:
+        while True:
+            if self.config.max_bytes and self._over:
+                # over budget, pushes are dropped before they are queued: read
+                # used_memory every budget_poll_s to notice room again
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self.budget_poll_s)
+                except asyncio.TimeoutError:
+                    pass
+                await self._poll_budget()
+            else:
+                await self._wake.wait()
+            self._wake.clear()
+            with self._mu:
+                self._wake_sent = False
+            while True:
+                with self._mu:
+                    if not self._q:
+                        self._writer_busy = False
+                        self._idle.notify_all()
+                        break
+                    self._writer_busy = True
+                    batch, nbytes = [], 0
+                    while self._q and (not batch or nbytes + len(self._q[0][2])
+                                       <= self.batch_bytes):
+                        item = self._q.popleft()
+                        batch.append(item)
+                        nbytes += len(item[2])
+                try:
+                    await self._send(batch)
+                except asyncio.CancelledError:
+                    self._drop("closed", len(batch))
+                    self._release(batch)
+                    raise
+                except Exception as e:             # noqa: BLE001 - pragma: never raise
+                    self._drop("unavailable", len(batch), f"{type(e).__name__}: {e}")
+                self._release(batch)
+            if self._closed:
+                return
+
+    async def _poll_budget(self) -> None:
+        now = time.monotonic()
+        if now - self._polled_at < self.budget_poll_s:
+            return
+        self._polled_at = now
+        try:
+            used = await asyncio.wait_for(self.tier.used_memory(), self.config.timeout_s)
+        except Exception as e:                     # noqa: BLE001 - keep the last figure
+            self._log_once("budget", f"could not read the cluster's used_memory "
+                                     f"({type(e).__name__}: {e})")
+            return
+        with self._mu:
+            self._used = used
+            self._over = used >= self.config.max_bytes
+
+    async def _send(self, batch) -> None:
+        cfg = self.config
+        if cfg.max_bytes:
+            await self._poll_budget()
+            if self._over:
+                self._drop("over-budget", len(batch))
+                return
+        if self._is_down():
+            self._drop("unavailable", len(batch))
+            return
+        items = [(name, val) for name, _, val in batch]
+        wait_s = min(cfg.timeout_s, 5.0)
+        try:
+            res = await self.tier.put_many(items, cfg.ttl_s, wait_replicas=cfg.wait_replicas,
+                                           wait_timeout_s=wait_s)
+        except RemoteError as e:
+            self._drop("unavailable", len(batch), str(e))
+            if isinstance(e, RemoteUnavailable):
+                self._down(str(e))
+            return
+        stored = stored_bytes = present = failed = repl = 0
+        rep = getattr(res, "replicated", None) or [False] * len(res)
+        for (_, _, val), ok, r in zip(batch, res, rep):
+            if ok is True:
+                stored += 1
+                stored_bytes += len(val) - V.HEADER_SIZE
+                repl += bool(r)
+            elif ok is False:
+                present += 1
+            else:
+                failed += 1
+        with self._mu:
+            self.counters["pushed"] += stored
+            self.counters["pushed_bytes"] += stored_bytes
+            self.counters["pushed_replicated"] += repl
+            self.counters["present"] += present
+            if self._used is not None:
+                self._used += stored_bytes
+                if cfg.max_bytes and self._used >= cfg.max_bytes:
+                    self._over = True
+        if failed:
+            self._drop("unavailable", failed, getattr(res, "error", None))
+        if cfg.wait_replicas and stored > repl:
+            self._log_once("replicas", f"{stored - repl} pushed blocks not confirmed on "
+                                       f"{cfg.wait_replicas} replica(s) within {wait_s:g} s")
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued block is written or dropped; False if
+        `timeout` seconds passed first."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._mu:
+            while self._pending > 0 or self._q or self._writer_busy:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left if left is not None else 1.0)
+        return True
+
+    # -- management -----------------------------------------------------------------------
+    def stats(self) -> dict:
+        with self._mu:
+            c = dict(self.counters)
+            out = {k: c.get(k, 0) for k in _COUNTERS}
+            out["dropped"] = sum(v for k, v in c.items() if k.startswith("dropped_"))
+            out["queue_bytes"] = self.config.queue_bytes
+            out["queued_bytes"] = self._pending
+            out["unavailable"] = time.monotonic() < self._down_until
+            out["over_budget"] = self._over
+            out["max_bytes"] = self.config.max_bytes
+            out["used_memory"] = self._used
+        return out
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Write what is queued (for at most `timeout` seconds; the rest is
+        dropped, counted `dropped_closed`), then release every connection."""
+        if self._closed:
+            return
+        self.flush(timeout)
+        with self._mu:
+            self._closed = True
+            left = list(self._q)
+            self._q.clear()
+        if left:
+            self._drop("closed", len(left))
+            self._release(left)
+
+        async def stop():
+            self._writer_task.cancel()
+            try:
+                await self._writer_task
+            except BaseException:                  # noqa: BLE001
+                pass
+            try:
+                await asyncio.wait_for(self.tier.close(), 5.0)
+            except Exception:                      # noqa: BLE001
+                pass
+
+        try:
+            self._call(stop(), 10.0)
+        except Exception:                          # noqa: BLE001
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10.0)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+    def __enter__(self) -> "RemoteClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RemoteClient(nodes={list(self.config.nodes)!r}, prefix={self._prefix!r})"
