@@ -203,16 +203,17 @@ class ModelKV:
 
 
 def kv_for_model(pool, model, salt=None, *, block_tokens: int = 16, namespace: str | None = None,
-                 quota: int | None = None) -> ModelKV:
+                 quota: int | None = None, **kv_options) -> ModelKV:
     """Open `model`'s namespace in `pool` (an attached cxlkv pool) as tenant `salt`.
 
     block_tokens: tokens per block (16, vLLM's default); the block size
     follows from the model (see the module doc).  namespace: your own name
-    instead of the derived one (it must still be the same model and dtype)."""
+    instead of the derived one (it must still be the same model and dtype).
+    kv_options go to pool.kv (e.g. hot_bytes, remote_read, remote_budget_s)."""
     lay = block_layout(model, block_tokens)
     name = namespace if namespace is not None else model_namespace(model, block_tokens)
     kv = pool.kv(model=name, block_tokens=block_tokens, block_bytes=lay.block_bytes, salt=salt,
-                 quota=quota)
+                 quota=quota, **kv_options)
     return ModelKV(kv, lay, _model_device(model))
 
 

@@ -35,7 +35,8 @@ class KVCache:
     def __init__(self, pool, *, model: str, block_tokens: int, block_bytes: int, salt=None,
                  hash: str = "xxh3_128", hash_seed: str | None = None,
                  quota: int | None = None, spill_dir=None, spill_bytes: int | None = None,
-                 hot_bytes: int | None = None):
+                 hot_bytes: int | None = None, remote_read: bool = False,
+                 remote_budget_s: float | None = None):
         if pool.node is None:
             raise UsageError("the KV cache needs an attached node: use cxlkv.open_pool()")
         if not isinstance(model, str) or not model:
@@ -52,6 +53,11 @@ class KVCache:
             raise UsageError(f"hash must be one of {', '.join(K.HASHES)}, not {hash!r}")
         if quota is not None and (not isinstance(quota, int) or quota < 0):
             raise UsageError("quota must be a byte count >= 0 (0 = no quota)")
+        if not isinstance(remote_read, bool):
+            raise UsageError("remote_read must be True or False")
+        if remote_budget_s is not None and (isinstance(remote_budget_s, bool) or not isinstance(
+                remote_budget_s, (int, float)) or not 0 <= remote_budget_s <= 60):
+            raise UsageError("remote_budget_s must be a number of seconds between 0 and 60")
         if spill_dir is not None and (not isinstance(spill_bytes, int) or spill_bytes < 0):
             raise UsageError("spill_dir needs spill_bytes, the spill store's size in bytes")
         self.pool = pool
@@ -84,6 +90,17 @@ class KVCache:
             from cxlkv.kv import hot as H
 
             H.enable(pool, hot_bytes)
+        self._remote = None
+        if remote_read:
+            from cxlkv.kv import remote as R
+
+            self._remote = R.client_of(pool)
+            if self._remote is None:
+                raise UsageError("remote_read needs the pool's remote tier",
+                                 hint="cxlkv.kv.remote.enable(pool, RemoteConfig(...)) first")
+            self._remote_budget = (R.DEFAULT_BUDGET_S if remote_budget_s is None
+                                   else float(remote_budget_s))
+            self._remote.register_namespace(self._digest, self.name)
 
     # -- namespace and tenant records (pool lock held) ------------------------------
     def _open_namespace(self, name: bytes, quota) -> int:
@@ -225,18 +242,18 @@ class KVCache:
 
     def match(self, tokens) -> int:
         """Leading tokens covered by published blocks (a multiple of block_tokens)."""
-        keys = self._keys(tokens)
-        found = self._lookup(keys)[0]
-        sp = self.pool.__dict__.get("_kv_spill")
-        if sp is not None and found < len(keys):
-            found += sp.run(keys[found:])
-        self._count(lookups=1, hit_blocks=found, miss_blocks=len(keys) - found)
-        return found * self.block_tokens
+        return self._match(self._keys(tokens)) * self.block_tokens
 
     def match_hashes(self, hashes) -> int:
         """Leading blocks present, for chain hashes the caller computed."""
-        keys = self.keys_for_hashes(hashes)
+        return self._match(self.keys_for_hashes(hashes))
+
+    def _match(self, keys: np.ndarray) -> int:
         found = self._lookup(keys)[0]
+        if found < len(keys) and self._remote is not None:
+            # read-through: what the remote tier has is brought into the pool now
+            self._fill(keys)
+            found = self._lookup(keys)[0]
         sp = self.pool.__dict__.get("_kv_spill")
         if sp is not None and found < len(keys):
             found += sp.run(keys[found:])
@@ -521,42 +538,53 @@ class KVCache:
     def load_hashes(self, hashes) -> "Loaded":
         return self._load(self.keys_for_hashes(hashes))
 
-    def _promote(self, sp, keys: np.ndarray) -> int:
-        """Bring the spilled blocks that follow the pool's leading run of
-        `keys` back into the pool (read and verified from disk, stored through
-        the normal store path); returns how many were stored.  Never raises
-        for a full pool or pins: the caller then gets the pool's run only."""
+    def _fill(self, keys: np.ndarray) -> None:
+        """Bring the blocks the lower tiers hold after the pool's leading run
+        of `keys` into the pool: the spill tier's first, then the remote
+        tier's (read-through namespaces)."""
+        sp = self.pool.__dict__.get("_kv_spill")
+        if sp is not None:
+            self._promote(keys, lambda ks: _spilled(sp, ks, self._digest, self.block_bytes),
+                          sp.promote_failed, lambda n: sp._bump("promoted", n))
+        if self._remote is not None:
+            rc = self._remote
+            self._promote(keys, lambda ks: _leading(rc.lookup(self._digest, ks, self.block_bytes,
+                                                              self._remote_budget)),
+                          lambda e: rc._bump("promote_failed"),
+                          lambda n: rc._bump("promoted", n))
+
+    def _promote(self, keys: np.ndarray, fetch, failed, promoted) -> int:
+        """Store the blocks `fetch(keys after the pool's leading run)` returns
+        (a leading run of buffers) through the normal store path, chained
+        under the run (pinned meanwhile); returns how many were stored.
+        Never raises for a full pool or pins: the caller then gets the pool's
+        run only."""
         lead = self._lookup(keys)[0]
-        if lead >= len(keys) or not sp.run(keys[lead:lead + 1]):
+        if lead >= len(keys):
+            return 0
+        got = fetch(keys[lead:])
+        if not got:
             return 0
         try:
-            # the leading run stays pinned so the promoted blocks chain under it
             base, _, _, rec, _ = self._pin(keys[:lead])
         except TooManyPins:
             return 0
         try:
-            items: list = [None] * base
-            for j in range(base, len(keys)):
-                b = sp.get(bytes(keys[j]), self._digest, self.block_bytes)
-                if b is None:
-                    break
-                items.append(b)
-            if len(items) == base:
+            if base != lead:                  # evicted meanwhile: nothing to chain under
                 return 0
+            items = [None] * base + list(got)
             try:
-                got = self._store(keys[:len(items)], None, items)
+                n = self._store(keys[:len(items)], None, items)
             except (KVPoolFull, KVTableFull, QuotaExceeded) as e:
-                sp.promote_failed(e)
+                failed(e)
                 return 0
-            sp._bump("promoted", got)
-            return got
+            promoted(n)
+            return n
         finally:
             self.m.kv_unpin(self._pins_off, self.area.npins, rec)
 
     def _load(self, keys) -> "Loaded":
-        sp = self.pool.__dict__.get("_kv_spill")
-        if sp is not None:
-            self._promote(sp, keys)
+        self._fill(keys)
         n, idx, pay, rec, ctl = self._pin(keys)
         self._count(lookups=1, hit_blocks=n, miss_blocks=len(keys) - n, loaded_blocks=n,
                     loaded_bytes=n * self.block_bytes)
@@ -582,9 +610,7 @@ class KVCache:
             raise UsageError("out must be a writable buffer") from None
         if mv.readonly or not mv.c_contiguous:
             raise UsageError("out must be a writable C-contiguous buffer")
-        sp = self.pool.__dict__.get("_kv_spill")
-        if sp is not None:
-            self._promote(sp, keys)
+        self._fill(keys)
         n, idx, pay, rec, ctl = self._pin(keys, start)
         try:
             if n:
@@ -622,6 +648,27 @@ class KVCache:
     def __repr__(self) -> str:
         return (f"<cxlkv.KVCache {self.name!r} block_tokens={self.block_tokens} "
                 f"block_bytes={self.block_bytes} hash={self.hash}>")
+
+
+def _spilled(sp, keys: np.ndarray, digest: bytes, bb: int) -> list:
+    """The leading run of `keys` the spill store holds, read and verified."""
+    out: list = []
+    if not sp.run(keys[:1]):
+        return out
+    for k in keys:
+        b = sp.get(bytes(k), digest, bb)
+        if b is None:
+            break
+        out.append(b)
+    return out
+
+
+def _leading(blocks: list) -> list:
+    """The blocks up to the first miss."""
+    for i, b in enumerate(blocks):
+        if b is None:
+            return blocks[:i]
+    return blocks
 
 
 def _copy_mixed(m, pay: np.ndarray, got: list, dst: memoryview, bb: int) -> None:

@@ -64,19 +64,23 @@ class Pool:
     def kv(self, *, model: str, block_bytes: int, block_tokens: int = 16, salt=None,
            hash: str = "xxh3_128", hash_seed: str | None = None, quota: int | None = None,
            spill_dir: str | None = None, spill_bytes: int | None = None,
-           hot_bytes: int | None = None):
+           hot_bytes: int | None = None, remote_read: bool = False,
+           remote_budget_s: float | None = None):
         """The KV cache namespace `model` as the tenant named by `salt` (see cxlkv.kv.cache).
 
         hash="sha256_cbor" keys blocks as vLLM does (seed: hash_seed or
         PYTHONHASHSEED); quota sets the tenant's byte quota (0 = none);
         spill_dir / spill_bytes give this process a spill tier on local disk
         for what it evicts (cxlkv.kv.spill); hot_bytes gives this process a
-        DRAM hot tier of recently loaded blocks (cxlkv.kv.hot)."""
+        DRAM hot tier of recently loaded blocks (cxlkv.kv.hot); remote_read
+        lets lookups of this namespace read through the pool's remote tier,
+        waiting at most remote_budget_s for it (cxlkv.kv.remote)."""
         from cxlkv.kv.cache import KVCache
 
         return KVCache(self, model=model, block_tokens=block_tokens, block_bytes=block_bytes,
                        salt=salt, hash=hash, hash_seed=hash_seed, quota=quota,
-                       spill_dir=spill_dir, spill_bytes=spill_bytes, hot_bytes=hot_bytes)
+                       spill_dir=spill_dir, spill_bytes=spill_bytes, hot_bytes=hot_bytes,
+                       remote_read=remote_read, remote_budget_s=remote_budget_s)
 
     def lock(self, timeout: float | None = None):
         """The pool lock as a context manager: `with pool.lock(): ...`.

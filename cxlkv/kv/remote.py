@@ -1,0 +1,200 @@
+"""The KV cache's side of the cross-rack remote tier (cxlkv.remote: a Redis
+Cluster / Valkey the racks already run).
+
+    from cxlkv.kv import remote
+    remote.enable(pool, RemoteConfig.from_toml("/etc/cxlkv/serve.toml"))
+    kv = pool.kv(model=..., block_bytes=..., remote_read=True)   # opt-in per namespace
+    kv.match(tokens)     # pool, spill, then the remote tier within its budget
+
+* Keys in the cluster are the blocks' pool keys: content-addressed, with the
+  namespace and the tenant's salt inside, so blocks are immutable and need no
+  invalidation.  Salted tenants' keys are derived under the pool's tenant
+  secret: racks that share blocks hold the same secret (`cxlkv kv secret
+  --export/--import`); unsalted blocks match regardless.
+* Read-through (serving processes, opt-in per namespace with `remote_read`):
+  when `match`, `load` or `load_into` find the pool's (and the spill tier's)
+  run ending before the request does, the following blocks are fetched
+  within `remote_budget_s`, verified, and stored into the pool through the
+  normal store path (published like any other block, so the next host of the
+  rack hits locally).  A slow or down cluster costs at most the budget and
+  is a miss, never an error.
+* Write-behind (`Pusher`, run by `cxlkv serve`): published blocks of the
+  chosen namespaces are read out of the pool with a version check (never a
+  block that changed while copied) and queued on the client's bounded queue;
+  the client's writer thread sends them.  A full queue or a down cluster
+  drops the work, counted and logged once, never an error.
+"""
+from __future__ import annotations
+
+import fnmatch
+import time
+
+import numpy as np
+
+from cxlkv.errors import UsageError
+from cxlkv.kv.area import Area
+from cxlkv.pool import layout as L
+
+_ATTR = "_kv_remote"
+#: how long a read-through may wait for the cluster by default
+DEFAULT_BUDGET_S = 0.05
+POLICIES = ("all", "reused")
+
+
+def enable(pool, remote):
+    """Give this process's `pool` a remote tier: a RemoteConfig (a client is
+    made, and closed by `disable`) or a RemoteClient (the caller's).  One per
+    pool object; enabling it again with the same client is a no-op."""
+    from cxlkv.remote import RemoteClient, RemoteConfig
+
+    cur = pool.__dict__.get(_ATTR)
+    if cur is not None:
+        if remote is cur[0] or remote == cur[0].config:
+            return cur[0]
+        raise UsageError("this pool already has a remote tier", hint="disable it first")
+    if isinstance(remote, RemoteConfig):
+        client, owned = RemoteClient(remote), True
+    elif isinstance(remote, RemoteClient):
+        client, owned = remote, False
+    else:
+        raise UsageError("remote must be a cxlkv.remote.RemoteConfig or RemoteClient, "
+                         f"not {type(remote).__name__}")
+    pool.__dict__[_ATTR] = (client, owned)
+    return client
+
+
+def disable(pool) -> None:
+    cur = pool.__dict__.pop(_ATTR, None)
+    if cur is not None and cur[1]:
+        cur[0].close()
+
+
+def client_of(pool):
+    cur = pool.__dict__.get(_ATTR)
+    return None if cur is None else cur[0]
+
+
+class Pusher:
+    """Write-behind of published blocks to the remote tier (see the module
+    doc).  `namespaces`: names or shell patterns of the namespaces to push;
+    `policy`: "all" (every published block) or "reused" (blocks loaded at
+    least once after the pusher first saw them)."""
+
+    def __init__(self, pool, client, namespaces, policy: str = "reused",
+                 max_blocks: int = 4096):
+        if policy not in POLICIES:
+            raise UsageError(f"push policy must be one of {', '.join(POLICIES)}, not {policy!r}")
+        pats = [namespaces] if isinstance(namespaces, str) else list(namespaces)
+        if not pats or not all(isinstance(p, str) and p for p in pats):
+            raise UsageError("push namespaces: a list of namespace names or patterns")
+        self.pool, self.client, self.patterns, self.policy = pool, client, pats, policy
+        self.max_blocks = max_blocks
+        self.area = Area(pool)
+        self._done: dict[bytes, int] = {}        # key -> ctl pushed (or found present)
+        self._seen: dict[bytes, int] = {}        # key -> lru stamp when first seen
+        self.exists_budget_s = 1.0
+        self.totals = dict.fromkeys(("scans", "present", "queued", "changed", "refused"), 0)
+
+    def _namespaces(self) -> dict[int, tuple[bytes, str, int]]:
+        out = {}
+        for i, r in enumerate(self.area.ns_records()):
+            if r.state != L.KV_REC_ACTIVE:
+                continue
+            name = r.name.decode("utf-8", "replace")
+            if any(fnmatch.fnmatchcase(name, p) for p in self.patterns):
+                out[i] = (bytes(r.digest), name, r.block_bytes)
+        return out
+
+    def scan(self) -> dict:
+        """One pass over the table: queue what the policy selects and was not
+        pushed yet (at most max_blocks).  Returns this pass's figures."""
+        t0 = time.monotonic()
+        spaces = self._namespaces()
+        got = {"candidates": 0, "present": 0, "queued": 0, "changed": 0, "refused": 0,
+               "seconds": 0.0}
+        if not spaces:
+            return got
+        if self.policy == "reused":
+            with self.pool.lock():
+                self.area.drain_rings()
+        t = self.area.entries()
+        pub = np.flatnonzero(((t["ctl"] & 0xFF) == L.KV_PUBLISHED)
+                             & np.isin(t["ns"], np.fromiter(spaces, dtype=np.uint16)))
+        keys = {}
+        for i in pub.tolist():
+            e = t[i]
+            k = int(e["key_lo"]).to_bytes(8, "little") + int(e["key_hi"]).to_bytes(8, "little")
+            keys[k] = i
+        # forget what left the table (bounded memory)
+        for d in (self._done, self._seen):
+            for k in [k for k in d if k not in keys]:
+                del d[k]
+        for d_ns, name, _ in spaces.values():
+            self.client.register_namespace(d_ns, name)
+        todo = []
+        for k, i in keys.items():
+            if len(todo) >= self.max_blocks:
+                break
+            e = t[i]
+            if self._done.get(k) == int(e["ctl"]):
+                continue
+            if self.policy == "reused":
+                first = self._seen.setdefault(k, int(e["lru"]))
+                if int(e["lru"]) == first:
+                    continue
+            todo.append((k, i))
+        got["candidates"] = len(todo)
+        # what another rack (or an earlier run) already pushed is not sent again
+        by_ns: dict[int, list] = {}
+        for k, i in todo:
+            by_ns.setdefault(int(t[i]["ns"]), []).append((k, i))
+        for ns, items in by_ns.items():
+            digest = spaces[ns][0]
+            there = self.client.exists(digest, [k for k, _ in items], self.exists_budget_s)
+            for (k, i), present in zip(items, there):
+                ctl = int(t[i]["ctl"])
+                if present:
+                    got["present"] += 1
+                    self._done[k] = ctl
+                    continue
+                data = self._copy(i, ctl, int(t[i]["payload"]), int(t[i]["length"]))
+                if data is None:
+                    got["changed"] += 1
+                    continue
+                if not self.client.push(k, digest, data):
+                    # dropped (full queue, cluster down or over budget: counted
+                    # by the client) - stop here, the next scan tries again
+                    got["refused"] += 1
+                    break
+                got["queued"] += 1
+                self._done[k] = ctl
+            else:
+                continue
+            break
+        for f in ("present", "queued", "changed", "refused"):
+            self.totals[f] += got[f]
+        self.totals["scans"] += 1
+        got["seconds"] = round(time.monotonic() - t0, 4)
+        return got
+
+    def _read(self, payload: int, length: int) -> bytes:
+        m = self.pool.mapping
+        if m.flush_meta:
+            m.invalidate(payload, length)
+        return m.read(payload, length)
+
+    def _copy(self, i: int, ctl: int, payload: int, length: int) -> bytes | None:
+        """The block's bytes, or None if its entry changed while they were
+        copied (a seqlock read: the version is read again after the copy)."""
+        m, off = self.pool.mapping, self.area.entry_off(i)
+        if m.flush_meta:
+            m.invalidate(off, 8)
+        if m.load64(off) != ctl:
+            return None
+        data = self._read(payload, length)
+        from cxlkv._core import fence
+
+        fence()
+        if m.flush_meta:
+            m.invalidate(off, 8)
+        return data if m.load64(off) == ctl else None

@@ -1,0 +1,204 @@
+"""The cross-rack tier end to end: two pools stand in for two racks and a
+real Redis Cluster on loopback for the store the racks already run.  A
+prefix stored in rack A's pool is pushed (write-behind, version-checked) and
+matched and loaded bit-exact by a node of rack B (read-through, published
+into B's pool); salted tenants need the racks' shared secret; a down cluster
+costs a lookup at most its budget."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import cxlkv
+from cxlkv.errors import UsageError
+from cxlkv.kv import remote as KR
+from cxlkv.pool.admin import init_pool
+from cxlkv.remote import RemoteClient, RemoteConfig
+from cxlkv.remote.testcluster import TestCluster, skip_reason
+
+MiB = 1 << 20
+BB = 16 * 1024
+SKIP = skip_reason()
+pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with TestCluster(masters=3) as c:
+        yield c
+
+
+def mkpool(path):
+    init_pool(str(path), {"size": 32 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8,
+                          "lease_ms": 2000})
+    return str(path)
+
+
+def data(n, seed):
+    return np.random.default_rng(seed).integers(0, 256, n * BB, dtype=np.uint8).tobytes()
+
+
+def drain(rc, timeout=30.0):
+    assert rc.flush(timeout), rc.stats()
+
+
+def test_a_prefix_stored_in_rack_a_is_loaded_bit_exact_in_rack_b(tmp_path, cluster):
+    a, b = mkpool(tmp_path / "a.pool"), mkpool(tmp_path / "b.pool")
+    cfg = RemoteConfig(nodes=tuple(cluster.addrs), prefix=f"t1-{time.monotonic_ns()}:")
+    toks = list(range(16 * 8))
+    blob = data(8, 1)
+    with cxlkv.open_pool(a) as pa, RemoteClient(cfg) as rca:
+        kva = pa.kv(model="llama/t", block_bytes=BB)
+        assert kva.store(toks, blob) == 8
+        push = KR.Pusher(pa, rca, ["llama/*"], policy="all")
+        got = push.scan()
+        assert got["queued"] == 8 and got["changed"] == 0, got
+        drain(rca)
+        assert rca.stats()["pushed"] == 8
+        assert push.scan()["queued"] == 0              # nothing twice
+    with cxlkv.open_pool(b) as pb:
+        rcb = KR.enable(pb, cfg)
+        try:
+            plain = pb.kv(model="llama/t", block_bytes=BB)
+            assert plain.match(toks) == 0              # not opted in: pool only
+            kvb = pb.kv(model="llama/t", block_bytes=BB, remote_read=True, remote_budget_s=5.0)
+            assert kvb.match(toks) == len(toks)
+            assert rcb.stats()["hits"] == 8
+            # published into rack B's pool: the next host of the rack hits locally
+            assert plain.match(toks) == len(toks)
+            out = bytearray(8 * BB)
+            assert kvb.load_into(toks, out) == 8 and bytes(out) == blob
+            assert rcb.stats()["lookups"] == 1         # the load did not ask again
+            # a longer request: the pool's run, then the remote tier has nothing more
+            assert kvb.match(toks + list(range(1000, 1016))) == len(toks)
+        finally:
+            KR.disable(pb)
+
+
+def test_load_reads_through_and_partial_prefixes_chain(tmp_path, cluster):
+    a, b = mkpool(tmp_path / "a.pool"), mkpool(tmp_path / "b.pool")
+    cfg = RemoteConfig(nodes=tuple(cluster.addrs), prefix=f"t2-{time.monotonic_ns()}:")
+    toks = list(range(16 * 6))
+    blob = data(6, 2)
+    with cxlkv.open_pool(a) as pa, RemoteClient(cfg) as rca:
+        pa.kv(model="m", block_bytes=BB).store(toks, blob)
+        KR.Pusher(pa, rca, "m", policy="all").scan()
+        drain(rca)
+    with cxlkv.open_pool(b) as pb:
+        KR.enable(pb, cfg)
+        try:
+            kvb = pb.kv(model="m", block_bytes=BB, remote_read=True, remote_budget_s=5.0)
+            # rack B already holds the first two blocks; the rest come from the cluster
+            kvb.store(toks[:32], blob[:2 * BB])
+            with kvb.load(toks) as views:
+                assert b"".join(bytes(v) for v in views) == blob
+            assert KR.client_of(pb).stats()["hits"] == 4
+        finally:
+            KR.disable(pb)
+
+
+def test_salted_tenants_share_only_with_the_racks_secret(tmp_path, cluster, cli):
+    a, b, c = (mkpool(tmp_path / f"{n}.pool") for n in "abc")
+    f = tmp_path / "secret"
+    assert cli("kv", "secret", "--pool", a, "--export", f).code == 0
+    assert cli("kv", "secret", "--pool", b, "--import", f).code == 0
+    cfg = RemoteConfig(nodes=tuple(cluster.addrs), prefix=f"t3-{time.monotonic_ns()}:")
+    toks = list(range(16 * 3))
+    blob = data(3, 3)
+    with cxlkv.open_pool(a) as pa, RemoteClient(cfg) as rca:
+        pa.kv(model="m", block_bytes=BB, salt="alice").store(toks, blob)
+        KR.Pusher(pa, rca, "m", policy="all").scan()
+        drain(rca)
+    for path, want in ((b, len(toks)), (c, 0)):
+        with cxlkv.open_pool(path) as p:
+            KR.enable(p, cfg)
+            try:
+                kv = p.kv(model="m", block_bytes=BB, salt="alice", remote_read=True,
+                          remote_budget_s=5.0)
+                assert kv.match(toks) == want, path
+                assert p.kv(model="m", block_bytes=BB, salt="bob", remote_read=True,
+                            remote_budget_s=5.0).match(toks) == 0
+            finally:
+                KR.disable(p)
+
+
+def test_the_reused_policy_pushes_blocks_loaded_after_they_were_seen(tmp_path, cluster):
+    a = mkpool(tmp_path / "a.pool")
+    cfg = RemoteConfig(nodes=tuple(cluster.addrs), prefix=f"t4-{time.monotonic_ns()}:")
+    hot_toks, cold_toks = list(range(32)), list(range(500, 532))
+    with cxlkv.open_pool(a) as pa, RemoteClient(cfg) as rca:
+        kv = pa.kv(model="m", block_bytes=BB)
+        kv.store(hot_toks, data(2, 4))
+        kv.store(cold_toks, data(2, 5))
+        push = KR.Pusher(pa, rca, ["m"], policy="reused")
+        assert push.scan()["queued"] == 0              # first sight: nothing reused yet
+        kv.load_into(hot_toks, bytearray(2 * BB))
+        got = push.scan()
+        assert got["queued"] == 2, got
+        drain(rca)
+        assert rca.exists(kv._digest, list(kv._keys(hot_toks)), 5.0) == [True, True]
+        assert rca.exists(kv._digest, list(kv._keys(cold_toks)), 5.0) == [False, False]
+
+
+def test_a_block_that_changes_while_copied_is_not_pushed(tmp_path, cluster, monkeypatch):
+    a = mkpool(tmp_path / "a.pool")
+    cfg = RemoteConfig(nodes=tuple(cluster.addrs), prefix=f"t5-{time.monotonic_ns()}:")
+    with cxlkv.open_pool(a) as pa, RemoteClient(cfg) as rca:
+        kv = pa.kv(model="m", block_bytes=BB)
+        kv.store(list(range(16)), data(1, 6))
+        push = KR.Pusher(pa, rca, ["m"], policy="all")
+        real = push._read
+
+        def read_then_evict(off, n):
+            out = real(off, n)
+            with pa.lock():                            # evicted under the copy
+                kv.area.evict(need_bytes=1 << 40)
+            return out
+
+        monkeypatch.setattr(push, "_read", read_then_evict)
+        got = push.scan()
+        assert got["changed"] == 1 and got["queued"] == 0, got
+
+
+def test_a_down_cluster_costs_a_lookup_at_most_its_budget(tmp_path):
+    b = mkpool(tmp_path / "b.pool")
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()                                          # nothing listens there
+    cfg = RemoteConfig(nodes=(f"127.0.0.1:{port}",), timeout_s=0.5)
+    with cxlkv.open_pool(b) as pb:
+        try:
+            KR.enable(pb, cfg)
+        except Exception as e:                         # a client may refuse at once
+            pytest.fail(f"enable raised {e!r}: the serving path must not fail")
+        try:
+            kv = pb.kv(model="m", block_bytes=BB, remote_read=True, remote_budget_s=0.2)
+            toks = list(range(64))
+            t0 = time.monotonic()
+            assert kv.match(toks) == 0
+            assert kv.load_into(toks, bytearray(4 * BB)) == 0
+            spent = time.monotonic() - t0
+            assert spent < 2 * 0.2 + 0.5, spent
+            kv.store(toks, data(4, 7))                 # the pool keeps working
+            assert kv.match(toks) == len(toks)
+        finally:
+            KR.disable(pb)
+
+
+def test_remote_read_needs_the_tier_and_sane_budgets(tmp_path):
+    b = mkpool(tmp_path / "b.pool")
+    with cxlkv.open_pool(b) as pb:
+        with pytest.raises(UsageError, match="remote tier"):
+            pb.kv(model="m", block_bytes=BB, remote_read=True)
+        with pytest.raises(UsageError):
+            pb.kv(model="m", block_bytes=BB, remote_read="yes")
+        for bad in (-1, 61, True, "1"):
+            with pytest.raises(UsageError):
+                pb.kv(model="m", block_bytes=BB, remote_budget_s=bad)
+        with pytest.raises(UsageError):
+            KR.Pusher(pb, None, ["m"], policy="sometimes")
