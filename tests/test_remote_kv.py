@@ -202,3 +202,112 @@ def test_remote_read_needs_the_tier_and_sane_budgets(tmp_path):
                 pb.kv(model="m", block_bytes=BB, remote_budget_s=bad)
         with pytest.raises(UsageError):
             KR.Pusher(pb, None, ["m"], policy="sometimes")
+
+
+def pattern(kv, toks) -> bytes:
+    return b"".join(h * (BB // len(h)) for h in kv.block_hashes(toks))
+
+
+def test_a_master_killed_mid_run_loses_no_replicated_block(tmp_path):
+    """Rack A stores and pushes (WAIT 1) while rack B reads through; a master
+    is killed -9 in the middle.  Rack B's lookups never wait past their
+    budget, and after the replica took over every block the cluster had
+    confirmed on a replica is matched and loaded bit-exact in rack B."""
+    import threading
+
+    a, b = mkpool(tmp_path / "a.pool"), mkpool(tmp_path / "b.pool")
+    with TestCluster(masters=3, replicas=1) as c:
+        cfg = RemoteConfig(nodes=tuple(c.addrs), wait_replicas=1, timeout_s=1.0)
+        acked: set[bytes] = set()
+        stored: list[list[int]] = []
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def on_written(key, replicated):
+            if replicated:
+                acked.add(bytes(key))
+
+        def rack_a(pa, rca):
+            try:
+                kv = pa.kv(model="m", block_bytes=BB)
+                push = KR.Pusher(pa, rca, ["m"], policy="all")
+                i = 0
+                while not stop.is_set():
+                    toks = [7_000_000 + i * 100 + j for j in range(32)]
+                    kv.store(toks, pattern(kv, toks))
+                    stored.append(toks)
+                    push.scan()
+                    i += 1
+            except BaseException as e:               # noqa: BLE001 - reported below
+                errors.append(e)
+
+        budget, worst = 0.2, 0.0
+        with cxlkv.open_pool(a) as pa, RemoteClient(cfg, on_written=on_written) as rca, \
+                cxlkv.open_pool(b) as pb:
+            KR.enable(pb, RemoteConfig(nodes=tuple(c.addrs), timeout_s=1.0))
+            try:
+                kvb = pb.kv(model="m", block_bytes=BB, remote_read=True, remote_budget_s=budget)
+                t = threading.Thread(target=rack_a, args=(pa, rca), daemon=True)
+                t.start()
+
+                def lookups(until):
+                    nonlocal worst
+                    while not until():
+                        if stored:
+                            t0 = time.monotonic()
+                            kvb.match(stored[len(stored) // 2])
+                            worst = max(worst, time.monotonic() - t0)
+
+                deadline = time.monotonic() + 60
+                lookups(lambda: len(acked) >= 40 or time.monotonic() > deadline)
+                assert len(acked) >= 40, rca.stats()
+                victim = c.master_of_key(KR.client_of(pb)._name(kvb._digest, next(iter(acked))))
+                c.kill(victim)
+                promoted = []
+                th = threading.Thread(target=lambda: promoted.append(c.wait_failover(victim)))
+                th.start()
+                lookups(lambda: not th.is_alive())
+                th.join()
+                stop.set()
+                t.join(60)
+                assert not errors, errors
+                assert rca.flush(30)
+                assert worst < budget + 0.5, worst        # the serving path never blocked
+                # every block confirmed on a replica is in the cluster and comes
+                # through to rack B bit-exact
+                kva = pa.kv(model="m", block_bytes=BB)
+                keyed = {}
+                for toks in stored:
+                    for j, k in enumerate(kva._keys(toks)):
+                        keyed[bytes(k)] = (toks, j)
+                replicated = [keyed[k] for k in acked if k in keyed]
+                assert len(replicated) == len(acked)
+                # rack B's client backs off after errors: read with a fresh one
+                KR.disable(pb)
+                KR.enable(pb, RemoteConfig(nodes=tuple(c.addrs)))
+                kvb_slow = pb.kv(model="m", block_bytes=BB, remote_read=True,
+                                 remote_budget_s=10.0)
+                by_seq: dict[tuple, set] = {}
+                for tk, j in replicated:
+                    by_seq.setdefault(tuple(tk), set()).add(j)
+                checked = 0
+                for toks, js in by_seq.items():
+                    if 0 not in js:
+                        continue                          # its first block was not confirmed
+                    toks = list(toks)
+                    n = kvb_slow.match(toks) // 16
+                    assert n >= (2 if 1 in js else 1), (toks[0], n, js)
+                    out = bytearray(n * BB)
+                    assert kvb_slow.load_into(toks, out) == n
+                    assert bytes(out) == pattern(kvb_slow, toks)[:n * BB]
+                    checked += 1
+                assert checked >= 20
+                fresh = RemoteClient(RemoteConfig(nodes=tuple(c.addrs)))
+                try:
+                    got = fresh.exists(kvb._digest, list(acked), 10.0)
+                finally:
+                    fresh.close()
+                assert all(got), f"{got.count(False)} of {len(got)} replicated blocks lost"
+            finally:
+                stop.set()
+                KR.disable(pb)

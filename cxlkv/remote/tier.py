@@ -157,7 +157,7 @@ class RemoteClient:
     def __init__(self, config: RemoteConfig | None = None, *, tier=None,
                  batch_bytes: int = BATCH_BYTES, chunk_bytes: int = CHUNK_BYTES,
                  budget_poll_s: float = BUDGET_POLL_S, retry_s: float = RETRY_S,
-                 name: str = "cxlkv-remote"):
+                 name: str = "cxlkv-remote", on_written=None):
         self.config = config if config is not None else RemoteConfig()
         if tier is None:
             self.config.require_nodes()
@@ -166,6 +166,9 @@ class RemoteClient:
         self.chunk_bytes = max(1, chunk_bytes)
         self.budget_poll_s = budget_poll_s
         self.retry_s = retry_s
+        #: called on the client's thread with (key, replicated) for each block
+        #: the cluster stored (replicated: confirmed on wait_replicas replicas)
+        self.on_written = on_written
         self._prefix = self.config.prefix
         self._mu = threading.Lock()           # queue, counters, flags
         self._idle = threading.Condition(self._mu)
@@ -539,11 +542,16 @@ class RemoteClient:
             return
         stored = stored_bytes = present = failed = repl = 0
         rep = getattr(res, "replicated", None) or [False] * len(res)
-        for (_, _, val), ok, r in zip(batch, res, rep):
+        for (_, key, val), ok, r in zip(batch, res, rep):
             if ok is True:
                 stored += 1
                 stored_bytes += len(val) - V.HEADER_SIZE
                 repl += bool(r)
+                if self.on_written is not None:
+                    try:
+                        self.on_written(key, bool(r))
+                    except Exception as e:         # noqa: BLE001 - the caller's bug
+                        self._log_once("on-written", f"on_written raised {e!r}")
             elif ok is False:
                 present += 1
             else:
