@@ -311,3 +311,38 @@ def test_a_master_killed_mid_run_loses_no_replicated_block(tmp_path):
             finally:
                 stop.set()
                 KR.disable(pb)
+
+
+def test_serving_processes_export_remote_and_hot_metrics(tmp_path, cluster):
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cxlkv.kv import hot
+
+    a, b = mkpool(tmp_path / "a.pool"), mkpool(tmp_path / "b.pool")
+    cfg = RemoteConfig(nodes=tuple(cluster.addrs), prefix=f"t6-{time.monotonic_ns()}:")
+    toks = list(range(16 * 4))
+    with cxlkv.open_pool(a) as pa, RemoteClient(cfg) as rca:
+        pa.kv(model="m", block_bytes=BB).store(toks, data(4, 8))
+        KR.Pusher(pa, rca, "m", policy="all").scan()
+        drain(rca)
+    with cxlkv.open_pool(b) as pb:
+        KR.enable(pb, cfg)
+        try:
+            reg = CollectorRegistry()
+            reg.register(KR.collector(pb))
+            reg.register(hot.collector(pb))
+            kv = pb.kv(model="m", block_bytes=BB, remote_read=True, remote_budget_s=5.0,
+                       hot_bytes=1 << 20)
+            assert kv.match(toks) == len(toks)
+            kv.load_into(toks, bytearray(4 * BB))
+            kv.load_into(toks, bytearray(4 * BB))
+            got = {s.name: s.value for f in
+                   text_string_to_metric_families(generate_latest(reg).decode())
+                   for s in f.samples}
+        finally:
+            KR.disable(pb)
+    assert got["cxlkv_remote_hit_blocks_total"] == 4
+    assert got["cxlkv_remote_promoted_blocks_total"] == 4
+    assert got["cxlkv_remote_hit_bytes_total"] == 4 * BB
+    assert got["cxlkv_hot_hit_blocks_total"] == 4 and got["cxlkv_hot_blocks"] == 4

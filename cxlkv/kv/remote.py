@@ -198,3 +198,10 @@ class Pusher:
         if m.flush_meta:
             m.invalidate(off, 8)
         return data if m.load64(off) == ctl else None
+
+
+def collector(pool):
+    """A Prometheus collector of `pool`'s remote tier (cxlkv.remote.metrics)."""
+    from cxlkv.remote.metrics import Collector
+
+    return Collector(lambda: client_of(pool))

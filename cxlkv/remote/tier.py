@@ -146,7 +146,9 @@ def _log(msg: str) -> None:
 _COUNTERS = ("lookups", "hits", "misses", "hit_bytes", "corrupt", "incompatible", "deleted",
              "timeouts", "errors", "skipped", "exists_checked", "pushed", "pushed_bytes",
              "pushed_replicated", "present", "dropped_queue-full", "dropped_unavailable",
-             "dropped_over-budget", "dropped_closed")
+             "dropped_over-budget", "dropped_closed",
+             # counted by the KV cache's read-through (cxlkv.kv.cache)
+             "promoted", "promote_failed")
 
 
 class RemoteClient:

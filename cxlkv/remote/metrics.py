@@ -1,0 +1,64 @@
+"""Prometheus metrics of a RemoteClient (prometheus-client): register
+``Collector(client)`` in a serving process's registry, or
+``cxlkv.kv.remote.collector(pool)`` for the pool's remote tier; the node
+agent registers one for the client its write-behind uses."""
+from __future__ import annotations
+
+#: counters of RemoteClient.stats() exported as cxlkv_remote_<name>_total
+COUNTERS = (
+    ("lookups", "lookups", "Read-through lookups sent to the remote tier."),
+    ("hit_blocks", "hits", "Blocks the remote tier returned, verified."),
+    ("miss_blocks", "misses", "Blocks looked up and not returned (absent, late, unreachable)."),
+    ("hit_bytes", "hit_bytes", "Payload bytes the remote tier returned."),
+    ("corrupt_blocks", "corrupt", "Damaged values found (misses, deleted)."),
+    ("incompatible_blocks", "incompatible", "Values of a newer format or another block size "
+                                            "(misses, kept)."),
+    ("timeouts", "timeouts", "Lookups whose budget ran out before every answer arrived."),
+    ("errors", "errors", "Operations the cluster failed."),
+    ("skipped_lookups", "skipped", "Lookups answered as misses at once while the cluster was "
+                                   "unreachable."),
+    ("pushed_blocks", "pushed", "Blocks written to the cluster."),
+    ("pushed_bytes", "pushed_bytes", "Payload bytes written to the cluster."),
+    ("pushed_replicated_blocks", "pushed_replicated", "Written blocks confirmed on "
+                                                       "wait_replicas replicas."),
+    ("present_blocks", "present", "Pushed blocks the cluster already held."),
+    ("promoted_blocks", "promoted", "Remote blocks stored into the pool (read-through)."),
+    ("promote_failed", "promote_failed", "Read-through stores the pool refused (full, "
+                                         "pinned, quota)."),
+)
+DROPS = ("queue-full", "unavailable", "over-budget", "closed")
+
+
+class Collector:
+    """`source`: a RemoteClient, or a callable returning one (or None)."""
+
+    def __init__(self, source):
+        self._source = source if callable(source) else (lambda: source)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        rc = self._source()
+        if rc is None:
+            return
+        s = rc.stats()
+        for name, key, help_ in COUNTERS:
+            yield CounterMetricFamily(f"cxlkv_remote_{name}", help_, value=s.get(key, 0))
+        d = CounterMetricFamily("cxlkv_remote_dropped_blocks", "Pushes dropped, by reason.",
+                                labels=["reason"])
+        for r in DROPS:
+            d.add_metric([r], s.get(f"dropped_{r}", 0))
+        yield d
+        for name, value, help_ in (
+                ("queue_bytes", s.get("queued_bytes", 0), "Value bytes waiting to be pushed."),
+                ("queue_limit_bytes", s.get("queue_bytes", 0), "Bound of the push queue."),
+                ("unavailable", int(bool(s.get("unavailable"))), "1 while the cluster is "
+                                                                 "treated as unreachable."),
+                ("over_budget", int(bool(s.get("over_budget"))), "1 while the cluster's "
+                                                                 "used_memory is at max_bytes."),
+                ("used_memory_bytes", s.get("used_memory") or 0, "The cluster's used_memory, "
+                                                                 "last polled (max_bytes set).")):
+            yield GaugeMetricFamily(f"cxlkv_remote_{name}", help_, value=value)
