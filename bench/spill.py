@@ -1,6 +1,8 @@
 """Spill tier figures (issue 8): spill write and promote throughput vs raw
 sequential file I/O on the same disk (same run), and the hit rate of a trace
-larger than the pool with and without the spill tier.
+larger than the pool without the spill tier, with it (this process owns the
+store) and as a reader of a store another process owns (as under
+`cxlkv serve --spill-dir`).
 
     .venv/bin/python bench/spill.py [--dir DIR] [--mib N] [--json]
 """
@@ -9,6 +11,7 @@ import json
 import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -130,10 +133,22 @@ def spill_throughput(d, pool_path, nbytes):
             "promoted": st2["promoted"], "corrupt": st2["corrupt"]}
 
 
-def hit_rate(d, pool_path, spill):
+OWNER = """
+import sys
+from cxlkv.kv import spill
+st = spill.SpillStore(sys.argv[1], int(sys.argv[2]), mode="owner")
+print("owner", flush=True)
+sys.stdin.read()
+st.close()
+"""
+
+
+def hit_rate(d, pool_path, spill, reader=False):
     """A trace of 4000 requests over 600 prefixes of 8 blocks (1.2 GiB of
     distinct blocks; Zipf-like popularity) through a 256 MiB pool; each request
-    loads what is cached and stores the rest."""
+    loads what is cached and stores the rest.  reader=True: another process
+    owns the store (this one's lookups stat, its writes go through the shared
+    count)."""
     mkpool(pool_path, 256 * MiB)
     rng = random.Random(7)
     nprefix, nreq = 600, 4000
@@ -142,6 +157,11 @@ def hit_rate(d, pool_path, spill):
     trace = np.random.default_rng(7).choice(nprefix, size=nreq, p=w)
     sdir = os.path.join(d, "spill-hr")
     hits = total = 0
+    owner = None
+    if reader:
+        owner = subprocess.Popen([sys.executable, "-c", OWNER, sdir, str(2048 * MiB)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert owner.stdout.readline().strip() == "owner"
     with cxlkv.open_pool(pool_path) as pool:
         kw = {"spill_dir": sdir, "spill_bytes": 2048 * MiB} if spill else {}
         kv = KVCache(pool, model="trace", block_tokens=16, block_bytes=BB, **kw)
@@ -159,7 +179,11 @@ def hit_rate(d, pool_path, spill):
         el = time.perf_counter() - t0
         st = SP.store_of(pool).stats() if spill else None
         if spill:
+            assert st["mode"] == ("reader" if reader else "owner")
             SP.disable(pool)
+    if owner is not None:
+        owner.stdin.close()
+        owner.wait(60)
     shutil.rmtree(sdir, ignore_errors=True)
     return {"hit_rate": hits / total, "seconds": el, "spill": st}
 
@@ -183,6 +207,8 @@ def main():
         h0 = hit_rate(d, pool_path, False)
         os.unlink(pool_path)
         h1 = hit_rate(d, pool_path, True)
+        os.unlink(pool_path)
+        h2 = hit_rate(d, pool_path, True, reader=True)
         rep = {"dir": d, "raw_write_Bps": (rw, rw2), "raw_read_Bps": (rr, rr2), **sp,
                "spill_vs_raw_write": sp["spill_write_Bps"] / ((rw + rw2) / 2),
                "promote_vs_raw_read": sp["promote_Bps"] / ((rr + rr2) / 2),
@@ -190,7 +216,8 @@ def main():
                "store_write_Bps": sw, "store_read_Bps": sr,
                "hit_rate_no_spill": h0["hit_rate"], "hit_rate_spill": h1["hit_rate"],
                "trace_s_no_spill": h0["seconds"], "trace_s_spill": h1["seconds"],
-               "trace_spill_stats": h1["spill"]}
+               "trace_spill_stats": h1["spill"], "hit_rate_spill_reader": h2["hit_rate"],
+               "trace_s_spill_reader": h2["seconds"], "trace_spill_reader_stats": h2["spill"]}
         if a.json:
             print(json.dumps(rep, indent=1, default=float))
         else:
@@ -208,8 +235,9 @@ def main():
             print(f"end to end promote (disk -> verify -> pool store, evicting): {sp['promote_Bps'] / G:.2f} GiB/s "
                   f"({sp['promoted_bytes'] / MiB:.0f} MiB) = {rep['promote_vs_raw_read']:.2f}x raw read")
             print(f"hit rate, trace of 1.2 GiB distinct blocks through a 256 MiB pool: "
-                  f"{h0['hit_rate']:.3f} without spill, {h1['hit_rate']:.3f} with "
-                  f"({h0['seconds']:.1f} s / {h1['seconds']:.1f} s)")
+                  f"{h0['hit_rate']:.3f} without spill, {h1['hit_rate']:.3f} with, "
+                  f"{h2['hit_rate']:.3f} as a reader of another process's store "
+                  f"({h0['seconds']:.1f} s / {h1['seconds']:.1f} s / {h2['seconds']:.1f} s)")
     finally:
         shutil.rmtree(d, ignore_errors=True)
         if os.path.exists(pool_path):

@@ -85,6 +85,22 @@ class Serve:
                 except json.JSONDecodeError:
                     self.log.append(line)
 
+    def drain(self) -> list:
+        """The log so far, with every line already written read in (no wait)."""
+        while True:
+            try:
+                line = self.lines.get_nowait()
+            except queue.Empty:
+                return self.log
+            if line is None:                    # the end: left for wait_log to see
+                self.lines.put(None)
+                return self.log
+            if line:
+                try:
+                    self.log.append(json.loads(line))
+                except json.JSONDecodeError:
+                    self.log.append(line)
+
     def get(self, path):
         try:
             with urllib.request.urlopen(self.url + path, timeout=10) as r:
@@ -584,3 +600,159 @@ def test_slow_device_tools_never_delay_a_tick(agent, monkeypatch):
         assert a.healthz()[0]
     finally:
         release.set()
+
+
+# -- the spill store the agent owns -----------------------------------------------------------
+
+def _pattern(kv, toks):
+    """What NodeProc's kv_store writes: each block its chain hash repeated."""
+    return [h * (kv.block_bytes // len(h)) for h in kv.block_hashes(toks)]
+
+
+def _fill_and_squeeze(q, spool, first: int, nseq: int, other: float):
+    """q stores `nseq` sequences of 8 blocks (numbered from `first`), then
+    allocates `other` of the data area outside the KV cache: free space
+    drops under the low watermark and the agent evicts (LRU: the oldest
+    sequences, whole)."""
+    with Pool.open(spool, writable=False) as p:
+        data = p.sb.regions["data"][1]
+    seqs = [list(range(s * 1000, s * 1000 + 32)) for s in range(first, first + nseq)]
+    for t in seqs:
+        assert q.call(op="kv_store", tokens=t)["stored"] == 8
+    if other:
+        q.call(op="alloc_publish", nbytes=8192, reserved=0,
+               published=int(other * data) // 8192)
+    return seqs, data
+
+
+def _evicted(s, since=0):
+    """Blocks the agent says it evicted (in log lines from `since` on)."""
+    return sum(d["blocks"] for d in s.drain()[since:] if isinstance(d, dict)
+               and d["msg"].startswith("evicted KV blocks"))
+
+
+def test_agent_spills_its_evictions_and_a_reader_promotes_them(spool, serve, tmp_path):
+    import cxlkv
+    from cxlkv.kv import spill as SP
+
+    d = tmp_path / "spill"
+    s = serve(spool, "--spill-dir", str(d), "--spill-bytes", "64M")
+    opened = s.wait_log(lambda x: x["msg"] == "spill store open")
+    assert opened["mode"] == "owner" and opened["max_bytes"] == 64 * MiB
+    q = NodeProc()                                       # a serving process without a store
+    try:
+        q.attach(spool)
+        q.call(op="kv_open", args=dict(model="m", block_tokens=4, block_bytes=BLOCK))
+        with Pool.open(spool, writable=False) as p:
+            nseq = int(0.7 * p.sb.regions["data"][1]) // (8 * BLOCK)
+        seqs, data = _fill_and_squeeze(q, spool, 0, nseq, 0.27)
+        ev = s.wait_log(lambda x: x["msg"].startswith("evicted KV blocks"))
+        assert ev["blocks"] >= 8
+        # every block the agent evicted is written by its store's writers
+        m = wait_for(lambda: (lambda m: m if sample(m, "cxlkv_spill_written_blocks_total")
+                              == _evicted(s) else None)(s.metrics()), what="the spill writes")
+        assert sample(m, "cxlkv_spill_store_bytes") == _evicted(s) * (BLOCK + SP.HDR_SIZE)
+        assert sample(m, "cxlkv_spill_dropped_blocks_total", reason="queue-full") == 0
+        # a serving process of this host attaches to the agent's directory as a reader
+        with cxlkv.open_pool(spool) as pool:
+            kv = pool.kv(model="m", block_tokens=4, block_bytes=BLOCK, spill_dir=str(d),
+                         spill_bytes=1)
+            sp = SP.store_of(pool)
+            assert sp.mode == "reader" and sp.stats()["max_bytes"] == 64 * MiB
+            cold = [t for t in seqs if kv._lookup(kv._keys(t))[0] < 8]
+            assert cold and all(kv.match(t) == 32 for t in seqs)   # pool, then spill
+            for t in cold[:2]:
+                out = bytearray(8 * BLOCK)
+                assert kv.load_into(t, out) == 8
+                assert bytes(out) == b"".join(_pattern(kv, t))      # bit-exact
+                assert kv._lookup(kv._keys(t))[0] == 8               # promoted into the pool
+            st = sp.stats()
+            assert st["promoted"] >= 1 and st["hits"] >= 1 and st["corrupt"] == 0
+            SP.disable(pool)
+    finally:
+        q.close()
+    assert s.stop() == 0
+    assert list(d.rglob("*.blk"))                          # the store outlives the agent
+
+
+def test_agent_spill_metrics_and_a_failing_disk(spool, serve, tmp_path):
+    """A known workload: the first evictions meet a failing disk (each
+    <2 hex> directory is a file: writes fail with an OSError), dropped with
+    reason "disk" and one warning through the agent's JSON log; once the
+    disk works again the next evictions are written.  The size options come
+    from the config file, the flag wins."""
+    d = tmp_path / "spill"
+    d.mkdir()
+    for i in range(256):
+        (d / f"{i:02x}").write_text("in the way")
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text(f'spill-dir = "{d}"\nspill-bytes = "1G"\nspill_queue_bytes = 8388608\n')
+    s = serve(spool, "--config", str(cfg), "--spill-bytes", "32M")
+    q = NodeProc()
+    try:
+        opened = s.wait_log(lambda x: x["msg"] == "spill store open")
+        assert opened["max_bytes"] == 32 * MiB and opened["spill_dir"] == str(d)
+        q.attach(spool)
+        q.call(op="kv_open", args=dict(model="m", block_tokens=4, block_bytes=BLOCK))
+        with Pool.open(spool, writable=False) as p:
+            nseq = int(0.7 * p.sb.regions["data"][1]) // (8 * BLOCK)
+        _, data = _fill_and_squeeze(q, spool, 0, nseq, 0.27)
+        s.wait_log(lambda x: x["msg"].startswith("evicted KV blocks"))
+        e1 = _evicted(s)
+        wait_for(lambda: sample(s.metrics(), "cxlkv_spill_dropped_blocks_total",
+                                reason="disk") == e1, what="the drops")
+        warn = s.wait_log(lambda x: x["level"] == "warning" and x.get("reason") == "disk")
+        assert warn["msg"].startswith("spill: ") and warn["spill_dir"] == str(d)
+        mark = len(s.log)
+        for i in range(256):                             # the disk works again
+            (d / f"{i:02x}").unlink()
+        # more blocks: free space under the watermark again, the agent evicts again
+        # (free is 10 % after the agent's eviction; 2 sequences leave about 4 %)
+        _fill_and_squeeze(q, spool, 1000, 1 + int(0.06 * data) // (8 * BLOCK), 0)
+        s.wait_log(lambda x: _evicted(s, mark) > 0)
+
+        def settled():
+            m = s.metrics()
+            return m if sample(m, "cxlkv_spill_written_blocks_total") == _evicted(s, mark) \
+                else None
+
+        m = wait_for(settled, what="the spill writes")
+        e2 = _evicted(s, mark)
+        assert e2 > 0
+        assert sample(m, "cxlkv_spill_dropped_blocks_total", reason="disk") == e1
+        assert sample(m, "cxlkv_spill_dropped_blocks_total", reason="store-full") == 0
+        assert sample(m, "cxlkv_spill_written_bytes_total") == e2 * BLOCK
+        assert sample(m, "cxlkv_spill_store_bytes") == e2 * (BLOCK + 72)
+        assert sample(m, "cxlkv_spill_limit_bytes") == 32 * MiB
+        assert sample(m, "cxlkv_spill_queue_limit_bytes") == 8 * MiB
+        assert sample(m, "cxlkv_spill_queue_bytes") == 0
+        assert sample(m, "cxlkv_spill_evicted_blocks_total") == 0
+        assert sample(m, "cxlkv_spill_owner") == 1
+        assert sample(m, "cxlkv_agent_evicted_blocks_total") == e1 + e2
+        assert len([x for x in s.log if isinstance(x, dict) and x.get("reason") == "disk"]) == 1
+    finally:
+        q.close()
+    assert s.stop() == 0
+
+
+def test_spill_dir_owned_by_another_process_is_refused(cli, spool, tmp_path):
+    from cxlkv.kv import spill as SP
+
+    st = SP.SpillStore(tmp_path / "s", MiB)              # this process owns it
+    try:
+        r = cli("serve", "--pool", spool, "--spill-dir", str(tmp_path / "s"),
+                "--spill-bytes", "1M")
+        assert r.code == 1 and "owned by another process" in r.err, r.err
+        assert attached(spool) == []
+    finally:
+        st.close()
+
+
+def test_spill_usage_errors(cli, spool, tmp_path):
+    r = cli("serve", "--pool", spool, "--spill-dir", str(tmp_path / "s"))
+    assert r.code == 2 and "--spill-bytes" in r.err
+    r = cli("serve", "--pool", spool, "--spill-dir", str(tmp_path / "s"), "--spill-bytes", "9Q")
+    assert r.code == 2 and "--spill-bytes" in r.err
+    r = cli("serve", "--pool", spool, "--spill-bytes", "1G")
+    assert r.code == 2 and "--spill-dir" in r.err
+    assert not (tmp_path / "s").exists() and attached(spool) == []

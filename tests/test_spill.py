@@ -196,14 +196,20 @@ def test_unusable_directory_and_full_queue_drop(kvpool, tmp_path):
         assert st["dropped_queue-full"] > 0 and st["written"] == 0
 
 
-def test_one_directory_one_process_one_store(kvpool, tmp_path):
+def test_one_directory_one_owner_and_one_store_per_pool(kvpool, tmp_path):
     with cxlkv.open_pool(kvpool) as pool:
-        SP.enable(pool, tmp_path / "a", MiB)
+        sp = SP.enable(pool, tmp_path / "a", MiB)
+        assert sp.mode == "owner" and sp.stats()["mode"] == "owner"
         assert SP.enable(pool, tmp_path / "a", MiB) is SP.store_of(pool)
         with pytest.raises(UsageError):
             SP.enable(pool, tmp_path / "b", MiB)
+        with pytest.raises(SP.SpillDirBusy, match=f"pid {os.getpid()}"):
+            SP.SpillStore(tmp_path / "a", MiB, mode="owner")     # owned by the first
         with pytest.raises(UsageError):
-            SP.SpillStore(tmp_path / "a", MiB)          # locked by the first
+            SP.SpillStore(tmp_path / "a", MiB, mode="boss")
+        r = SP.SpillStore(tmp_path / "a", 5, writers=1)           # auto: a reader
+        assert r.mode == "reader" and r.stats()["max_bytes"] == MiB   # the owner's limit
+        r.close()
         with pytest.raises(UsageError):
             KVCache(pool, **ARGS, spill_dir=tmp_path / "a")
         SP.disable(pool)
@@ -316,3 +322,288 @@ def test_pool_kv_passes_the_spill_options(tmp_path):
         pool.kv(model="m", block_tokens=4, block_bytes=4096, spill_dir=str(tmp_path / "spill"),
                 spill_bytes=1 << 20)
         assert S.store_of(pool) is not None
+
+
+# -- one store per host: an owner and readers ------------------------------------------------
+
+NSD = b"n" * 16
+N = 1000
+SIZE = SP.HDR_SIZE + N
+
+
+def blk(i: int) -> tuple[bytes, bytes]:
+    """(key, payload) of test block i."""
+    k = i.to_bytes(4, "little") * 4
+    return k, k[:1] * N
+
+
+def blk_bytes(d) -> int:
+    return sum(f.stat().st_size for f in d.rglob("*.blk"))
+
+
+def test_reader_sees_the_owners_blocks_and_removes_a_corrupt_one(tmp_path):
+    d = tmp_path / "s"
+    own = SP.SpillStore(d, 64 * SIZE, writers=1)
+    rd = SP.SpillStore(d, 1, writers=1)                    # auto: the directory is owned
+    try:
+        assert (own.mode, rd.mode) == ("owner", "reader")
+        assert rd.stats()["max_bytes"] == 64 * SIZE           # the owner's limit, not its own
+        for i in range(4):
+            assert own.offer(*blk(i)[:1], NSD, blk(i)[1])
+        own.flush()
+        keys = [blk(i)[0] for i in range(5)]
+        assert rd.run(keys) == 4 and rd.run(keys[4:] + keys[:4]) == 0   # stops at a miss
+        before = own._file(keys[0]).stat().st_mtime_ns
+        assert rd.get(keys[0], NSD, N) == blk(0)[1]
+        assert own._file(keys[0]).stat().st_mtime_ns > before   # the owner can see the use
+        # a corrupt file seen by the reader: a miss, removed, its bytes off the count
+        f = own._file(keys[1])
+        raw = bytearray(f.read_bytes())
+        raw[SP.HDR_SIZE + 7] ^= 1
+        f.write_bytes(bytes(raw))
+        assert rd.get(keys[1], NSD, N) is None and not f.exists()
+        assert rd.stats()["corrupt"] == 1
+        assert rd.stats()["used_bytes"] == own.stats()["used_bytes"] == 3 * SIZE == blk_bytes(d)
+        assert rd.run(keys[1:2]) == 0
+        # the owner's index still has it: removed there without counting it twice
+        assert own.get(keys[1], NSD, N) is None and own.stats()["used_bytes"] == 3 * SIZE
+        # a reader's own evictions are written by its own writers, and found by the owner
+        assert rd.offer(*blk(9)[:1], NSD, blk(9)[1])
+        rd.flush()
+        assert rd.stats()["written"] == 1
+        own.maintain()                  # folds the readers' journal in (else within MAINTAIN_S)
+        assert own.run([blk(9)[0]]) == 1 and own.stats()["discovered"] == 1
+        assert own.get(blk(9)[0], NSD, N) == blk(9)[1]
+        assert own.stats()["used_bytes"] == 4 * SIZE == blk_bytes(d)
+        # an evicted block the reader has seen on disk is not copied nor written
+        # again, only touched; one the owner removed meanwhile is dropped ("gone")
+        f2 = own._file(keys[2])
+        os.utime(f2, ns=(1, 1))
+        assert not rd.offer(*blk(2)[:1], NSD, blk(2)[1])
+        rd.flush()
+        assert rd.stats()["already"] == 1 and rd.stats()["written"] == 1
+        assert f2.stat().st_mtime_ns > 1
+        os.unlink(own._file(keys[3]))
+        assert not rd.offer(*blk(3)[:1], NSD, blk(3)[1])
+        rd.flush()
+        assert rd.stats()["dropped_gone"] == 1 and rd.stats()["already"] == 1
+        assert rd.offer(*blk(3)[:1], NSD, blk(3)[1])       # forgotten: written next time
+        rd.flush()
+        assert rd.stats()["written"] == 2
+    finally:
+        rd.close()
+        own.close()
+
+
+def test_second_chance_for_a_file_a_reader_used(tmp_path):
+    """The owner's least recently used file was read by a reader since: it
+    stays (moved to the recent end) and the next one goes."""
+    d = tmp_path / "s"
+    # 8 blocks; with a reader attached the owner keeps 1/8 free for readers: 7
+    own = SP.SpillStore(d, 8 * SIZE, writers=1)
+    rd = SP.SpillStore(d, 0, mode="reader", writers=1)
+    try:
+        own.maintain()                    # sees the reader now (else within MAINTAIN_S)
+        for i in range(7):                                 # A (0) is the oldest
+            own.offer(*blk(i)[:1], NSD, blk(i)[1])
+        own.flush()
+        assert own.stats()["blocks"] == 7 and own.stats()["evicted"] == 0
+        assert rd.get(blk(0)[0], NSD, N) == blk(0)[1]      # a reader uses A
+        own.offer(*blk(7)[:1], NSD, blk(7)[1])
+        own.flush()
+        s = own.stats()
+        assert s["second_chance"] == 1 and s["evicted"] == 1, s
+        assert own._file(blk(0)[0]).exists()               # A survived
+        assert not own._file(blk(1)[0]).exists()           # B, untouched and older, went
+        assert s["used_bytes"] == 7 * SIZE == blk_bytes(d)
+        # A is now the most recent: the next two writes take C and D
+        own.offer(*blk(8)[:1], NSD, blk(8)[1])
+        own.offer(*blk(10)[:1], NSD, blk(10)[1])
+        own.flush()
+        assert [own.run([blk(i)[0]]) for i in range(4)] == [1, 0, 0, 0]
+        # no reader left: the owner may fill the whole limit again
+        rd.close()
+        own.maintain()
+        own.offer(*blk(11)[:1], NSD, blk(11)[1])
+        own.flush()
+        assert own.stats()["used_bytes"] == 8 * SIZE
+    finally:
+        rd.close()
+        own.close()
+
+
+def test_size_limit_holds_with_owner_and_reader_writing(tmp_path):
+    import threading
+
+    d = tmp_path / "s"
+    limit = 20 * SIZE
+    own = SP.SpillStore(d, limit)
+    rd = SP.SpillStore(d, limit, mode="reader")
+    own.maintain()                      # sees the reader now: keeps room for its writes
+    seen = []
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.append(own._header()[0])
+
+    def offer(store, base):
+        for i in range(base, base + 150):
+            while not store.offer(*blk(i)[:1], NSD, blk(i)[1]):
+                store.flush()                            # queue full: wait for the writers
+
+    w = threading.Thread(target=watch)
+    w.start()
+    ts = [threading.Thread(target=offer, args=(s, b)) for s, b in ((own, 0), (rd, 1000))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    own.flush()
+    rd.flush()
+    done.set()
+    w.join()
+    try:
+        assert max(seen) <= limit                       # the shared count, all along
+        assert own.stats()["used_bytes"] == blk_bytes(d) <= limit
+        assert own.stats()["written"] > 0 and rd.stats()["written"] > 0
+        own.maintain()                                  # readers' files found; their room freed
+        s = own.stats()
+        assert s["discovered"] > 0 and s["evicted"] > 0
+        assert s["used_bytes"] == blk_bytes(d) <= limit - limit // 8
+        assert not list(d.rglob("*.tmp"))
+        # every file is known to the owner: it can empty the store entirely
+        assert len(list(d.rglob("*.blk"))) == s["blocks"]
+    finally:
+        rd.close()
+        own.close()
+
+
+def test_owner_gone_reader_stays_reader_next_enable_owns(kvpool, tmp_path):
+    d = tmp_path / "s"
+    own = SP.SpillStore(d, 8 * SIZE, writers=1)
+    for i in range(3):
+        own.offer(*blk(i)[:1], NSD, blk(i)[1])
+    own.flush()
+    with cxlkv.open_pool(kvpool) as pool:
+        rd = SP.enable(pool, d, 1)
+        assert rd.mode == "reader"
+        own.close()                                      # the owner goes away
+        assert rd.mode == "reader"                       # ... its readers stay readers
+        assert rd.offer(*blk(5)[:1], NSD, blk(5)[1]) and (rd.flush() or True)
+        assert rd.stats()["written"] == 1 and rd.stats()["used_bytes"] == 4 * SIZE
+        for i in range(6, 12):                           # nobody trims: writes stop at the limit
+            rd.offer(*blk(i)[:1], NSD, blk(i)[1])
+        rd.flush()
+        assert rd.stats()["used_bytes"] == 8 * SIZE == blk_bytes(d)
+        assert rd.stats()["dropped_store-full"] == 2
+        assert rd.get(blk(0)[0], NSD, N) == blk(0)[1]    # reads go on
+        SP.disable(pool)
+        # the lock is free: the next enable in auto mode owns it and recounts
+        pool2 = pool
+        nxt = SP.enable(pool2, d, 8 * SIZE)
+        assert nxt.mode == "owner" and nxt.stats()["blocks"] == 8
+        assert nxt.stats()["used_bytes"] == 8 * SIZE
+        SP.disable(pool2)
+
+
+def test_collector_for_a_serving_process(kvpool, tmp_path):
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with cxlkv.open_pool(kvpool) as pool:
+        reg = CollectorRegistry()
+        reg.register(SP.collector(pool))
+        assert b"cxlkv_spill" not in generate_latest(reg)        # no store yet: no samples
+        kv = KVCache(pool, **ARGS, spill_dir=tmp_path / "spill", spill_bytes=64 * MiB)
+        sp = SP.store_of(pool)
+        ss = fill(kv)
+        sp.flush()
+        cold = [t for t in ss if not in_pool(kv, t)[0]][:3]
+        for t in cold:
+            assert kv.load_into(t, bytearray(4 * BB)) == 4
+        sp.flush()          # promotions evict, and what they evict is being written
+        st = sp.stats()
+        got = {}
+        for fam in text_string_to_metric_families(generate_latest(reg).decode()):
+            for s in fam.samples:
+                got[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        one = lambda n, **lb: got[(n, tuple(sorted(lb.items())))]   # noqa: E731
+        assert one("cxlkv_spill_written_blocks_total") == st["written"] > 0
+        assert one("cxlkv_spill_written_bytes_total") == st["written"] * BB
+        assert one("cxlkv_spill_hits_total") == st["hits"] >= 12
+        assert one("cxlkv_spill_promoted_blocks_total") == st["promoted"] >= 12
+        assert one("cxlkv_spill_corrupt_total") == 0
+        assert one("cxlkv_spill_dropped_blocks_total", reason="disk") == 0
+        assert one("cxlkv_spill_dropped_blocks_total", reason="queue-full") == \
+            st["dropped_queue-full"]
+        assert one("cxlkv_spill_store_bytes") == st["used_bytes"] > 0
+        assert one("cxlkv_spill_limit_bytes") == 64 * MiB
+        assert one("cxlkv_spill_queue_limit_bytes") == SP.QUEUE_BYTES
+        assert one("cxlkv_spill_owner") == 1
+        SP.disable(pool)
+
+
+def test_drops_go_to_a_given_logger_once_per_kind(tmp_path):
+    import logging
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    log = logging.getLogger("test.spill.drops")
+    log.addHandler(Keep())
+    log.propagate = False
+    st = SP.SpillStore(tmp_path / "s", SIZE // 2, logger=log)
+    for i in range(3):
+        st.offer(*blk(i)[:1], NSD, blk(i)[1])
+    st.flush()
+    st.close()
+    assert st.stats()["dropped_store-full"] == 3
+    assert len(records) == 1 and records[0].levelno == logging.WARNING
+    assert records[0].fields == {"spill_dir": str(tmp_path / "s"), "reason": "store-full"}
+    assert "store-full" in records[0].getMessage()
+
+
+def test_owner_start_removes_temporaries_of_dead_writers_only(tmp_path):
+    import subprocess
+    import sys
+
+    d = tmp_path / "s"
+    (d / "ab").mkdir(parents=True)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead = d / "ab" / f"{'ab' * 16}.{int(gone.stdout)}.1.1.tmp"
+    live = d / "ab" / f"{'cd' * 16}.1.1.1.tmp"                # pid 1 is alive
+    old = d / "ab" / f"{'ef' * 16}.tmp"                       # an older cxlkv's name
+    for f in (dead, live, old):
+        f.write_bytes(b"x" * 100)
+    st = SP.SpillStore(d, MiB)
+    try:
+        assert not dead.exists() and not old.exists() and live.exists()
+        assert st.stats()["used_bytes"] == 0                  # temporaries are not counted
+    finally:
+        st.close()
+
+
+def test_a_readers_stale_index_entry_is_a_miss_then_forgotten(tmp_path):
+    d = tmp_path / "s"
+    own = SP.SpillStore(d, 2 * SIZE, writers=1)
+    rd = SP.SpillStore(d, 0, mode="reader", writers=1)
+    try:
+        own.offer(*blk(0)[:1], NSD, blk(0)[1])
+        own.flush()
+        assert rd.run([blk(0)[0]]) == 1                     # found by stat, remembered
+        own.maintain()                                       # readers attached: room kept
+        own.offer(*blk(1)[:1], NSD, blk(1)[1])
+        own.flush()                                          # 0 went to make room
+        assert not own._file(blk(0)[0]).exists()
+        assert rd.run([blk(0)[0]]) == 1                     # stale: the reader's index
+        assert rd.get(blk(0)[0], NSD, N) is None            # a miss...
+        assert rd.run([blk(0)[0]]) == 0                     # ... and forgotten
+        assert rd.stats()["misses"] == 1 and rd.stats()["corrupt"] == 0
+    finally:
+        rd.close()
+        own.close()

@@ -10,7 +10,7 @@ SERVE_CODES = ((0, "stopped by SIGTERM or SIGINT after detaching cleanly (or, wi
                    "after --stop-timeout)"),) + tuple(
     r for r in EXIT_CODES if r[0] not in (0, 1, 130)) + (
     (1, "refused: no free node slot, metrics address in use, --with-lock-manager on a "
-        "cas pool"),)
+        "cas pool, --spill-dir owned by another process"),)
 
 
 def _config(ctx, param, value):
@@ -65,6 +65,17 @@ def _numa(ctx, param, value):
               help="On SIGTERM, exit within SECONDS: when the clean detach cannot finish "
                    "by then (another node holds the pool lock), stop heartbeating and exit "
                    "0 anyway, leaving the node to be reaped.")
+@click.option("--spill-dir", metavar="DIR",
+              help="Own this host's spill store in DIR (local NVMe): the blocks the agent "
+                   "evicts to keep the watermark are written there instead of dropped; "
+                   "serving processes that enable the same directory attach as readers.  "
+                   "Needs --spill-bytes.")
+@click.option("--spill-bytes", metavar="SIZE",
+              help="Size limit of the spill store, in file bytes (K/M/G/T suffixes, "
+                   "e.g. 64G).")
+@click.option("--spill-queue-bytes", metavar="SIZE",
+              help="Bound of the queue of evicted blocks waiting for the spill writers "
+                   "(default 64M); past it blocks are dropped and counted.")
 @pass_app
 def serve_cmd(app: Application, **opts):
     """Run the node agent of this host for a pool, in the foreground.
@@ -73,7 +84,8 @@ def serve_cmd(app: Application, **opts):
     drops their pins, reclaims their reservations) - every lease/4, a dead
     node of another host once its heartbeat has stopped for a lease; keeps
     free space above the KV low watermark in the background by evicting
-    unpinned blocks; optionally hosts the lock manager; serves Prometheus
+    unpinned blocks (with --spill-dir, into this host's spill store, which
+    it owns); optionally hosts the lock manager; serves Prometheus
     metrics and /healthz (200 healthy, 503 not).  Logs to stderr.  SIGTERM
     or SIGINT detaches cleanly and exits 0 within --stop-timeout; when the
     detach cannot finish by then it stops heartbeating and exits 0 with a

@@ -18,6 +18,13 @@ It attaches to the pool as a node and then, until SIGTERM:
   snapshot of the pool for the metrics and /healthz (cxlkv.daemons.health),
   reading the usage figures once; the tick's lock waits give up as soon as
   the agent is asked to stop;
+* with --spill-dir, owns the host's spill store (cxlkv.kv.spill): the
+  blocks its watermark evictions take out of the pool are written there by
+  the store's background writers instead of being dropped, and serving
+  processes of the host that enable the same directory attach to it as
+  readers (they find, promote and add blocks; the agent keeps the size
+  limit and the LRU); the store's drops are logged through the agent's
+  logger and its counters are in the metrics;
 * every minute reads the CXL device's health, in a thread of its own (a
   slow `cxl list` never delays a tick);
 * serves Prometheus metrics and /healthz on --metrics-addr (loopback
@@ -78,6 +85,9 @@ class AgentConfig:
     crit_temp: float = 85.0
     force: bool = False
     stop_timeout: float = 5.0
+    spill_dir: str | None = None
+    spill_bytes: str | None = None          # a size: bytes or K/M/G/T suffixes
+    spill_queue_bytes: str | None = None
 
 
 _TYPES = {f.name: f.type for f in fields(AgentConfig)}
@@ -109,8 +119,28 @@ def load_config(path: str) -> dict:
         if not ok:
             raise UsageError(f"--config {path}: {key} = {value!r} has the wrong type "
                              f"(expected {want.split(' |')[0]})")
-        out[name] = str(value) if name in ("numa_node", "pool", "metrics_addr") else value
+        out[name] = str(value) if name in ("numa_node", "pool", "metrics_addr",
+                                           "spill_dir") else value
     return out
+
+
+def _spill_args(cfg: AgentConfig) -> tuple[str, int, int] | None:
+    """(directory, size limit, queue bound) from --spill-*, or None; a
+    UsageError for a size that does not parse or an incomplete set."""
+    from cxlkv.kv.spill import QUEUE_BYTES
+    from cxlkv.pool.format import parse_size
+
+    if not cfg.spill_dir:
+        if cfg.spill_bytes is not None or cfg.spill_queue_bytes is not None:
+            raise UsageError("--spill-bytes and --spill-queue-bytes need --spill-dir")
+        return None
+    if cfg.spill_bytes is None:
+        raise UsageError("--spill-dir needs --spill-bytes, the spill store's size limit "
+                         "(e.g. 64G)")
+    size = parse_size(cfg.spill_bytes, "--spill-bytes")
+    qbytes = QUEUE_BYTES if cfg.spill_queue_bytes is None else \
+        parse_size(cfg.spill_queue_bytes, "--spill-queue-bytes")
+    return str(cfg.spill_dir), size, qbytes
 
 
 # -- logging ------------------------------------------------------------------------
@@ -278,6 +308,8 @@ class Agent:
             from cxlkv.daemons.metrics import parse_addr
 
             parse_addr(cfg.metrics_addr)                # a usage error before attaching
+        self.spill_args = _spill_args(cfg)
+        self.spill = None                           # the spill store this agent owns
         self.cfg = cfg
         self.log = log or make_logger(cfg.log_json)
         self.th = Thresholds(cfg.warn_used, cfg.crit_used, cfg.warn_temp, cfg.crit_temp)
@@ -323,6 +355,7 @@ class Agent:
             self.manager = ManagerThread(self, cfg.pool)
             self.manager.start()
         try:
+            self._open_spill()
             self._attach()
             if cfg.metrics_addr:
                 from cxlkv.daemons.metrics import MetricsServer
@@ -368,12 +401,40 @@ class Agent:
             from cxlkv.kv.area import Area
 
             self.area = Area(pool)
+        if self.spill is not None:
+            from cxlkv.kv import spill as SP
+
+            SP.use(pool, self.spill)                # the watermark's evictions spill
         fields_ = {"node": pool.node.slot, "epoch": pool.node.epoch, "pid": os.getpid()}
         b = getattr(pool, "numa", None)
         if b is not None:
             fields_["numa_cpu_node"] = getattr(b, "cpu_node", None)
             fields_["numa_mem_node"] = getattr(b, "mem_node", None)
         self.event(logging.INFO, "attached", **fields_)
+
+    def _open_spill(self) -> None:
+        """--spill-dir: open the host's spill store as its owner (refused,
+        exit 1, while another process owns the directory)."""
+        if self.spill_args is None:
+            return
+        from cxlkv.kv import spill as SP
+
+        path, size, qbytes = self.spill_args
+        self.spill = SP.SpillStore(path, size, queue_bytes=qbytes, mode="owner", logger=self.log)
+        st = self.spill.stats()
+        self.event(logging.INFO, "spill store open", spill_dir=path, mode=st["mode"],
+                   blocks=st["blocks"], used_bytes=st["used_bytes"], max_bytes=st["max_bytes"])
+
+    def _close_spill(self, deadline: float) -> None:
+        """Write what the spill queue holds, until the stop deadline."""
+        sp, self.spill = self.spill, None
+        if sp is None:
+            return
+        if not sp.close(timeout=max(0.0, deadline - time.monotonic())):
+            left = sp.stats()["queued_bytes"]
+            if left:
+                self.event(logging.WARNING, "spill queue not written within --stop-timeout "
+                                            "(those blocks are lost)", queued_bytes=left)
 
     def _detach(self, deadline: float | None = None) -> bool:
         """Detach (its own recovery runs, under the pool lock).  With a
@@ -475,6 +536,7 @@ class Agent:
             if self.server is not None:
                 self.server.stop()
                 self.server = None
+            self._close_spill(deadline)
             t = self._device_thread
             if t is not None:
                 t.join(max(0.0, min(0.5, deadline - time.monotonic())))

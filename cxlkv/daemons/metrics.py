@@ -6,7 +6,9 @@ GET /healthz   200 when the pool and the agent are healthy (OK or WARNING),
 
 Pool-wide figures (bytes by state, KV counters per namespace, nodes by
 state) come from the agent's last snapshot, taken every tick; counters of
-what this agent did (reaps, evictions, lock waits) are its own.
+what this agent did (reaps, evictions, lock waits) are its own; with
+--spill-dir, the spill store's (cxlkv_spill_*, cxlkv.kv.spill.Collector)
+are read from the store at each scrape.
 """
 from __future__ import annotations
 
@@ -44,6 +46,9 @@ class AgentMetrics:
                                    "and its evictions).", buckets=LOCK_BUCKETS, registry=r)
         self.ticks = Counter("cxlkv_agent_ticks", "Maintenance rounds run.", registry=r)
         r.register(_Snapshot(agent))
+        from cxlkv.kv.spill import Collector
+
+        r.register(Collector(lambda: agent.spill))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
