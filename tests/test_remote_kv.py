@@ -346,3 +346,87 @@ def test_serving_processes_export_remote_and_hot_metrics(tmp_path, cluster):
     assert got["cxlkv_remote_promoted_blocks_total"] == 4
     assert got["cxlkv_remote_hit_bytes_total"] == 4 * BB
     assert got["cxlkv_hot_hit_blocks_total"] == 4 and got["cxlkv_hot_blocks"] == 4
+
+
+def test_serve_pushes_behind_and_rack_b_reads_through(tmp_path, cluster):
+    """`cxlkv serve --remote-push` in rack A pushes what a serving process
+    stores; a serving process of rack B loads it bit-exact; the agent's
+    metrics count it; a config [remote] table and an unreachable cluster."""
+    from test_serve import Serve, sample, wait_for
+
+    a, b = mkpool(tmp_path / "a.pool"), mkpool(tmp_path / "b.pool")
+    prefix = f"t7-{time.monotonic_ns()}:"
+    conf = tmp_path / "serve.toml"
+    conf.write_text("remote-push = ['hf/*']\nremote-push-policy = 'all'\n"
+                    "remote-push-interval = 0.1\n"
+                    f"[remote]\nnodes = {list(cluster.addrs)!r}\nprefix = '{prefix}'\n")
+    s = Serve(a, "--config", str(conf))
+    try:
+        toks = list(range(16 * 5))
+        blob = data(5, 9)
+        with cxlkv.open_pool(a) as pa:
+            pa.kv(model="hf/tiny", block_bytes=BB).store(toks, blob)
+            pa.kv(model="other", block_bytes=BB).store(toks, blob)     # not pushed
+
+            def pushed():
+                m = s.metrics()
+                return m if sample(m, "cxlkv_remote_pushed_blocks_total") == 5 else None
+
+            m = wait_for(pushed, what="the agent's pushes")
+            assert sample(m, "cxlkv_remote_push_selected_blocks_total", outcome="queued") == 5
+            assert sample(m, "cxlkv_remote_dropped_blocks_total", reason="unavailable") == 0
+        with cxlkv.open_pool(b) as pb:
+            KR.enable(pb, RemoteConfig(nodes=tuple(cluster.addrs), prefix=prefix))
+            try:
+                kv = pb.kv(model="hf/tiny", block_bytes=BB, remote_read=True,
+                           remote_budget_s=5.0)
+                out = bytearray(5 * BB)
+                assert kv.load_into(toks, out) == 5 and bytes(out) == blob
+                other = pb.kv(model="other", block_bytes=BB, remote_read=True,
+                              remote_budget_s=5.0)
+                assert other.match(toks) == 0
+            finally:
+                KR.disable(pb)
+        code, body = s.get("/healthz")
+        assert code == 200 and "remote" not in body, body
+    finally:
+        assert s.stop() == 0
+    # a cluster nobody answers: the agent runs, drops (counted) and says WARNING
+    import socket
+
+    so = socket.socket()
+    so.bind(("127.0.0.1", 0))
+    port = so.getsockname()[1]
+    so.close()
+    s = Serve(a, "--remote-nodes", f"127.0.0.1:{port}", "--remote-push", "hf/*",
+              "--remote-push-policy", "all", "--remote-push-interval", "0.1")
+    try:
+        with cxlkv.open_pool(a) as pa:
+            pa.kv(model="hf/tiny", block_bytes=BB).store(list(range(16 * 9)), data(9, 10))
+
+        def dropped():
+            m = s.metrics()
+            return m if (sample(m, "cxlkv_remote_dropped_blocks_total", reason="unavailable")
+                         or 0) >= 1 else None
+
+        wait_for(dropped, what="a drop counted")
+        code, body = wait_for(lambda: (lambda r: r if "unreachable" in r[1] else None)(
+            s.get("/healthz")), what="/healthz to say the cluster is unreachable")
+        assert code == 200 and body.startswith("CXLKV WARNING"), body
+        assert any(isinstance(d, dict) and "remote" in d.get("msg", "") and
+                   d.get("level") == "warning" for d in s.drain())
+    finally:
+        assert s.stop() == 0
+
+
+def test_serve_remote_usage_errors(cli, tmp_path):
+    a = mkpool(tmp_path / "a.pool")
+    r = cli("serve", "--pool", a, "--remote-push", "x")
+    assert r.code == 2 and "--remote-nodes" in r.err
+    conf = tmp_path / "bad.toml"
+    conf.write_text("[remote]\nnodes = ['nohost']\n")
+    r = cli("serve", "--pool", a, "--config", str(conf))
+    assert r.code == 2 and "[remote]" in r.err
+    conf.write_text("remote-push = 5\n")
+    r = cli("serve", "--pool", a, "--config", str(conf))
+    assert r.code == 2 and "remote-push" in r.err

@@ -18,7 +18,10 @@ def _config(ctx, param, value):
     if value:
         from cxlkv.daemons.agent import load_config
 
-        ctx.default_map = {**(ctx.default_map or {}), **load_config(value)}
+        conf = load_config(value)
+        if "remote" in conf:                   # a table, not a flag
+            ctx.meta["cxlkv.remote"] = conf.pop("remote")
+        ctx.default_map = {**(ctx.default_map or {}), **conf}
     return value
 
 
@@ -76,6 +79,20 @@ def _numa(ctx, param, value):
 @click.option("--spill-queue-bytes", metavar="SIZE",
               help="Bound of the queue of evicted blocks waiting for the spill writers "
                    "(default 64M); past it blocks are dropped and counted.")
+@click.option("--remote-nodes", metavar="HOST:PORT,...",
+              help="The remote tier's Redis Cluster / Valkey startup nodes (over the nodes "
+                   "of the [remote] table of --config, which holds the other settings: "
+                   "password_file, tls, ttl_s, max_bytes, wait_replicas ...).")
+@click.option("--remote-push", metavar="NAMESPACE", multiple=True,
+              help="Push the published blocks of this namespace (a name or a shell pattern, "
+                   "e.g. 'hf/llama/*'; repeatable) to the remote tier, off the serving path.")
+@click.option("--remote-push-policy", type=click.Choice(["all", "reused"]), default="reused",
+              show_default=True,
+              help="all: every published block; reused: blocks loaded at least once after "
+                   "the agent first saw them.")
+@click.option("--remote-push-interval", type=click.FloatRange(0.05, 3600), default=5.0,
+              show_default=True, metavar="SECONDS",
+              help="How often the write-behind scans the hash table.")
 @pass_app
 def serve_cmd(app: Application, **opts):
     """Run the node agent of this host for a pool, in the foreground.
@@ -93,5 +110,6 @@ def serve_cmd(app: Application, **opts):
     """
     from cxlkv.daemons.agent import AgentConfig, make_logger, serve
 
-    cfg = AgentConfig(**opts)
+    opts["remote_push"] = tuple(opts.get("remote_push") or ())
+    cfg = AgentConfig(**opts, remote=click.get_current_context().meta.get("cxlkv.remote"))
     return serve(cfg, make_logger(cfg.log_json))

@@ -25,6 +25,13 @@ It attaches to the pool as a node and then, until SIGTERM:
   readers (they find, promote and add blocks; the agent keeps the size
   limit and the LRU); the store's drops are logged through the agent's
   logger and its counters are in the metrics;
+* with --remote-push (and a cluster: the [remote] table of --config, or
+  --remote-nodes), pushes published blocks of those namespaces to the
+  remote tier (cxlkv.kv.remote.Pusher, in a thread of its own, every
+  --remote-push-interval): version-checked copies, queued on the client's
+  bounded queue, sent by its writer; a full queue or a down cluster drops
+  them, counted in the metrics and logged once, and /healthz says WARNING
+  while the cluster is unreachable;
 * every minute reads the CXL device's health, in a thread of its own (a
   slow `cxl list` never delays a tick);
 * serves Prometheus metrics and /healthz on --metrics-addr (loopback
@@ -88,6 +95,11 @@ class AgentConfig:
     spill_dir: str | None = None
     spill_bytes: str | None = None          # a size: bytes or K/M/G/T suffixes
     spill_queue_bytes: str | None = None
+    remote: dict | None = None              # the [remote] table (cxlkv.remote.RemoteConfig)
+    remote_nodes: str | None = None         # host:port,... (over the table's nodes)
+    remote_push: tuple = ()                 # namespace names or patterns to push
+    remote_push_policy: str = "reused"
+    remote_push_interval: float = 5.0
 
 
 _TYPES = {f.name: f.type for f in fields(AgentConfig)}
@@ -109,6 +121,22 @@ def load_config(path: str) -> dict:
     out = {}
     for key, value in doc.items():
         name = key.replace("-", "_")
+        if name == "remote":
+            from cxlkv.remote import RemoteConfig
+
+            if not isinstance(value, dict):
+                raise UsageError(f"--config {path}: remote must be a [remote] table")
+            RemoteConfig.from_dict(value, where=f"--config {path}: [remote]")   # checked now
+            out["remote"] = value
+            continue
+        if name == "remote_push":
+            if isinstance(value, str):
+                value = [value]
+            if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+                raise UsageError(f"--config {path}: remote-push must be a list of namespace "
+                                 "names or patterns")
+            out["remote_push"] = tuple(value)
+            continue
         if name not in _TYPES:
             known = ", ".join(sorted(k.replace("_", "-") for k in _TYPES))
             raise UsageError(f"--config {path}: unknown setting {key!r} (known: {known})")
@@ -120,8 +148,31 @@ def load_config(path: str) -> dict:
             raise UsageError(f"--config {path}: {key} = {value!r} has the wrong type "
                              f"(expected {want.split(' |')[0]})")
         out[name] = str(value) if name in ("numa_node", "pool", "metrics_addr",
-                                           "spill_dir") else value
+                                           "spill_dir", "remote_nodes",
+                                           "remote_push_policy") else value
     return out
+
+
+def _remote_args(cfg: AgentConfig):
+    """The RemoteConfig of --remote-push, or None; UsageErrors for what does
+    not fit together."""
+    from cxlkv.kv.remote import POLICIES
+    from cxlkv.remote import RemoteConfig
+
+    if cfg.remote_push_policy not in POLICIES:
+        raise UsageError(f"--remote-push-policy must be one of {', '.join(POLICIES)}")
+    if cfg.remote_push_interval <= 0:
+        raise UsageError("--remote-push-interval must be positive")
+    rc = RemoteConfig.from_dict(cfg.remote, where="[remote]") if cfg.remote else RemoteConfig()
+    if cfg.remote_nodes:
+        rc = rc.with_overrides(nodes=tuple(n.strip() for n in cfg.remote_nodes.split(",")
+                                           if n.strip()))
+    if not cfg.remote_push:
+        return None
+    if not rc.nodes:
+        raise UsageError("--remote-push needs the cluster: a [remote] table with nodes in "
+                         "--config, or --remote-nodes HOST:PORT,...")
+    return rc
 
 
 def _spill_args(cfg: AgentConfig) -> tuple[str, int, int] | None:
@@ -310,6 +361,11 @@ class Agent:
             parse_addr(cfg.metrics_addr)                # a usage error before attaching
         self.spill_args = _spill_args(cfg)
         self.spill = None                           # the spill store this agent owns
+        self.remote_args = _remote_args(cfg)
+        self.remote = None                          # the RemoteClient of the write-behind
+        self.pusher = None
+        self._push_thread: threading.Thread | None = None
+        self._push_error = ""
         self.cfg = cfg
         self.log = log or make_logger(cfg.log_json)
         self.th = Thresholds(cfg.warn_used, cfg.crit_used, cfg.warn_temp, cfg.crit_temp)
@@ -356,7 +412,9 @@ class Agent:
             self.manager.start()
         try:
             self._open_spill()
+            self._open_remote()
             self._attach()
+            self._start_pusher()
             if cfg.metrics_addr:
                 from cxlkv.daemons.metrics import MetricsServer
 
@@ -405,6 +463,12 @@ class Agent:
             from cxlkv.kv import spill as SP
 
             SP.use(pool, self.spill)                # the watermark's evictions spill
+        if self.remote is not None and self.area is not None:
+            from cxlkv.kv.remote import Pusher
+
+            self.pusher = Pusher(pool, self.remote, self.cfg.remote_push,
+                                 self.cfg.remote_push_policy,
+                                 lock_timeout=max(1.0, 2 * pool.sb.lease_ms / 1000.0))
         fields_ = {"node": pool.node.slot, "epoch": pool.node.epoch, "pid": os.getpid()}
         b = getattr(pool, "numa", None)
         if b is not None:
@@ -424,6 +488,65 @@ class Agent:
         st = self.spill.stats()
         self.event(logging.INFO, "spill store open", spill_dir=path, mode=st["mode"],
                    blocks=st["blocks"], used_bytes=st["used_bytes"], max_bytes=st["max_bytes"])
+
+    def _open_remote(self) -> None:
+        """--remote-push: the client of the write-behind (it never fails on a
+        cluster that is down: pushes are then dropped, counted)."""
+        if self.remote_args is None:
+            if self.cfg.remote or self.cfg.remote_nodes:
+                self.event(logging.INFO, "remote tier configured without --remote-push: "
+                                         "this agent pushes nothing")
+            return
+        from cxlkv.remote import RemoteClient
+
+        self.remote = RemoteClient(self.remote_args, logger=self.log)
+        self.event(logging.INFO, "remote tier", nodes=",".join(self.remote_args.nodes),
+                   push=",".join(self.cfg.remote_push), policy=self.cfg.remote_push_policy,
+                   wait_replicas=self.remote_args.wait_replicas)
+
+    def _start_pusher(self) -> None:
+        if self.remote is None:
+            return
+        if self.area is None:
+            self.event(logging.WARNING, "the pool has no KV region: --remote-push has nothing "
+                                        "to push")
+            return
+        self._push_thread = threading.Thread(target=self._push_loop, daemon=True,
+                                             name="cxlkv-remote-push")
+        self._push_thread.start()
+
+    def _push_loop(self) -> None:
+        while not self.stop_event.wait(self.cfg.remote_push_interval):
+            pusher = self.pusher
+            if pusher is None or self.pool is None:
+                continue
+            try:
+                got = pusher.scan()
+            except Exception as e:                 # noqa: BLE001 - a daemon keeps going
+                msg = str(e) if isinstance(e, CxlkvError) else f"{type(e).__name__}: {e}"
+                self.metrics.push_errors.inc()
+                if msg != self._push_error:
+                    self._push_error = msg
+                    self.event(logging.WARNING, f"remote push scan failed: {msg}")
+                continue
+            self._push_error = ""
+            for k in ("queued", "present", "changed"):
+                self.metrics.push_blocks.labels(k).inc(got[k])
+            self.metrics.push_scans.inc()
+
+    def _close_remote(self, deadline: float) -> None:
+        """Send what the push queue holds, until the stop deadline."""
+        t, rc = self._push_thread, self.remote
+        if t is not None:
+            t.join(max(0.0, min(2.0, deadline - time.monotonic())))
+        self.remote = self.pusher = None
+        if rc is None:
+            return
+        if not rc.flush(max(0.0, deadline - time.monotonic())):
+            self.event(logging.WARNING, "remote push queue not sent within --stop-timeout "
+                                        "(those blocks are not pushed)",
+                       queued_bytes=rc.stats()["queued_bytes"])
+        rc.close(timeout=max(0.1, deadline - time.monotonic()))
 
     def _close_spill(self, deadline: float) -> None:
         """Write what the spill queue holds, until the stop deadline."""
@@ -537,6 +660,7 @@ class Agent:
                 self.server.stop()
                 self.server = None
             self._close_spill(deadline)
+            self._close_remote(deadline)
             t = self._device_thread
             if t is not None:
                 t.join(max(0.0, min(0.5, deadline - time.monotonic())))
@@ -762,6 +886,10 @@ class Agent:
                        + (f": {mt.dead}" if mt.dead else ""))
         for text in bad:
             h.add("agent", H.CRITICAL, text)
+        rc = self.remote
+        if rc is not None and rc.stats()["unavailable"]:
+            h.add("remote", H.WARNING, "the remote tier's cluster is unreachable: pushes are "
+                                       "dropped (counted in cxlkv_remote_dropped_blocks_total)")
         if ok and not bad and node is not None:
             h.add("agent", H.OK, f"attached as node {node.slot}")
 

@@ -47,8 +47,18 @@ class AgentMetrics:
         self.ticks = Counter("cxlkv_agent_ticks", "Maintenance rounds run.", registry=r)
         r.register(_Snapshot(agent))
         from cxlkv.kv.spill import Collector
+        from cxlkv.remote.metrics import Collector as RemoteCollector
 
         r.register(Collector(lambda: agent.spill))
+        r.register(RemoteCollector(lambda: agent.remote))
+        self.push_scans = Counter("cxlkv_remote_push_scans", "Write-behind passes over the "
+                                  "pool's hash table (--remote-push).", registry=r)
+        self.push_blocks = Counter("cxlkv_remote_push_selected_blocks",
+                                   "Blocks the write-behind selected, by outcome: queued, "
+                                   "present (the cluster had them), changed (evicted or "
+                                   "replaced while copied: skipped).", ["outcome"], registry=r)
+        self.push_errors = Counter("cxlkv_remote_push_errors", "Write-behind passes that "
+                                   "failed (logged).", registry=r)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

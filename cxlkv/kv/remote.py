@@ -81,7 +81,7 @@ class Pusher:
     least once after the pusher first saw them)."""
 
     def __init__(self, pool, client, namespaces, policy: str = "reused",
-                 max_blocks: int = 4096):
+                 max_blocks: int = 4096, lock_timeout: float | None = None):
         if policy not in POLICIES:
             raise UsageError(f"push policy must be one of {', '.join(POLICIES)}, not {policy!r}")
         pats = [namespaces] if isinstance(namespaces, str) else list(namespaces)
@@ -89,6 +89,7 @@ class Pusher:
             raise UsageError("push namespaces: a list of namespace names or patterns")
         self.pool, self.client, self.patterns, self.policy = pool, client, pats, policy
         self.max_blocks = max_blocks
+        self.lock_timeout = lock_timeout
         self.area = Area(pool)
         self._done: dict[bytes, int] = {}        # key -> ctl pushed (or found present)
         self._seen: dict[bytes, int] = {}        # key -> lru stamp when first seen
@@ -115,7 +116,7 @@ class Pusher:
         if not spaces:
             return got
         if self.policy == "reused":
-            with self.pool.lock():
+            with self.pool.lock(self.lock_timeout):
                 self.area.drain_rings()
         t = self.area.entries()
         pub = np.flatnonzero(((t["ctl"] & 0xFF) == L.KV_PUBLISHED)

@@ -159,7 +159,7 @@ class RemoteClient:
     def __init__(self, config: RemoteConfig | None = None, *, tier=None,
                  batch_bytes: int = BATCH_BYTES, chunk_bytes: int = CHUNK_BYTES,
                  budget_poll_s: float = BUDGET_POLL_S, retry_s: float = RETRY_S,
-                 name: str = "cxlkv-remote", on_written=None):
+                 name: str = "cxlkv-remote", on_written=None, logger=None):
         self.config = config if config is not None else RemoteConfig()
         if tier is None:
             self.config.require_nodes()
@@ -171,6 +171,8 @@ class RemoteClient:
         #: called on the client's thread with (key, replicated) for each block
         #: the cluster stored (replicated: confirmed on wait_replicas replicas)
         self.on_written = on_written
+        #: a logging.Logger for the once-per-kind lines (default: stderr)
+        self.logger = logger
         self._prefix = self.config.prefix
         self._mu = threading.Lock()           # queue, counters, flags
         self._idle = threading.Condition(self._mu)
@@ -237,7 +239,11 @@ class RemoteClient:
             if kind in self._logged:
                 return
             self._logged.add(kind)
-        _log(f"{self.config.scrub(msg)}; counted in stats(), logged once")
+        line = f"{self.config.scrub(msg)}; counted in stats(), logged once"
+        if self.logger is not None:
+            self.logger.warning(f"remote: {line}", extra={"fields": {"remote": kind}})
+        else:
+            _log(line)
 
     def _drop(self, kind: str, n: int = 1, err: str | None = None) -> None:
         self._bump(f"dropped_{kind}", n)
