@@ -26,14 +26,18 @@ KiB = 1 << 10
 NS = bytes(range(16))
 
 
-def flushall(cfg):
-    """Empty every master (between phases, so memory stays bounded)."""
+def cleanup(cfg):
+    """Delete this run's keys - and only those: every key the bench writes
+    starts with cfg.prefix, unique to the run (between phases, so memory stays
+    bounded; never FLUSHALL, --nodes may be a cluster in use)."""
     from redis.cluster import ClusterNode, RedisCluster
 
     rc = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in cfg.endpoints()],
                       password=cfg.secret())
     try:
-        rc.flushall(target_nodes=RedisCluster.PRIMARIES)
+        keys = list(rc.scan_iter(match=cfg.prefix + "*", count=1000))   # every primary
+        for i in range(0, len(keys), 1000):
+            rc.delete(*keys[i:i + 1000])          # split by slot by redis-py
     finally:
         rc.close()
 
@@ -77,7 +81,7 @@ def plain_sync(cfg, keys, vals, bs, batch):
 
     rc = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in cfg.endpoints()],
                       password=cfg.secret())
-    names = [b"plain:" + k.hex().encode() for k in keys]
+    names = [cfg.prefix.encode() + b"plain:" + k.hex().encode() for k in keys]
     try:
         rc.ping()
         t0 = time.perf_counter()
@@ -106,7 +110,7 @@ def plain_async(cfg, keys, vals, bs, batch):
     """redis-py's asyncio cluster client: the same pipelines."""
     from redis.asyncio.cluster import ClusterNode, RedisCluster
 
-    names = [b"aplain:" + k.hex().encode() for k in keys]
+    names = [cfg.prefix.encode() + b"aplain:" + k.hex().encode() for k in keys]
 
     async def run():
         rc = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in cfg.endpoints()],
@@ -143,15 +147,20 @@ def main():
     ap.add_argument("--mib", type=int, default=256, help="bytes moved per phase (MiB)")
     ap.add_argument("--batch", type=int, default=32, help="blocks per pipeline / lookup")
     ap.add_argument("--reps", type=int, default=3, help="repetitions (the median is kept)")
-    ap.add_argument("--nodes", default=None, help="an existing cluster (its data is FLUSHED)")
+    ap.add_argument("--nodes", default=None,
+                    help="an existing cluster, host:port,... (the bench writes and then deletes "
+                         "keys under a prefix of its own; nothing else is touched)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     cluster = None
+    prefix = f"cxlkv-bench-{os.getpid()}-{os.urandom(4).hex()}:"
     if a.nodes:
-        cfg = RemoteConfig(nodes=a.nodes, ttl_s=0, queue_bytes=1024 * MiB)
+        cfg = RemoteConfig(nodes=tuple(a.nodes.split(",")), ttl_s=3600, queue_bytes=1024 * MiB,
+                           prefix=prefix)
     else:
         cluster = TestCluster(masters=3).__enter__()
-        cfg = RemoteConfig(nodes=tuple(cluster.addrs), ttl_s=0, queue_bytes=1024 * MiB)
+        cfg = RemoteConfig(nodes=tuple(cluster.addrs), ttl_s=0, queue_bytes=1024 * MiB,
+                           prefix=prefix)
     rep = {"mib": a.mib, "batch": a.batch, "reps": a.reps, "cpus": os.cpu_count(), "sizes": {}}
     G = 1e9
     try:
@@ -160,7 +169,7 @@ def main():
             runs = {"tier_node": [], "tier_pipeline": [], "plain_sync": [], "plain_async": []}
             for _ in range(a.reps):
                 for name in runs:
-                    flushall(cfg)
+                    cleanup(cfg)
                     if name.startswith("tier"):
                         r = tier_run(cfg, keys, vals, bs, a.batch, name.split("_")[1])
                     elif name == "plain_sync":
@@ -180,7 +189,7 @@ def main():
                 "node_vs_pipeline_put": med["tier_node"][0] / med["tier_pipeline"][0],
                 "node_vs_pipeline_get": med["tier_node"][1] / med["tier_pipeline"][1],
             }
-            flushall(cfg)
+            cleanup(cfg)
     finally:
         if cluster is not None:
             cluster.stop()
