@@ -619,3 +619,39 @@ def test_tls_with_client_certificates(cli):
         assert r.json()["keys"] == 6 and r.json()["masters"]["up"] == 3
         r = cli("remote", "status", "--nodes", c.addrs[0], "--json")
         assert r.code == 2 and r.json()["status"] == "unreachable"
+
+
+@needs_redis
+@pytest.mark.parametrize("strategy", ["node", "pipeline"])
+def test_a_redirected_write_is_never_counted_replicated(strategy):
+    """A stale slot table sends the SET (and its WAIT) to another master; the
+    SET is redirected to the owner, whose replica is gone: the write is not
+    confirmed, whatever the first node's WAIT said."""
+    from redis.crc import key_slot
+
+    from cxlkv.remote.redis_cluster import RedisClusterTier
+
+    with TestCluster(masters=3, replicas=1) as c:
+        key = b"cxlkv:deadbeef:" + b"ab" * 16
+        owner = c.master_of_key(key)
+        other = next(p for p in c.masters() if p != owner)
+        for n in list(c.nodes):
+            if n.extra.get("master_id") == c.node(owner).node_id:
+                c.kill(n.port)
+        assert wait_for(lambda: int(c.client(owner).info("replication")["connected_slaves"])
+                        == 0, timeout=30)
+
+        async def main():
+            t = RedisClusterTier(RemoteConfig(nodes=(c.addrs[0],)), strategy=strategy)
+            try:
+                rc = await t.client()
+                nm = rc.nodes_manager
+                nm.slots_cache[key_slot(key)] = [nm.get_node(host="127.0.0.1", port=other)]
+                return await t.put_many([(key, b"v" * 100)], 0, wait_replicas=1,
+                                        wait_timeout_s=0.5)
+            finally:
+                await t.close()
+
+        b = asyncio.run(main())
+        assert list(b) == [True] and c.client(owner).exists(key) == 1
+        assert b.replicated == [False]

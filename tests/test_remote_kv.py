@@ -399,7 +399,7 @@ def test_serve_pushes_behind_and_rack_b_reads_through(tmp_path, cluster):
     port = so.getsockname()[1]
     so.close()
     s = Serve(a, "--remote-nodes", f"127.0.0.1:{port}", "--remote-push", "hf/*",
-              "--remote-push-policy", "all", "--remote-push-interval", "0.1")
+              "--remote-push-policy", "all", "--remote-push-interval", "1.5")
     try:
         with cxlkv.open_pool(a) as pa:
             pa.kv(model="hf/tiny", block_bytes=BB).store(list(range(16 * 9)), data(9, 10))
@@ -413,6 +413,13 @@ def test_serve_pushes_behind_and_rack_b_reads_through(tmp_path, cluster):
         code, body = wait_for(lambda: (lambda r: r if "unreachable" in r[1] else None)(
             s.get("/healthz")), what="/healthz to say the cluster is unreachable")
         assert code == 200 and body.startswith("CXLKV WARNING"), body
+        # and it stays so between passes (after the client's 1 s back-off)
+        ticks = sample(s.metrics(), "cxlkv_agent_ticks_total")
+        wait_for(lambda: sample(s.metrics(), "cxlkv_agent_ticks_total") >= ticks + 12,
+                 what="1.2 s of ticks")
+        code, body = s.get("/healthz")
+        assert code == 200 and body.startswith("CXLKV WARNING"), body
+        assert sample(s.metrics(), "cxlkv_remote_failing") == 1
         assert any(isinstance(d, dict) and "remote" in d.get("msg", "") and
                    d.get("level") == "warning" for d in s.drain())
     finally:
@@ -430,3 +437,46 @@ def test_serve_remote_usage_errors(cli, tmp_path):
     conf.write_text("remote-push = 5\n")
     r = cli("serve", "--pool", a, "--config", str(conf))
     assert r.code == 2 and "remote-push" in r.err
+
+
+def test_pushes_the_writer_dropped_are_pushed_again(tmp_path):
+    """An outage that drops a queued batch: the next passes find the blocks
+    missing in the cluster and push them again."""
+    from cxlkv.remote.tier import Batch, RemoteTier, RemoteUnavailable
+
+    class Flaky(RemoteTier):
+        def __init__(self):
+            self.store, self.puts = {}, 0
+
+        async def get_many(self, keys):
+            return Batch([self.store.get(k) for k in keys])
+
+        async def exists_many(self, keys):
+            return Batch([k in self.store for k in keys])
+
+        async def put_many(self, items, ttl_s, *, wait_replicas=0, wait_timeout_s=1.0):
+            self.puts += 1
+            if self.puts == 1:
+                raise RemoteUnavailable("connection reset (an outage)")
+            out = [k not in self.store for k, _ in items]
+            for k, v in items:
+                self.store.setdefault(k, v)
+            return Batch(out)
+
+        async def set_names(self, h, m):
+            pass
+
+        async def close(self):
+            pass
+
+    tier = Flaky()
+    a = mkpool(tmp_path / "a.pool")
+    with RemoteClient(RemoteConfig(), tier=tier, retry_s=0.0) as rc, cxlkv.open_pool(a) as pa:
+        pa.kv(model="m", block_bytes=BB).store(list(range(16 * 10)), data(10, 11))
+        push = KR.Pusher(pa, rc, ["m"], policy="all")
+        for _ in range(4):
+            push.scan()
+            assert rc.flush(10)
+        assert len(tier.store) == 10, (len(tier.store), rc.stats())
+        assert rc.stats()["dropped_unavailable"] >= 1
+        assert push.scan()["queued"] == 0                   # and then nothing more

@@ -468,7 +468,8 @@ class Agent:
 
             self.pusher = Pusher(pool, self.remote, self.cfg.remote_push,
                                  self.cfg.remote_push_policy,
-                                 lock_timeout=max(1.0, 2 * pool.sb.lease_ms / 1000.0))
+                                 lock_timeout=max(1.0, 2 * pool.sb.lease_ms / 1000.0),
+                                 stop=self.stop_event)
         fields_ = {"node": pool.node.slot, "epoch": pool.node.epoch, "pid": os.getpid()}
         b = getattr(pool, "numa", None)
         if b is not None:
@@ -536,9 +537,7 @@ class Agent:
 
     def _close_remote(self, deadline: float) -> None:
         """Send what the push queue holds, until the stop deadline."""
-        t, rc = self._push_thread, self.remote
-        if t is not None:
-            t.join(max(0.0, min(2.0, deadline - time.monotonic())))
+        rc = self.remote
         self.remote = self.pusher = None
         if rc is None:
             return
@@ -647,6 +646,11 @@ class Agent:
         if deadline is None:
             deadline = time.monotonic() + self.cfg.stop_timeout
         self.stop_event.set()                    # the device watch, too
+        t = self._push_thread
+        if t is not None:
+            # the push thread reads blocks out of the pool: it ends (its pass
+            # stops at the next block) before the pool is closed
+            t.join(max(0.0, deadline - time.monotonic()))
         try:
             self._detach(deadline)
         finally:
@@ -887,9 +891,11 @@ class Agent:
         for text in bad:
             h.add("agent", H.CRITICAL, text)
         rc = self.remote
-        if rc is not None and rc.stats()["unavailable"]:
-            h.add("remote", H.WARNING, "the remote tier's cluster is unreachable: pushes are "
-                                       "dropped (counted in cxlkv_remote_dropped_blocks_total)")
+        st = rc.stats() if rc is not None else None
+        if st is not None and (st["unavailable"] or st["failing"]):
+            h.add("remote", H.WARNING, "the remote tier's cluster is unreachable or failing "
+                                       f"({st['last_error'] or 'backing off'}): pushes are "
+                                       "dropped (cxlkv_remote_dropped_blocks_total)")
         if ok and not bad and node is not None:
             h.add("agent", H.OK, f"attached as node {node.slot}")
 

@@ -8,7 +8,9 @@
 
 Hot paths (hashing, lookup, pin, copies) are single C calls over the whole
 sequence; the pool lock is taken twice per store (reserve entries, then
-publish) and never by lookups.
+publish) and never by lookups - except that a lookup which brings blocks in
+from a lower tier (spill on load, the remote tier on match and load with
+remote_read) stores them, as any store does.
 """
 from __future__ import annotations
 

@@ -81,7 +81,7 @@ class Pusher:
     least once after the pusher first saw them)."""
 
     def __init__(self, pool, client, namespaces, policy: str = "reused",
-                 max_blocks: int = 4096, lock_timeout: float | None = None):
+                 max_blocks: int = 4096, lock_timeout: float | None = None, stop=None):
         if policy not in POLICIES:
             raise UsageError(f"push policy must be one of {', '.join(POLICIES)}, not {policy!r}")
         pats = [namespaces] if isinstance(namespaces, str) else list(namespaces)
@@ -90,8 +90,10 @@ class Pusher:
         self.pool, self.client, self.patterns, self.policy = pool, client, pats, policy
         self.max_blocks = max_blocks
         self.lock_timeout = lock_timeout
+        self.stop = stop                         # a threading.Event: end a pass early
         self.area = Area(pool)
-        self._done: dict[bytes, int] = {}        # key -> ctl pushed (or found present)
+        self._done: dict[bytes, int] = {}        # key -> ctl the cluster has (seen present)
+        self._pending: dict[bytes, int] = {}     # key -> ctl queued, not known written yet
         self._seen: dict[bytes, int] = {}        # key -> lru stamp when first seen
         self.exists_budget_s = 1.0
         self.totals = dict.fromkeys(("scans", "present", "queued", "changed", "refused"), 0)
@@ -126,8 +128,13 @@ class Pusher:
             e = t[i]
             k = int(e["key_lo"]).to_bytes(8, "little") + int(e["key_hi"]).to_bytes(8, "little")
             keys[k] = i
+        # queued blocks are known written only once seen present: when the
+        # client's queue is empty they were written or dropped, and the
+        # exists() below tells which (dropped ones are pushed again)
+        if not self.client.stats()["queued_bytes"]:
+            self._pending.clear()
         # forget what left the table (bounded memory)
-        for d in (self._done, self._seen):
+        for d in (self._done, self._seen, self._pending):
             for k in [k for k in d if k not in keys]:
                 del d[k]
         for d_ns, name, _ in spaces.values():
@@ -137,7 +144,7 @@ class Pusher:
             if len(todo) >= self.max_blocks:
                 break
             e = t[i]
-            if self._done.get(k) == int(e["ctl"]):
+            if self._done.get(k) == int(e["ctl"]) or k in self._pending:
                 continue
             if self.policy == "reused":
                 first = self._seen.setdefault(k, int(e["lru"]))
@@ -153,6 +160,8 @@ class Pusher:
             digest = spaces[ns][0]
             there = self.client.exists(digest, [k for k, _ in items], self.exists_budget_s)
             for (k, i), present in zip(items, there):
+                if self.stop is not None and self.stop.is_set():
+                    break
                 ctl = int(t[i]["ctl"])
                 if present:
                     got["present"] += 1
@@ -168,7 +177,7 @@ class Pusher:
                     got["refused"] += 1
                     break
                 got["queued"] += 1
-                self._done[k] = ctl
+                self._pending[k] = ctl
             else:
                 continue
             break

@@ -57,6 +57,8 @@ class Collector:
                 ("queue_limit_bytes", s.get("queue_bytes", 0), "Bound of the push queue."),
                 ("unavailable", int(bool(s.get("unavailable"))), "1 while the cluster is "
                                                                  "treated as unreachable."),
+                ("failing", int(bool(s.get("failing"))), "1 from a failed or unanswered "
+                                                         "operation until one succeeds."),
                 ("over_budget", int(bool(s.get("over_budget"))), "1 while the cluster's "
                                                                  "used_memory is at max_bytes."),
                 ("used_memory_bytes", s.get("used_memory") or 0, "The cluster's used_memory, "

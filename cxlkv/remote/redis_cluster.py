@@ -163,7 +163,8 @@ class RedisClusterTier(RemoteTier):
                 if pc.position >= 0:
                     results[pc.position] = pc.result
                     acked[pc.position] = ok
-        await self._redirects(rc, cmds, results)
+        for i in await self._redirects(rc, cmds, results):
+            acked[i] = False      # written elsewhere than where the WAIT ran: unconfirmed
         return results, acked
 
     async def _run_pipeline(self, rc, cmds, wait_replicas, wait_timeout_s):
@@ -171,13 +172,15 @@ class RedisClusterTier(RemoteTier):
         for args in cmds:
             pipe.execute_command(*args)
         nodes = {}
+        before: dict[int, str] = {}
         if wait_replicas:
-            for args in cmds:
+            for i, args in enumerate(cmds):
                 try:
                     n = rc.get_node_from_key(args[1])
                 except Exception:                          # noqa: BLE001
                     continue
                 nodes[n.name] = n
+                before[i] = n.name
             for n in nodes.values():
                 pipe.execute_command("WAIT", wait_replicas, max(1, int(wait_timeout_s * 1000)),
                                      target_nodes=n)
@@ -191,15 +194,20 @@ class RedisClusterTier(RemoteTier):
             ok = {name: isinstance(w, int) and w >= wait_replicas
                   for name, w in zip(nodes, out[len(cmds):])}
             for i, args in enumerate(cmds):
+                # confirmed only where the key's owner did not change under
+                # the pipeline (a redirected SET ran on a node whose WAIT may
+                # have run before it)
                 try:
-                    acked[i] = ok.get(rc.get_node_from_key(args[1]).name, False)
+                    now = rc.get_node_from_key(args[1]).name
                 except Exception:                          # noqa: BLE001
-                    acked[i] = False
+                    now = None
+                acked[i] = now is not None and before.get(i) == now and ok.get(now, False)
         return results, acked
 
-    async def _redirects(self, rc, cmds, results) -> None:
+    async def _redirects(self, rc, cmds, results) -> list[int]:
         """Retry MOVED / ASK / TRYAGAIN answers through the cluster client
-        (it follows them and fixes its slot table); note connection errors."""
+        (it follows them and fixes its slot table); note connection errors.
+        Returns the positions retried."""
         import redis.exceptions as X
 
         redo = [i for i, r in enumerate(results)
@@ -207,13 +215,14 @@ class RedisClusterTier(RemoteTier):
         if any(isinstance(r, _conn_errors()) for r in results) or redo:
             self._refresh = True
         if not redo:
-            return
+            return redo
         outs = await asyncio.gather(*(rc.execute_command(*cmds[i]) for i in redo),
                                     return_exceptions=True)
         for i, out in zip(redo, outs):
             if isinstance(out, asyncio.CancelledError):
                 raise out
             results[i] = out
+        return redo
 
     def _finish(self, results: list, convert, acked: dict, wait_replicas: int) -> Batch:
         failed = 0

@@ -184,6 +184,9 @@ class RemoteClient:
         self._writer_busy = False
         self._wake_sent = False
         self._down_until = 0.0
+        #: the last operation's failure, until one succeeds (health: the
+        #: cluster is failing even while the back-off has run out)
+        self._failing: str | None = None
         self._over = False
         self._used: int | None = None         # last used_memory polled (+ pushed since)
         self._polled_at = -1e18
@@ -255,6 +258,10 @@ class RemoteClient:
             self._down_until = time.monotonic() + self.retry_s
         self._log_once("unavailable", f"cluster unavailable ({err}): lookups are misses, "
                                       "pushes are dropped until it answers again")
+
+    def _failed(self, err: str | None) -> None:
+        """Record the outcome of a cluster operation (None: it worked)."""
+        self._failing = None if err is None else self.config.scrub(str(err))
 
     def _is_down(self) -> bool:
         return time.monotonic() < self._down_until
@@ -344,19 +351,26 @@ class RemoteClient:
         except concurrent.futures.TimeoutError:
             fut.cancel()
             self._bump("timeouts")
+            self._failed(f"{op}: no answer within the budget")
             return [None] * len(names)
         except Exception as e:                     # noqa: BLE001 - never raise to the caller
             fut.cancel()
             self._bump("errors")
             self._log_once("error", f"{op}: {type(e).__name__}: {e}")
+            self._failed(f"{op}: {type(e).__name__}: {e}")
             return [None] * len(names)
         if timed_out:
             self._bump("timeouts")
+            if all(r is None for r in res):
+                self._failed(f"{op}: no answer within the budget")
         if err:
             self._bump("errors")
             self._log_once("error", f"{op}: {err}")
+            self._failed(f"{op}: {err}")
             if unavailable:
                 self._down(err)
+        elif not timed_out:
+            self._failed(None)
         return res
 
     async def _gather(self, op: str, names: list[bytes], per: int, deadline: float):
@@ -509,6 +523,7 @@ class RemoteClient:
                     raise
                 except Exception as e:             # noqa: BLE001 - pragma: never raise
                     self._drop("unavailable", len(batch), f"{type(e).__name__}: {e}")
+                    self._failed(f"put_many: {type(e).__name__}: {e}")
                 self._release(batch)
             if self._closed:
                 return
@@ -545,6 +560,7 @@ class RemoteClient:
                                            wait_timeout_s=wait_s)
         except RemoteError as e:
             self._drop("unavailable", len(batch), str(e))
+            self._failed(f"put_many: {e}")
             if isinstance(e, RemoteUnavailable):
                 self._down(str(e))
             return
@@ -575,6 +591,9 @@ class RemoteClient:
                     self._over = True
         if failed:
             self._drop("unavailable", failed, getattr(res, "error", None))
+            self._failed(f"put_many: {getattr(res, 'error', None) or 'writes failed'}")
+        else:
+            self._failed(None)
         if cfg.wait_replicas and stored > repl:
             self._log_once("replicas", f"{stored - repl} pushed blocks not confirmed on "
                                        f"{cfg.wait_replicas} replica(s) within {wait_s:g} s")
@@ -600,6 +619,8 @@ class RemoteClient:
             out["queue_bytes"] = self.config.queue_bytes
             out["queued_bytes"] = self._pending
             out["unavailable"] = time.monotonic() < self._down_until
+            out["failing"] = self._failing is not None
+            out["last_error"] = self._failing
             out["over_budget"] = self._over
             out["max_bytes"] = self.config.max_bytes
             out["used_memory"] = self._used
@@ -607,9 +628,11 @@ class RemoteClient:
 
     def close(self, timeout: float = 10.0) -> None:
         """Write what is queued (for at most `timeout` seconds; the rest is
-        dropped, counted `dropped_closed`), then release every connection."""
+        dropped, counted `dropped_closed`), then release every connection -
+        all within about `timeout` (at least 0.1 s for the connections)."""
         if self._closed:
             return
+        end = time.monotonic() + max(0.0, timeout)
         self.flush(timeout)
         with self._mu:
             self._closed = True
@@ -619,23 +642,26 @@ class RemoteClient:
             self._drop("closed", len(left))
             self._release(left)
 
+        def remaining() -> float:
+            return max(0.1, end - time.monotonic())
+
         async def stop():
-            self._writer_task.cancel()
+            me = asyncio.current_task()
+            others = [t for t in asyncio.all_tasks() if t is not me]
+            for t in others:                       # the writer, deletes, name records
+                t.cancel()
+            await asyncio.wait(others, timeout=remaining()) if others else None
             try:
-                await self._writer_task
+                await asyncio.wait_for(self.tier.close(), min(5.0, remaining()))
             except BaseException:                  # noqa: BLE001
-                pass
-            try:
-                await asyncio.wait_for(self.tier.close(), 5.0)
-            except Exception:                      # noqa: BLE001
                 pass
 
         try:
-            self._call(stop(), 10.0)
-        except Exception:                          # noqa: BLE001
+            self._call(stop(), remaining() + 0.5)
+        except Exception:                          # noqa: BLE001 - closing regardless
             pass
         self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10.0)
+        self._thread.join(remaining())
         if not self._thread.is_alive():
             self.loop.close()
 
