@@ -8,7 +8,7 @@ for the tests and the bench (never for production: it binds 127.0.0.1 only).
         new = c.wait_failover(port) # a replica of it took over; cluster_state:ok again
 
 Every node runs in its own temporary directory with no persistence
-(`appendonly no`, `save ''`), a short `cluster-node-timeout` (1000 ms) and
+(`appendonly no`, `save ''`), a short `cluster-node-timeout` (2000 ms) and
 its cluster bus port chosen explicitly (`cluster-port`), both ports taken
 below the kernel's ephemeral range and checked free just before start (a
 node that still loses the race is restarted on other ports).  The cluster is
@@ -131,7 +131,7 @@ class TestCluster:
     __test__ = False                      # not a pytest test class
 
     def __init__(self, masters: int = 3, replicas: int = 0, *, password: str | None = None,
-                 node_timeout_ms: int = 1000, deadline_s: float = 90.0,
+                 node_timeout_ms: int = 2000, deadline_s: float = 90.0,
                  maxmemory: int | None = None, tls: bool = False):
         if masters < 3:
             raise ValueError("a Redis Cluster needs at least 3 masters")
@@ -183,11 +183,20 @@ class TestCluster:
         self.wait_ok(deadline=deadline)
         for node in self.nodes:
             node.node_id = self._call(node.port, "CLUSTER", "MYID").decode()
-        for x in self.cluster_nodes(self.nodes[0].port):
-            for node in self.nodes:
-                if node.node_id == x["id"]:
-                    node.extra["master_id"] = None if x["master"] == "-" else x["master"]
+        self._refresh_roles()
         return self
+
+    def _refresh_roles(self) -> None:
+        """Which master each replica follows now, each node asked about
+        itself (its own line of CLUSTER NODES is never behind the gossip; a
+        loaded machine can make the cluster fail over on its own)."""
+        for n in self.live():
+            try:
+                me = next(x for x in self.cluster_nodes(n.port) if "myself" in x["flags"])
+            except Exception:                              # noqa: BLE001
+                self._drop(n.port)
+                continue
+            n.extra["master_id"] = None if me["master"] == "-" else me["master"]
 
     def stop(self) -> None:
         """Kill every node (SIGKILL: nothing to persist) and remove the directories."""
@@ -474,6 +483,7 @@ class TestCluster:
     def kill(self, port: int) -> None:
         """SIGKILL the node on `port` (a master, typically)."""
         node = self.node(port)
+        self._refresh_roles()                 # wait_failover looks for its replicas
         self._drop(port)
         if node.proc is not None and node.proc.poll() is None:
             os.kill(node.proc.pid, signal.SIGKILL)
