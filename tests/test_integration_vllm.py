@@ -531,3 +531,45 @@ def test_two_real_engines_share_a_prompt_through_the_pool(tmp_path, pool_path):
         (ns,) = kv_report(pool)["namespaces"]
     assert ns["namespace"].startswith("vllm/tiny-llama/") and ns["blocks"] == 4
     assert ns["stores"] == 4 and ns["loads"] == 4
+
+
+@in_vllm
+def test_a_prefix_from_another_rack_through_the_remote_tier(model_dir, tmp_path):
+    """Rack A's instance stores a prompt; its blocks are pushed to a real
+    Redis Cluster; rack B's instance (another pool, extra config `remote`)
+    matches them through the cluster and loads them bit for bit."""
+    import cxlkv
+    from cxlkv.kv import remote as KR
+    from cxlkv.remote import RemoteClient, RemoteConfig
+    from cxlkv.remote.testcluster import TestCluster, skip_reason
+
+    if skip_reason():
+        pytest.skip(skip_reason())
+    pa, pb = str(tmp_path / "a.pool"), str(tmp_path / "b.pool")
+    for p in (pa, pb):
+        cxlkv.init_pool(p, {"size": 64 << 20})
+    toks = prompt(70, seed=3)
+    with TestCluster(masters=3) as c:
+        conf = tmp_path / "remote.toml"
+        conf.write_text(f"[remote]\nnodes = {list(c.addrs)!r}\n")
+        a = Instance(make_config(model_dir, pa, role="kv_producer"))
+        b = Instance(make_config(model_dir, pb, role="kv_consumer", remote=str(conf),
+                                 remote_budget_s=5.0))
+        try:
+            a.scheduler.add_request(make_request("a1", toks))
+            a.step(fake_forward)
+            a_ids = a.scheduler.kv_cache_manager.get_blocks("a1").get_block_ids()[0][:4]
+            with cxlkv.open_pool(pa) as pool, \
+                    RemoteClient(RemoteConfig.from_toml(str(conf))) as rc:
+                got = KR.Pusher(pool, rc, ["vllm/*"], policy="all").scan()
+                assert got["queued"] == 4, got
+                assert rc.flush(30)
+            b.scheduler.add_request(make_request("b1", toks))
+            out, meta = b.step()
+            assert out.num_scheduled_tokens["b1"] == 70 - 64     # 4 blocks from rack A
+            b_ids = b.scheduler.kv_cache_manager.get_blocks("b1").get_block_ids()[0][:4]
+            assert blocks_equal(a, a_ids, b, b_ids)
+            assert KR.client_of(b.scheduler.connector._pool).stats()["hits"] == 4
+        finally:
+            a.close()
+            b.close()

@@ -17,6 +17,11 @@ instance of the rack).  kv_connector_extra_config:
     salt        a tenant salt for every request (default none); a request's own
                 cache_salt, when it has one, is its tenant instead
     quota       bytes per tenant (default none)
+    remote      a TOML file whose [remote] table names the remote tier's cluster
+                (cxlkv.remote.RemoteConfig): lookups that miss in the pool read
+                through it, and what they find is stored in the pool (blocks
+                are pushed there by the racks' `cxlkv serve --remote-push`)
+    remote_budget_s  how long a lookup may wait for the cluster (default 0.05)
 
 Keys.  A pool block is one vLLM block (block_size tokens), keyed by the block
 hash vLLM computed for it (request.block_hashes) - the chain hash that names
@@ -149,6 +154,12 @@ class CxlkvConnector(KVConnectorBase_V1):
         self._salt = extra.get("salt")
         self._quota = extra.get("quota")
         self._namespace_override = extra.get("namespace")
+        self._remote = None
+        if extra.get("remote"):
+            from cxlkv.remote import RemoteConfig
+
+            self._remote = RemoteConfig.from_toml(str(extra["remote"]))   # bad: an error now
+        self._remote_budget = extra.get("remote_budget_s")
         ktc = self._kv_transfer_config
         self._do_load = bool(getattr(ktc, "is_kv_consumer", True))
         self._do_save = bool(getattr(ktc, "is_kv_producer", True))
@@ -206,7 +217,12 @@ class CxlkvConnector(KVConnectorBase_V1):
 
     def _open_pool(self):
         if self._pool is None:
-            self._pool = cxlkv.open_pool(self._pool_path)
+            pool = cxlkv.open_pool(self._pool_path)
+            if self._remote is not None:
+                from cxlkv.kv import remote
+
+                remote.enable(pool, self._remote)
+            self._pool = pool
         return self._pool
 
     def _kv(self, rank: int, salt: str | None):
@@ -218,7 +234,9 @@ class CxlkvConnector(KVConnectorBase_V1):
             seed = _none_hash_seed()
             kv = self._open_pool().kv(model=self._namespace(rank), block_tokens=self._block_size,
                                       block_bytes=self._layout.block_bytes, salt=salt,
-                                      hash="sha256_cbor", hash_seed=seed, quota=self._quota)
+                                      hash="sha256_cbor", hash_seed=seed, quota=self._quota,
+                                      remote_read=self._remote is not None,
+                                      remote_budget_s=self._remote_budget)
             if len(self._kvs) > 256:            # many tenants: keep the open set bounded
                 self._kvs.pop(next(iter(self._kvs)))
             self._kvs[key] = kv
@@ -465,6 +483,10 @@ class CxlkvConnector(KVConnectorBase_V1):
         self._kvs.clear()
         if self._pool is not None:
             pool, self._pool = self._pool, None
+            if self._remote is not None:
+                from cxlkv.kv import remote
+
+                remote.disable(pool)
             pool.close()
 
 
