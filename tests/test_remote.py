@@ -655,3 +655,55 @@ def test_a_redirected_write_is_never_counted_replicated(strategy):
         b = asyncio.run(main())
         assert list(b) == [True] and c.client(owner).exists(key) == 1
         assert b.replicated == [False]
+
+
+def test_a_silent_cluster_costs_three_budgets_then_backs_off():
+    """A black-holed network (connections accepted, nothing answered): after
+    SILENT_READS reads with no answer the client answers misses at once, as
+    for a cluster that refuses connections, and tries again after retry_s."""
+    import socket
+    import threading
+
+    from cxlkv.remote import tier as T
+
+    bh = socket.socket()
+    bh.bind(("127.0.0.1", 0))
+    bh.listen(64)
+    held = []
+    stop = threading.Event()
+
+    def accept():
+        bh.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(bh.accept()[0])
+            except OSError:
+                pass
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    cfg = RemoteConfig(nodes=(f"127.0.0.1:{bh.getsockname()[1]}",), timeout_s=30.0)
+    keys, _ = blocks(4, 1024, seed=5)
+    try:
+        rc = RemoteClient(cfg, retry_s=60.0)
+        try:
+            budget = 0.2
+            for i in range(T.SILENT_READS):
+                t0 = time.monotonic()
+                assert rc.lookup(NS, keys, 1024, budget) == [None] * 4
+                assert time.monotonic() - t0 >= budget * 0.9        # it waited: no answer
+            st = rc.stats()
+            assert st["timeouts"] == T.SILENT_READS and st["skipped"] == 0
+            assert st["unavailable"] and st["failing"]
+            t0 = time.monotonic()
+            assert rc.lookup(NS, keys, 1024, budget) == [None] * 4
+            assert time.monotonic() - t0 < budget / 2                # backed off
+            assert rc.stats()["skipped"] == 1
+        finally:
+            rc.close(timeout=0.5)
+    finally:
+        stop.set()
+        t.join(5)
+        for c in held:
+            c.close()
+        bh.close()

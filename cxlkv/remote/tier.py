@@ -47,6 +47,10 @@ BUDGET_POLL_S = 2.0
 #: after the cluster was found unreachable, lookups are misses and pushes are
 #: dropped at once for this long (then the next call tries again)
 RETRY_S = 1.0
+#: reads in a row that got no answer at all within their budget before the
+#: cluster is treated as unreachable too (a black-holed network refuses
+#: nothing: without this every read would wait its whole budget)
+SILENT_READS = 3
 
 
 class RemoteError(CxlkvError):
@@ -187,6 +191,7 @@ class RemoteClient:
         #: the last operation's failure, until one succeeds (health: the
         #: cluster is failing even while the back-off has run out)
         self._failing: str | None = None
+        self._silent = 0                      # reads in a row with no answer at all
         self._over = False
         self._used: int | None = None         # last used_memory polled (+ pushed since)
         self._polled_at = -1e18
@@ -262,6 +267,17 @@ class RemoteClient:
     def _failed(self, err: str | None) -> None:
         """Record the outcome of a cluster operation (None: it worked)."""
         self._failing = None if err is None else self.config.scrub(str(err))
+
+    def _silence(self, op: str, answered: bool) -> None:
+        """Count reads that got no answer at all; SILENT_READS in a row back
+        off as an unreachable cluster does."""
+        with self._mu:
+            self._silent = 0 if answered else self._silent + 1
+            n = self._silent
+        if n >= SILENT_READS:
+            with self._mu:
+                self._silent = 0
+            self._down(f"{op}: no answer to {n} reads in a row")
 
     def _is_down(self) -> bool:
         return time.monotonic() < self._down_until
@@ -352,6 +368,7 @@ class RemoteClient:
             fut.cancel()
             self._bump("timeouts")
             self._failed(f"{op}: no answer within the budget")
+            self._silence(op, False)
             return [None] * len(names)
         except Exception as e:                     # noqa: BLE001 - never raise to the caller
             fut.cancel()
@@ -363,6 +380,7 @@ class RemoteClient:
             self._bump("timeouts")
             if all(r is None for r in res):
                 self._failed(f"{op}: no answer within the budget")
+        self._silence(op, not (timed_out and all(r is None for r in res)))
         if err:
             self._bump("errors")
             self._log_once("error", f"{op}: {err}")
