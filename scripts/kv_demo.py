@@ -38,6 +38,18 @@ def consumer(path: str, q) -> None:
 
 
 def main(path: str) -> int:
+    from cxlkv.pool import layout as L
+    from cxlkv.pool.pool import Pool
+
+    with Pool.open(path, writable=False) as p:
+        has_kv = bool(p.sb.compat & L.COMPAT_KV)
+    if not has_kv:
+        print(f"demo: {path} was made by a cxlkv from before the KV cache (it has no KV "
+              "region). Re-create it - what it holds is lost - with\n"
+              f"  .venv/bin/cxlkv format --pool {path} --force\n"
+              "or run the demo on another pool: CXLKV_POOL=/dev/shm/other.pool ./scripts/demo",
+              file=sys.stderr)
+        return 1
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     for role in (producer, consumer):
