@@ -106,3 +106,5 @@ def test_pool_formatted_before_the_kv_region(cli, tmp_path):
     assert cli("fsck", "--pool", str(path)).code == 0
     r = cli("kv", "stats", "--pool", str(path))
     assert r.code == 5 and "without a KV region" in r.err
+    r = cli("init", "--pool", str(path))           # kept as it is, with the way out named
+    assert r.code == 0 and "before the KV cache" in r.err and "format --force" in r.err

@@ -462,6 +462,10 @@ def _make_existing(ex: Examination, given: dict, *, verb, force, group, progress
             if group is not None:
                 _check_owner(path, t, force, warnings)
                 t = _apply_group(t, group, warnings)
+            if not ex.sb.compat & L.COMPAT_KV:
+                warnings.append("this pool was made by a cxlkv from before the KV cache (no KV "
+                                "region): the KV cache refuses it; back up what it holds and "
+                                "re-create it with `cxlkv format --force`")
             return FormatResult("unchanged", path, ex.sb, t, warnings)
         if not force:
             desc = ", ".join(f"{k}: pool has {a!r}, asked {b!r}" for k, (a, b) in diffs.items())
