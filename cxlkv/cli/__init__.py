@@ -26,7 +26,7 @@ COMMANDS = {
                      "Run the lock manager of a pool in sync mode manager."),
     "bench": ("cxlkv.cli.bench", "bench_cmd", "Measure the pool against same-run baselines."),
     "stress": ("cxlkv.cli.stress", "stress_cmd", "Torture-test a pool's shared state (kill -9 included)."),
-    "kv": ("cxlkv.cli.kv", "kv_group", "The KV cache in a pool: stats, ls, drop."),
+    "kv": ("cxlkv.cli.kv", "kv_group", "The KV cache in a pool: stats, ls, drop, secret."),
     "snapshot": ("cxlkv.cli.snapshot", "snapshot_cmd",
                  "Write a pool's KV blocks to a directory, while nodes keep serving."),
     "restore": ("cxlkv.cli.snapshot", "restore_cmd",

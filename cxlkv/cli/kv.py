@@ -10,11 +10,13 @@ from cxlkv.pool.format import human_size
 
 @click.group("kv", epilog=exit_codes_epilog())
 def kv_group():
-    """The KV cache in a pool: usage, namespaces, blocks; drop a namespace.
+    """The KV cache in a pool: usage, namespaces, blocks; drop a namespace;
+    the tenant secret.
 
     A namespace holds one model's blocks (model, dtype and layout, as the
     serving engine names it); `drop` removes a namespace's blocks, e.g. after
-    a model update.  stats and ls only read the pool.
+    a model update; `secret` shows, exports or imports the tenant secret that
+    racks sharing blocks must hold in common.  stats and ls only read the pool.
     """
 
 
