@@ -52,6 +52,17 @@ def pool_path(tmp_path):
 
 
 @pytest.fixture
+def kvpool(pool_path):
+    """A formatted 32 MiB pool for KV tests (short lease); returns its path.
+    Modules that need another geometry define their own."""
+    from cxlkv.pool.admin import init_pool
+
+    init_pool(pool_path, {"size": 32 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8,
+                          "lease_ms": 300})
+    return pool_path
+
+
+@pytest.fixture
 def small_pool(pool_path):
     """A formatted small pool file; returns its path."""
     from cxlkv.pool.admin import init_pool

@@ -16,13 +16,6 @@ MiB = 1 << 20
 BB = 4096
 
 
-@pytest.fixture
-def kvpool(pool_path):
-    init_pool(pool_path, {"size": 32 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8,
-                          "lease_ms": 300})
-    return pool_path
-
-
 def blocks(tag: int, n: int) -> bytes:
     rng = np.random.default_rng(tag)
     return rng.integers(0, 256, n * BB, dtype=np.uint8).tobytes()

@@ -26,13 +26,6 @@ MiB = 1 << 20
 BB = 4096
 
 
-@pytest.fixture
-def kvpool(pool_path):
-    init_pool(pool_path, {"size": 32 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8,
-                          "lease_ms": 300})
-    return pool_path
-
-
 def pattern(kv, toks) -> list[bytes]:
     return [h * (kv.block_bytes // len(h)) for h in kv.block_hashes(toks)]
 

@@ -63,11 +63,11 @@ import socket
 import sys
 import threading
 import time
-import tomllib
 from dataclasses import dataclass, fields
 
 from cxlkv.errors import CxlkvError, RefusedError, UsageError
 from cxlkv.state import nodes as N
+from cxlkv.tomlfile import read_toml
 
 DEVICE_REFRESH_S = 60.0
 #: the device tools (cxl, ndctl, daxctl) together, per refresh
@@ -109,13 +109,7 @@ def load_config(path: str) -> dict:
     """A TOML file's settings as {option_name: value} (keys as the long flags,
     with - or _; a [serve] table or top-level keys).  UsageError on unknown
     keys or wrong types."""
-    try:
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-    except OSError as e:
-        raise UsageError(f"--config {path}: {e.strerror or e}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise UsageError(f"--config {path}: not valid TOML: {e}") from None
+    doc = read_toml(path)
     if isinstance(doc.get("serve"), dict):
         doc = {**{k: v for k, v in doc.items() if k != "serve"}, **doc["serve"]}
     out = {}

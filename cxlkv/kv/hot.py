@@ -138,39 +138,23 @@ def tier_of(pool) -> HotTier | None:
     return pool.__dict__.get(_ATTR)
 
 
-class Collector:
-    """A prometheus_client collector of a pool's DRAM hot tier in this
-    process (register ``hot.collector(pool)`` in a serving process's registry)."""
+def collector(pool):
+    """A prometheus_client collector of `pool`'s DRAM hot tier in this process
+    (cxlkv_hot_*; register it in a serving process's registry)."""
+    import weakref
 
-    def __init__(self, pool):
-        import weakref
+    from cxlkv.daemons.metrics import StatsCollector
 
-        self._pool = weakref.ref(pool)
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        pool = self._pool()
-        tier = None if pool is None else tier_of(pool)
-        if tier is None:
-            return
-        s = tier.stats()
-        for name, key, help_ in (
-                ("hit_blocks", "hits", "Loaded blocks served from process memory."),
-                ("miss_blocks", "misses", "Loaded blocks read from the pool."),
-                ("stale_blocks", "stale", "DRAM copies dropped because the pool entry changed."),
-                ("inserted_blocks", "inserted", "Blocks copied into the hot tier."),
-                ("evicted_blocks", "evicted", "Blocks dropped to keep to the size limit."),
-                ("hit_bytes", "hit_bytes", "Bytes served from process memory.")):
-            yield CounterMetricFamily(f"cxlkv_hot_{name}", help_, value=s[key])
-        for name, key, help_ in (("bytes", "bytes", "Payload bytes held."),
-                                 ("limit_bytes", "max_bytes", "The hot tier's size limit."),
-                                 ("blocks", "blocks", "Blocks held.")):
-            yield GaugeMetricFamily(f"cxlkv_hot_{name}", help_, value=s[key])
-
-
-def collector(pool) -> Collector:
-    return Collector(pool)
+    ref = weakref.ref(pool)
+    return StatsCollector(
+        "cxlkv_hot", lambda: None if ref() is None else tier_of(ref()),
+        counters=(("hit_blocks", "hits", "Loaded blocks served from process memory."),
+                  ("miss_blocks", "misses", "Loaded blocks read from the pool."),
+                  ("stale_blocks", "stale", "DRAM copies dropped because the pool entry "
+                                            "changed."),
+                  ("inserted_blocks", "inserted", "Blocks copied into the hot tier."),
+                  ("evicted_blocks", "evicted", "Blocks dropped to keep to the size limit."),
+                  ("hit_bytes", "hit_bytes", "Bytes served from process memory.")),
+        gauges=(("bytes", "bytes", "Payload bytes held."),
+                ("limit_bytes", "max_bytes", "The hot tier's size limit."),
+                ("blocks", "blocks", "Blocks held.")))

@@ -88,6 +88,7 @@ from pathlib import Path
 
 import xxhash
 
+from cxlkv.daemons.metrics import StatsCollector
 from cxlkv.errors import RefusedError, UsageError
 
 MAGIC = b"CXLKVSP\0"
@@ -827,58 +828,40 @@ def _write_all(fd: int, data) -> None:
 
 # -- Prometheus --------------------------------------------------------------------------
 
-class Collector:
+#: cxlkv_spill_* counters: (name, stats key, help)
+METRIC_COUNTERS = (
+    ("written_blocks", "written", "Blocks this process wrote to the spill store."),
+    ("written_bytes", "written_bytes", "Payload bytes this process wrote to the spill store."),
+    ("hits", "hits", "Spilled blocks this process read back and verified."),
+    ("misses", "misses", "Spilled blocks looked for and not found."),
+    ("promoted_blocks", "promoted", "Spilled blocks stored back into the pool."),
+    ("promote_failed", "promote_failed", "Promotions the pool refused (pinned full, quota)."),
+    ("corrupt", "corrupt", "Spilled files that failed verification (removed)."),
+    ("evicted_blocks", "evicted", "Files the owner removed to make room (its LRU)."),
+    ("second_chances", "second_chance", "LRU victims kept because a reader used them since."),
+    ("already_on_disk", "already", "Evicted blocks already on disk (not written again)."),
+)
+METRIC_GAUGES = (
+    ("store_bytes", "used_bytes", "File bytes in the spill store (all processes)."),
+    ("limit_bytes", "max_bytes", "The spill store's size limit (the owner's)."),
+    ("queue_bytes", "queued_bytes", "Payload bytes waiting for this process's spill writers."),
+    ("queue_limit_bytes", "queue_bytes", "Bound of the spill writer queue."),
+    ("blocks", "blocks", "Files indexed by this process (the owner: all it knows of)."),
+    ("owner", lambda s: 1 if s["mode"] == "owner" else 0,
+     "1 when this process owns the spill directory, 0 a reader."),
+)
+
+
+class Collector(StatsCollector):
     """A prometheus_client collector over a spill store's stats(): register
     it in a serving process's registry (``spill.collector(pool)``); the node
     agent registers one for the store it owns.  `source` is a SpillStore, or
     a callable returning one (or None: no samples)."""
 
     def __init__(self, source):
-        self._source = source if callable(source) else (lambda: source)
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        store = self._source()
-        if store is None:
-            return
-        s = store.stats()
-        for name, key, help_ in (
-                ("written_blocks", "written", "Blocks this process wrote to the spill store."),
-                ("written_bytes", "written_bytes", "Payload bytes this process wrote to the "
-                                                   "spill store."),
-                ("hits", "hits", "Spilled blocks this process read back and verified."),
-                ("misses", "misses", "Spilled blocks looked for and not found."),
-                ("promoted_blocks", "promoted", "Spilled blocks stored back into the pool."),
-                ("promote_failed", "promote_failed", "Promotions the pool refused (pinned "
-                                                     "full, quota)."),
-                ("corrupt", "corrupt", "Spilled files that failed verification (removed)."),
-                ("evicted_blocks", "evicted", "Files the owner removed to make room (its LRU)."),
-                ("second_chances", "second_chance", "LRU victims kept because a reader used "
-                                                    "them since."),
-                ("already_on_disk", "already", "Evicted blocks already on disk (not written "
-                                               "again).")):
-            yield CounterMetricFamily(f"cxlkv_spill_{name}", help_, value=s[key])
-        d = CounterMetricFamily("cxlkv_spill_dropped_blocks", "Evicted blocks not spilled, by "
-                                "reason (queue-full, store-full, disk, copy, gone).",
-                                labels=["reason"])
-        for r in DROP_REASONS:
-            d.add_metric([r], s[f"dropped_{r}"])
-        yield d
-        for name, value, help_ in (
-                ("store_bytes", s["used_bytes"], "File bytes in the spill store (all processes)."),
-                ("limit_bytes", s["max_bytes"], "The spill store's size limit (the owner's)."),
-                ("queue_bytes", s["queued_bytes"], "Payload bytes waiting for this process's "
-                                                   "spill writers."),
-                ("queue_limit_bytes", s["queue_bytes"], "Bound of the spill writer queue."),
-                ("blocks", s["blocks"], "Files indexed by this process (the owner: all it "
-                                        "knows of)."),
-                ("owner", 1 if s["mode"] == "owner" else 0, "1 when this process owns the "
-                                                            "spill directory, 0 a reader.")):
-            yield GaugeMetricFamily(f"cxlkv_spill_{name}", help_, value=value)
+        super().__init__("cxlkv_spill", source, METRIC_COUNTERS, METRIC_GAUGES, [(
+            "dropped_blocks", "Evicted blocks not spilled, by reason (queue-full, store-full, "
+            "disk, copy, gone).", "reason", [(r, f"dropped_{r}") for r in DROP_REASONS])])
 
 
 def collector(pool) -> Collector:

@@ -19,10 +19,10 @@ The password is kept out of repr(), str(), to_json() and every message:
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass, field, fields, replace
 
 from cxlkv.errors import UsageError
+from cxlkv.tomlfile import read_toml
 
 MiB = 1 << 20
 
@@ -106,13 +106,7 @@ class RemoteConfig:
     @classmethod
     def from_toml(cls, path, table: str = "remote") -> "RemoteConfig":
         """The `[remote]` table of a TOML file."""
-        try:
-            with open(path, "rb") as f:
-                doc = tomllib.load(f)
-        except OSError as e:
-            raise UsageError(f"--config {path}: {e.strerror or e}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise UsageError(f"--config {path}: not valid TOML: {e}") from None
+        doc = read_toml(path)
         if table not in doc:
             raise UsageError(f"--config {path}: no [{table}] table")
         return cls.from_dict(doc[table], where=f"{path}: [{table}]")

@@ -4,6 +4,8 @@
 agent registers one for the client its write-behind uses."""
 from __future__ import annotations
 
+from cxlkv.daemons.metrics import StatsCollector
+
 #: counters of RemoteClient.stats() exported as cxlkv_remote_<name>_total
 COUNTERS = (
     ("lookups", "lookups", "Read-through lookups sent to the remote tier."),
@@ -29,38 +31,23 @@ COUNTERS = (
 DROPS = ("queue-full", "unavailable", "over-budget", "closed")
 
 
-class Collector:
+GAUGES = (
+    ("queue_bytes", "queued_bytes", "Value bytes waiting to be pushed."),
+    ("queue_limit_bytes", "queue_bytes", "Bound of the push queue."),
+    ("unavailable", lambda s: int(bool(s.get("unavailable"))),
+     "1 while the cluster is treated as unreachable."),
+    ("failing", lambda s: int(bool(s.get("failing"))),
+     "1 from a failed or unanswered operation until one succeeds."),
+    ("over_budget", lambda s: int(bool(s.get("over_budget"))),
+     "1 while the cluster's used_memory is at max_bytes."),
+    ("used_memory_bytes", "used_memory", "The cluster's used_memory, last polled (max_bytes set)."),
+)
+
+
+class Collector(StatsCollector):
     """`source`: a RemoteClient, or a callable returning one (or None)."""
 
     def __init__(self, source):
-        self._source = source if callable(source) else (lambda: source)
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        rc = self._source()
-        if rc is None:
-            return
-        s = rc.stats()
-        for name, key, help_ in COUNTERS:
-            yield CounterMetricFamily(f"cxlkv_remote_{name}", help_, value=s.get(key, 0))
-        d = CounterMetricFamily("cxlkv_remote_dropped_blocks", "Pushes dropped, by reason.",
-                                labels=["reason"])
-        for r in DROPS:
-            d.add_metric([r], s.get(f"dropped_{r}", 0))
-        yield d
-        for name, value, help_ in (
-                ("queue_bytes", s.get("queued_bytes", 0), "Value bytes waiting to be pushed."),
-                ("queue_limit_bytes", s.get("queue_bytes", 0), "Bound of the push queue."),
-                ("unavailable", int(bool(s.get("unavailable"))), "1 while the cluster is "
-                                                                 "treated as unreachable."),
-                ("failing", int(bool(s.get("failing"))), "1 from a failed or unanswered "
-                                                         "operation until one succeeds."),
-                ("over_budget", int(bool(s.get("over_budget"))), "1 while the cluster's "
-                                                                 "used_memory is at max_bytes."),
-                ("used_memory_bytes", s.get("used_memory") or 0, "The cluster's used_memory, "
-                                                                 "last polled (max_bytes set).")):
-            yield GaugeMetricFamily(f"cxlkv_remote_{name}", help_, value=value)
+        super().__init__("cxlkv_remote", source, COUNTERS, GAUGES, [(
+            "dropped_blocks", "Pushes dropped, by reason.", "reason",
+            [(r, f"dropped_{r}") for r in DROPS])])
