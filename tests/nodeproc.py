@@ -231,3 +231,13 @@ def lock_turn_gaps(path: str, nodes: int = 4, n: int = 150, hold: float = 0.001)
             gaps.append(i - last[order[i]])
         last[order[i]] = i
     return gaps
+
+
+def lock_manager(path: str) -> subprocess.Popen:
+    """`cxlkv lock-manager` for a pool, in a child process of its own, outside
+    the non-coherence emulation (it stands in for a host's manager)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CXLKV_N")}
+    return subprocess.Popen([sys.executable, "-m", "cxlkv", "lock-manager", "--pool", path],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

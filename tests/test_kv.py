@@ -20,7 +20,7 @@ from cxlkv.pool.admin import init_pool
 from cxlkv.pool.pool import Pool
 from cxlkv.state.fsck import check
 
-from nodeproc import NodeProc
+from nodeproc import NodeProc, lock_manager
 
 MiB = 1 << 20
 BB = 4096
@@ -592,12 +592,6 @@ def test_slot_bits_of_a_corrupt_tail_is_none(kvpool):
         assert A.slot_bits(p, data_off + 3 * chunk) is None
 
 
-def _manager(path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CXLKV_N")}
-    return subprocess.Popen([sys.executable, "-m", "cxlkv", "lock-manager", "--pool", path],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
 def test_manager_mode_evictor_never_writes_a_stale_line_back(pool_path, monkeypatch):
     """Non-coherent memory: applying touch rings and recounting must not
     write back this process's stale copies of entry or header lines."""
@@ -605,7 +599,7 @@ def test_manager_mode_evictor_never_writes_a_stale_line_back(pool_path, monkeypa
     monkeypatch.setenv("CXLKV_NC_EVICT_EVERY", "0")
     init_pool(pool_path, {"size": 16 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8,
                           "sync": "manager", "lease_ms": 2000})
-    mgr = _manager(pool_path)
+    mgr = lock_manager(pool_path)
     try:
         pa, pb = cxlkv.open_pool(pool_path), cxlkv.open_pool(pool_path)
         ka = pa.kv(model="m", block_tokens=4, block_bytes=BB)

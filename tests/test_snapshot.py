@@ -19,7 +19,7 @@ from cxlkv.pool.admin import init_pool
 from cxlkv.pool.pool import Pool
 from cxlkv.state.fsck import check
 
-from nodeproc import NodeProc
+from nodeproc import NodeProc, lock_manager
 
 MiB = 1 << 20
 BB = 16 * 1024
@@ -357,16 +357,6 @@ def test_the_tenant_secret_is_not_replaced_under_attached_nodes(tmp_path, cli):
     fsck_clean(dst)
 
 
-def _lock_manager(path):
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CXLKV_N")}
-    return subprocess.Popen([sys.executable, "-m", "cxlkv", "lock-manager", "--pool", path],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
 def test_snapshot_and_restore_in_manager_mode_under_the_noncoherence_emulation(tmp_path, cli,
                                                                               monkeypatch):
     """Non-coherent multi-host memory: the snapshot reads entries and blocks
@@ -377,7 +367,7 @@ def test_snapshot_and_restore_in_manager_mode_under_the_noncoherence_emulation(t
         init_pool(p, {"size": size, "chunk_size": 256 * 1024, "max_nodes": 8,
                       "lease_ms": 2000, "sync": "manager"})
     nc = {"CXLKV_NONCOHERENT": "1", "CXLKV_NC_EVICT_EVERY": "64"}
-    mgrs = [_lock_manager(src), _lock_manager(dst)]
+    mgrs = [lock_manager(src), lock_manager(dst)]
     w = NodeProc(nc)
     try:
         w.attach(src)
