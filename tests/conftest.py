@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -156,3 +157,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "lab" in item.keywords:
             item.add_marker(skip)
+
+
+def wait_for(cond, timeout: float = 30.0, what: str = "condition", step: float = 0.01):
+    """Poll `cond()` until it is true (returns its value); fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(step)
+
+
+@pytest.fixture
+def remote_env(tmp_path):
+    """make() -> environment that makes a child process look like another
+    host: a procfs root of its own with its own boot id, so every other node
+    judges its liveness by heartbeat, as it judges a remote host."""
+    def make(**extra) -> dict:
+        root = tmp_path / f"proc-{uuid.uuid4().hex[:8]}"
+        (root / "sys" / "kernel" / "random").mkdir(parents=True)
+        (root / "sys" / "kernel" / "random" / "boot_id").write_text(f"{uuid.uuid4()}\n")
+        return {"CXLKV_PROCFS_ROOT": str(root), **extra}
+
+    return make

@@ -39,8 +39,15 @@ for line in sys.stdin:
             lock.__enter__()
             r = {"locked": True}
         elif op == "unlock":
-            lock.__exit__(None, None, None)
+            lk, lock = lock, None
+            lk.__exit__(None, None, None)
             r = {"unlocked": True}
+        elif op == "guard":
+            lock.guard()
+            r = {"guarded": True}
+        elif op == "state":
+            n = pool.node
+            r = {"fenced": n.fenced, "acknowledged": n.acknowledged, "slot": n.slot}
         elif op == "incr":
             off, n = cmd["offset"], cmd["n"]
             m = pool.mapping

@@ -122,7 +122,8 @@ def test_fenced_node_cannot_take_the_lock(lease_pool):
     with cxlkv.open_pool(lease_pool, heartbeat=False) as pool:
         with pool.lock():
             pass
-        N.reap(pool, pool.node.slot, pool.node.control)
+        with Pool.open(lease_pool) as other:            # another party reaps us
+            N.reap(other, pool.node.slot, pool.node.control)
         with pytest.raises(N.NodeFenced):
             with pool.lock():
                 pass

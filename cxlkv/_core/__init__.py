@@ -17,7 +17,7 @@ except ImportError as e:  # pragma: no cover - depends on the build
 
 #: The interface version this Python code was written against; a stale or
 #: foreign build of the extension is refused at import.
-EXPECTED_ABI = 8
+EXPECTED_ABI = 9
 if _native.ABI_VERSION != EXPECTED_ABI:  # pragma: no cover - depends on the build
     raise ImportError(
         f"cxlkv C core ABI {_native.ABI_VERSION} does not match the Python code "
@@ -26,13 +26,14 @@ if _native.ABI_VERSION != EXPECTED_ABI:  # pragma: no cover - depends on the bui
 
 _native.set_error_types(PoolRangeError)
 
-#: crash points are live only when CXLKV_CRASH_AT is set (tests); hot paths
-#: test this flag before calling crashpoint().
-CRASH_ENABLED = bool(os.environ.get("CXLKV_CRASH_AT"))
+#: crash points are live only when CXLKV_CRASH_AT or CXLKV_PAUSE_AT is set
+#: (tests); hot paths test this flag before calling crashpoint().
+CRASH_ENABLED = bool(os.environ.get("CXLKV_CRASH_AT") or os.environ.get("CXLKV_PAUSE_AT"))
 
 
 def crashpoint(site: str) -> None:
-    """SIGKILL this process the Nth time it passes `site` (CXLKV_CRASH_AT=site:N)."""
+    """SIGKILL this process the Nth time it passes `site` (CXLKV_CRASH_AT=site:N),
+    or SIGSTOP it there (CXLKV_PAUSE_AT=site:N: a stall, for tests)."""
     if CRASH_ENABLED:
         _native.crashpoint(site)
 

@@ -35,6 +35,10 @@ def format_options(f):
         click.option("--lease", metavar="DURATION",
                      help="Node lease: a node whose heartbeat stops for this long is dead "
                           "(default 10s)."),
+        click.option("--grace", metavar="DURATION",
+                     help="Quarantine grace: what a node fenced by heartbeat held is reused "
+                          "only once it is proven gone, has acknowledged its fencing, or this "
+                          "long has passed (default: 6 leases)."),
         click.option("--hash-slots", type=int, metavar="N",
                      help="KV hash table entries, a power of two (default: one per 16 KiB "
                           "of pool)."),
@@ -53,7 +57,7 @@ def format_options(f):
     return f
 
 
-def given_params(size, sync, chunk_size, max_nodes, lease, hash_slots, hash_max_load,
+def given_params(size, sync, chunk_size, max_nodes, lease, grace, hash_slots, hash_max_load,
                  label) -> dict:
     from cxlkv.pool.format import parse_size
 
@@ -68,6 +72,8 @@ def given_params(size, sync, chunk_size, max_nodes, lease, hash_slots, hash_max_
         given["max_nodes"] = max_nodes
     if lease is not None:
         given["lease_ms"] = parse_duration_ms(lease)
+    if grace is not None:
+        given["grace_ms"] = parse_duration_ms(grace)
     if hash_slots is not None:
         given["hash_slots"] = hash_slots
     if hash_max_load is not None:
@@ -120,7 +126,8 @@ def render_result(app: Application, res, next_steps: bool) -> None:
     app.out.print(f"{verb} {kind} {res.path}")
     app.out.print(f"  size {human_size(sb.pool_size)}, sync {sb.sync}, "
                   f"{sb.nchunks} chunks of {human_size(sb.chunk_size)}, "
-                  f"{sb.max_nodes} node slots, lease {sb.lease_ms / 1000:g}s, "
+                  f"{sb.max_nodes} node slots, lease {sb.lease_ms / 1000:g}s "
+                  f"(grace {sb.quarantine_grace_ms / 1000:g}s), "
                   f"{sb.hash_slots} hash slots")
     app.out.print(f"  uuid {sb.uuid}")
     if next_steps:
@@ -134,8 +141,8 @@ def render_result(app: Application, res, next_steps: bool) -> None:
 @format_options
 @json_option
 @pass_app
-def format_cmd(app: Application, pool, size, sync, chunk_size, max_nodes, lease, hash_slots,
-               hash_max_load, label, group, force, as_json):
+def format_cmd(app: Application, pool, size, sync, chunk_size, max_nodes, lease, grace,
+               hash_slots, hash_max_load, label, group, force, as_json):
     """Format a pool file or device-dax device.
 
     The lower-level verb behind `cxlkv init`: it formats what --pool names,
@@ -148,7 +155,7 @@ def format_cmd(app: Application, pool, size, sync, chunk_size, max_nodes, lease,
     """
     from cxlkv.pool.admin import format_pool
 
-    given = given_params(size, sync, chunk_size, max_nodes, lease, hash_slots, hash_max_load,
-                         label)
+    given = given_params(size, sync, chunk_size, max_nodes, lease, grace, hash_slots,
+                         hash_max_load, label)
     res = run_format(app, format_pool, pool, given, force=force, group=group)
     render_result(app, res, next_steps=False)

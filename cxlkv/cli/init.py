@@ -20,7 +20,7 @@ from cxlkv.errors import UsageError
 @format_options
 @json_option
 @pass_app
-def init_cmd(app: Application, pool, device, size, sync, chunk_size, max_nodes, lease,
+def init_cmd(app: Application, pool, device, size, sync, chunk_size, max_nodes, lease, grace,
              hash_slots, hash_max_load, label, group, force, as_json):
     """Create and format a pool in one step.
 
@@ -46,8 +46,8 @@ def init_cmd(app: Application, pool, device, size, sync, chunk_size, max_nodes, 
     if device and os.path.exists(device) and not stat.S_ISCHR(os.stat(device).st_mode):
         raise UsageError(f"--device {device} is not a character device; "
                          "for a pool in a file use --pool")
-    given = given_params(size, sync, chunk_size, max_nodes, lease, hash_slots, hash_max_load,
-                         label)
+    given = given_params(size, sync, chunk_size, max_nodes, lease, grace, hash_slots,
+                         hash_max_load, label)
     res = run_format(app, init_pool, path, given, force=force, group=group,
                      create=device is None)
     render_result(app, res, next_steps=True)

@@ -57,6 +57,10 @@ SPIN_S = 0.02
 SLOT_SCAN_S = 0.01
 
 
+_REASONS = {"gone": "its process is gone", "acknowledged": "it acknowledged its fencing",
+            "grace": "its quarantine grace passed"}
+
+
 class ManagerExists(RefusedError):
     kind = "manager-active"
 
@@ -89,6 +93,7 @@ class LockManager:
         self.log = log or (lambda msg: sys.stderr.write(f"cxlkv lock-manager: {msg}\n"))
         self.observer = N.Observer(self.pool)
         self.holder = -1                       # slot holding the lock, -1 = none
+        self.beat_at = 0.0                     # monotonic time of the last heartbeat
         self.last = -1                         # last slot granted (round-robin)
         self.stop = False
         self.grants = 0
@@ -170,6 +175,19 @@ class LockManager:
         off = self.hdr + P.MGR_HEARTBEAT
         self.m.store64(off, self.m.load64(off) + 1)
         self.m.flush(off, 8)
+        self.beat_at = time.monotonic()
+
+    def guard(self) -> None:
+        """Before a write to a node's or a lock entry's line: a manager that
+        was paused (and may have been replaced by a standby meanwhile) proves
+        it still holds the lease - a standby takes over only after a lease
+        without a heartbeat - or steps down (ManagerExists)."""
+        if time.monotonic() - self.beat_at < self.lease / 2:
+            return
+        if not self.still_active():
+            self.log("another manager holds the lease: stepping down")
+            raise ManagerExists("another lock manager took over", path=self.path)
+        self.beat()
 
     # -- one round -----------------------------------------------------------------
     def step(self, slots: bool = True) -> bool:
@@ -188,7 +206,20 @@ class LockManager:
         # the lock
         if self.holder >= 0:
             e = ents[self.holder]
-            if int(e["release_seq"]) >= int(e["grant_seq"]) or int(e["revoke_seq"]) >= int(e["grant_seq"]):
+            if int(e["epoch"]) != int(e["grant_epoch"]):
+                # the holder's line now carries another epoch: a stale
+                # incarnation of the slot wrote it (paused past its quarantine)
+                # or it is damaged - its release can no longer be told, so the
+                # hold is revoked (the holder learns LockLost) rather than the
+                # lock never being granted again
+                self.log(f"node {self.holder}'s lock line shows epoch {int(e['epoch'])}, "
+                         f"granted to epoch {int(e['grant_epoch'])}: revoking the hold")
+                self.guard()
+                P.revoke(pool, self.holder, int(e["grant_seq"]))
+                self.holder = -1
+                changed = True
+            elif int(e["release_seq"]) >= int(e["grant_seq"]) or \
+                    int(e["revoke_seq"]) >= int(e["grant_seq"]):
                 self.holder = -1
                 changed = True
         if self.holder < 0:
@@ -205,6 +236,7 @@ class LockManager:
                         continue            # not (yet) an attached node of that epoch
                     if not self.still_active():
                         raise ManagerExists("another lock manager took over")
+                    self.guard()
                     P.grant(pool, slot, int(e["req_seq"]), int(e["epoch"]))
                     self.holder, self.last = slot, slot
                     self.grants += 1
@@ -219,38 +251,50 @@ class LockManager:
         ack_state, ack_epoch = L.node_state(int(line["control"]))
         if state == L.NODE_FREE:
             if claim and claim != granted:
+                self.guard()
                 P.set_mgr(pool, slot, L.node_control(L.NODE_CLAIMED, epoch + 1), claim)
                 return True
             return False
         if state == L.NODE_CLAIMED and (ack_state, ack_epoch) == (L.NODE_ATTACHED, epoch):
+            self.guard()
             P.set_mgr(pool, slot, L.node_control(L.NODE_ATTACHED, epoch), granted)
             return True
         if state == L.NODE_ATTACHED and (ack_state, ack_epoch) == (L.NODE_FREE, epoch):
+            self.guard()
             P.set_mgr(pool, slot, L.node_control(L.NODE_FREE, epoch), granted)   # detached
             return True
+        changed = False
         if state in (L.NODE_CLAIMED, L.NODE_ATTACHED):
             n = N.read_slot(pool, slot)
             if self.observer.verdict(n) != "dead":
                 return False
-            if self.holder >= 0 and self.holder != slot:
-                return False                        # recover only while nobody else holds the lock
+            self.guard()
             self.log(f"node {slot} ({n.hostname} pid {n.pid}) is dead: fencing it")
             P.set_mgr(pool, slot, L.node_control(L.NODE_FENCED, epoch), granted)
-            state = L.NODE_FENCED
-        if state == L.NODE_FENCED:
-            if self.holder >= 0 and self.holder != slot:
-                return False
-            e = ent
-            if int(e["grant_seq"]) > max(int(e["release_seq"]), int(e["revoke_seq"])) or \
-                    int(e["req_seq"]) > max(int(e["grant_seq"]), int(e["revoke_seq"])):
-                P.revoke(pool, slot, int(e["req_seq"]))
-                if self.holder == slot:
-                    self.holder = -1
-            N.run_recoveries(pool, slot, epoch)
-            P.set_mgr(pool, slot, L.node_control(L.NODE_FREE, epoch), granted)
-            self.log(f"node {slot} recovered and freed")
-            return True
-        return False
+            state, changed = L.NODE_FENCED, True
+        if state != L.NODE_FENCED:
+            return changed
+        # fenced: its hold of the lock (or its request) is revoked at once ...
+        e = ent
+        if int(e["grant_seq"]) > max(int(e["release_seq"]), int(e["revoke_seq"])) or \
+                int(e["req_seq"]) > max(int(e["grant_seq"]), int(e["revoke_seq"])):
+            self.guard()
+            P.revoke(pool, slot, max(int(e["req_seq"]), int(e["grant_seq"])))
+            if self.holder == slot:
+                self.holder = -1
+            changed = True
+        # ... what else it held stays quarantined until it may be reused
+        n = N.read_slot(pool, slot)
+        reason = self.observer.release_reason(n)
+        if reason is None:
+            return changed
+        if self.holder >= 0:
+            return changed                          # recover only while nobody holds the lock
+        self.guard()
+        N.run_recoveries(pool, slot, epoch)
+        P.set_mgr(pool, slot, L.node_control(L.NODE_FREE, epoch), granted)
+        self.log(f"node {slot} recovered and freed ({_REASONS[reason]})")
+        return True
 
     # -- the loop --------------------------------------------------------------------
     def run(self) -> None:

@@ -4,7 +4,6 @@ pool lock; readers (cxlkv.kv.cache) are lock-free.
 """
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 
@@ -15,6 +14,7 @@ from cxlkv.pool import layout as L
 from cxlkv.state import alloc as A
 from cxlkv.state import nodes as N
 from cxlkv.state.locks import entry_offset as lock_entry_offset
+from cxlkv.state.locks import guard, held_lock
 
 ENTRY = np.dtype([("ctl", "<u8"), ("key_lo", "<u8"), ("key_hi", "<u8"), ("payload", "<u8"),
                   ("length", "<u4"), ("ns", "<u2"), ("tenant", "<u2"), ("parent", "<u4"),
@@ -154,10 +154,11 @@ class Area:
                              dtype=STATS)
 
     def pinned(self) -> np.ndarray:
-        """Entry indices pinned by attached (or attaching) nodes."""
+        """Entry indices pinned by attached (or attaching) nodes, and by fenced
+        ones: their pins are quarantined with them (views may still be open)."""
         out = []
         for n in N.read_nodes(self.pool):
-            if n.state not in ("attached", "claimed"):
+            if n.state not in ("attached", "claimed", "fenced"):
                 continue
             p = np.frombuffer(self._read(self.pins_off(n.slot), self.npins * 8), dtype="<u8")
             out.append(p[p != 0] - 1)
@@ -215,6 +216,7 @@ class Area:
         for _round in range(4):             # a victim found pinned late blocks its ancestors
             if not (everything or done_bytes < need_bytes or done_blocks < need_entries):
                 break
+            guard(self.pool)                # the lock may have been taken from a stalled node
             t = self.entries()
             order = self._victims(t, tenant, ns, keep)
             if not len(order):
@@ -463,6 +465,7 @@ class Area:
             m.kv_remove(self.table, self.nslots, self.hdr, int(i))
         # blocks the node reserved and never published: mark the payload's
         # free begun, drop the entry, free - each step finishable after a crash
+        guard(self.pool)
         for i in np.flatnonzero((st == L.KV_PENDING) & (t["owner"] == token)):
             one[0] = int(t["payload"][i])
             bits = A.slot_bits(self.pool, int(one[0]))
@@ -539,23 +542,41 @@ class Area:
                 self.write_record(self.tenant_off(i), r)
 
 
-@contextlib.contextmanager
-def recovery_lock(pool, slot: int):
-    """The pool lock for recovering `slot` - taken by this process's own node
-    when it has a usable one (see state.alloc's recovery)."""
-    node = pool.node
-    own = node is not None and node.slot >= 0 and not node.fenced and node.slot != slot
-    lock = pool.lock() if own or (node is not None and node.slot == slot
-                                   and A._still_attached(pool, node)) else None
-    if lock is not None and lock.held_by_me():
-        lock = None
-    if lock is not None:
-        lock.acquire()
-    try:
-        yield
-    finally:
-        if lock is not None:
-            lock.release()
+def quarantine_report(pool, observer: N.Observer | None = None) -> dict:
+    """The fenced nodes and what their quarantine keeps from reuse: reserved
+    payload slots, unpublished entries, pinned blocks (read only).  With an
+    observer that watched them: how long each has been seen fenced."""
+    fenced = [n for n in N.read_nodes(pool) if n.state == "fenced"]
+    tokens = {(n.slot + 1) | n.epoch << 16: n for n in fenced}
+    reserved = A.reserved_by_owner(pool, tokens)
+    area = None
+    if fenced and pool.sb.compat & L.COMPAT_KV:
+        try:
+            area = Area(pool)
+        except CxlkvError:
+            area = None
+    t = area.entries() if area is not None else None
+    nodes = []
+    for token, n in tokens.items():
+        slots, nbytes = reserved[token]
+        pending = pinned = pinned_bytes = 0
+        if area is not None:
+            pending = int((((t["ctl"] & 0xFF) == L.KV_PENDING) & (t["owner"] == token)).sum())
+            pins = np.frombuffer(area._read(area.pins_off(n.slot), area.npins * 8), dtype="<u8")
+            idx = pins[(pins > 0) & (pins <= area.nslots)].astype(np.int64) - 1
+            pinned = int(len(idx))
+            pinned_bytes = int(area.slot_sizes(t["length"][idx]).sum()) if pinned else 0
+        seen = None
+        if observer is not None:
+            observer.release_reason(n)          # starts its clock on first sight
+            seen = observer.quarantined_for(n)
+        nodes.append({"slot": n.slot, "epoch": n.epoch, "hostname": n.hostname, "pid": n.pid,
+                      "acknowledged": n.acknowledged, "reserved_slots": slots,
+                      "reserved_bytes": nbytes, "pending_entries": pending,
+                      "pinned_blocks": pinned, "pinned_bytes": pinned_bytes,
+                      "seen_fenced_s": None if seen is None else round(seen, 3)})
+    return {"nodes": nodes, "grace_ms": pool.sb.quarantine_grace_ms,
+            "bytes": sum(x["reserved_bytes"] + x["pinned_bytes"] for x in nodes)}
 
 
 @N.register_recovery(order=15)
@@ -567,5 +588,5 @@ def _recover_kv(pool, slot: int, epoch: int) -> None:
     except KVError as e:
         sys.stderr.write(f"cxlkv: KV recovery of node {slot} skipped: {e}\n")
         return
-    with recovery_lock(pool, slot):
+    with held_lock(pool, slot):
         area.recover(slot, epoch)

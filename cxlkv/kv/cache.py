@@ -26,6 +26,7 @@ from cxlkv.kv.area import (ENTRY, HIGH_WATERMARK, LOW_WATERMARK, STATS, Area, KV
                            QuotaExceeded, TooManyPins, stamp)
 from cxlkv.pool import layout as L
 from cxlkv.state import alloc as A
+from cxlkv.state.nodes import NodeFenced
 
 MIN_BLOCK_BYTES = 64
 MAX_BLOCK_BYTES = 1 << 31
@@ -341,6 +342,17 @@ class KVCache:
         if lead == n:
             self._count(present_blocks=n)
             return 0
+        with self.pool.node.writing():      # the fencing acknowledgement waits for it
+            return self._store_new(keys, src, items, lead, lead_idx)
+
+    def _store_new(self, keys: np.ndarray, src, items, lead: int, lead_idx) -> int:
+        """Reserve entries and payload slots (pool lock), copy the payloads
+        (no lock; each block only while this node is known fresh), publish
+        (pool lock).  Every phase is guarded: a node fenced meanwhile writes
+        nothing more, and what it reserved stays quarantined until the
+        reaper recovers it."""
+        n = len(keys)
+        node = self.pool.node
         pay = self._alloc(n - lead)
         a, m = self.area, self.m
         slots = np.empty(n, dtype=np.uint64)
@@ -352,12 +364,13 @@ class KVCache:
         published = False
         try:
             with self.pool.lock():
-                self.pool.node.check()
+                node.guard()
                 self._check_namespace()
                 self._check_tenant()
                 self._make_room(n - lead, keep=lead_idx[:lead])
                 parent = 0
                 while pos < n:
+                    node.guard()
                     done, used, full = m.kv_insert(
                         a.table, a.nslots, a.hdr, a.max_used, self.ns, self.tenant,
                         self.block_bytes, token, keys[pos:], parent, pay[used_total:],
@@ -400,11 +413,13 @@ class KVCache:
             if not len(new):
                 self._count(present_blocks=pos)
                 return 0
+            if CRASH_ENABLED:
+                crashpoint("kv.reserved")
             self._copy(new, pay, src, items)
             if CRASH_ENABLED:
                 crashpoint("kv.copied")
             with self.pool.lock():
-                self.pool.node.check()
+                node.guard()
                 self.pool.publish(pay)
                 m.kv_set_state(a.table, a.nslots, slots[new], L.KV_PENDING, L.KV_PUBLISHED,
                                token, stamp())
@@ -418,17 +433,27 @@ class KVCache:
         return len(new)
 
     def _copy(self, new: np.ndarray, dst: np.ndarray, src, items) -> None:
+        """Payloads into their reserved slots.  The C copy stops before a
+        block once this node's freshness ran out (a stall): guard() then
+        proves it fresh again (or raises NodeFenced) and the copy goes on."""
         bb = self.block_bytes
+        node = self.pool.node
         if src is None:
             for j, i in enumerate(new):
+                node.guard()
                 self.m.write(int(dst[j]), items[int(i)])
             return
         # runs of consecutive blocks go in one C call each
         breaks = np.flatnonzero(np.diff(new) != 1) + 1
         start = 0
         for stop in list(breaks) + [len(new)]:
-            i0, i1 = int(new[start]), int(new[stop - 1]) + 1
-            self.m.write_blocks(dst[start:stop], src[i0 * bb:i1 * bb], bb)
+            i0 = int(new[start])
+            done = 0
+            while start + done < stop:
+                node.guard()
+                a = i0 + done
+                done += self.m.write_blocks(dst[start + done:stop],
+                                            src[a * bb:(i0 + stop - start) * bb], bb)
             start = stop
 
     def _account(self, blocks: int) -> None:
@@ -473,7 +498,10 @@ class KVCache:
 
     def _abandon(self, slots: np.ndarray, pay: np.ndarray) -> None:
         """Undo reserved entries and payloads after an error (best effort; a
-        crash here is what recovery handles)."""
+        crash here is what recovery handles).  A fenced node undoes nothing:
+        what it reserved is quarantined, and the reaper recovers it."""
+        if self.pool.node.fenced:
+            return
         try:
             with self.pool.lock():
                 for s in slots:
@@ -510,8 +538,6 @@ class KVCache:
     def _still_valid(self, idx: np.ndarray, ctl: np.ndarray) -> int:
         """How many leading pinned entries are unchanged since they were
         pinned (0 if this node was fenced meanwhile: its pins stopped counting)."""
-        from cxlkv.state.nodes import NodeFenced
-
         try:
             self.pool.node.check()
         except NodeFenced:
@@ -587,14 +613,21 @@ class KVCache:
 
     def _load(self, keys) -> "Loaded":
         self._fill(keys)
-        n, idx, pay, rec, ctl = self._pin(keys)
+        node = self.pool.node
+        node.enter()                        # pins held: a section in flight until release
+        try:
+            n, idx, pay, rec, ctl = self._pin(keys)
+        except BaseException:
+            node.leave()
+            raise
         self._count(lookups=1, hit_blocks=n, miss_blocks=len(keys) - n, loaded_blocks=n,
                     loaded_bytes=n * self.block_bytes)
         hot = self.pool.__dict__.get("_kv_hot")
         if hot is None or not n:
-            return Loaded(self, pay, rec)
-        return Loaded(self, pay, rec, hot=(hot, keys[:n], idx, ctl,
-                                           hot.lookup(keys, idx, ctl, n, self.block_bytes)))
+            return Loaded(self, pay, rec, idx, ctl)
+        return Loaded(self, pay, rec, idx, ctl,
+                      hot=(hot, keys[:n], idx, ctl,
+                           hot.lookup(keys, idx, ctl, n, self.block_bytes)))
 
     def load_into(self, tokens, out, start: int = 0) -> int:
         """Copy the matched leading blocks into `out` (a writable buffer of at
@@ -613,7 +646,13 @@ class KVCache:
         if mv.readonly or not mv.c_contiguous:
             raise UsageError("out must be a writable C-contiguous buffer")
         self._fill(keys)
-        n, idx, pay, rec, ctl = self._pin(keys, start)
+        node = self.pool.node
+        node.enter()                        # pins held: a section in flight
+        try:
+            n, idx, pay, rec, ctl = self._pin(keys, start)
+        except BaseException:
+            node.leave()
+            raise
         try:
             if n:
                 if mv.nbytes < n * self.block_bytes:
@@ -635,7 +674,14 @@ class KVCache:
                                [dst[j * bb:(j + 1) * bb] if got is None or got[j] is None
                                 else None for j in range(n)])
         finally:
-            self.m.kv_unpin(self._pins_off, self.area.npins, rec)
+            # a fenced node's pins are quarantined with it: not ours to drop
+            if not node.fenced:
+                self.m.kv_unpin(self._pins_off, self.area.npins, rec)
+            node.leave()
+        if node.fenced:
+            raise NodeFenced(f"{self.pool.path}: node {node.slot} was fenced during load_into "
+                             "(its lease lapsed); nothing it read is vouched for: reattach",
+                             path=self.pool.path)
         self._count(lookups=1, hit_blocks=n, miss_blocks=max(0, len(keys) - start - n),
                     loaded_blocks=n, loaded_bytes=n * self.block_bytes)
         return n
@@ -691,13 +737,33 @@ def _copy_mixed(m, pay: np.ndarray, got: list, dst: memoryview, bb: int) -> None
         j = k
 
 
-class Loaded:
-    """Pinned blocks of one load; a context manager yielding their views."""
+class StaleViews(NodeFenced):
+    """This node was fenced while it held loaded views: what they showed is
+    not vouched for.  `stale` lists the blocks (indexes into the load) whose
+    entries changed meanwhile - evicted, dropped or re-stored - so their
+    views may have shown another block's bytes."""
 
-    def __init__(self, kv: KVCache, payloads: np.ndarray, records: np.ndarray, hot=None):
+    kind = "stale-views"
+
+    def __init__(self, message: str, *, stale: list[int], **kw):
+        super().__init__(message, **kw)
+        self.stale = stale
+
+
+class Loaded:
+    """Pinned blocks of one load; a context manager yielding their views.
+
+    The pins are a section in flight of the node (Attachment.enter): if the
+    node is fenced while they are held, they stay (quarantined) until the
+    views are released, and release() raises StaleViews - a reader is never
+    served another block's bytes silently."""
+
+    def __init__(self, kv: KVCache, payloads: np.ndarray, records: np.ndarray,
+                 idx: np.ndarray, ctl: np.ndarray, hot=None):
         self._kv = kv
         self.payloads = payloads
         self._records = records
+        self._idx, self._ctl = idx, ctl
         self._views: list[memoryview] | None = None
         self._released = False
         # (hot tier, keys, entry indexes, versions, DRAM copy or None per block)
@@ -744,7 +810,33 @@ class Loaded:
             except BufferError:
                 pass          # an export (np.frombuffer) outlives the block: documented
         self._views = None
-        self._kv.m.kv_unpin(self._kv._pins_off, self._kv.area.npins, self._records)
+        kv, node = self._kv, self._kv.pool.node
+        try:
+            node.check()
+        except NodeFenced:
+            pass
+        if not node.fenced:
+            kv.m.kv_unpin(kv._pins_off, kv.area.npins, self._records)
+        node.leave()
+        if node.fenced:
+            stale = self._changed()
+            raise StaleViews(
+                f"{kv.pool.path}: node {node.slot} was fenced (its lease lapsed) while it held "
+                f"views of {self.blocks} blocks; "
+                + (f"blocks {stale} changed meanwhile: their views may have shown other bytes"
+                   if stale else "none of them changed, but nothing more is vouched for")
+                + "; reattach", stale=stale, path=kv.pool.path)
+
+    def _changed(self) -> list[int]:
+        """Indexes of loaded blocks whose hash-table entry is not the one pinned."""
+        m, a = self._kv.m, self._kv.area
+        out = []
+        for j, (i, c) in enumerate(zip(self._idx, self._ctl)):
+            off = a.entry_off(int(i))
+            m.invalidate(off, 8)
+            if m.load64(off) != int(c):
+                out.append(j)
+        return out
 
     def _remember(self) -> None:
         """Give the blocks read from the pool to the hot tier (still pinned,

@@ -118,7 +118,7 @@ def _dead_pin_slots(a, placeholders=frozenset()) -> list[int]:
 
     out = []
     for n in N.read_nodes(a.pool, include_free=True):
-        if n.state in ("attached", "claimed") and n.slot not in placeholders:
+        if n.state in ("attached", "claimed", "fenced") and n.slot not in placeholders:
             continue
         pins = np.frombuffer(a._read(a.pins_off(n.slot), a.npins * 8), dtype="<u8")
         if pins.any():

@@ -175,7 +175,8 @@ class FormatResult:
 def sb_params(sb: Superblock) -> dict:
     """The FormatParams a superblock was formatted with."""
     return {"size": sb.pool_size, "sync": sb.sync, "chunk_size": sb.chunk_size,
-            "max_nodes": sb.max_nodes, "lease_ms": sb.lease_ms, "hash_slots": sb.hash_slots,
+            "max_nodes": sb.max_nodes, "lease_ms": sb.lease_ms, "grace_ms": sb.grace_ms,
+            "hash_slots": sb.hash_slots,
             "hash_max_load_pct": sb.hash_max_load_pct, "label": sb.label}
 
 

@@ -17,7 +17,7 @@ from typing import Callable
 from cxlkv import __version__
 from cxlkv.errors import UsageError
 from cxlkv.pool import layout as L
-from cxlkv.pool.superblock import Superblock
+from cxlkv.pool.superblock import MAX_GRACE_MS, Superblock
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 
@@ -71,6 +71,7 @@ class FormatParams:
     chunk_size: int = DEFAULT_CHUNK
     max_nodes: int = DEFAULT_MAX_NODES
     lease_ms: int = DEFAULT_LEASE_MS
+    grace_ms: int = 0                      # 0: the default (GRACE_LEASES leases)
     hash_slots: int | None = None          # None: derived from size
     hash_max_load_pct: int = DEFAULT_HASH_LOAD_PCT
     label: str = ""
@@ -86,6 +87,9 @@ class FormatParams:
             raise UsageError(f"max nodes {self.max_nodes} must be between 1 and 4096")
         if not 100 <= self.lease_ms <= 3_600_000:
             raise UsageError(f"lease {self.lease_ms} ms must be between 100 ms and 1 hour")
+        if self.grace_ms and not self.lease_ms <= self.grace_ms <= MAX_GRACE_MS:
+            raise UsageError(f"quarantine grace {self.grace_ms} ms must be between the lease "
+                             f"({self.lease_ms} ms) and 7 days")
         if self.hash_slots is not None and (not _is_pow2(self.hash_slots)
                                             or self.hash_slots < 64):
             raise UsageError(f"hash slots {self.hash_slots} must be a power of two >= 64")
@@ -156,7 +160,7 @@ def build_superblock(p: FormatParams, *, pool_uuid: uuidlib.UUID | None = None,
         raise ValueError("tenant secret must be 32 bytes")
     return Superblock(
         pool_size=p.size, sync=p.sync, chunk_size=p.chunk_size, max_nodes=p.max_nodes,
-        lease_ms=p.lease_ms, hash_slots=lay.hash_slots, hash_max_load_pct=p.hash_max_load_pct,
+        lease_ms=p.lease_ms, grace_ms=p.grace_ms, hash_slots=lay.hash_slots, hash_max_load_pct=p.hash_max_load_pct,
         nchunks=lay.nchunks, regions=lay.regions,
         uuid=pool_uuid or uuidlib.uuid4(),
         ctime_ns=time.time_ns() if ctime_ns is None else ctime_ns,

@@ -100,7 +100,8 @@ class SuperblockStruct(ctypes.LittleEndianStructure):
         ("tenant_secret", c_uint8 * 32),
         ("label", c_char * 64),
         ("creator", c_char * 32),
-        ("reserved", c_uint8 * 3704),
+        ("grace_ms", c_uint64),
+        ("reserved", c_uint8 * 3696),
         ("checksum", c_uint64),
     ]
 
@@ -112,7 +113,8 @@ class NodeStruct(ctypes.LittleEndianStructure):
         ("heartbeat", c_uint64),
         ("claim_token", c_uint64),
         ("grant_token", c_uint64),
-        ("line0_pad", c_uint8 * 32),
+        ("ack_epoch", c_uint64),
+        ("line0_pad", c_uint8 * 24),
         ("pid", c_uint64),
         ("start_time_ns", c_uint64),
         ("attach_time_ns", c_uint64),

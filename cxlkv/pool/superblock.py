@@ -26,6 +26,9 @@ from cxlkv.errors import (CxlkvError, NotFormatted, PoolCorrupt, PoolIncompatibl
 from cxlkv.pool import layout as L
 
 _CSUM_OFF = L.field_offset(L.SuperblockStruct, "checksum")
+#: default quarantine grace (grace_ms 0), in leases
+GRACE_LEASES = 6
+MAX_GRACE_MS = 7 * 24 * 3600 * 1000
 
 
 def checksum(raw: bytes | bytearray | memoryview) -> int:
@@ -61,6 +64,13 @@ class Superblock:
     compat: int = 0
     incompat: int = 0
     ro_compat: int = 0
+    grace_ms: int = 0             # 0: the default, GRACE_LEASES leases
+
+    @property
+    def quarantine_grace_ms(self) -> int:
+        """How long what a fenced node held stays quarantined when the node
+        neither acknowledges its fencing nor is proven gone."""
+        return self.grace_ms or GRACE_LEASES * self.lease_ms
 
     @property
     def read_only_features(self) -> int:
@@ -84,6 +94,7 @@ class Superblock:
         s.max_nodes = self.max_nodes
         s.chunk_size = self.chunk_size
         s.lease_ms = self.lease_ms
+        s.grace_ms = self.grace_ms
         s.hash_slots = self.hash_slots
         s.hash_max_load_pct = self.hash_max_load_pct
         s.nchunks = self.nchunks
@@ -110,6 +121,7 @@ class Superblock:
             "nchunks": self.nchunks,
             "max_nodes": self.max_nodes,
             "lease_ms": self.lease_ms,
+            "grace_ms": self.quarantine_grace_ms,
             "hash_slots": self.hash_slots,
             "hash_max_load_pct": self.hash_max_load_pct,
             "features": {"compat": self.compat, "incompat": self.incompat,
@@ -222,6 +234,8 @@ def _validate(s: L.SuperblockStruct, where: str) -> Superblock:
         raise bad(f"max_nodes {s.max_nodes} out of range")
     if not 1 <= s.lease_ms <= 3_600_000:
         raise bad(f"lease {s.lease_ms} ms out of range (1 ms .. 1 hour)")
+    if s.grace_ms and not s.lease_ms <= s.grace_ms <= MAX_GRACE_MS:
+        raise bad(f"quarantine grace {s.grace_ms} ms out of range (the lease .. 7 days)")
     if not _is_pow2(s.hash_slots):
         raise bad(f"hash_slots {s.hash_slots} is not a power of two")
     if not 1 <= s.hash_max_load_pct <= 100:
@@ -273,7 +287,8 @@ def _validate(s: L.SuperblockStruct, where: str) -> Superblock:
         hash_max_load_pct=s.hash_max_load_pct, nchunks=s.nchunks, regions=regions,
         uuid=uuidlib.UUID(bytes=bytes(s.uuid)), ctime_ns=s.ctime_ns,
         tenant_secret=bytes(s.tenant_secret), label=label, creator=creator, seq=s.seq,
-        version=s.version, compat=s.compat, incompat=s.incompat, ro_compat=s.ro_compat)
+        version=s.version, compat=s.compat, incompat=s.incompat, ro_compat=s.ro_compat,
+        grace_ms=s.grace_ms)
 
 
 @dataclass

@@ -34,6 +34,7 @@ from cxlkv.errors import CxlkvError, RefusedError
 from cxlkv.pool import layout as L
 from cxlkv.state import nodes as N
 from cxlkv.state.locks import entry_offset as lock_entry_offset
+from cxlkv.state.locks import guard, held_lock
 
 _DESC = np.dtype([("control", "<u8"), ("owner", "<u8"), ("slot_size", "<u8"),
                   ("nslots", "<u8"), ("nchunks", "<u8"), ("pad", "V24"),
@@ -468,15 +469,7 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
     left half done - a release, tails without a head, bits without a slab."""
     token = (slot + 1) | epoch << 16
     pool.mapping.flush_meta = pool.sb.sync == "manager" or pool.mapping.noncoherent
-    node = pool.node
-    # the reaper takes the pool lock as itself; a pool without a live node of
-    # its own (or a node recovering its own slot while being reaped) cannot
-    own = node is not None and node.slot >= 0 and not node.fenced and node.slot != slot
-    lock = pool.lock() if own or (node is not None and node.slot == slot
-                                   and _still_attached(pool, node)) else None
-    if lock is not None:
-        lock.acquire()
-    try:
+    with held_lock(pool, slot):
         data_off, chunk, nchunks, base = geometry(pool)
         pool.mapping.set_geometry(data_off, chunk, nchunks, base)
         m = pool.mapping
@@ -504,6 +497,7 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
             for head in releasing:          # only a dead lock holder leaves these
                 release_slab(pool, int(head), resume=True)
             for head in mine:
+                guard(pool)
                 head = int(head)
                 h = base + head * L.CHUNK_DESC_SIZE
                 if m.load64(h) & 0xFF != L.CHUNK_HEAD:
@@ -527,13 +521,13 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
             del d
         _finish_interrupted_frees(pool, live_owner=_live_tokens(pool))
         _repair_dangling(pool)
-    finally:
-        if lock is not None:
-            lock.release()
 
 
 def _live_tokens(pool) -> set[int]:
-    return {(n.slot + 1) | n.epoch << 16 for n in N.read_nodes(pool) if n.state == "attached"}
+    """Owner tokens of nodes that still hold what they own: attached ones and
+    fenced ones (quarantined: a fenced node may still be finishing a step)."""
+    return {(n.slot + 1) | n.epoch << 16 for n in N.read_nodes(pool)
+            if n.state in ("attached", "fenced")}
 
 
 def _finish_interrupted_frees(pool, live_owner: set[int]) -> None:
@@ -564,14 +558,6 @@ def _finish_interrupted_frees(pool, live_owner: set[int]) -> None:
         pool.mapping.slab_free(np.array(todo, dtype=np.uint64), True, 0)
     for h in empty:
         release_slab(pool, h)
-
-
-def _still_attached(pool, node) -> bool:
-    try:
-        node.check()
-        return True
-    except N.NodeFenced:
-        return False
 
 
 def _repair_dangling(pool) -> None:
@@ -608,3 +594,27 @@ def _reclaim_leaked_chunks(pool) -> int:
     for i in leaked:
         set_bits(pool, int(i), 1, False)
     return len(leaked)
+
+
+def reserved_by_owner(pool, tokens) -> dict[int, tuple[int, int]]:
+    """Allocated, unpublished slots (count, bytes) in the slabs each owner
+    token in `tokens` owns - what a fenced node's quarantine keeps (read only)."""
+    want = {int(t) for t in tokens}
+    out = {t: (0, 0) for t in want}
+    if not want:
+        return out
+    d = descriptors(pool)
+    try:
+        kind = d["control"] & 0xFF
+        heads = np.flatnonzero((kind == L.CHUNK_HEAD) & np.isin(d["owner"], list(want)))
+        for h in heads:
+            ns, ss = int(d["nslots"][h]), int(d["slot_size"][h])
+            if not 0 < ns <= L.SLAB_MAX_SLOTS:
+                continue                        # corrupt: fsck's to report
+            n = sum((int(a) & ~int(p)).bit_count()
+                    for a, p in zip(d["alloc_bits"][h], d["pub_bits"][h]))
+            c, b = out[int(d["owner"][h])]
+            out[int(d["owner"][h])] = (c + n, b + n * ss)
+    finally:
+        del d
+    return out

@@ -15,10 +15,22 @@ its own lock entry, so waiters can tell a live holder from a dead one:
 
 Spinning is bounded: the C core spins a few thousand times with the GIL
 released, then the waiter sleeps with exponential backoff (capped at 1 ms),
-so contention never pins a core.
+so contention never pins a core.  Lock words that no run of the protocol can
+produce (now_serving past next_ticket, or further behind it than MAX_QUEUE)
+raise PoolCorrupt instead of being waited out.
+
+Stalls (both modes).  A holder paused past its lease is fenced and its turn
+passed on; when it resumes it must not act as the holder.  Every write a
+node makes in the lock area is checked against its epoch (cas: release
+writes nothing once the node's control word is no longer its own; manager:
+the manager ignores lines of another epoch), the lock counts as a section
+in flight for the fencing acknowledgement (Attachment.enter / leave), and
+the holder learns: `guard()` mid-section and the end of `with pool.lock():`
+raise LockLost when the lock was taken from it - never silence.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from threading import get_ident
@@ -26,12 +38,16 @@ from threading import get_ident
 import numpy as np
 
 from cxlkv._core import CRASH_ENABLED, crashpoint
-from cxlkv.errors import CxlkvError
+from cxlkv.errors import CxlkvError, PoolCorrupt
 from cxlkv.pool import layout as L
 from cxlkv.state import nodes as N
 
 SPINS = 4000
 BACKOFF_MAX = 0.001
+#: most tickets that can be outstanding at once (taken, not yet served): one
+#: per node, plus the few abandoned or taken by nodes that died recording
+#: them; a larger gap is a corrupt word
+MAX_QUEUE = 1 << 20
 
 _ENTRY_DTYPE = np.dtype([("state", "<u8"), ("ticket", "<u8"), ("epoch", "<u8"),
                          ("req_seq", "<u8"), ("release_seq", "<u8"), ("freeing", "<u8"),
@@ -71,6 +87,55 @@ class LockLost(CxlkvError):
 
     exit_code = 1
     kind = "lock-lost"
+
+
+def _corrupt_tickets(pool, serving: int, nxt: int) -> PoolCorrupt:
+    return PoolCorrupt(
+        f"{pool.path}: the pool lock's ticket words are corrupt (now serving {serving}, next "
+        f"ticket {nxt}): no run of the lock produces them; repair with `cxlkv fsck --repair "
+        f"--pool {pool.path}`", path=pool.path,
+        hint="stop every node of the pool first (cxlkv-runbook(7))")
+
+
+def check_tickets(pool, serving: int | None = None) -> None:
+    """Raise PoolCorrupt when now_serving / next_ticket cannot be real."""
+    hdr, _ = lock_offsets(pool)
+    m = pool.mapping
+    m.invalidate(hdr, 128)
+    nxt = m.load64(hdr + _NEXT)
+    serving = m.load64(hdr + _SERVING) if serving is None else serving
+    if serving > nxt or nxt - serving > MAX_QUEUE:
+        raise _corrupt_tickets(pool, serving, nxt)
+
+
+def guard(pool) -> None:
+    """Before a step of a critical section: raise NodeFenced unless this
+    process's node (if it has one) may still write (Attachment.guard)."""
+    if pool.node is not None:
+        pool.node.guard()
+
+
+@contextlib.contextmanager
+def held_lock(pool, slot: int):
+    """The pool lock for recovering node `slot`, as this process's own node.
+
+    No node of ours (the lock manager, an offline repair): no lock - that
+    caller is the only writer.  Our node usable: its lock (unless this thread
+    holds it already), then guard().  Our node fenced: NodeFenced - a fenced
+    node recovers nothing, not even its own slot (that is the reaper's, at
+    the end of its quarantine)."""
+    node = pool.node
+    if node is None:
+        yield
+        return
+    lock = pool.lock()
+    if lock.held_by_me():
+        node.guard()
+        yield
+        return
+    with lock:
+        node.guard()
+        yield
 
 
 def lock_offsets(pool) -> tuple[int, int]:
@@ -140,7 +205,7 @@ def skip_dead_ticket(pool, serving: int, unclaimed_for: float,
     return m.cas64(hdr + _SERVING, serving, serving + 1) == serving
 
 
-@N.register_recovery(order=10)
+@N.register_recovery(order=10, at_fence=True)
 def _recover_lock_entry(pool, slot: int, epoch: int) -> None:
     """A dead node's lock entry: pass its turn on if it is up, else mark its
     ticket abandoned so the waiters skip it when it comes up."""
@@ -202,19 +267,42 @@ class PoolLock:
         try:
             r = self._acquire(self._hdr, self._entry, self._token, self._epoch, SPINS,
                               self._ctl, self._ctl_val)
+            # held (or about to be): a section in flight for the fencing
+            # acknowledgement (Attachment._in_flight) until release
+            self._holder = get_ident()
             if type(r) is int:
                 self._ticket = r
             elif r is None:
-                self.pool.node.fenced = True
-                self.pool.node.check()
+                self.pool.node.check()      # raises NodeFenced
             else:
                 self._ticket = self._wait(r[0], r[1], deadline)
             _granted()
         except BaseException:
+            self._holder = 0
             self._local.release()
+            if self.pool.node.fenced:
+                self.pool.node.lock_released()
             raise
-        self._holder = get_ident()
         return self
+
+    def guard(self) -> None:
+        """Inside `with pool.lock():` - raise LockLost unless this node still
+        holds the lock and may write (its heartbeat is fresh: see
+        Attachment.guard).  Call it before each step that writes what the
+        lock protects; cxlkv's own critical sections do."""
+        try:
+            self.pool.node.guard()
+        except N.NodeFenced as e:
+            raise self._lost() from e
+        m = self.pool.mapping
+        if m.load64(self._hdr + _SERVING) != self._ticket or \
+                m.load64(self._hdr + _OWNER) != self._token:
+            raise self._lost()
+
+    def _lost(self) -> "LockLost":
+        return LockLost(f"{self.pool.path}: the pool lock was taken from node "
+                        f"{self.pool.node.slot} while it held it (its lease lapsed)",
+                        path=self.pool.path)
 
     def held_by_me(self) -> bool:
         return self._holder == get_ident()
@@ -227,7 +315,13 @@ class PoolLock:
             ok, serving = m.ticket_wait(self._hdr, self._entry, t, self._token, SPINS)
             if ok:
                 return t
-            if serving > t:
+            if serving > t or t - serving > MAX_QUEUE:
+                try:
+                    check_tickets(self.pool, serving)
+                except PoolCorrupt:
+                    m.store64(self._entry, L.LOCK_ABANDONED)    # give the ticket up
+                    m.cas64(self._hdr + _SERVING, t, t + 1)
+                    raise
                 # our turn went by: we were judged dead (paused past our lease)
                 # and skipped.  Fenced: stop.  Not fenced (we stalled between
                 # taking the number and recording it): take a new ticket.
@@ -235,8 +329,7 @@ class PoolLock:
                 r = m.ticket_acquire(self._hdr, self._entry, self._token, self._epoch, SPINS,
                                      self._ctl, self._ctl_val)
                 if r is None:
-                    self.pool.node.fenced = True
-                    self.pool.node.check()
+                    self.pool.node.check()  # raises NodeFenced
                 if type(r) is int:
                     return r
                 t, serving = r
@@ -259,15 +352,19 @@ class PoolLock:
             backoff = min(backoff * 2, BACKOFF_MAX)
 
     def release(self) -> None:
+        """Leave the lock; LockLost if it had been taken from this node (a
+        fenced node writes nothing: the C call checks its control word)."""
         t, self._ticket = self._ticket, None
-        self._holder = 0
+        node = self.pool.node
         try:
-            ok = t is None or self._release(self._hdr, self._entry, t, self._token)
+            ok = t is None or (not node.fenced and self._release(
+                self._hdr, self._entry, t, self._token, self._ctl, self._ctl_val))
         finally:
+            self._holder = 0
             self._local.release()
         if not ok:
-            raise LockLost(f"{self.pool.path}: the pool lock was taken from node "
-                           f"{self.pool.node.slot} while it held it (its lease lapsed)")
+            node.lock_released()
+            raise self._lost()
 
     __enter__ = acquire          # the uncontended path is one C call each way
 
@@ -306,6 +403,7 @@ class ManagerLock:
         try:
             node = self.pool.node
             node.check()
+            self._holder = get_ident()      # in flight (Attachment._in_flight) until release
             self.seq += 1
             req = self.seq
             m.store64(e + P.E_EPOCH, node.epoch)
@@ -341,10 +439,28 @@ class ManagerLock:
                     sleep = min(sleep * 2, 0.001)
             _granted()
         except BaseException:
+            self._holder = 0
             self._local.release()
+            if self.pool.node.fenced:
+                self.pool.node.lock_released()
             raise
-        self._holder = get_ident()
         return self
+
+    def guard(self) -> None:
+        """Inside `with pool.lock():` - raise LockLost unless this node still
+        holds the lock (not revoked) and may write (see Attachment.guard)."""
+        try:
+            self.pool.node.guard()
+        except N.NodeFenced as e:
+            raise self._lost() from e
+        self.m.invalidate(self.e + self.P.E_REVOKE, 8)
+        if self.m.load64(self.e + self.P.E_REVOKE) >= self.seq:
+            raise self._lost()
+
+    def _lost(self) -> "LockLost":
+        return LockLost(f"{self.pool.path}: the lock manager revoked node "
+                        f"{self.pool.node.slot}'s hold of the pool lock (its lease lapsed)",
+                        path=self.pool.path)
 
     def _withdraw(self, req: int) -> None:
         """Give a request up: released before (or without) being granted."""
@@ -352,12 +468,28 @@ class ManagerLock:
         self.m.flush(self.e, 64)
 
     def release(self) -> None:
-        self._holder = 0
+        """Write the release (with our epoch: the manager ignores lines of
+        another epoch); LockLost if the hold had been revoked or this node
+        fenced - a fenced node writes nothing."""
+        node, P, m = self.pool.node, self.P, self.m
+        lost = True
         try:
-            self.m.store64(self.e + self.P.E_RELEASE, self.seq)
-            self.m.flush(self.e, 64)
+            try:
+                node.check()
+            except N.NodeFenced:
+                pass
+            else:
+                m.invalidate(self.e + P.E_REVOKE, 8)
+                lost = m.load64(self.e + P.E_REVOKE) >= self.seq
+                m.store64(self.e + P.E_EPOCH, node.epoch)
+                m.store64(self.e + P.E_RELEASE, self.seq)
+                m.flush(self.e, 64)
         finally:
+            self._holder = 0
             self._local.release()
+        if lost:
+            node.lock_released()
+            raise self._lost()
 
     def held_by_me(self) -> bool:
         return self._holder == get_ident()

@@ -11,12 +11,34 @@ Liveness is never judged by comparing wall clocks across hosts:
 * any other node is dead when this observer, on its own monotonic clock, has
   not seen its control word or heartbeat change for a whole lease.
 
-cas mode claims and fences slots with compare-and-swap on the control word.
-(manager mode, where slots are granted by the lock manager through
-claim_token / grant_token, is not implemented yet: attaching refuses.)
+cas mode claims and fences slots with compare-and-swap on the control word;
+in manager mode the lock manager grants, fences and frees slots (line 7).
+
+Stalls.  A node judged dead by heartbeat may only be paused (a GC or
+page-reclaim pause, SIGSTOP, a VM migration) and resume later with writes
+in flight.  So a dead verdict *fences* the node (state FENCED: its lock turn
+is passed on at once) but what it held - reserved entries and payload slots,
+slabs, pins, its lock entry, its node slot - stays *quarantined*: nobody
+reuses it until the node is proven gone (same host: its pid and start time
+are gone), has acknowledged its fencing (ack_epoch == its epoch: it wrote
+that only once none of its threads could write any more), or the pool's
+grace period has passed on the reaper's clock.  Then the reaper runs the
+recoveries, under the pool lock, after re-checking the slot's epoch, and
+frees the slot.
+
+The node side of the bargain (Attachment): before every phase that writes
+shared memory a node proves its own heartbeat fresh (`guard()`: its last
+successful beat is less than FRESH_SHARE of a lease old, else it beats now
+and re-reads its state), and the C copy loops stop before a block once that
+freshness has run out (the mapping's write deadline).  Remaining window: a
+pause between the check and the store itself (nanoseconds for a block copy,
+one Python statement for a guarded section).  A write landing there goes
+into memory that is still quarantined - harmless - unless the pause outlasts
+the grace as well; the grace is a generous multiple of the lease for that.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import secrets
@@ -40,6 +62,9 @@ _CONTROL = L.field_offset(L.NodeStruct, "control")
 MAX_EPOCH = 1 << 48
 _MGR_LINE = L.field_offset(L.NodeStruct, "mgr_control")
 _HEARTBEAT = L.field_offset(L.NodeStruct, "heartbeat")
+_ACK = L.field_offset(L.NodeStruct, "ack_epoch")
+#: a node writes only while its last heartbeat is younger than this share of the lease
+FRESH_SHARE = 0.5
 
 
 class NodeFenced(CxlkvError):
@@ -69,19 +94,28 @@ class NodeInfo:
     control: int = 0
     pidns: int = 0
     ident_epoch: int = 0
+    ack_epoch: int = 0
 
-    def same_process_space(self, boot_id: str, pidns: int) -> bool:
+    def same_process_space(self, boot_id: str, pidns: int, *, fenced: bool = False) -> bool:
         """Can this node's pid be checked from an observer with these ids?  Only
         on the same boot, in the same pid namespace, and when the identity was
-        written for the slot's current epoch (not a stale or half-written one)."""
+        written for the slot's current epoch (not a stale or half-written one)
+        - of an attached node, or with fenced=True also of a fenced one."""
+        states = ("attached", "fenced") if fenced else ("attached",)
         return (self.boot_id == boot_id and self.pidns == pidns and self.pid > 0
-                and self.ident_epoch == self.epoch and self.state == "attached")
+                and self.ident_epoch == self.epoch and self.state in states)
+
+    @property
+    def acknowledged(self) -> bool:
+        """A fenced node that wrote it has stopped writing (see Attachment)."""
+        return self.state == "fenced" and self.ack_epoch == self.epoch
 
     def to_json(self) -> dict:
         return {"slot": self.slot, "state": self.state, "epoch": self.epoch,
                 "heartbeat": self.heartbeat, "pid": self.pid, "hostname": self.hostname,
                 "boot_id": self.boot_id, "sw_version": self.sw_version,
-                "format_version": self.format_version, "attach_time_ns": self.attach_time_ns}
+                "format_version": self.format_version, "attach_time_ns": self.attach_time_ns,
+                "acknowledged": self.acknowledged}
 
     def describe(self) -> str:
         return f"node {self.slot} ({self.hostname} pid {self.pid})"
@@ -131,7 +165,7 @@ def read_slot(pool, slot: int) -> NodeInfo:
         attach_time_ns=s.attach_time_ns, format_version=s.format_version,
         boot_id=str(uuidlib.UUID(bytes=bytes(s.boot_id))), hostname=_decode_str(s.hostname),
         sw_version=_decode_str(s.sw_version), control=control, pidns=s.pidns,
-        ident_epoch=s.ident_epoch)
+        ident_epoch=s.ident_epoch, ack_epoch=s.ack_epoch)
 
 
 def read_nodes(pool, include_free: bool = False) -> list[NodeInfo]:
@@ -190,6 +224,7 @@ class Observer:
     boot_id: str = field(default_factory=local_boot_id)
     pidns: int = field(default_factory=local_pidns)
     _seen: dict[int, _Seen] = field(default_factory=dict)
+    _fenced: dict[int, tuple[int, float]] = field(default_factory=dict)
 
     def verdict(self, n: NodeInfo, now: float | None = None) -> str:
         """'alive', 'dead' or 'unknown' (remote, not yet watched for a lease)."""
@@ -211,6 +246,34 @@ class Observer:
     def scan(self) -> list[tuple[NodeInfo, str]]:
         now = self.clock()
         return [(n, self.verdict(n, now)) for n in read_nodes(self.pool)]
+
+    def release_reason(self, n: NodeInfo, now: float | None = None) -> str | None:
+        """May what a fenced node held be reused?  'gone' (its process is
+        certainly gone from this host), 'acknowledged' (it wrote that it
+        stopped writing), 'grace' (this observer has seen it fenced for the
+        pool's grace period), or None: it stays quarantined."""
+        now = self.clock() if now is None else now
+        if n.state != "fenced":
+            self._fenced.pop(n.slot, None)
+            return None
+        if n.same_process_space(self.boot_id, self.pidns, fenced=True) and \
+                not local_process_alive(n.pid, n.start_time_ns):
+            return "gone"
+        if n.acknowledged:
+            return "acknowledged"
+        seen = self._fenced.get(n.slot)
+        if seen is None or seen[0] != n.control:
+            self._fenced[n.slot] = (n.control, now)
+            return None
+        grace = self.pool.sb.quarantine_grace_ms / 1000.0
+        return "grace" if now - seen[1] >= grace else None
+
+    def quarantined_for(self, n: NodeInfo, now: float | None = None) -> float | None:
+        """Seconds this observer has seen `n` fenced (None if it has not)."""
+        seen = self._fenced.get(n.slot)
+        if seen is None or seen[0] != n.control:
+            return None
+        return (self.clock() if now is None else now) - seen[1]
 
 
 def live_nodes(pool, *, observe: bool = True, clock=time.monotonic,
@@ -248,6 +311,7 @@ def live_nodes(pool, *, observe: bool = True, clock=time.monotonic,
 Recovery = Callable[[object, int, int], None]   # (pool, slot, epoch) -> None
 _recoveries: list[Recovery] = []
 _order: dict[Recovery, int] = {}
+_at_fence: set[Recovery] = set()
 
 
 def _load_recoveries() -> None:
@@ -258,51 +322,87 @@ def _load_recoveries() -> None:
     from cxlkv.state import alloc, locks  # noqa: F401
 
 
-def run_recoveries(pool, slot: int, epoch: int) -> None:
-    """Everything subsystems registered, for one dead (or detaching) node."""
+def run_recoveries(pool, slot: int, epoch: int, *, fence_only: bool = False) -> None:
+    """Everything subsystems registered, for one dead (or detaching) node;
+    fence_only: just what must happen the moment it is fenced."""
     _load_recoveries()
     for fn in list(_recoveries):
-        fn(pool, slot, epoch)
+        if not fence_only or fn in _at_fence:
+            fn(pool, slot, epoch)
 
 
-def register_recovery(fn: Recovery | None = None, *, order: int = 50):
+def register_recovery(fn: Recovery | None = None, *, order: int = 50, at_fence: bool = False):
     """Subsystems (locks, allocator, KV pins) register what to undo for a dead node.
 
     Each is called with the pool, the dead slot and its epoch, while the slot
-    is FENCED; it must be idempotent (a reaper may die half way and another
-    one repeat the work).  Lower `order` runs first.  Usable as a decorator.
+    is FENCED, once the quarantine is over (see the module docstring); with
+    at_fence=True also the moment the node is fenced (passing its lock turn
+    on: the only thing that cannot wait).  It must be idempotent (a reaper
+    may die half way and another one repeat the work).  Lower `order` runs
+    first.  Usable as a decorator.
     """
     def add(f: Recovery) -> Recovery:
         if f not in _recoveries:
             _order[f] = order
             _recoveries.append(f)
             _recoveries.sort(key=lambda g: _order.get(g, 50))
+        if at_fence:
+            _at_fence.add(f)
         return f
 
     return add(fn) if fn is not None else add
 
 
-def reap(pool, slot: int, control: int) -> bool:
-    """Fence a dead node, undo what it held, free its slot.
-
-    `control` is the control word the caller judged dead; nothing happens if
-    the slot has changed since (another reaper, or the node re-attached).
-    Returns True when this call freed the slot.
-    """
-    _load_recoveries()
-    m = pool.mapping
+def fence(pool, slot: int, control: int) -> bool:
+    """Fence a node judged dead (cas mode): ATTACHED or CLAIMED -> FENCED, and
+    pass its lock turn on.  Nothing else it held is touched: that waits for
+    release().  `control` is the word that was judged; nothing happens if
+    the slot changed since.  True when this call fenced it."""
+    state, epoch = L.node_state(control)
+    if state not in (L.NODE_ATTACHED, L.NODE_CLAIMED):
+        return False
     off = node_offset(pool, slot) + _CONTROL
+    fenced = L.node_control(L.NODE_FENCED, epoch)
+    if pool.mapping.cas64(off, control, fenced) != control:
+        return False
+    run_recoveries(pool, slot, epoch, fence_only=True)
+    return True
+
+
+def release(pool, slot: int, control: int) -> bool:
+    """End a fenced node's quarantine (cas mode): under the pool lock (this
+    process's own node's, when it has a usable one), re-check that the slot
+    still holds `control` (FENCED, same epoch), run every recovery, free the
+    slot.  The caller decided the quarantine may end (Observer.release_reason).
+    True when this call freed the slot."""
+    from cxlkv.state.locks import held_lock
+
+    state, epoch = L.node_state(control)
+    if state != L.NODE_FENCED:
+        return False
+    off = node_offset(pool, slot) + _CONTROL
+    m = pool.mapping
+    with held_lock(pool, slot):
+        m.invalidate(off, 8)
+        if m.load64(off) != control:
+            return False                # another reaper finished it, or it changed
+        run_recoveries(pool, slot, epoch)
+        return m.cas64(off, control, L.node_control(L.NODE_FREE, epoch)) == control
+
+
+def reap(pool, slot: int, control: int, *, quarantine: bool = False) -> bool:
+    """Fence a dead node and, unless quarantine=True, end its quarantine at
+    once: the caller knows it is gone (or is a repair run the operator
+    ordered).  Returns True when this call freed the slot."""
+    _load_recoveries()
     state, epoch = L.node_state(control)
     if state in (L.NODE_ATTACHED, L.NODE_CLAIMED):
-        fenced = L.node_control(L.NODE_FENCED, epoch)
-        if m.cas64(off, control, fenced) != control:
+        if not fence(pool, slot, control):
             return False
-        control = fenced
+        control = L.node_control(L.NODE_FENCED, epoch)
     elif state != L.NODE_FENCED:
         return False
-    for fn in list(_recoveries):
-        fn(pool, slot, epoch)
-    return m.cas64(off, control, L.node_control(L.NODE_FREE, epoch)) == control
+    return False if quarantine else release(pool, slot, control)
 
 
 class Attachment:
@@ -326,9 +426,18 @@ class Attachment:
         self.slot = -1
         self.epoch = 0
         self.fenced = False
+        self.acknowledged = False
         self._stop = threading.Event()
         lease = pool.sb.lease_ms / 1000.0
         self.interval = interval if interval is not None else max(0.02, lease / 4)
+        # freshness: writes need a beat younger than FRESH_SHARE of the lease
+        self._fresh_ns = int(lease * FRESH_SHARE * 1e9)
+        self._deadline_ns = 0               # monotonic ns; 0 until the slot is ours
+        self._beat_lock = threading.Lock()  # beats come from two threads (guard(), heartbeat)
+        # sections in flight that write shared memory or hold views of it;
+        # the fencing acknowledgement waits for them (guards: _busy, fenced, acknowledged)
+        self._state = threading.Lock()
+        self._busy = 0
         self._heartbeat = heartbeat
         self.managed = pool.sb.sync == "manager"
         if self.managed:
@@ -345,6 +454,7 @@ class Attachment:
         for slot, epoch in self._pending:       # the dead node whose slot we took
             run_recoveries(self.pool, slot, epoch)
         self._pending.clear()
+        self._fresh(time.monotonic_ns())
         if not self.managed:                    # in manager mode the manager reaps
             self._reap_dead(local_only=True)
         if self._heartbeat and self._thread is None:
@@ -402,11 +512,12 @@ class Attachment:
             # first pass: free slots; second (full table): slots of nodes that are
             # certainly dead - their recovery runs in start(), under the pool
             # lock, once we are attached
+            # (a fenced node's slot only once its quarantine may end)
             dead = {} if attempt == 0 else {
                 nd.slot: nd for nd, v in self.observer.scan()
                 if v == "dead" and nd.state != "free"
                 and (nd.same_process_space(self.observer.boot_id, self.observer.pidns)
-                     or nd.state == "fenced")}
+                     or self.observer.release_reason(nd) is not None)}
             for i in range(n):
                 slot = (start + i) % n
                 off = node_offset(self.pool, slot)
@@ -449,21 +560,11 @@ class Attachment:
         m.store64(off + _HEARTBEAT, 0)
         m.flush(off, L.NODE_SIZE)
 
-    # -- run time -----------------------------------------------------------
-    @property
-    def control(self) -> int:
-        return L.node_control(L.NODE_ATTACHED, self.epoch)
-
-    @property
-    def owner_token(self) -> int:
-        """(slot + 1) | epoch << 16: how locks and allocations name this node."""
-        return (self.slot + 1) | self.epoch << 16
-
     def check(self) -> None:
-        """Raise NodeFenced if this node was reaped (call before publishing)."""
+        """Raise NodeFenced if this node was fenced (reads its state word now)."""
         if self.fenced or self.slot < 0:
             raise NodeFenced(f"{self.pool.path}: node {self.slot} is no longer attached "
-                             "(its lease lapsed and it was reaped); reattach")
+                             "(its lease lapsed and it was fenced); reattach")
         m = self.pool.mapping
         if self.managed:                        # the manager's word is the authority
             off = node_offset(self.pool, self.slot) + _MGR_LINE
@@ -475,21 +576,131 @@ class Attachment:
             m.invalidate(off, 8)
             ok = m.load64(off) == self.control
         if not ok:
-            self.fenced = True
+            self._on_fenced()
             self.check()
 
     def beat(self) -> None:
-        """One heartbeat: advance the counter, check we are still ourselves."""
+        """One heartbeat: advance the counter, check we are still ourselves.
+        A successful beat makes this node fresh for FRESH_SHARE of a lease."""
+        t0 = time.monotonic_ns()
+        self.check()            # a fenced node's slot may be another's: never bump it
         off = node_offset(self.pool, self.slot)
         m = self.pool.mapping
-        if self.managed:                        # no cross-host atomics: we are its only writer
-            m.store64(off + _HEARTBEAT, m.load64(off + _HEARTBEAT) + 1)
-        else:
-            m.fetch_add64(off + _HEARTBEAT, 1)
-        m.flush(off, 64)
+        with self._beat_lock:
+            if self.managed:                    # no cross-host atomics: we are its only writer
+                m.store64(off + _HEARTBEAT, m.load64(off + _HEARTBEAT) + 1)
+            else:
+                m.fetch_add64(off + _HEARTBEAT, 1)
+            m.flush(off, 64)
         self.check()
+        self._fresh(t0)
+
+    def guard(self) -> None:
+        """Prove this node may write shared memory now, or raise NodeFenced.
+
+        Call before each phase that writes the pool.  Nobody can have judged
+        this node dead within a lease of its last successful beat, so while
+        that beat is younger than FRESH_SHARE of the lease this is one clock
+        read; otherwise (the heartbeat thread was stalled with us, or
+        starved) it beats now, which re-reads the node's state."""
+        if self.fenced or self.slot < 0 or time.monotonic_ns() > self._deadline_ns:
+            self.beat()
+
+    def _fresh(self, t0_ns: int) -> None:
+        with self._state:
+            if self.fenced:
+                return
+            self._deadline_ns = max(self._deadline_ns, t0_ns + self._fresh_ns)
+            self.pool.mapping.write_deadline_ns = self._deadline_ns
+
+    # -- sections in flight, and the acknowledgement of fencing ---------------------
+    def enter(self) -> None:
+        """A section that writes shared memory (or holds views of it) begins:
+        NodeFenced if this node is known fenced.  Pair with leave()."""
+        with self._state:
+            if self.fenced:
+                raise NodeFenced(f"{self.pool.path}: node {self.slot} was fenced (its lease "
+                                 "lapsed); reattach")
+            self._busy += 1
+
+    def leave(self) -> None:
+        with self._state:
+            self._busy -= 1
+            ack = self.fenced and not self._in_flight() and not self.acknowledged
+        if ack:
+            self._acknowledge()
+
+    def _in_flight(self) -> bool:
+        """A section is in flight: entered and not left, or the pool lock held
+        by a thread of this process (the lock keeps its holder in _holder,
+        so the hot path pays no bookkeeping here)."""
+        lk = self.pool.__dict__.get("_lock")
+        return self._busy > 0 or (lk is not None and lk._holder != 0)
+
+    def lock_released(self) -> None:
+        """The pool lock was just left (called by it when this node is fenced)."""
+        with self._state:
+            ack = self.fenced and not self._in_flight() and not self.acknowledged
+        if ack:
+            self._acknowledge()
+
+    @contextlib.contextmanager
+    def writing(self):
+        """`with node.writing():` a section in flight (see enter)."""
+        self.enter()
+        try:
+            yield
+        finally:
+            self.leave()
+
+    def _on_fenced(self) -> None:
+        """This process learnt that its node was fenced: no write starts any
+        more (copies stop at their next block), and once no section is in
+        flight the fencing is acknowledged, ending the quarantine early."""
+        with self._state:
+            if self.fenced:
+                return
+            self.fenced = True
+            self._deadline_ns = 0
+            self.pool.mapping.write_deadline_ns = 1     # every guarded copy stops
+            ack = not self._in_flight()
+        if ack:
+            self._acknowledge()
+
+    def _acknowledge(self) -> None:
+        """Write ack_epoch (our own line 0) - only while the slot still shows
+        this node fenced: once its quarantine ended the slot may be another
+        node's."""
+        with self._state:
+            if self.acknowledged or self.slot < 0:
+                return
+            self.acknowledged = True
+        m = self.pool.mapping
+        off = node_offset(self.pool, self.slot)
+        word = off + (_MGR_LINE if self.managed else _CONTROL)
+        try:
+            m.invalidate(word, 8)
+            if m.load64(word) != L.node_control(L.NODE_FENCED, self.epoch):
+                return
+            m.store64(off + _ACK, self.epoch)
+            m.flush(off, 64)
+        except (ValueError, OSError):       # the mapping was closed under us
+            pass
+
+    # -- run time -----------------------------------------------------------
+    @property
+    def control(self) -> int:
+        return L.node_control(L.NODE_ATTACHED, self.epoch)
+
+    @property
+    def owner_token(self) -> int:
+        """(slot + 1) | epoch << 16: how locks and allocations name this node."""
+        return (self.slot + 1) | self.epoch << 16
 
     def _reap_dead(self, local_only: bool = False) -> int:
+        """Fence the nodes judged dead; end the quarantine of fenced nodes
+        whose release_reason says so.  local_only: only nodes of this host
+        (and already fenced ones).  Returns the slots freed."""
         freed = 0
         for n, verdict in self.observer.scan():
             if n.slot == self.slot or verdict != "dead" or n.state == "free":
@@ -497,7 +708,12 @@ class Attachment:
             if local_only and n.state != "fenced" and not n.same_process_space(
                     self.observer.boot_id, self.observer.pidns):
                 continue
-            if reap(self.pool, n.slot, n.control):
+            if n.state in ("attached", "claimed"):
+                if not fence(self.pool, n.slot, n.control):
+                    continue
+                n = read_slot(self.pool, n.slot)
+            reason = self.observer.release_reason(n)
+            if reason is not None and release(self.pool, n.slot, n.control):
                 freed += 1
         return freed
 
@@ -508,7 +724,7 @@ class Attachment:
             try:
                 self.beat()
             except NodeFenced:
-                return
+                return                      # _on_fenced acknowledged it, or leave() will
             except (ValueError, OSError):   # mapping closed under us
                 return
 
@@ -535,6 +751,10 @@ class Attachment:
                 self.reap_error = ""
 
     def detach(self) -> None:
+        """Leave the node table: recover what this node holds (under its pool
+        lock, each step guarded) and free the slot.  A node found fenced
+        recovers nothing - its quarantine is the reaper's - and only
+        acknowledges the fencing."""
         lock = getattr(self.pool, "_lock", None)
         if lock is not None and lock.held_by_me():
             raise CxlkvError(f"{self.pool.path}: close the pool after leaving pool.lock(), "
@@ -546,24 +766,31 @@ class Attachment:
         if self.slot < 0:
             return
         off = node_offset(self.pool, self.slot) + _CONTROL
-        if not self.fenced:
+        try:
+            self.guard()
             # run our own recovery first: nothing of ours must outlive the slot
-            try:
-                run_recoveries(self.pool, self.slot, self.epoch)
-            except CxlkvError as e:
-                if not self.managed:
-                    raise
-                # no lock manager to take the lock from: stay in the table,
-                # silent; the next manager reaps this slot and recovers it
-                sys.stderr.write(f"cxlkv: detaching from {self.pool.path} without a lock "
-                                 f"manager ({e}); node {self.slot} will be recovered by the "
-                                 "next one\n")
-                self.slot = -1
-                return
-            free = L.node_control(L.NODE_FREE, self.epoch)
-            if self.managed:                    # ask the manager to free the slot
-                self.pool.mapping.store64(off, free)
-                self.pool.mapping.flush(off, 8)
-            else:
-                self.pool.mapping.cas64(off, self.control, free)
+            run_recoveries(self.pool, self.slot, self.epoch)
+        except NodeFenced:
+            with self._state:
+                ack = not self._in_flight()
+            if ack:
+                self._acknowledge()
+            self.slot = -1
+            return
+        except CxlkvError as e:
+            if not self.managed:
+                raise
+            # no lock manager to take the lock from: stay in the table,
+            # silent; the next manager reaps this slot and recovers it
+            sys.stderr.write(f"cxlkv: detaching from {self.pool.path} without a lock "
+                             f"manager ({e}); node {self.slot} will be recovered by the "
+                             "next one\n")
+            self.slot = -1
+            return
+        free = L.node_control(L.NODE_FREE, self.epoch)
+        if self.managed:                    # ask the manager to free the slot
+            self.pool.mapping.store64(off, free)
+            self.pool.mapping.flush(off, 8)
+        else:
+            self.pool.mapping.cas64(off, self.control, free)
         self.slot = -1

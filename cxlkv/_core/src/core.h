@@ -6,6 +6,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <time.h>
 
 #include "cpu.h"
 #include "cxlkv_format.h"
@@ -31,7 +32,25 @@ typedef struct {
     /* flush metadata the hot paths write (manager mode: other hosts read it
      * without coherence); off for cas mode on coherent memory */
     int flush_meta;
+    /* write_deadline_ns (CLOCK_MONOTONIC): copies that honour it (write_blocks)
+     * stop before a block once it has passed - the attached node's heartbeat
+     * is no longer known fresh, so it may have been fenced.  0 = no deadline
+     * (a pool no node of this process is attached to).  Written by any
+     * thread of the process: accessed with relaxed atomics. */
+    int64_t write_deadline_ns;
 } Mapping;
+
+/* Has the write deadline passed (a copy must stop before the next block)? */
+static inline int
+write_deadline_passed(const Mapping *m)
+{
+    int64_t d = __atomic_load_n(&m->write_deadline_ns, __ATOMIC_RELAXED);
+    if (d == 0)
+        return 0;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec > d;
+}
 
 extern PyObject *cxlkv_RangeError;
 

@@ -83,7 +83,8 @@ struct cxlkv_superblock {
     uint8_t  tenant_secret[32]; /*  256 per-pool key for tenant salts */
     char     label[64];         /*  288 pool name, NUL padded */
     char     creator[32];       /*  352 software that formatted it, NUL padded */
-    uint8_t  reserved[3704];    /*  384 zero */
+    uint64_t grace_ms;          /*  384 quarantine grace of a fenced node; 0 = 6 leases */
+    uint8_t  reserved[3696];    /*  392 zero */
     uint64_t checksum;          /* 4088 xxh64 (seed 0) of the 4096 bytes with this field 0 */
 };
 
@@ -97,7 +98,8 @@ struct cxlkv_superblock {
 #define CXLKV_NODE_FREE        0u
 #define CXLKV_NODE_CLAIMED     1u   /* being attached: identity being written */
 #define CXLKV_NODE_ATTACHED    2u
-#define CXLKV_NODE_FENCED      3u   /* reaped: must not write live state; recovery pending */
+#define CXLKV_NODE_FENCED      3u   /* fenced: must not write; what it held is quarantined
+                                        until it is gone, acknowledged or the grace passed */
 #define CXLKV_NODE_STATE_BITS  8u
 #define CXLKV_NODE_STATE_MASK  0xffull
 
@@ -106,7 +108,9 @@ struct cxlkv_node {
     uint64_t heartbeat;         /*    8 counter; liveness = observed to advance */
     uint64_t claim_token;       /*   16 manager mode: a claimant's request */
     uint64_t grant_token;       /*   24 manager mode: written by the lock manager only */
-    uint8_t  line0_pad[32];     /*   32 */
+    uint64_t ack_epoch;         /*   32 the node's acknowledgement of its fencing: the
+                                          fenced epoch, written once it stopped writing */
+    uint8_t  line0_pad[24];     /*   40 */
     uint64_t pid;               /*   64 */
     uint64_t start_time_ns;     /*   72 process start time (pid reuse guard) */
     uint64_t attach_time_ns;    /*   80 wall clock at attach (display only) */

@@ -739,9 +739,12 @@ Mapping_kv_touch(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 
 /* ------------------------------------------------------------------ block copies */
 
-/* write_blocks(offsets, src, block_bytes, nt=None)
+/* write_blocks(offsets, src, block_bytes, nt=None) -> blocks written
  * Block i of the contiguous source goes to offsets[i]; flushed on return
- * (non-temporal stores for large blocks). */
+ * (non-temporal stores for large blocks).  Stops before a block once the
+ * mapping's write deadline has passed (the caller's node may have been
+ * fenced while this thread was stalled), so fewer than len(offsets) may be
+ * written: the caller proves its node fresh again and goes on from there. */
 PyObject *
 Mapping_write_blocks(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -770,13 +773,14 @@ Mapping_write_blocks(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     for (uint64_t i = 0; i < n; i++)
         if (check_range(m, off[i], bb, "write_blocks") < 0)
             goto done;
+    uint64_t done = 0;
     m->busy++;
     Py_BEGIN_ALLOW_THREADS
-    for (uint64_t i = 0; i < n; i++)
-        pool_write(m, off[i], (const char *)s.buf + i * bb, bb, nt);
+    for (; done < n && !write_deadline_passed(m); done++)
+        pool_write(m, off[done], (const char *)s.buf + done * bb, bb, nt);
     Py_END_ALLOW_THREADS
     m->busy--;
-    ret = Py_NewRef(Py_None);
+    ret = PyLong_FromUnsignedLongLong(done);
 done:
     PyBuffer_Release(&o);
     PyBuffer_Release(&s);

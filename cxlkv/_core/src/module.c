@@ -25,7 +25,7 @@
 /* Bump when the Python-visible interface changes; cxlkv/_core/__init__.py
  * refuses to import a build with a different number (a stale build must fail
  * loudly, not strangely). */
-#define CXLKV_NATIVE_ABI 8
+#define CXLKV_NATIVE_ABI 9
 
 /* Copies at least this large release the GIL. */
 #define GIL_RELEASE_MIN (64 * 1024)
@@ -649,16 +649,23 @@ Mapping_ticket_wait(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     return Py_BuildValue("(OK)", got ? Py_True : Py_False, (unsigned long long)serving);
 }
 
-/* ticket_release(hdr, entry, ticket, token) -> True, or False when the lock
- * was no longer ours (our ticket was skipped: this node was judged dead) */
+/* ticket_release(hdr, entry, ticket, token, control_off, control) -> True,
+ * or False when the lock was no longer ours (our ticket was skipped: this
+ * node was judged dead).  When the word at control_off (the caller's node
+ * control word) is no longer `control` the node was fenced: nothing is
+ * written (its entry may already be recovered) and False is returned. */
 static PyObject *
 Mapping_ticket_release(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    uint64_t hdr, entry, ticket, token;
-    if (nargs_check(nargs, 4, 4, "ticket_release") < 0 ||
+    uint64_t hdr, entry, ticket, token, ctl_off, ctl;
+    if (nargs_check(nargs, 6, 6, "ticket_release") < 0 ||
         lock_args(m, args, &hdr, &entry, "ticket_release") < 0 ||
-        as_u64(args[2], &ticket, "ticket") < 0 || as_u64(args[3], &token, "token") < 0)
+        as_u64(args[2], &ticket, "ticket") < 0 || as_u64(args[3], &token, "token") < 0 ||
+        as_u64(args[4], &ctl_off, "control offset") < 0 ||
+        as_u64(args[5], &ctl, "control") < 0 || check_word(m, ctl_off, "ticket_release") < 0)
         return NULL;
+    if (pool_load64(m, ctl_off) != ctl)
+        Py_RETURN_FALSE;
     pool_store64(m, entry + LE_STATE, CXLKV_LOCK_IDLE);
     pool_cas64(m, hdr + LH_OWNER, token, 0);
     int ok = pool_cas64(m, hdr + LH_SERVING, ticket, ticket + 1) == ticket;
@@ -804,6 +811,32 @@ Mapping_set_flush_meta(Mapping *m, PyObject *v, void *c)
 }
 
 static PyObject *
+Mapping_get_write_deadline_ns(Mapping *m, void *c)
+{
+    (void)c;
+    return PyLong_FromLongLong(__atomic_load_n(&m->write_deadline_ns, __ATOMIC_RELAXED));
+}
+
+static int
+Mapping_set_write_deadline_ns(Mapping *m, PyObject *v, void *c)
+{
+    (void)c;
+    if (!v) {
+        PyErr_SetString(PyExc_AttributeError, "cannot delete write_deadline_ns");
+        return -1;
+    }
+    long long d = PyLong_AsLongLong(v);
+    if (d == -1 && PyErr_Occurred())
+        return -1;
+    if (d < 0) {
+        PyErr_SetString(PyExc_ValueError, "write_deadline_ns must be >= 0");
+        return -1;
+    }
+    __atomic_store_n(&m->write_deadline_ns, (int64_t)d, __ATOMIC_RELAXED);
+    return 0;
+}
+
+static PyObject *
 Mapping_get_noncoherent(Mapping *m, void *c)
 {
     (void)c;
@@ -867,6 +900,10 @@ static PyGetSetDef Mapping_getset[] = {
      "this process sees the pool through the non-coherence emulation", NULL},
     {"address", (getter)Mapping_get_address, NULL,
      "virtual address of the pool base in this process (for DMA registration)", NULL},
+    {"write_deadline_ns", (getter)Mapping_get_write_deadline_ns,
+     (setter)Mapping_set_write_deadline_ns,
+     "CLOCK_MONOTONIC ns after which write_blocks stops before its next block (the "
+     "attached node's heartbeat is no longer known fresh); 0 = none", NULL},
     {"nt_threshold", (getter)Mapping_get_nt_threshold, (setter)Mapping_set_nt_threshold,
      "writes at least this large use non-temporal stores by default; 0 = never", NULL},
     {NULL},
@@ -930,27 +967,39 @@ static PyTypeObject MappingType = {
 /* ------------------------------------------------------------------ */
 /* module functions                                                     */
 
-static struct {
+/* Test hooks at named sites: CXLKV_CRASH_AT=site:N SIGKILLs the process the
+ * Nth time it passes `site` (a death); CXLKV_PAUSE_AT=site:N SIGSTOPs it
+ * there instead (a stall: the test judges, reaps and SIGCONTs it). */
+struct site_hook {
     int parsed;
     char site[64];
-    long long left;       /* passes of `site` before the crash */
-} crash;
+    long long left;       /* passes of `site` before the hook fires */
+};
+static struct site_hook crash, pause_at;
+
+static int
+site_hook_fires(struct site_hook *h, const char *env, const char *site)
+{
+    if (!h->parsed) {
+        h->parsed = 1;
+        const char *e = getenv(env);
+        const char *colon = e ? strrchr(e, ':') : NULL;
+        if (colon && (size_t)(colon - e) < sizeof(h->site)) {
+            memcpy(h->site, e, (size_t)(colon - e));
+            h->left = atoll(colon + 1);
+        }
+    }
+    return h->left > 0 && !strcmp(site, h->site) &&
+           __atomic_sub_fetch(&h->left, 1, __ATOMIC_SEQ_CST) == 0;
+}
 
 void
 cxlkv_crashpoint(const char *site)
 {
-    if (!crash.parsed) {
-        crash.parsed = 1;
-        const char *e = getenv("CXLKV_CRASH_AT");
-        const char *colon = e ? strrchr(e, ':') : NULL;
-        if (colon && (size_t)(colon - e) < sizeof(crash.site)) {
-            memcpy(crash.site, e, (size_t)(colon - e));
-            crash.left = atoll(colon + 1);
-        }
-    }
-    if (crash.left > 0 && !strcmp(site, crash.site) &&
-        __atomic_sub_fetch(&crash.left, 1, __ATOMIC_SEQ_CST) == 0)
+    if (site_hook_fires(&crash, "CXLKV_CRASH_AT", site))
         raise(SIGKILL);
+    if (site_hook_fires(&pause_at, "CXLKV_PAUSE_AT", site))
+        raise(SIGSTOP);
 }
 
 static PyObject *
@@ -1065,6 +1114,7 @@ mod_layout(PyObject *self, PyObject *Py_UNUSED(ignored))
     FIELD(f, cxlkv_superblock, tenant_secret);
     FIELD(f, cxlkv_superblock, label);
     FIELD(f, cxlkv_superblock, creator);
+    FIELD(f, cxlkv_superblock, grace_ms);
     FIELD(f, cxlkv_superblock, reserved);
     FIELD(f, cxlkv_superblock, checksum);
     if (add_struct(out, "superblock", sizeof(struct cxlkv_superblock), f) < 0)
@@ -1085,6 +1135,7 @@ mod_layout(PyObject *self, PyObject *Py_UNUSED(ignored))
     FIELD(f, cxlkv_node, heartbeat);
     FIELD(f, cxlkv_node, claim_token);
     FIELD(f, cxlkv_node, grant_token);
+    FIELD(f, cxlkv_node, ack_epoch);
     FIELD(f, cxlkv_node, line0_pad);
     FIELD(f, cxlkv_node, pid);
     FIELD(f, cxlkv_node, start_time_ns);
@@ -1373,7 +1424,8 @@ static PyMethodDef module_methods[] = {
     {"kv_keys", (PyCFunction)(void (*)(void))mod_kv_keys, METH_FASTCALL,
      "kv_keys(hashes, hash_len, prefix, out) -> n: pool keys xxh3-128(prefix || hash)"},
     {"crashpoint", mod_crashpoint, METH_O,
-     "crashpoint(site): SIGKILL this process at the Nth pass when CXLKV_CRASH_AT=site:N"},
+     "crashpoint(site): SIGKILL this process at the Nth pass when CXLKV_CRASH_AT=site:N, "
+     "SIGSTOP it when CXLKV_PAUSE_AT=site:N"},
     {"sfence", mod_sfence, METH_NOARGS, "store fence"},
     {"cpu_info", mod_cpu_info, METH_NOARGS, "CPU features and the flush/invalidate instructions in use"},
     {"layout", mod_layout, METH_NOARGS, "on-media structure offsets and sizes, from the C header"},

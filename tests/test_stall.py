@@ -1,0 +1,338 @@
+"""Stalled nodes (issue 14): a node paused past its lease - SIGSTOP here, as a
+GC pause or a VM migration would - is judged dead by heartbeat (each paused
+process is made to look like another host), fenced, and resumed later.
+Whatever it still had in flight must not land on memory another node owns,
+the pool lock must keep being granted, other nodes' pins must survive, and
+the paused node must be told.  Each test pauses at one exact step
+(CXLKV_PAUSE_AT=site:N, or SIGSTOP while it waits for the next command), in
+sync mode cas, manager, and manager under the non-coherence emulation."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import psutil
+import pytest
+
+import cxlkv
+from cxlkv.errors import PoolCorrupt
+from cxlkv.pool import layout as L
+from cxlkv.pool.admin import init_pool
+from cxlkv.pool.pool import Pool
+from cxlkv.state import fsck
+from cxlkv.state import locks as K
+from cxlkv.state import nodes as N
+
+from conftest import MiB, wait_for
+from nodeproc import NodeProc
+
+LEASE_MS = 300
+GRACE_MS = 900
+BLOCK = 64 * 1024
+KV_ARGS = {"model": "stall-test", "block_bytes": BLOCK, "block_tokens": 16}
+MODES = ["cas", "manager", "manager-nc"]
+
+
+class Rack:
+    """A pool in one sync mode, its lock manager (manager modes), and the
+    environment its processes run with."""
+
+    def __init__(self, path: str, mode: str, monkeypatch, *, max_nodes: int = 8,
+                 grace_ms: int = GRACE_MS):
+        self.path, self.mode = path, mode
+        self.sync = "cas" if mode == "cas" else "manager"
+        self.env = {"CXLKV_NONCOHERENT": "1"} if mode == "manager-nc" else {}
+        for k, v in self.env.items():
+            monkeypatch.setenv(k, v)        # this process's own mapping too
+        init_pool(path, {"size": 16 * MiB, "chunk_size": 256 * 1024, "max_nodes": max_nodes,
+                         "sync": self.sync, "lease_ms": LEASE_MS, "grace_ms": grace_ms})
+        self.manager = None
+        if self.sync == "manager":
+            self.manager = subprocess.Popen(
+                [sys.executable, "-m", "cxlkv", "lock-manager", "--pool", path],
+                stderr=subprocess.PIPE, text=True, env={**os.environ, **self.env})
+            assert "active" in self.manager.stderr.readline()
+
+    def node(self, remote_env) -> NodeProc:
+        """A process attached as a node that every other node judges by heartbeat."""
+        p = NodeProc(env=remote_env(**self.env))
+        p.attach(self.path)
+        return p
+
+    def close(self) -> None:
+        if self.manager is not None and self.manager.poll() is None:
+            self.manager.terminate()
+            self.manager.wait(10)
+
+
+@pytest.fixture(params=MODES)
+def rack(request, pool_path, monkeypatch):
+    r = Rack(pool_path, request.param, monkeypatch)
+    yield r
+    r.close()
+
+
+def pattern(kv, toks) -> list[bytes]:
+    """Block contents derived from the chain hashes (as tests/nodeproc.py's)."""
+    return [h * (kv.block_bytes // len(h)) for h in kv.block_hashes(toks)]
+
+
+def stopped(p: NodeProc) -> bool:
+    return psutil.Process(p.p.pid).status() == psutil.STATUS_STOPPED
+
+
+def slot_state(path: str, slot: int) -> N.NodeInfo:
+    with Pool.open(path, writable=False) as p:
+        return N.read_slot(p, slot)
+
+
+def fenced(path: str, p: NodeProc) -> bool:
+    n = slot_state(path, p.slot)
+    return n.epoch == p.epoch and n.state == "fenced"
+
+
+def freed(path: str, p: NodeProc) -> bool:
+    n = slot_state(path, p.slot)
+    return n.epoch != p.epoch or n.state == "free"
+
+
+def assert_clean(path: str) -> None:
+    with Pool.open(path) as p:
+        rep = fsck.check(p)
+    assert rep.clean, [f.to_json() for f in rep.errors]
+
+
+def toks(tag: int, blocks: int) -> np.ndarray:
+    return np.arange(blocks * 16, dtype=np.int64) + tag * 1_000_000
+
+
+# -- 1. a writer paused between reserving and copying ---------------------------------
+
+def test_writer_paused_before_its_copy_cannot_overwrite_others_blocks(rack, remote_env):
+    w = NodeProc(env=remote_env(CXLKV_PAUSE_AT="kv.reserved:1", **rack.env))
+    w.attach(rack.path)
+    assert "ns" in w.call(op="kv_open", args=KV_ARGS)
+    mine = toks(1, 8)
+    w.send(op="kv_store", tokens=mine.tolist())          # stops after reserving
+    wait_for(lambda: stopped(w), what="the writer to stop at kv.reserved")
+    with cxlkv.open_pool(rack.path) as pool:
+        kv = pool.kv(**KV_ARGS)
+        wait_for(lambda: fenced(rack.path, w), what="the writer to be fenced")
+        # fill the pool: had the writer's slots been freed, these would get them
+        stored = []
+        for t in range(2, 40):
+            ts = toks(t, 4)
+            kv.store(ts, b"".join(pattern(kv, ts)))
+            stored.append(ts)
+        os.kill(w.p.pid, signal.SIGCONT)
+        r = w.reply()
+        assert r.get("error") == "NodeFenced", r          # told, and wrote nothing more
+        for ts in stored:
+            with kv.load(ts) as views:
+                assert [bytes(v) for v in views] == pattern(kv, ts)[:len(views)]
+        assert kv.match(mine) == 0                        # its blocks were never published
+        wait_for(lambda: freed(rack.path, w), what="the writer's quarantine to end")
+        assert slot_state(rack.path, w.slot).acknowledged or \
+            slot_state(rack.path, w.slot).state == "free"
+    w.close()
+    assert_clean(rack.path)
+
+
+# -- 3. a lock holder paused inside its critical section ----------------------------------
+
+def test_lock_holder_paused_is_told_and_the_lock_keeps_being_granted(rack, remote_env):
+    h = rack.node(remote_env)
+    assert h.call(op="lock") == {"locked": True}
+    os.kill(h.p.pid, signal.SIGSTOP)
+    with cxlkv.open_pool(rack.path) as pool:
+        with pool.lock(timeout=30):                       # granted once the holder is fenced
+            assert fenced(rack.path, h)
+        os.kill(h.p.pid, signal.SIGCONT)
+        r = h.call(op="guard")                            # mid-section: the guard says so
+        assert r.get("error") == "LockLost", r
+        r = h.call(op="unlock")                           # and the end of the section too
+        assert r.get("error") == "LockLost", r
+        for _ in range(20):                               # its late release blocked nothing
+            with pool.lock(timeout=10):
+                pass
+        other = rack.node(remote_env)
+        for _ in range(3):
+            assert other.call(op="lock", timeout=10) == {"locked": True}
+            assert other.call(op="unlock") == {"unlocked": True}
+        other.close()
+        wait_for(lambda: freed(rack.path, h), what="the holder's quarantine to end")
+    h.close()
+    assert_clean(rack.path)
+
+
+def test_lock_lost_when_revoked_at_the_end_of_the_section(rack, remote_env):
+    """The holder resumes and ends its section without calling guard()."""
+    h = rack.node(remote_env)
+    assert h.call(op="lock") == {"locked": True}
+    os.kill(h.p.pid, signal.SIGSTOP)
+    with cxlkv.open_pool(rack.path) as pool:
+        wait_for(lambda: fenced(rack.path, h), what="the holder to be fenced")
+        os.kill(h.p.pid, signal.SIGCONT)
+        assert h.call(op="unlock").get("error") == "LockLost"
+        with pool.lock(timeout=10):
+            pass
+    h.close()
+
+
+# -- 4. a fenced node resuming straight into close() --------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fenced_node_closing_leaves_the_slots_new_owner_alone(pool_path, mode, monkeypatch,
+                                                               remote_env):
+    rack = Rack(pool_path, mode, monkeypatch, max_nodes=3)
+    try:
+        with cxlkv.open_pool(rack.path) as pool:          # node 1 of 3: the reaper
+            kv = pool.kv(**KV_ARGS)
+            a = rack.node(remote_env)                     # node 2 of 3: will stall
+            filler = rack.node(remote_env)                # node 3 of 3
+            os.kill(a.p.pid, signal.SIGSTOP)
+            a.send(op="exit")                             # what it does first on resuming
+            wait_for(lambda: freed(rack.path, a), what="the grace to end the quarantine")
+            filler.close()
+            c = rack.node(remote_env)                     # a new owner of a's slot...
+            if c.slot != a.slot:                          # (the free slots: a's and filler's)
+                c2 = rack.node(remote_env)
+                c.close()
+                c = c2
+            assert c.slot == a.slot and c.epoch > a.epoch
+            ts = toks(7, 4)
+            kv.store(ts, b"".join(pattern(kv, ts)))
+            assert c.call(op="kv_open", args=KV_ARGS)["ns"] == kv.ns
+            assert c.call(op="kv_hold", tokens=ts.tolist()) == {"blocks": 4}  # ...pins them
+            os.kill(a.p.pid, signal.SIGCONT)
+            assert a.reply() == {"bye": True}             # closed: must not recover c's slot
+            a.p.wait(30)
+            assert N.read_slot(pool, c.slot).state == "attached"
+            kv.drop()                                     # evict everything unpinned
+            assert kv.match(ts) == 4 * 16                 # c's pins held
+            assert c.call(op="kv_verify", tokens=ts.tolist()) == {"blocks": 4, "bad": 0}
+            assert c.call(op="kv_release") == {"released": True}
+            c.close()
+        assert_clean(rack.path)
+    finally:
+        rack.close()
+
+
+# -- 5. a reader paused while it holds views ------------------------------------------------
+
+def test_reader_paused_with_views_keeps_its_pins_and_is_told(rack, remote_env):
+    with cxlkv.open_pool(rack.path) as pool:
+        kv = pool.kv(**KV_ARGS)
+        ts = toks(3, 4)
+        kv.store(ts, b"".join(pattern(kv, ts)))
+        r = rack.node(remote_env)
+        r.call(op="kv_open", args=KV_ARGS)
+        assert r.call(op="kv_hold", tokens=ts.tolist()) == {"blocks": 4}
+        os.kill(r.p.pid, signal.SIGSTOP)
+        wait_for(lambda: fenced(rack.path, r), what="the reader to be fenced")
+        kv.drop()                                         # its pins are quarantined
+        assert kv.match(ts) == 4 * 16
+        os.kill(r.p.pid, signal.SIGCONT)
+        out = r.call(op="kv_release")
+        assert out.get("error") == "StaleViews" and "none of them changed" in out["message"], out
+        wait_for(lambda: freed(rack.path, r), what="the reader's quarantine to end")
+        kv.drop()                                         # now they may go
+        assert kv.match(ts) == 0
+    r.close()
+    assert_clean(rack.path)
+
+
+def test_reader_paused_past_the_grace_learns_which_views_went_stale(rack, remote_env):
+    with cxlkv.open_pool(rack.path) as pool:
+        kv = pool.kv(**KV_ARGS)
+        ts = toks(4, 4)
+        kv.store(ts, b"".join(pattern(kv, ts)))
+        r = rack.node(remote_env)
+        r.call(op="kv_open", args=KV_ARGS)
+        assert r.call(op="kv_hold", tokens=ts.tolist()) == {"blocks": 4}
+        os.kill(r.p.pid, signal.SIGSTOP)
+        wait_for(lambda: freed(rack.path, r), what="the grace to end the reader's quarantine")
+        kv.drop()
+        assert kv.match(ts) == 0
+        os.kill(r.p.pid, signal.SIGCONT)
+        out = r.call(op="kv_release")
+        assert out.get("error") == "StaleViews" and "[0, 1, 2, 3]" in out["message"], out
+    r.close()
+    assert_clean(rack.path)
+
+
+# -- the node side: guard, acknowledgement, the C copy deadline -----------------------------
+
+def test_guard_beats_when_stale_and_acknowledges_fencing(small_pool):
+    with cxlkv.open_pool(small_pool, heartbeat=False) as pool:
+        node = pool.node
+        hb = L.field_offset(L.NodeStruct, "heartbeat")
+        before = pool.mapping.load64(N.node_offset(pool, node.slot) + hb)
+        node.guard()                                       # fresh: no beat
+        assert pool.mapping.load64(N.node_offset(pool, node.slot) + hb) == before
+        node._deadline_ns = 0                              # as after a stall
+        node.guard()                                       # stale: it beats, and is fresh
+        assert pool.mapping.load64(N.node_offset(pool, node.slot) + hb) == before + 1
+        with Pool.open(small_pool) as other:               # fenced by another party
+            assert N.fence(other, node.slot, node.control)
+            node.enter()                                   # a section in flight
+            node._deadline_ns = 0
+            with pytest.raises(N.NodeFenced):
+                node.guard()
+            assert not N.read_slot(other, node.slot).acknowledged   # not while in flight
+            node.leave()
+            n = N.read_slot(other, node.slot)
+            assert n.state == "fenced" and n.acknowledged
+            assert N.Observer(other).release_reason(n) == "acknowledged"
+            with pytest.raises(N.NodeFenced):
+                node.enter()
+
+
+def test_copies_stop_at_the_write_deadline(small_pool):
+    with cxlkv.open_pool(small_pool, heartbeat=False) as pool:
+        offs = pool.alloc_batch(4096, 4)
+        m = pool.mapping
+        src = bytes(range(256)) * 64
+        m.write_deadline_ns = 1                            # long past
+        assert m.write_blocks(offs, src, 4096) == 0
+        assert all(m.read(int(o), 4096) == bytes(4096) for o in offs)
+        m.write_deadline_ns = 0                            # none
+        assert m.write_blocks(offs, src, 4096) == 4
+        assert m.read(int(offs[3]), 4096) == src[3 * 4096:]
+
+
+def test_quarantine_ends_only_when_gone_acknowledged_or_after_the_grace(small_pool):
+    clock = type("Clock", (), {"t": 100.0, "__call__": lambda self: self.t})()
+    with Pool.open(small_pool) as p:
+        obs = N.Observer(p, clock=clock, boot_id="00000000-0000-0000-0000-00000000abcd")
+        from conftest import fake_node
+        fake_node(small_pool, 2, pid=1, start_time_ns=1,
+                  boot_id="00000000-0000-0000-0000-000000000002", hostname="elsewhere")
+        n = N.read_slot(p, 2)
+        assert N.fence(p, 2, n.control)
+        n = N.read_slot(p, 2)
+        assert obs.release_reason(n) is None               # first seen fenced now
+        clock.t += p.sb.quarantine_grace_ms / 1000 * 0.9
+        assert obs.release_reason(n) is None
+        clock.t += p.sb.quarantine_grace_ms / 1000 * 0.2
+        assert obs.release_reason(n) == "grace"
+
+
+# -- 6. corrupt lock words fail fast --------------------------------------------------------
+
+@pytest.mark.parametrize("word", ["now_serving", "next_ticket"])
+def test_a_flipped_high_bit_in_the_ticket_words_is_an_error_not_a_spin(small_pool, word):
+    with cxlkv.open_pool(small_pool, heartbeat=False) as pool:
+        with pool.lock():
+            pass
+        hdr, _ = K.lock_offsets(pool)
+        off = hdr + L.field_offset(L.LockHdrStruct, word)
+        good = pool.mapping.load64(off)
+        pool.mapping.store64(off, good | 1 << 40)
+        with pytest.raises(PoolCorrupt, match="fsck --repair"):
+            with pool.lock(timeout=10):
+                pass
+        pool.mapping.store64(off, good)
