@@ -90,9 +90,6 @@ def damage(path, fn):
      "lock-tickets"),
     ("lock entry of a dead node", lambda p: p.mapping.store64(K.entry_offset(p, 3),
                                                               L.LOCK_LOCKED), "lock-entry-dead"),
-    ("fenced node", lambda p: p.mapping.store64(N.node_offset(p, 2),
-                                                L.node_control(L.NODE_FENCED, 4)),
-     "node-unreaped"),
 ])
 def test_damage_is_found(cli, used_pool, name, fn, code):
     damage(used_pool, fn)
@@ -138,3 +135,14 @@ def test_tickets_of_gone_nodes_are_reported(small_pool):
     with Pool.open(small_pool, writable=False) as p:
         codes = {f.code for f in check(p).errors}
     assert "lock-tickets" in codes
+
+
+def test_a_fenced_node_is_quarantined_not_damage(cli, used_pool):
+    """A fenced node's quarantine is a state, not damage: fsck says so (a
+    warning, exit 0) and counts what it holds as its own."""
+    damage(used_pool, lambda p: p.mapping.store64(N.node_offset(p, 2),
+                                                  L.node_control(L.NODE_FENCED, 4)))
+    rc, doc = fsck(cli, used_pool)
+    assert rc == 0, doc
+    warned = [f for f in doc["findings"] if f["code"] == "node-quarantined"]
+    assert warned and warned[0]["severity"] == "warning" and "grace" in warned[0]["message"]

@@ -151,8 +151,6 @@ ALLOC_DAMAGE = [
     ("lock-owner", lambda p: p.mapping.store64(K.lock_offsets(p)[0] + 72, 0x10002)),
     ("lock-tickets", lambda p: p.mapping.store64(K.lock_offsets(p)[0] + 64, 10**6)),
     ("lock-entry-dead", lambda p: p.mapping.store64(K.entry_offset(p, 3), L.LOCK_LOCKED)),
-    ("node-unreaped", lambda p: p.mapping.store64(N.node_offset(p, 2),
-                                                  L.node_control(L.NODE_FENCED, 4))),
     ("node-state", lambda p: p.mapping.store64(N.node_offset(p, 5), 0x3F7)),
     ("chunk-orphan-tail", lambda p: p.mapping.store64(desc_off(p, p.sb.nchunks - 2),
                                                       L.CHUNK_TAIL | (p.sb.nchunks - 3) << 8)),
@@ -475,3 +473,16 @@ def test_fsck_usage_error_is_16_as_e2fsck(cli, kv_pool):
     assert r.code == 16 and r.json()["error"]["kind"] == "usage"
     r = cli("fsck", "--help")
     assert r.code == 0 and "16" in r.out
+
+
+def test_repair_ends_a_quarantine_the_reaper_never_ended(cli, kv_pool):
+    """No reaper ran since a node was fenced: --repair recovers and frees it."""
+    damage(kv_pool, lambda p: p.mapping.store64(N.node_offset(p, 2),
+                                                L.node_control(L.NODE_FENCED, 4)))
+    rc, doc = fsck(cli, kv_pool)
+    assert rc == 0 and any(f["code"] == "node-quarantined" for f in doc["findings"]), doc
+    rc, doc = fsck(cli, kv_pool, "--repair")
+    assert rc == 1 and "node-reaped" in repaired_codes(doc), doc
+    rc, doc = fsck(cli, kv_pool)
+    assert rc == 0 and not doc["findings"], doc
+    assert kv_intact(kv_pool, *CHAINS) == 8

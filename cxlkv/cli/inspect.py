@@ -73,6 +73,7 @@ def gather(pool, force):
 
 
 def pool_report_of(pool, force) -> dict:
+    from cxlkv.kv.area import quarantine_report
     from cxlkv.kv.cache import kv_report
     from cxlkv.pool import layout as L
     from cxlkv.pool.pool import Pool
@@ -82,6 +83,7 @@ def pool_report_of(pool, force) -> dict:
         rep = pool_report(p)
         # the KV cache's usage (None: a pool formatted before the KV region)
         rep["kv"] = kv_report(p) if p.sb.compat & L.COMPAT_KV else None
+        rep["quarantine"] = quarantine_report(p)
     return rep
 
 
@@ -293,7 +295,8 @@ def render(app: Application, rep: dict) -> None:
                    f"invalidate {rep['cpu']['invalidate']}"),
         ("chunks", f"{sb['nchunks']} x {human_size(sb['chunk_size'])}"),
         ("nodes", f"{use['nodes_in_table']} of {sb['max_nodes']} slots in use, "
-                  f"lease {sb['lease_ms'] / 1000:g}s"),
+                  f"lease {sb['lease_ms'] / 1000:g}s, quarantine grace "
+                  f"{sb['grace_ms'] / 1000:g}s"),
         ("hash", f"{sb['hash_slots']} slots, max load {sb['hash_max_load_pct']}%"),
         ("used", f"{use['chunks_used']} of {use['chunks_total']} chunks "
                  f"({human_size(use['bytes_used'])} of {human_size(use['data_bytes'])})"),
@@ -305,6 +308,10 @@ def render(app: Application, rep: dict) -> None:
         rows.append(("kv", f"{kv['entries']} of {kv['max_entries']} entries "
                            f"({kv['load_pct']}% load), {human_size(kv['used_bytes'])} in "
                            f"{len(kv['namespaces'])} namespace(s), {kv['evictions']} evictions"))
+    q = rep.get("quarantine")
+    if q is not None:
+        rows.append(("quarantine", f"{len(q['nodes'])} fenced node(s) holding "
+                                   f"{human_size(q['bytes'])}" if q["nodes"] else "none"))
     if sb["features"]["ro_compat"]:
         rows.append(("read-only", "yes: the pool has features this cxlkv can only read"))
     for copy, problem in rep["superblock_problems"].items():
@@ -329,6 +336,19 @@ def render(app: Application, rep: dict) -> None:
                           str(n["epoch"]), str(n["heartbeat"]), n["sw_version"],
                           str(n["format_version"]))
         app.out.print(nodes)
+        if q and q["nodes"]:
+            qt = Table(title="quarantine (fenced nodes: nothing they held is reused until "
+                             "they acknowledge, are proven gone, or the grace passes)",
+                       title_justify="left")
+            for col in ("slot", "host", "pid", "acknowledged", "reserved", "pending", "pinned"):
+                qt.add_column(col)
+            for x in q["nodes"]:
+                qt.add_row(str(x["slot"]), x["hostname"], str(x["pid"]),
+                           "yes" if x["acknowledged"] else "no",
+                           f"{x['reserved_slots']} ({human_size(x['reserved_bytes'])})",
+                           str(x["pending_entries"]),
+                           f"{x['pinned_blocks']} ({human_size(x['pinned_bytes'])})")
+            app.out.print(qt)
         if len(rep.get("versions", {})) > 1:
             app.out.print("mixed versions: " + ", ".join(
                 f"{k} x{v}" for k, v in rep["versions"].items())

@@ -858,6 +858,7 @@ class Agent:
 
             kv = kv_report(pool)
         return {"usage": h.data["usage"], "kv": kv, "nodes": nodes, "health": h,
+                "quarantine": h.data["quarantine"],
                 "device": self.device, "at": time.monotonic(),
                 "manager": None if self.manager is None else self.manager.active}
 

@@ -364,6 +364,8 @@ def evaluate(pool, th: Thresholds, *, observer, manager: ManagerWatch | None,
         mixed = f", mixed versions {', '.join(versions)}" if len(versions) > 1 else ""
         h.add("nodes", OK, f"{counts['alive']} node(s) alive{extra}{mixed}")
 
+    add_quarantine(h, pool, observer)
+
     if sb.sync == "manager" and manager is not None:
         v = manager.verdict()
         while v == "unknown" and deadline is not None and clock() < deadline:
@@ -389,6 +391,27 @@ def evaluate(pool, th: Thresholds, *, observer, manager: ManagerWatch | None,
     h.metric("dead", len(dead), "", 0, "", 0, sb.max_nodes)
     add_device(h, device, th)
     return h
+
+
+def add_quarantine(h: Health, pool, observer) -> None:
+    """Fenced nodes whose quarantine has not ended: WARNING - a node stalled
+    past its lease (or died on another host); its memory comes back when it
+    acknowledges, is proven gone, or after the grace."""
+    from cxlkv.kv.area import quarantine_report
+
+    q = quarantine_report(pool, observer)
+    h.data["quarantine"] = q
+    h.metric("quarantined", len(q["nodes"]), "", "", "", 0, pool.sb.max_nodes)
+    h.metric("quarantined_bytes", q["bytes"], "B", "", "", 0, pool.sb.regions["data"][1])
+    if not q["nodes"]:
+        return
+    held = ", ".join(f"node {x['slot']} ({x['hostname']} pid {x['pid']}"
+                     + (", acknowledged" if x["acknowledged"] else "")
+                     + f": {x['reserved_bytes'] + x['pinned_bytes']} bytes)"
+                     for x in q["nodes"])
+    h.add("quarantine", WARNING,
+          f"{len(q['nodes'])} fenced node(s) quarantined: {held}; released when each "
+          f"acknowledges, is proven gone, or after the grace of {q['grace_ms'] / 1000:g} s")
 
 
 def add_device(h: Health, device: dict | None, th: Thresholds) -> None:

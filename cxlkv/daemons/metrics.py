@@ -155,6 +155,16 @@ class _Snapshot:
             for (sw, fmt), n in sorted(nodes.get("versions", {}).items()):
                 v.add_metric([sw, str(fmt)], n)
             yield v
+        q = s.get("quarantine")
+        if q is not None:
+            yield GaugeMetricFamily("cxlkv_quarantined_nodes",
+                                    "Fenced nodes whose quarantine has not ended (stalled past "
+                                    "their lease, or dead on another host).",
+                                    value=len(q["nodes"]))
+            yield GaugeMetricFamily("cxlkv_quarantined_bytes",
+                                    "Bytes fenced nodes still hold: reserved payload slots and "
+                                    "pinned blocks, not reused until the quarantine ends.",
+                                    value=q["bytes"])
         dev = s.get("device")
         if dev and dev.get("memdevs"):
             g = GaugeMetricFamily("cxlkv_device_temperature_celsius",

@@ -80,8 +80,14 @@ def _check_nodes(pool, rep: Report) -> set[int]:
         if n.state.startswith("unknown"):
             rep.error("node-state", where, f"invalid state word {n.control:#x}")
         elif n.state == "fenced":
-            rep.error("node-unreaped", where, f"{n.describe()} was fenced but its recovery "
-                                             "did not finish")
+            # quarantined: what it holds is its own until the reaper releases it
+            # (fsck --repair recovers it at once)
+            rep.warn("node-quarantined", where,
+                     f"{n.describe()} is fenced and quarantined"
+                     + (" (it acknowledged its fencing)" if n.acknowledged else "")
+                     + ": what it held is reused once it is proven gone, acknowledges, or "
+                       f"the grace of {pool.sb.quarantine_grace_ms / 1000:g} s passes")
+            tokens.add((n.slot + 1) | n.epoch << 16)
         elif n.state == "claimed":
             rep.warn("node-claiming", where, f"slot is being claimed (or its claimant died: "
                                             "it is reclaimed after a lease)")
