@@ -768,3 +768,26 @@ def test_spill_usage_errors(cli, spool, tmp_path):
     r = cli("serve", "--pool", spool, "--spill-bytes", "1G")
     assert r.code == 2 and "--spill-dir" in r.err
     assert not (tmp_path / "s").exists() and attached(spool) == []
+
+
+def test_a_paused_node_is_quarantined_in_the_metrics(spool, serve, remote_env):
+    """A node of 'another host' stops with 3 reservations: the agent fences it
+    after a lease and /metrics shows its quarantine until it resumes and
+    acknowledges."""
+    s = serve(spool)
+    q = NodeProc(env=remote_env(CXLKV_PAUSE_AT="kv.reserved:1"))
+    try:
+        q.attach(spool)
+        q.call(op="kv_open", args=dict(model="m", block_tokens=4, block_bytes=BLOCK))
+        q.send(op="kv_store", tokens=list(range(12)))            # stops after reserving 3
+        wait_for(lambda: (lambda m: sample(m, "cxlkv_quarantined_nodes") == 1
+                          and sample(m, "cxlkv_quarantined_bytes") == 3 * BLOCK)(s.metrics()),
+                 what="the quarantine in the metrics")
+        q.p.send_signal(signal.SIGCONT)
+        assert q.reply().get("error") == "NodeFenced"
+        wait_for(lambda: sample(s.metrics(), "cxlkv_quarantined_nodes") == 0,
+                 what="the quarantine to end")
+        assert _reserved_slots(spool) == 0
+    finally:
+        q.close()
+    assert s.stop() == 0

@@ -336,3 +336,35 @@ def test_a_flipped_high_bit_in_the_ticket_words_is_an_error_not_a_spin(small_poo
             with pool.lock(timeout=10):
                 pass
         pool.mapping.store64(off, good)
+
+
+# -- what a quarantine holds, as operators see it ----------------------------------------
+
+def test_inspect_health_and_fsck_show_a_quarantine(pool_path, monkeypatch, remote_env, cli):
+    rack = Rack(pool_path, "cas", monkeypatch, grace_ms=60_000)
+    with cxlkv.open_pool(rack.path) as pool:                  # the reaper
+        w = NodeProc(env=remote_env(CXLKV_PAUSE_AT="kv.reserved:1"))
+        w.attach(rack.path)
+        w.call(op="kv_open", args=KV_ARGS)
+        w.send(op="kv_store", tokens=toks(1, 3).tolist())    # stops holding 3 reservations
+        wait_for(lambda: stopped(w), what="the writer to stop")
+        wait_for(lambda: fenced(rack.path, w), what="the writer to be fenced")
+        doc = cli("inspect", "--pool", rack.path, "--json").json()["pool"]["quarantine"]
+        assert [(x["slot"], x["reserved_slots"], x["pending_entries"], x["acknowledged"])
+                for x in doc["nodes"]] == [(w.slot, 3, 3, False)]
+        assert doc["bytes"] == 3 * BLOCK and doc["grace_ms"] == 60_000
+        assert "quarantine" in cli("inspect", "--pool", rack.path).out
+        r = cli("health", "--pool", rack.path, "--json")
+        assert r.code == 1, r.out                             # WARNING
+        checks = {c["check"]: c for c in r.json()["checks"]}
+        assert checks["quarantine"]["status"] == "WARNING"
+        assert f"node {w.slot}" in checks["quarantine"]["text"]
+        r = cli("fsck", "--pool", rack.path, "--json")
+        assert r.code == 0 and "node-quarantined" in {f["code"] for f in r.json()["findings"]}
+        os.kill(w.p.pid, signal.SIGCONT)                      # it resumes, is told, acknowledges
+        assert w.reply().get("error") == "NodeFenced"
+        wait_for(lambda: freed(rack.path, w), what="the quarantine to end (acknowledged)")
+        assert cli("inspect", "--pool", rack.path, "--json").json()["pool"]["quarantine"] == \
+            {"nodes": [], "grace_ms": 60_000, "bytes": 0}
+    w.close()
+    assert_clean(rack.path)
