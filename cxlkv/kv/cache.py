@@ -433,9 +433,8 @@ class KVCache:
         return len(new)
 
     def _copy(self, new: np.ndarray, dst: np.ndarray, src, items) -> None:
-        """Payloads into their reserved slots.  The C copy stops before a
-        block once this node's freshness ran out (a stall): guard() then
-        proves it fresh again (or raises NodeFenced) and the copy goes on."""
+        """Payloads into their reserved slots, each block only while this node
+        is known fresh (Attachment.write_blocks)."""
         bb = self.block_bytes
         node = self.pool.node
         if src is None:
@@ -448,12 +447,7 @@ class KVCache:
         start = 0
         for stop in list(breaks) + [len(new)]:
             i0 = int(new[start])
-            done = 0
-            while start + done < stop:
-                node.guard()
-                a = i0 + done
-                done += self.m.write_blocks(dst[start + done:stop],
-                                            src[a * bb:(i0 + stop - start) * bb], bb)
+            node.write_blocks(dst[start:stop], src[i0 * bb:(i0 + stop - start) * bb], bb)
             start = stop
 
     def _account(self, blocks: int) -> None:

@@ -493,7 +493,7 @@ def restore(pool, src, progress=None) -> dict:
     m = area.m
     n = len(idx)
     with pool.lock():
-        pool.node.check()
+        pool.node.guard()
         carried = _prepare_target(pool, area, doc)
         ns_of = [_ns_index(area, ns) for ns in doc["namespaces"]]
         t_of = [_tenant_index(area, t) for t in doc["tenants"]]
@@ -589,7 +589,7 @@ def _insert(pool, area, idx, keep_a, src_buf, ln, ns_of, t_of, keys_all, slot_of
     published = False
     try:
         with pool.lock():
-            pool.node.check()
+            pool.node.guard()
             s = 0
             while s < want:
                 # a segment: a chain (each block the child of the one before)
@@ -624,9 +624,9 @@ def _insert(pool, area, idx, keep_a, src_buf, ln, ns_of, t_of, keys_all, slot_of
             # payload j went to the j-th new block, in order
             srcs = src_buf[:want * ln] if len(new) == want else \
                 np.ascontiguousarray(src_buf.reshape(-1, ln)[new]).reshape(-1)
-            m.write_blocks(pay, srcs, ln)
+            pool.node.write_blocks(pay, srcs, ln)
         with pool.lock():
-            pool.node.check()
+            pool.node.guard()
             pool.publish(pay)
             sl = slots[new]
             m.kv_set_state(area.table, area.nslots, sl, L.KV_PENDING, L.KV_PUBLISHED, token,

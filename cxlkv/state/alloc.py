@@ -259,7 +259,7 @@ class Allocator:
             while done < len(arr):
                 done += self.m.slab_free(arr[done:], zero, self.token)
                 if done < len(arr):
-                    self.pool.node.check()
+                    self.pool.node.guard()
                     with self._locked():
                         done += self._free_foreign(int(arr[done]), zero)
         except ValueError as e:
@@ -289,7 +289,7 @@ class Allocator:
         if self.managed and not self.pool.lock().held_by_me():
             with self.pool.lock():
                 return self.publish(arr)
-        self.pool.node.check()             # a fenced node publishes nothing
+        self.pool.node.guard()             # a fenced node publishes nothing
         try:
             return self.m.slab_publish(arr)
         except ValueError as e:
@@ -300,7 +300,7 @@ class Allocator:
         """A slab with room for slots of size ss (pool lock).  For a batch
         needing `want` more slots, the further slabs it will need are made in
         the same pass and kept for it (one descriptor scan, one lock hold)."""
-        self.pool.node.check()
+        self.pool.node.guard()
         with self._locked():
             d = descriptors(self.pool)
             try:

@@ -606,6 +606,17 @@ class Attachment:
         if self.fenced or self.slot < 0 or time.monotonic_ns() > self._deadline_ns:
             self.beat()
 
+    def write_blocks(self, offsets, src, block_bytes: int) -> None:
+        """Block i of `src` into pool offset offsets[i], each block only while
+        this node is known fresh: the C copy stops before a block once the
+        freshness ran out (a stall); guard() then proves it fresh again - or
+        raises NodeFenced, leaving the rest unwritten - and the copy goes on."""
+        m, done, n = self.pool.mapping, 0, len(offsets)
+        while done < n:
+            self.guard()
+            done += m.write_blocks(offsets[done:], src[done * block_bytes:n * block_bytes],
+                                   block_bytes)
+
     def _fresh(self, t0_ns: int) -> None:
         with self._state:
             if self.fenced:
