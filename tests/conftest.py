@@ -148,11 +148,18 @@ def mode_of(path: str) -> int:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The lab tier (QEMU guests, about a minute each) runs only when asked."""
-    if "lab" in (config.getoption("-m") or "") or os.environ.get("CXLKV_LAB") == "1":
-        return
-    skip = pytest.mark.skip(reason="lab tier: run ./scripts/test -m lab (after "
-                                   "scripts/cxl-lab setup) or set CXLKV_LAB=1")
+    """The lab tier (QEMU guests, about a minute each) and the long stress runs
+    (minutes each) run only when asked."""
+    asked = config.getoption("-m") or ""
+    skips = {
+        "lab": pytest.mark.skip(reason="lab tier: run ./scripts/test -m lab (after "
+                                       "scripts/cxl-lab setup) or set CXLKV_LAB=1"),
+        "long": pytest.mark.skip(reason="long run: pytest -m long, or set CXLKV_LONG=1"),
+    }
+    for marker in [m for m in skips
+                   if m in asked or os.environ.get(f"CXLKV_{m.upper()}") == "1"]:
+        del skips[marker]
     for item in items:
-        if "lab" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)

@@ -139,8 +139,9 @@ def render(app: Application, res) -> None:
                   + ", ".join(f"{k} {n}" for k, n in ops.items() if k != "total")
                   + f"; pool full {res.pool_full} times")
     app.out.print(f"  kills {res.kills}, restarts {res.restarts}; pauses {res.pauses} "
-                  f"(resumed {res.resumes}, killed paused {res.paused_kills}), reaps "
-                  f"{res.reaps}, fenced {res.fenced}, hung {res.hangs}")
+                  f"({res.pauses_reaped} reaped meanwhile, {res.resumes} resumed, "
+                  f"{res.paused_kills} killed), reaps {res.reaps}, fenced {res.fenced}, "
+                  f"hung {res.hangs}")
     kv = res.kv
     app.out.print(f"  kv: {kv.get('stored_blocks', 0)} blocks stored, "
                   f"{kv.get('loaded_blocks', 0)} loaded, {kv.get('evictions', 0)} evicted; "

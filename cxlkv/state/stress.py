@@ -568,6 +568,8 @@ class Result:
     pauses: int = 0
     resumes: int = 0
     paused_kills: int = 0
+    pauses_reaped: int = 0      # pauses that ended with the node reaped
+    pauses_skipped: int = 0     # pause times at which half the workers were paused
     reaps: int = 0
     fenced: int = 0
     fenced_in: Counter = field(default_factory=Counter)    # "op:kind" -> fencings seen there
@@ -594,7 +596,9 @@ class Result:
                 "pool_full": self.pool_full, "interrupted_frees": self.interrupted_frees,
                 "kills": self.kills, "restarts": self.restarts,
                 "pauses": self.pauses, "resumes": self.resumes,
-                "paused_kills": self.paused_kills, "reaps": self.reaps,
+                "paused_kills": self.paused_kills, "pauses_reaped": self.pauses_reaped,
+                "pauses_skipped": self.pauses_skipped,
+                "reaps": self.reaps,
                 "fenced": self.fenced, "fenced_in": dict(self.fenced_in), "hangs": self.hangs,
                 "lease_s": self.lease_s, "grace_s": self.grace_s,
                 "pause_seconds": list(self.pause_seconds) if self.pause_seconds else None,
@@ -679,6 +683,13 @@ class NodeWatch:
                 self.reaps += 1
                 del self.seen[slot]
         self.seen.update({n.slot: n.epoch for n in now.values() if n.state == "attached"})
+
+    def reaped(self, node: tuple[int, int] | None) -> bool:
+        """Is the node (slot, epoch) no longer attached with that epoch?"""
+        if node is None:
+            return False
+        n = N.read_slot(self.pool, node[0])
+        return (n.state, n.epoch) != ("attached", node[1])
 
     def close(self) -> None:
         self.pool.close()
@@ -820,12 +831,21 @@ class Supervisor:
         self.res.restarts += 1
 
     def _pause_one(self, now: float) -> None:
+        """Pause a random running worker - unless half of them are paused
+        already: the others must be left running to judge it."""
         running = [w for w in sorted(self.workers) if not self.workers[w].paused]
-        if not running:
+        if len(self.workers) - len(running) >= max(1, len(self.workers) // 2):
+            self.res.pauses_skipped += 1
             return
         h = self.workers[self.rng.choice(running)]
         h.pause(now + self.rng.uniform(*self.pause_s))
         self.res.pauses += 1
+
+    def _resume(self, h: WorkerProcess, watch: NodeWatch | None) -> None:
+        if watch is not None and watch.reaped(h.node):
+            self.res.pauses_reaped += 1
+        h.resume()
+        self.res.resumes += 1
 
     def _watchdog(self, now: float) -> None:
         """A running worker with no progress for op_timeout is stuck: say which
@@ -841,14 +861,24 @@ class Supervisor:
                 self.res.hangs += 1
                 self._start(h.id, h.inc + 1)
 
+    def _await_attached(self) -> None:
+        """Until every worker attached (or exited, or op_timeout passed): kills
+        and pauses of processes still starting would test nothing."""
+        deadline = time.monotonic() + self.op_timeout
+        while time.monotonic() < deadline and any(
+                h.node is None and h.proc.poll() is None for h in self.workers.values()):
+            time.sleep(TICK_S)
+            self._drain()
+
     def run_workers(self, progress=None) -> None:
         o = self.opts
         stall = max(30.0, self.lock_timeout + 5)
-        start = time.monotonic()
         watch = NodeWatch(o.pool)
         try:
             for wid in range(1, o.nodes + 1):
                 self._start(wid, 0)
+            self._await_attached()
+            start = time.monotonic()        # the clock runs once every worker is at work
             next_kill = start + self.rng.expovariate(o.kill_rate) if o.kill_rate else math.inf
             next_pause = (start + self.rng.expovariate(o.pause_rate) if o.pause_rate
                           else math.inf)
@@ -862,8 +892,7 @@ class Supervisor:
                     self._failed(h)
                 for h in [h for h in self.workers.values() if h.paused_until is not None
                           and h.paused_until <= now]:
-                    h.resume()
-                    self.res.resumes += 1
+                    self._resume(h, watch)
                 total = self.total_ops()
                 if total != last_total:
                     last_total, last_change = total, now
@@ -888,18 +917,22 @@ class Supervisor:
                 time.sleep(max(0.0, wake - time.monotonic()))
             self._drain()
             watch.poll()
+            self.res.seconds = time.monotonic() - start
         finally:
             self.res.reaps = watch.reaps
             watch.close()
-        self.res.seconds = time.monotonic() - start
 
     def stop_workers(self) -> None:
         """Resume the paused workers, ask every worker to stop (they finish their
         op and detach); kill the ones that do not within the timeout."""
-        for h in self.workers.values():
-            if h.paused:
-                h.resume()
-                self.res.resumes += 1
+        paused = [h for h in self.workers.values() if h.paused]
+        if paused:
+            watch = NodeWatch(self.opts.pool)
+            try:
+                for h in paused:
+                    self._resume(h, watch)
+            finally:
+                watch.close()
         for h in self.workers.values():
             h.stop()
         limit = self.op_timeout + 10
