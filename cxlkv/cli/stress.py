@@ -10,7 +10,7 @@ from rich.table import Table
 from cxlkv import errors as E
 from cxlkv.cli.app import Application, exit_codes_epilog, json_option, pass_app, pool_option
 
-DEFAULT_MIX = "alloc=35,free=25,verify=15,lock=10,kv=15"
+DEFAULT_MIX = "alloc=20,free=10,verify=10,lock=10,kv=40"
 STRESS_CODES = ((0, "all checks passed"),
                 (1, "a violation was found (each is named), or the pool is in use (refused)"),
                 *(row for row in E.EXIT_CODES if row[0] >= E.EXIT_USAGE))
