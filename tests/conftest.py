@@ -149,14 +149,21 @@ def mode_of(path: str) -> int:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The lab tier (QEMU guests, about a minute each) runs only when asked."""
-    if "lab" in (config.getoption("-m") or "") or os.environ.get("CXLKV_LAB") == "1":
-        return
-    skip = pytest.mark.skip(reason="lab tier: run ./scripts/test -m lab (after "
-                                   "scripts/cxl-lab setup) or set CXLKV_LAB=1")
+    """The lab tier (QEMU guests, about a minute each) and the long stress runs
+    (minutes each) run only when asked."""
+    asked = config.getoption("-m") or ""
+    skips = {
+        "lab": pytest.mark.skip(reason="lab tier: run ./scripts/test -m lab (after "
+                                       "scripts/cxl-lab setup) or set CXLKV_LAB=1"),
+        "long": pytest.mark.skip(reason="long run: pytest -m long, or set CXLKV_LONG=1"),
+    }
+    for marker in [m for m in skips
+                   if m in asked or os.environ.get(f"CXLKV_{m.upper()}") == "1"]:
+        del skips[marker]
     for item in items:
-        if "lab" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 def wait_for(cond, timeout: float = 30.0, what: str = "condition", step: float = 0.01):
@@ -176,10 +183,9 @@ def remote_env(tmp_path):
     """make() -> environment that makes a child process look like another
     host: a procfs root of its own with its own boot id, so every other node
     judges its liveness by heartbeat, as it judges a remote host."""
+    from cxlkv.state.stress import make_host_root
+
     def make(**extra) -> dict:
-        root = tmp_path / f"proc-{uuid.uuid4().hex[:8]}"
-        (root / "sys" / "kernel" / "random").mkdir(parents=True)
-        (root / "sys" / "kernel" / "random" / "boot_id").write_text(f"{uuid.uuid4()}\n")
-        return {"CXLKV_PROCFS_ROOT": str(root), **extra}
+        return {"CXLKV_PROCFS_ROOT": make_host_root(tmp_path)[0], **extra}
 
     return make

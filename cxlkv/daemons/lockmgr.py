@@ -37,6 +37,7 @@ import secrets
 import signal
 import socket
 import sys
+import threading
 import time
 import uuid as uuidlib
 
@@ -349,6 +350,9 @@ def ensure_manager(path: str):
     if "active" not in line:
         proc.kill()
         raise CxlkvError(f"could not start a lock manager for {path}: {line.strip()}")
+    # keep reading what it logs (a line or two per reap): a full pipe would stall it
+    threading.Thread(target=proc.stderr.read, name="cxlkv-lock-manager-log",
+                     daemon=True).start()
 
     def stop():
         proc.send_signal(signal.SIGTERM)
