@@ -82,12 +82,19 @@ def test_invalidate_writes_dirty_lines_back(hosts):
     assert b.load64(256) == 7
 
 
-def test_views_show_memory_after_write_back(hosts):
+def test_views_show_this_hosts_own_stores(hosts):
     a = hosts()
-    a.store64(512, 9)                    # dirty in a's cache
+    before = a.view(512, 16)
+    a.store64(512, 9)                    # dirty in a's cache, not in memory
     v = a.view(512, 8)
     assert int.from_bytes(bytes(v), "little") == 9
+    assert int.from_bytes(bytes(before[:8]), "little") == 9    # made before the store
+    assert hosts().load64(512) == 0      # still not in memory: a view flushes nothing
+    a.write(520, b"written!")            # the rest of the line ...
+    assert bytes(before[8:]) == b"written!"
+    assert hosts().load64(512) == 9      # ... went back whole, the dirty word with it
     v.release()
+    before.release()
 
 
 def test_random_evictions_write_dirty_lines_back(hosts):
@@ -134,3 +141,203 @@ def test_inspect_reports_the_memory_model(cli, small_pool):
         "coherent"
     r = cli("inspect", "--pool", small_pool, "--json", env={"CXLKV_NONCOHERENT": "1"})
     assert r.json()["pool"]["memory_model"] == "noncoherent-emulated"
+
+
+# -- every read path sees this host's cached copy -----------------------------------------
+@pytest.mark.parametrize("n", [8 << 10, 256 << 10])
+def test_large_reads_see_stale_lines_until_invalidated(hosts, n):
+    """Reads of any size go through the cache: a missing invalidate before a
+    large read returns the stale copy, not memory."""
+    a, b = hosts(), hosts()
+    off, new = 4096, bytes(range(256)) * (n // 256)
+    assert b.read(off, n) == bytes(n)    # b caches the range
+    a.write(off, new)
+    assert b.read(off, n) == bytes(n)    # no invalidate: stale, every byte of it
+    out = bytearray(n)
+    b.readinto(off, out)
+    assert out == bytes(n)
+    b.invalidate(off, n)
+    assert b.read(off, n) == new
+    b.readinto(off, out)
+    assert out == new
+
+
+def test_a_read_fetches_lines_not_cached(hosts):
+    a, b = hosts(), hosts()
+    a.write(8192, b"x" * 20_000)
+    assert b.read(8192, 20_000) == b"x" * 20_000     # first touch reads memory
+
+
+def test_views_show_the_stale_copy_until_invalidated(hosts):
+    """A view reads through the cache: a view of lines another host wrote
+    since this one last invalidated them shows the stale copy (zero-copy:
+    numpy sees it too); after the invalidate every view, old or new, shows
+    memory."""
+    import numpy as np
+
+    a, b = hosts(), hosts()
+    off, n = 64 << 10, 64 << 10
+    old = b.view(off, n)                 # b caches the range, all zero
+    a.write(off, b"\x01" * n)
+    stale = b.view(off, n)
+    assert not np.frombuffer(stale, dtype=np.uint8).any()
+    assert not np.frombuffer(old, dtype=np.uint8).any()
+    b.invalidate(off, n)
+    fresh = b.view(off, n)
+    assert bytes(fresh) == b"\x01" * n
+    assert bytes(old) == b"\x01" * n     # made before the invalidate: shows memory after it
+    assert np.frombuffer(stale, dtype=np.uint8).all()
+    for v in (old, stale, fresh):
+        v.release()
+
+
+def test_a_view_of_lines_not_cached_shows_memory(hosts):
+    a, b = hosts(), hosts()
+    a.write(200_000, b"fresh" * 100)
+    with b.view(200_000, 500) as v:
+        assert bytes(v) == b"fresh" * 100
+
+
+def test_a_view_does_not_invalidate_for_the_caller(hosts):
+    """Regression: view() used to drop the range's cached lines itself, so a
+    missing invalidate before a view went unnoticed."""
+    a, b = hosts(), hosts()
+    b.load64(300 * 64)
+    a.store64(300 * 64, 77)
+    a.flush(300 * 64, 8)
+    with b.view(300 * 64, 8) as v:
+        assert bytes(v) == bytes(8)
+    assert b.load64(300 * 64) == 0
+
+
+def test_writable_views_are_refused_under_the_emulation(hosts):
+    a = hosts()
+    with pytest.raises(BufferError, match="not emulated"):
+        a.view(0, 64, True)
+    with a.view(0, 64) as v:
+        assert v.readonly
+
+
+def test_read_blocks_invalidates_only_with_flush_meta(hosts):
+    import numpy as np
+
+    a, b = hosts(), hosts()
+    offs = np.array([16384, 32768], dtype=np.uint64)
+    dst = bytearray(2 * 8192)
+    b.read_blocks(offs, dst, 8192)       # b caches both blocks
+    a.write(16384, b"p" * 8192)
+    a.write(32768, b"q" * 8192)
+    b.read_blocks(offs, dst, 8192)
+    assert dst == bytes(2 * 8192)        # nobody invalidated: stale
+    b.flush_meta = True                  # manager mode: read_blocks invalidates first
+    b.read_blocks(offs, dst, 8192)
+    assert dst == b"p" * 8192 + b"q" * 8192
+
+
+# -- whole-line write-back --------------------------------------------------------------------
+LINE = 64 * 40
+
+
+def _partial_write(b, kind):
+    if kind == "write":
+        b.write(LINE, b"B" * 8)
+    elif kind == "zero":
+        b.zero(LINE, 8)
+    else:
+        b.store64(LINE, int.from_bytes(b"B" * 8, "little"))
+        b.flush(LINE, 8)
+
+
+@pytest.mark.parametrize("kind", ["write", "zero", "store64"])
+def test_a_partial_line_write_writes_back_its_stale_line(hosts, kind):
+    """b writes 8 bytes of a line it holds a stale copy of: the whole line
+    goes back, and a's bytes in the rest of the line are lost."""
+    a, b = hosts(), hosts()
+    b.read(LINE, 64)                     # b caches the line
+    a.write(LINE + 32, b"A" * 8)         # a writes another part of it
+    _partial_write(b, kind)
+    line = hosts().read(LINE, 64)
+    assert line[32:40] == bytes(8)       # clobbered by b's stale copy
+
+
+@pytest.mark.parametrize("kind", ["write", "zero", "store64"])
+def test_a_partial_line_write_after_an_invalidate_keeps_the_rest(hosts, kind):
+    a, b = hosts(), hosts()
+    b.read(LINE, 64)
+    a.write(LINE + 32, b"A" * 8)
+    b.invalidate(LINE, 64)               # the right pattern: drop the stale copy first
+    _partial_write(b, kind)
+    line = hosts().read(LINE, 64)
+    assert line[32:40] == b"A" * 8
+    assert line[:8] == (bytes(8) if kind == "zero" else b"B" * 8)
+
+
+def test_a_partial_line_write_fetches_a_line_not_cached(hosts):
+    a, b = hosts(), hosts()
+    a.write(LINE + 32, b"A" * 8)
+    b.write(LINE, b"B" * 8)              # b never had the line: fetched fresh
+    assert hosts().read(LINE, 64)[32:40] == b"A" * 8
+
+
+@pytest.mark.parametrize("nt", [False, True])
+def test_a_long_write_writes_back_its_partial_head_and_tail_lines(hosts, nt):
+    """[base+32, base+32+n): the first and last lines are partial and go
+    back whole from b's cache; the whole lines between go to memory as
+    written and clobber nothing of a's beyond the range."""
+    a, b = hosts(), hosts()
+    base, n = 64 * 100, 64 * 8
+    b.read(base, n + 64)                 # b caches all nine lines
+    a.write(base, b"h" * 8)              # the head line's rest
+    a.write(base + 32 + n + 8, b"t" * 8)   # the tail line's rest
+    a.write(base + 64 * 9, b"n" * 8)     # the line after the range
+    b.write(base + 32, b"W" * n, nt)
+    got = hosts().read(base, 64 * 10)
+    assert got[32:32 + n] == b"W" * n
+    assert got[:8] == bytes(8)           # head: b's stale copy went back
+    assert got[32 + n + 8:32 + n + 16] == bytes(8)   # tail: likewise
+    assert got[64 * 9:64 * 9 + 8] == b"n" * 8        # untouched line: a's bytes stay
+
+
+def test_whole_line_writes_do_not_depend_on_the_cached_copy(hosts):
+    a, b = hosts(), hosts()
+    b.read(LINE, 128)                    # stale copies of both lines
+    a.write(LINE + 64, b"A" * 64)
+    b.write(LINE, b"B" * 64)             # exactly one whole line
+    assert hosts().read(LINE, 128) == b"B" * 64 + b"A" * 64
+
+
+# -- the drop-invalidate hook -------------------------------------------------------------
+def test_drop_invalidate_hook_loses_an_invalidate(hosts):
+    a = hosts()
+    b = hosts(CXLKV_NC_DROP_INVALIDATE=2)     # every second invalidate is "forgotten"
+    b.load64(4096)                       # cached
+    a.store64(4096, 1)
+    a.flush(4096, 8)
+    b.invalidate(4096, 8)                # 1st: done
+    assert b.load64(4096) == 1
+    a.store64(4096, 2)
+    a.flush(4096, 8)
+    b.invalidate(4096, 8)                # 2nd: dropped
+    assert b.load64(4096) == 1
+    b.invalidate(4096, 8)                # 3rd: done
+    assert b.load64(4096) == 2
+    st = b.nc_stats()
+    assert st["invalidates"] == 3 and st["dropped_invalidates"] == 1
+
+
+def test_a_dropped_invalidate_writes_nothing_back(hosts):
+    a = hosts(CXLKV_NC_DROP_INVALIDATE=1)
+    a.store64(8192, 5)
+    a.invalidate(8192, 8)                # dropped: no write-back either
+    assert hosts().load64(8192) == 0
+    assert a.load64(8192) == 5           # still a's dirty line
+
+
+def test_a_dropped_invalidate_before_a_view_shows_the_stale_copy(hosts):
+    a = hosts()
+    b = hosts(CXLKV_NC_DROP_INVALIDATE=1)
+    b.read(12288, 4096)
+    a.write(12288, b"v" * 4096)
+    b.invalidate(12288, 4096)            # dropped
+    with b.view(12288, 4096) as v:
+        assert bytes(v) == bytes(4096)

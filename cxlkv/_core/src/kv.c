@@ -770,12 +770,17 @@ Mapping_write_blocks(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     for (uint64_t i = 0; i < n; i++)
         if (check_range(m, off[i], bb, "write_blocks") < 0)
             goto done;
+    int rc = 0;
     m->busy++;
     Py_BEGIN_ALLOW_THREADS
-    for (uint64_t i = 0; i < n; i++)
-        pool_write(m, off[i], (const char *)s.buf + i * bb, bb, nt);
+    for (uint64_t i = 0; i < n && rc == 0; i++)
+        rc = pool_write(m, off[i], (const char *)s.buf + i * bb, bb, nt);
     Py_END_ALLOW_THREADS
     m->busy--;
+    if (rc < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
     ret = Py_NewRef(Py_None);
 done:
     PyBuffer_Release(&o);
