@@ -105,6 +105,18 @@ def test_a_forgotten_flush_is_caught(mpool, manager):
     assert total < 400
 
 
+def test_a_forgotten_invalidate_is_caught(mpool, manager):
+    """The right workload (op "incr_nc": invalidate before reading the counter,
+    flush after writing it) with every 3rd invalidate of each node made a
+    no-op (CXLKV_NC_DROP_INVALIDATE) reads stale counters and loses updates:
+    proof that the emulation catches a missing invalidate."""
+    manager(env=NC)
+    env = {**NC, "CXLKV_NC_EVICT_EVERY": "0", "CXLKV_NC_DROP_INVALIDATE": "3"}
+    replies, total = run_incr(mpool, env, n=100)
+    assert replies == [{"done": 100}] * 4
+    assert total < 400
+
+
 def test_second_manager_refused(mpool, manager):
     manager()
     second = manager(wait=False)
