@@ -41,9 +41,11 @@
  * lines dirty): Mapping.view refuses them under the emulation.
  *
  * Cost: the shadow and the per-line state reserve address space the size of
- * the pool (MAP_NORESERVE; only touched pages use memory, up to about 1.2x
- * the bytes this process has touched), and every read copies twice (memory
- * to the shadow on a miss, the shadow to the caller).
+ * the pool (MAP_NORESERVE; only touched pages use memory: about 1.3x the
+ * bytes of the pool this process has touched), a read copies twice (memory
+ * to the shadow on a miss, the shadow to the caller), a view or a write once
+ * more than on coherent memory (filling the shadow; keeping the cached copy
+ * of a written line).
  *
  * Environment, read when the cache is made:
  * CXLKV_NONCOHERENT_SEED seeds the eviction randomness (default 1);
