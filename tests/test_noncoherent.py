@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import cxlkv
 from cxlkv import _core
@@ -341,3 +342,152 @@ def test_a_dropped_invalidate_before_a_view_shows_the_stale_copy(hosts):
     b.invalidate(12288, 4096)            # dropped
     with b.view(12288, 4096) as v:
         assert bytes(v) == bytes(4096)
+
+
+# -- the emulation against a model of it ------------------------------------------------------
+class _ModelHost:
+    """What one host holds, per the contract in nc.h (no random evictions):
+    line -> [its 64 cached bytes, dirty]; and the lines a view has shown."""
+
+    def __init__(self):
+        self.lines: dict[int, list] = {}
+        self.exposed: set[int] = set()
+
+
+class _Model:
+    def __init__(self, size: int):
+        self.mem, self.size = bytearray(size), size
+
+    def _len(self, n):
+        return min(64, self.size - 64 * n)
+
+    def fill(self, h, n):
+        if n not in h.lines:
+            h.lines[n] = [bytearray(self.mem[64 * n:64 * n + self._len(n)].ljust(64, b"\0")), False]
+        return h.lines[n]
+
+    def writeback(self, h, n):
+        c = h.lines.get(n)
+        if c and c[1]:
+            self.mem[64 * n:64 * n + self._len(n)] = c[0][:self._len(n)]
+            c[1] = False
+
+    def cached(self, h, off, n):
+        """What h reads at [off, off + n), filling the lines it lacks."""
+        out = bytearray()
+        for ln in range(off // 64, (off + n - 1) // 64 + 1):
+            out += self.fill(h, ln)[0]
+        return bytes(out[off % 64:off % 64 + n])
+
+    def store(self, h, off, data):
+        """A partial-line store: into the cached line, then written back whole."""
+        c = self.fill(h, off // 64)
+        c[0][off % 64:off % 64 + len(data)] = data
+        c[1] = True
+
+    def write(self, h, off, data):
+        end, p = off + len(data), off
+        a, b = -(-off // 64) * 64, end // 64 * 64
+        if a >= b:
+            a = b = end
+        while p < end:
+            n = p // 64
+            if a <= p < b:                   # whole line: straight to memory
+                self.mem[p:p + 64] = data[p - off:p - off + 64]
+                if n in h.lines:
+                    h.lines[n] = [bytearray(data[p - off:p - off + 64]), False]
+                p += 64
+                continue
+            take = min(64 - p % 64, end - p)
+            self.store(h, p, data[p - off:p - off + take])
+            self.writeback(h, n)
+            p += take
+
+    def flush(self, h, off, n):
+        for ln in range(off // 64, (off + n - 1) // 64 + 1):
+            self.writeback(h, ln)
+
+    def invalidate(self, h, off, n):
+        for ln in range(off // 64, (off + n - 1) // 64 + 1):
+            self.writeback(h, ln)
+            h.lines.pop(ln, None)
+            if ln in h.exposed:
+                self.fill(h, ln)             # re-fetched at once
+
+
+_SMALL = 1000                                # 15 lines and a short one of 40 bytes
+
+
+def _ops():
+    rng = st.tuples(st.integers(0, _SMALL - 1), st.integers(1, 300)).map(
+        lambda t: (t[0], min(t[1], _SMALL - t[0])))
+    word = st.integers(0, _SMALL // 8 - 1).map(lambda i: 8 * i)
+    host = st.integers(0, 1)
+    return st.lists(st.one_of(
+        st.tuples(st.just("read"), host, rng),
+        st.tuples(st.just("view"), host, rng),
+        st.tuples(st.just("write"), host, rng, st.integers(1, 255)),
+        st.tuples(st.just("zero"), host, rng),
+        st.tuples(st.just("load64"), host, word),
+        st.tuples(st.just("store64"), host, word, st.integers(0, 2**64 - 1)),
+        st.tuples(st.just("flush"), host, rng),
+        st.tuples(st.just("invalidate"), host, rng),
+    ), max_size=40)
+
+
+def _run_against_model(ops):
+    import numpy as np
+
+    mem = np.zeros(_SMALL // 8, dtype=np.uint64)
+    old = {k: os.environ.get(k) for k in ("CXLKV_NONCOHERENT", "CXLKV_NC_EVICT_EVERY")}
+    os.environ.update(CXLKV_NONCOHERENT="1", CXLKV_NC_EVICT_EVERY="0")
+    try:
+        hosts = [_core.Mapping.from_buffer(mem), _core.Mapping.from_buffer(mem)]
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    model, mh, views = _Model(_SMALL), [_ModelHost(), _ModelHost()], []
+    try:
+        for op in ops:
+            kind, i = op[0], op[1]
+            m, h = hosts[i], mh[i]
+            if kind == "read":
+                (off, n), = op[2:]
+                assert m.read(off, n) == model.cached(h, off, n), op
+            elif kind == "view":
+                (off, n), = op[2:]
+                v = m.view(off, n)
+                h.exposed.update(range(off // 64, (off + n - 1) // 64 + 1))
+                assert bytes(v) == model.cached(h, off, n), op
+                views.append((i, off, n, v))
+            elif kind in ("write", "zero"):
+                (off, n) = op[2]
+                data = bytes([op[3]]) * n if kind == "write" else bytes(n)
+                m.write(off, data) if kind == "write" else m.zero(off, n)
+                model.write(h, off, data)
+            elif kind == "load64":
+                assert m.load64(op[2]) == int.from_bytes(model.cached(h, op[2], 8), "little")
+            elif kind == "store64":
+                m.store64(op[2], op[3])
+                model.store(h, op[2], op[3].to_bytes(8, "little"))
+            else:
+                (off, n), = op[2:]
+                getattr(m, kind)(off, n)
+                getattr(model, kind)(h, off, n)
+            assert mem.tobytes() == bytes(model.mem), op        # memory, byte for byte
+            for j, off, n, v in views:       # every live view shows its host's cache
+                assert bytes(v) == model.cached(mh[j], off, n), (op, j, off, n)
+    finally:
+        for *_, v in views:
+            v.release()
+        for m in hosts:
+            m.close()
+
+
+@settings(max_examples=int(os.environ.get("CXLKV_FUZZ_EXAMPLES", "300")), deadline=None)
+@given(_ops())
+def test_the_emulation_follows_its_model(ops):
+    """Random reads, views, writes, zeroes, word loads and stores, flushes and
+    invalidates by two hosts (no random evictions): every value read, every
+    view and memory after every step are what the contract in nc.h says."""
+    _run_against_model(ops)
