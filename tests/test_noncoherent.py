@@ -435,18 +435,23 @@ def _ops():
     ), max_size=40)
 
 
-def _run_against_model(ops):
+def _run_against_model(ops, preload):
     import numpy as np
 
     mem = np.zeros(_SMALL // 8, dtype=np.uint64)
-    old = {k: os.environ.get(k) for k in ("CXLKV_NONCOHERENT", "CXLKV_NC_EVICT_EVERY")}
-    os.environ.update(CXLKV_NONCOHERENT="1", CXLKV_NC_EVICT_EVERY="0")
+    env = {"CXLKV_NONCOHERENT": "1", "CXLKV_NC_EVICT_EVERY": "0",
+           "CXLKV_NC_PRELOAD": "1" if preload else "0"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         hosts = [_core.Mapping.from_buffer(mem), _core.Mapping.from_buffer(mem)]
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     model, mh, views = _Model(_SMALL), [_ModelHost(), _ModelHost()], []
+    if preload:
+        for h in mh:
+            model.cached(h, 0, _SMALL)
     try:
         for op in ops:
             kind, i = op[0], op[1]
@@ -485,9 +490,24 @@ def _run_against_model(ops):
 
 
 @settings(max_examples=int(os.environ.get("CXLKV_FUZZ_EXAMPLES", "300")), deadline=None)
-@given(_ops())
-def test_the_emulation_follows_its_model(ops):
+@given(_ops(), st.booleans())
+def test_the_emulation_follows_its_model(ops, preload):
     """Random reads, views, writes, zeroes, word loads and stores, flushes and
-    invalidates by two hosts (no random evictions): every value read, every
-    view and memory after every step are what the contract in nc.h says."""
-    _run_against_model(ops)
+    invalidates by two hosts (no random evictions; with and without
+    CXLKV_NC_PRELOAD): every value read, every view and memory after every
+    step are what the contract in nc.h says."""
+    _run_against_model(ops, preload)
+
+
+def test_preload_caches_every_line_from_the_start(hosts):
+    """CXLKV_NC_PRELOAD=1: a line b never touched is cached as it was when b
+    mapped the pool, so even a first read without an invalidate is stale."""
+    b = hosts(CXLKV_NC_PRELOAD=1)
+    a = hosts()
+    a.write(100 * 64, b"p" * 8192)
+    assert b.read(100 * 64, 8192) == bytes(8192)
+    with b.view(100 * 64, 64) as v:
+        assert bytes(v) == bytes(64)
+    b.invalidate(100 * 64, 8192)
+    assert b.read(100 * 64, 8192) == b"p" * 8192
+    assert b.nc_stats()["cached_lines"] == SIZE // 64

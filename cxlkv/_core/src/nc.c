@@ -51,6 +51,8 @@ unreserve(void *p, uint64_t bytes)
         munmap(p, (size_t)bytes);
 }
 
+static void res_add(struct nc_cache *c, uint64_t n);
+
 struct nc_cache *
 nc_create(char *base, uint64_t size)
 {
@@ -80,6 +82,12 @@ nc_create(char *base, uint64_t size)
     c->evict_every = env_u64("CXLKV_NC_EVICT_EVERY", 64);
     c->drop_flush = env_u64("CXLKV_NC_DROP_FLUSH", 0);
     c->drop_invalidate = env_u64("CXLKV_NC_DROP_INVALIDATE", 0);
+    if (env_u64("CXLKV_NC_PRELOAD", 0)) {    /* every line cached from the start */
+        memcpy(c->shadow, c->base, (size_t)size);
+        memset(c->state, NC_VALID, (size_t)c->nlines);
+        for (uint64_t n = 0; n < c->nlines; n++)
+            res_add(c, n);
+    }
     return c;
 }
 

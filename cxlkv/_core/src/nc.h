@@ -28,7 +28,10 @@
  * invalidated or randomly evicted, so a read of a line this process has not
  * invalidated since another host wrote it returns the stale copy, whatever
  * the size of the read (a real cache may have evicted it; a protocol must not
- * count on that).  Its storage is a private shadow of the pool: line n's
+ * count on that).  A line this process never touched is fetched on first
+ * use, unless CXLKV_NC_PRELOAD=1: then every line starts cached, a copy of
+ * the pool as mapped (a prefetcher may have fetched any line at any time), so
+ * even a first read not preceded by an invalidate returns stale data.  Its storage is a private shadow of the pool: line n's
  * cached bytes live at shadow + 64 n.  That is what makes views sound
  * without copying: a view of the pool (Mapping.view) points into the shadow,
  * so reading through it (numpy, torch.frombuffer, hashing) reads this
@@ -51,6 +54,8 @@
  * CXLKV_NONCOHERENT_SEED seeds the eviction randomness (default 1);
  * CXLKV_NC_EVICT_EVERY=N evicts a random cached line once per N accesses on
  * average (default 64; 0 = never, for deterministic tests);
+ * CXLKV_NC_PRELOAD=1 caches the whole pool when it is mapped (costs a copy
+ * of the pool per process);
  * CXLKV_NC_DROP_FLUSH=N makes every Nth flush a no-op and
  * CXLKV_NC_DROP_INVALIDATE=N every Nth invalidate (test hooks that prove the
  * tests catch a missing flush or invalidate).
