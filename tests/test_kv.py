@@ -433,7 +433,7 @@ def test_manager_mode_under_noncoherence_emulation(pool_path):
     mgr = subprocess.Popen([sys.executable, "-m", "cxlkv", "lock-manager", "--pool", pool_path],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        env = {"CXLKV_NONCOHERENT": "1", "CXLKV_NC_EVICT_EVERY": "64"}
+        env = {"CXLKV_NONCOHERENT": "1", "CXLKV_NC_EVICT_EVERY": "64", "CXLKV_NC_PRELOAD": "1"}
         procs = _procs(pool_path, 4, env=env)
         try:
             for i, p in enumerate(procs):

@@ -18,7 +18,9 @@ from cxlkv.state import protocol as P
 from nodeproc import NodeProc, lock_turn_gaps
 
 LEASE_MS = 400
-NC = {"CXLKV_NONCOHERENT": "1"}
+# every line cached from the start (CXLKV_NC_PRELOAD): a read never preceded by an
+# invalidate sees the pool as it was when the process mapped it
+NC = {"CXLKV_NONCOHERENT": "1", "CXLKV_NC_PRELOAD": "1"}
 
 
 @pytest.fixture
