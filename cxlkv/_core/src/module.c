@@ -897,7 +897,8 @@ static PyGetSetDef Mapping_getset[] = {
     {"noncoherent", (getter)Mapping_get_noncoherent, NULL,
      "this process sees the pool through the non-coherence emulation", NULL},
     {"address", (getter)Mapping_get_address, NULL,
-     "virtual address of the pool base in this process (for DMA registration)", NULL},
+     "virtual address of the pool base in this process (for DMA registration); under "
+     "CXLKV_NONCOHERENT=1 still the real memory, which the emulated cache does not cover", NULL},
     {"nt_threshold", (getter)Mapping_get_nt_threshold, (setter)Mapping_set_nt_threshold,
      "writes at least this large use non-temporal stores by default; 0 = never", NULL},
     {NULL},
