@@ -325,12 +325,6 @@ nc_view(struct nc_cache *c, uint64_t off, uint64_t len)
     return c->shadow + off;
 }
 
-const char *
-nc_shadow(const struct nc_cache *c, uint64_t off)
-{
-    return in_pool(c, off, 0) ? c->shadow + off : NULL;
-}
-
 /* A partial line: store into the cached line (fetched if not cached; a stale
  * cached copy stays stale), then write the whole line back. */
 static void

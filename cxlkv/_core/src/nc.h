@@ -122,7 +122,5 @@ void nc_zero(struct nc_cache *c, uint64_t off, uint64_t len, int nt);
  * range in the shadow, for a read-only view (NULL for a range outside the
  * pool).  Reads through it see this process's cached copy. */
 const char *nc_view(struct nc_cache *c, uint64_t off, uint64_t len);
-/* The shadow address of off (no side effects), for a view already made. */
-const char *nc_shadow(const struct nc_cache *c, uint64_t off);
 
 #endif
