@@ -433,7 +433,7 @@ def test_manager_mode_under_noncoherence_emulation(pool_path):
     mgr = subprocess.Popen([sys.executable, "-m", "cxlkv", "lock-manager", "--pool", pool_path],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        env = {"CXLKV_NONCOHERENT": "1", "CXLKV_NC_EVICT_EVERY": "64"}
+        env = {"CXLKV_NONCOHERENT": "1", "CXLKV_NC_EVICT_EVERY": "64", "CXLKV_NC_PRELOAD": "1"}
         procs = _procs(pool_path, 4, env=env)
         try:
             for i, p in enumerate(procs):
@@ -597,6 +597,7 @@ def test_manager_mode_evictor_never_writes_a_stale_line_back(pool_path, monkeypa
     write back this process's stale copies of entry or header lines."""
     monkeypatch.setenv("CXLKV_NONCOHERENT", "1")
     monkeypatch.setenv("CXLKV_NC_EVICT_EVERY", "0")
+    monkeypatch.setenv("CXLKV_NC_PRELOAD", "1")
     init_pool(pool_path, {"size": 16 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8,
                           "sync": "manager", "lease_ms": 2000})
     mgr = lock_manager(pool_path)

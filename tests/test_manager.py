@@ -18,7 +18,9 @@ from cxlkv.state import protocol as P
 from nodeproc import NodeProc, lock_turn_gaps
 
 LEASE_MS = 400
-NC = {"CXLKV_NONCOHERENT": "1"}
+# every line cached from the start (CXLKV_NC_PRELOAD): a read never preceded by an
+# invalidate sees the pool as it was when the process mapped it
+NC = {"CXLKV_NONCOHERENT": "1", "CXLKV_NC_PRELOAD": "1"}
 
 
 @pytest.fixture
@@ -101,6 +103,18 @@ def test_a_forgotten_flush_is_caught(mpool, manager):
     manager(env=NC)
     env = {**NC, "CXLKV_NC_EVICT_EVERY": "0"}
     replies, total = run_incr(mpool, env, op="incr", n=100)
+    assert replies == [{"done": 100}] * 4
+    assert total < 400
+
+
+def test_a_forgotten_invalidate_is_caught(mpool, manager):
+    """The right workload (op "incr_nc": invalidate before reading the counter,
+    flush after writing it) with every 3rd invalidate of each node made a
+    no-op (CXLKV_NC_DROP_INVALIDATE) reads stale counters and loses updates:
+    proof that the emulation catches a missing invalidate."""
+    manager(env=NC)
+    env = {**NC, "CXLKV_NC_EVICT_EVERY": "0", "CXLKV_NC_DROP_INVALIDATE": "3"}
+    replies, total = run_incr(mpool, env, n=100)
     assert replies == [{"done": 100}] * 4
     assert total < 400
 

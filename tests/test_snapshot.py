@@ -366,7 +366,7 @@ def test_snapshot_and_restore_in_manager_mode_under_the_noncoherence_emulation(t
     for p, size in ((src, 8 * MiB), (dst, 16 * MiB)):
         init_pool(p, {"size": size, "chunk_size": 256 * 1024, "max_nodes": 8,
                       "lease_ms": 2000, "sync": "manager"})
-    nc = {"CXLKV_NONCOHERENT": "1", "CXLKV_NC_EVICT_EVERY": "64"}
+    nc = {"CXLKV_NONCOHERENT": "1", "CXLKV_NC_EVICT_EVERY": "64", "CXLKV_NC_PRELOAD": "1"}
     mgrs = [lock_manager(src), lock_manager(dst)]
     w = NodeProc(nc)
     try:

@@ -130,16 +130,16 @@ static inline void pool_invalidate(Mapping *m, uint64_t off, uint64_t len)
     cxlkv_invalidate_range(m->base + off, (size_t)len);
 }
 
-/* Bulk writes reach memory directly (non-temporal stores bypass the cache,
- * and write() flushes on return); cached copies of the range are dropped
- * first so this process does not keep reading stale lines. */
-static inline void pool_write(Mapping *m, uint64_t off, const void *src, uint64_t len, int nt)
+/* Bulk writes reach memory (non-temporal stores bypass the cache, and
+ * write() flushes on return).  0, or -1 with errno ENOMEM: under the
+ * emulation, a source overlapping the pool needed a bounce buffer that could
+ * not be had (nothing was written). */
+static inline int pool_write(Mapping *m, uint64_t off, const void *src, uint64_t len, int nt)
 {
-    if (m->nc) {
-        nc_write(m->nc, off, src, len, nt);
-        return;
-    }
+    if (m->nc)
+        return nc_write(m->nc, off, src, len, nt);
     cxlkv_copy_to_pool(m->base + off, src, (size_t)len, nt);
+    return 0;
 }
 
 static inline void pool_zero(Mapping *m, uint64_t off, uint64_t len, int nt)
@@ -151,6 +151,8 @@ static inline void pool_zero(Mapping *m, uint64_t off, uint64_t len, int nt)
     cxlkv_zero_pool(m->base + off, (size_t)len, nt);
 }
 
+/* Under the emulation every read, whatever its size, goes through this
+ * process's emulated cache (nc.h). */
 static inline void pool_read(Mapping *m, uint64_t off, void *dst, uint64_t len)
 {
     if (m->nc) {

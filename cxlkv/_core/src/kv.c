@@ -774,12 +774,17 @@ Mapping_write_blocks(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         if (check_range(m, off[i], bb, "write_blocks") < 0)
             goto done;
     uint64_t done = 0;
+    int rc = 0;
     m->busy++;
     Py_BEGIN_ALLOW_THREADS
-    for (; done < n && !write_deadline_passed(m); done++)
-        pool_write(m, off[done], (const char *)s.buf + done * bb, bb, nt);
+    for (; done < n && rc == 0 && !write_deadline_passed(m); done++)
+        rc = pool_write(m, off[done], (const char *)s.buf + done * bb, bb, nt);
     Py_END_ALLOW_THREADS
     m->busy--;
+    if (rc < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
     ret = PyLong_FromUnsignedLongLong(done);
 done:
     PyBuffer_Release(&o);

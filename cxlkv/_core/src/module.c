@@ -182,7 +182,10 @@ maybe_noncoherent(Mapping *m)
         return 0;
     m->nc = nc_create(m->base, m->size);
     if (!m->nc) {
-        PyErr_NoMemory();
+        PyErr_Format(PyExc_MemoryError,
+                     "CXLKV_NONCOHERENT=1: cannot reserve the emulated cache for a pool of "
+                     "%llu bytes (it needs address space the size of the pool)",
+                     (unsigned long long)m->size);
         return -1;
     }
     return 0;
@@ -445,14 +448,19 @@ Mapping_write(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     if (check_range(m, off, (uint64_t)b.len, "write") < 0 || check_writable(m, "write") < 0 ||
         parse_nt(m, nargs > 2 ? args[2] : NULL, (uint64_t)b.len, &nt) < 0)
         goto out;
+    int rc;
     if (b.len >= GIL_RELEASE_MIN) {
         m->busy++;
         Py_BEGIN_ALLOW_THREADS
-        pool_write(m, off, b.buf, (uint64_t)b.len, nt);
+        rc = pool_write(m, off, b.buf, (uint64_t)b.len, nt);
         Py_END_ALLOW_THREADS
         m->busy--;
     } else {
-        pool_write(m, off, b.buf, (uint64_t)b.len, nt);
+        rc = pool_write(m, off, b.buf, (uint64_t)b.len, nt);
+    }
+    if (rc < 0) {
+        PyErr_NoMemory();
+        goto out;
     }
     ret = Py_NewRef(Py_None);
 out:
@@ -689,6 +697,11 @@ Span_dealloc(Span *s)
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
+/* The memory a view shows.  Coherent: the pool itself.  Under the
+ * non-coherence emulation: this process's emulated cache of the range (the
+ * shadow, nc.h): reading through the view is then a read through the cache,
+ * stale lines and all, like a pointer into real non-coherent memory; the
+ * uncached lines are fetched now and re-fetched by every invalidate. */
 static int
 Span_getbuffer(Span *s, Py_buffer *view, int flags)
 {
@@ -702,7 +715,10 @@ Span_getbuffer(Span *s, Py_buffer *view, int flags)
         view->obj = NULL;
         return -1;
     }
-    if (PyBuffer_FillInfo(view, (PyObject *)s, m->base + s->off, (Py_ssize_t)s->len,
+    char *p = m->base + s->off;
+    if (m->nc)
+        p = (char *)nc_view(m->nc, s->off, s->len);   /* in range: checked above */
+    if (PyBuffer_FillInfo(view, (PyObject *)s, p, (Py_ssize_t)s->len,
                           !s->writable, flags) < 0)
         return -1;
     m->exports++;
@@ -731,7 +747,12 @@ static PyTypeObject SpanType = {
     .tp_doc = "Exporter of one pool range; use Mapping.view().",
 };
 
-/* view(off, length, writable=False) -> memoryview over the pool range */
+/* view(off, length, writable=False) -> memoryview over the pool range.
+ * Under the non-coherence emulation the view shows this process's emulated
+ * cache (see Span_getbuffer): no invalidate is done for the caller, so a view
+ * of lines another host wrote since this process last invalidated them shows
+ * the stale copies, as it would on the hardware.  Writable views are refused
+ * there: stores through a pointer would bypass the emulated cache. */
 static PyObject *
 Mapping_view(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -744,10 +765,13 @@ Mapping_view(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     if (writable && check_writable(m, "view") < 0)
         return NULL;
-    /* emulation: what the view shows is memory, so drop (and write back) this
-     * process's cached lines of the range first */
-    if (m->nc)
-        nc_invalidate(m->nc, off, len);
+    if (writable && m->nc) {
+        PyErr_SetString(PyExc_BufferError,
+                        "view: writable views are not emulated under CXLKV_NONCOHERENT=1 "
+                        "(stores through a pointer would bypass the emulated cache); "
+                        "use write() or store64()");
+        return NULL;
+    }
     Span *s = PyObject_New(Span, &SpanType);
     if (!s)
         return NULL;
@@ -849,12 +873,19 @@ Mapping_nc_stats(Mapping *m, PyObject *Py_UNUSED(ignored))
     if (!m->nc)
         Py_RETURN_NONE;
     struct nc_cache *c = m->nc;
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K}", "hits", (unsigned long long)c->hits,
-                         "misses", (unsigned long long)c->misses,
-                         "writebacks", (unsigned long long)c->writebacks,
-                         "evictions", (unsigned long long)c->evictions,
-                         "flushes", (unsigned long long)c->flushes,
-                         "dropped_flushes", (unsigned long long)c->dropped);
+    pthread_mutex_lock(&c->mu);
+    PyObject *d = Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+                                "hits", (unsigned long long)c->hits,
+                                "misses", (unsigned long long)c->misses,
+                                "writebacks", (unsigned long long)c->writebacks,
+                                "evictions", (unsigned long long)c->evictions,
+                                "flushes", (unsigned long long)c->flushes,
+                                "dropped_flushes", (unsigned long long)c->dropped,
+                                "invalidates", (unsigned long long)c->invalidates,
+                                "dropped_invalidates", (unsigned long long)c->dropped_inval,
+                                "cached_lines", (unsigned long long)c->nres);
+    pthread_mutex_unlock(&c->mu);
+    return d;
 }
 
 static PyObject *
@@ -899,7 +930,8 @@ static PyGetSetDef Mapping_getset[] = {
     {"noncoherent", (getter)Mapping_get_noncoherent, NULL,
      "this process sees the pool through the non-coherence emulation", NULL},
     {"address", (getter)Mapping_get_address, NULL,
-     "virtual address of the pool base in this process (for DMA registration)", NULL},
+     "virtual address of the pool base in this process (for DMA registration); under "
+     "CXLKV_NONCOHERENT=1 still the real memory, which the emulated cache does not cover", NULL},
     {"write_deadline_ns", (getter)Mapping_get_write_deadline_ns,
      (setter)Mapping_set_write_deadline_ns,
      "CLOCK_MONOTONIC ns after which write_blocks stops before its next block (the "
@@ -941,7 +973,7 @@ static PyMethodDef Mapping_methods[] = {
     FAST(zero, "zero(off, length, nt=None): zero a range; flushed on return"),
     FAST(read, "read(off, length) -> bytes"),
     FAST(readinto, "readinto(off, buffer) -> int: copy out of the pool"),
-    FAST(view, "view(off, length, writable=False) -> memoryview (zero-copy)"),
+    FAST(view, "view(off, length, writable=False) -> memoryview (zero-copy; under CXLKV_NONCOHERENT=1 it shows the emulated cache, read-only)"),
     {"from_buffer", (PyCFunction)Mapping_from_buffer, METH_O | METH_CLASS,
      "from_buffer(obj) -> Mapping over an existing buffer (formatting without files, tests)"},
     {"close", (PyCFunction)Mapping_close, METH_NOARGS, "unmap; refused while views are alive"},
