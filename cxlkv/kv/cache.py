@@ -342,8 +342,12 @@ class KVCache:
         if lead == n:
             self._count(present_blocks=n)
             return 0
-        with self.pool.node.writing():      # the fencing acknowledgement waits for it
+        node = self.pool.node
+        node.enter()                        # the fencing acknowledgement waits for it
+        try:
             return self._store_new(keys, src, items, lead, lead_idx)
+        finally:
+            node.leave()
 
     def _store_new(self, keys: np.ndarray, src, items, lead: int, lead_idx) -> int:
         """Reserve entries and payload slots (pool lock), copy the payloads

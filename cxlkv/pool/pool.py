@@ -42,24 +42,35 @@ class Pool:
             self._alloc = Allocator(self)
         return self._alloc
 
+    def _section(self, fn, *args):
+        """fn(*args) as a section of this node in flight (Attachment.enter): a
+        node fenced meanwhile acknowledges its fencing only once it returned,
+        and no section starts after that."""
+        node = self.node
+        node.enter()
+        try:
+            return fn(*args)
+        finally:
+            node.leave()
+
     def alloc(self, nbytes: int, zero: bool = True) -> int:
         """Reserve a slot of at least nbytes (64-byte aligned); returns its offset."""
-        return self.allocator.alloc(nbytes, zero)
+        return self._section(self.allocator.alloc, nbytes, zero)
 
     def alloc_batch(self, nbytes: int, count: int, zero: bool = True):
         """Reserve `count` slots of one size; a numpy uint64 array of offsets."""
-        return self.allocator.alloc_batch(nbytes, count, zero)
+        return self._section(self.allocator.alloc_batch, nbytes, count, zero)
 
     def free(self, offset: int, zero: bool = True) -> None:
         """Free a slot (zeroed now, or with zero=False before its next use)."""
-        self.allocator.free(offset, zero)
+        self._section(self.allocator.free, offset, zero)
 
     def free_batch(self, offsets, zero: bool = True) -> int:
-        return self.allocator.free_batch(offsets, zero)
+        return self._section(self.allocator.free_batch, offsets, zero)
 
     def publish(self, offsets) -> int:
         """Mark reserved slots published: they outlive this node."""
-        return self.allocator.publish(offsets)
+        return self._section(self.allocator.publish, offsets)
 
     def kv(self, *, model: str, block_bytes: int, block_tokens: int = 16, salt=None,
            hash: str = "xxh3_128", hash_seed: str | None = None, quota: int | None = None,

@@ -38,7 +38,6 @@ the grace as well; the grace is a generous multiple of the lease for that.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import secrets
@@ -434,10 +433,9 @@ class Attachment:
         self._fresh_ns = int(lease * FRESH_SHARE * 1e9)
         self._deadline_ns = 0               # monotonic ns; 0 until the slot is ours
         self._beat_lock = threading.Lock()  # beats come from two threads (guard(), heartbeat)
-        # sections in flight that write shared memory or hold views of it;
-        # the fencing acknowledgement waits for them (guards: _busy, fenced, acknowledged)
+        # guards fenced / acknowledged; the sections in flight that the fencing
+        # acknowledgement waits for are counted in the C core (enter / leave)
         self._state = threading.Lock()
-        self._busy = 0
         self._heartbeat = heartbeat
         self.managed = pool.sb.sync == "manager"
         if self.managed:
@@ -627,56 +625,50 @@ class Attachment:
     # -- sections in flight, and the acknowledgement of fencing ---------------------
     def enter(self) -> None:
         """A section that writes shared memory (or holds views of it) begins:
-        NodeFenced if this node is known fenced.  Pair with leave()."""
-        with self._state:
-            if self.fenced:
-                raise NodeFenced(f"{self.pool.path}: node {self.slot} was fenced (its lease "
-                                 "lapsed); reattach")
-            self._busy += 1
+        NodeFenced if this node is known fenced.  Pair with leave().  The count
+        lives in the C core (Mapping.section_begin): one call, no lock."""
+        if not self.pool.mapping.section_begin():
+            raise NodeFenced(f"{self.pool.path}: node {self.slot} was fenced (its lease "
+                             "lapsed); reattach")
 
     def leave(self) -> None:
-        with self._state:
-            self._busy -= 1
-            ack = self.fenced and not self._in_flight() and not self.acknowledged
-        if ack:
-            self._acknowledge()
+        self.pool.mapping.section_end()
+        if self.fenced:
+            self._maybe_acknowledge()
 
     def _in_flight(self) -> bool:
-        """A section is in flight: entered and not left, or the pool lock held
-        by a thread of this process (the lock keeps its holder in _holder,
-        so the hot path pays no bookkeeping here)."""
+        """Sections begun and not ended, C calls running with the GIL released,
+        or the pool lock held by a thread of this process (the lock keeps its
+        holder in _holder, so its hot path pays no bookkeeping here)."""
         lk = self.pool.__dict__.get("_lock")
-        return self._busy > 0 or (lk is not None and lk._holder != 0)
+        return self.pool.mapping.in_flight > 0 or (lk is not None and lk._holder != 0)
 
     def lock_released(self) -> None:
         """The pool lock was just left (called by it when this node is fenced)."""
-        with self._state:
-            ack = self.fenced and not self._in_flight() and not self.acknowledged
-        if ack:
-            self._acknowledge()
+        self._maybe_acknowledge()
 
-    @contextlib.contextmanager
-    def writing(self):
-        """`with node.writing():` a section in flight (see enter)."""
-        self.enter()
-        try:
-            yield
-        finally:
-            self.leave()
+    def _maybe_acknowledge(self) -> bool:
+        """Acknowledge the fencing once nothing is in flight; True when done."""
+        with self._state:
+            if not self.fenced or self.acknowledged or self._in_flight():
+                return self.acknowledged
+        self._acknowledge()
+        return True
+
 
     def _on_fenced(self) -> None:
-        """This process learnt that its node was fenced: no write starts any
-        more (copies stop at their next block), and once no section is in
-        flight the fencing is acknowledged, ending the quarantine early."""
+        """This process learnt that its node was fenced: no section starts any
+        more and copies stop at their next block (the write deadline becomes
+        the fenced sentinel, 1); once nothing is in flight the fencing is
+        acknowledged (here, when the last section ends, or by the heartbeat
+        thread), ending the quarantine early."""
         with self._state:
             if self.fenced:
                 return
             self.fenced = True
             self._deadline_ns = 0
-            self.pool.mapping.write_deadline_ns = 1     # every guarded copy stops
-            ack = not self._in_flight()
-        if ack:
-            self._acknowledge()
+            self.pool.mapping.write_deadline_ns = 1     # before reading what is in flight
+        self._maybe_acknowledge()
 
     def _acknowledge(self) -> None:
         """Write ack_epoch (our own line 0) - only while the slot still shows
@@ -733,9 +725,13 @@ class Attachment:
         pool lock, a slow scan) can stall it past our lease."""
         while not self._stop.wait(self.interval):
             try:
-                self.beat()
+                if self.fenced:
+                    if self._maybe_acknowledge():
+                        return              # until then, again every interval
+                else:
+                    self.beat()
             except NodeFenced:
-                return                      # _on_fenced acknowledged it, or leave() will
+                continue                    # acknowledged above once nothing is in flight
             except (ValueError, OSError):   # mapping closed under us
                 return
 
@@ -782,10 +778,7 @@ class Attachment:
             # run our own recovery first: nothing of ours must outlive the slot
             run_recoveries(self.pool, self.slot, self.epoch)
         except NodeFenced:
-            with self._state:
-                ack = not self._in_flight()
-            if ack:
-                self._acknowledge()
+            self._maybe_acknowledge()
             self.slot = -1
             return
         except CxlkvError as e:

@@ -38,6 +38,9 @@ typedef struct {
      * (a pool no node of this process is attached to).  Written by any
      * thread of the process: accessed with relaxed atomics. */
     int64_t write_deadline_ns;
+    /* sections of the attached node in flight (section_begin/end): writes or
+     * views of this process that the node's fencing acknowledgement waits for */
+    Py_ssize_t sections;
 } Mapping;
 
 /* Has the write deadline passed (a copy must stop before the next block)? */

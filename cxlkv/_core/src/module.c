@@ -806,6 +806,36 @@ Mapping_get_closed(Mapping *m, void *c)
     return PyBool_FromLong(m->closed);
 }
 
+/* section_begin() -> True, or False when the write deadline is the fenced
+ * sentinel (1): the node was fenced and no section may start.  Counting and
+ * checking in one call (under the GIL) orders it against the thread that
+ * sets the sentinel and then reads the counters to acknowledge the fencing. */
+static PyObject *
+Mapping_section_begin(Mapping *m, PyObject *Py_UNUSED(ignored))
+{
+    if (__atomic_load_n(&m->write_deadline_ns, __ATOMIC_SEQ_CST) == 1)
+        Py_RETURN_FALSE;
+    m->sections++;
+    Py_RETURN_TRUE;
+}
+
+static PyObject *
+Mapping_section_end(Mapping *m, PyObject *Py_UNUSED(ignored))
+{
+    if (m->sections > 0)
+        m->sections--;
+    Py_RETURN_NONE;
+}
+
+/* in_flight -> sections begun and not ended, plus calls running with the GIL
+ * released (a copy in another thread) */
+static PyObject *
+Mapping_get_in_flight(Mapping *m, void *c)
+{
+    (void)c;
+    return PyLong_FromSsize_t(m->sections + m->busy);
+}
+
 static PyObject *
 Mapping_get_exports(Mapping *m, void *c)
 {
@@ -856,7 +886,7 @@ Mapping_set_write_deadline_ns(Mapping *m, PyObject *v, void *c)
         PyErr_SetString(PyExc_ValueError, "write_deadline_ns must be >= 0");
         return -1;
     }
-    __atomic_store_n(&m->write_deadline_ns, (int64_t)d, __ATOMIC_RELAXED);
+    __atomic_store_n(&m->write_deadline_ns, (int64_t)d, __ATOMIC_SEQ_CST);
     return 0;
 }
 
@@ -925,6 +955,8 @@ static PyGetSetDef Mapping_getset[] = {
     {"writable", (getter)Mapping_get_writable, NULL, "mapped read-write", NULL},
     {"closed", (getter)Mapping_get_closed, NULL, "unmapped", NULL},
     {"exports", (getter)Mapping_get_exports, NULL, "live views", NULL},
+    {"in_flight", (getter)Mapping_get_in_flight, NULL,
+     "node sections begun and not ended, plus calls running with the GIL released", NULL},
     {"flush_meta", (getter)Mapping_get_flush_meta, (setter)Mapping_set_flush_meta,
      "hot paths flush the metadata they write (for non-coherent memory)", NULL},
     {"noncoherent", (getter)Mapping_get_noncoherent, NULL,
@@ -977,6 +1009,11 @@ static PyMethodDef Mapping_methods[] = {
     {"from_buffer", (PyCFunction)Mapping_from_buffer, METH_O | METH_CLASS,
      "from_buffer(obj) -> Mapping over an existing buffer (formatting without files, tests)"},
     {"close", (PyCFunction)Mapping_close, METH_NOARGS, "unmap; refused while views are alive"},
+    {"section_begin", (PyCFunction)Mapping_section_begin, METH_NOARGS,
+     "count a section of the attached node in flight; False (nothing counted) once the "
+     "write deadline is the fenced sentinel 1"},
+    {"section_end", (PyCFunction)Mapping_section_end, METH_NOARGS,
+     "end a section begun with section_begin"},
     {"nc_stats", (PyCFunction)Mapping_nc_stats, METH_NOARGS,
      "non-coherence emulation counters, or None when coherent"},
     {"__enter__", (PyCFunction)Mapping_enter, METH_NOARGS, NULL},
