@@ -368,3 +368,32 @@ def test_inspect_health_and_fsck_show_a_quarantine(pool_path, monkeypatch, remot
             {"nodes": [], "grace_ms": 60_000, "bytes": 0}
     w.close()
     assert_clean(rack.path)
+
+
+def test_a_paused_lock_manager_steps_down_when_it_resumes(pool_path, monkeypatch):
+    """The active manager stalls: a standby takes over after a lease, the lock
+    keeps being granted, and the old one steps down when it resumes instead of
+    granting too (sync mode manager under the emulation)."""
+    rack = Rack(pool_path, "manager-nc", monkeypatch)
+    standby = subprocess.Popen([sys.executable, "-m", "cxlkv", "lock-manager", "--pool",
+                                rack.path, "--standby"], stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, **rack.env})
+    try:
+        with cxlkv.open_pool(rack.path) as pool:
+            os.kill(rack.manager.pid, signal.SIGSTOP)
+            assert "active" in standby.stderr.readline()        # took over after a lease
+            for _ in range(10):
+                with pool.lock(timeout=10):
+                    pass
+            os.kill(rack.manager.pid, signal.SIGCONT)
+            rack.manager.wait(30)
+            assert "stepping down" in rack.manager.stderr.read()
+            for _ in range(10):
+                with pool.lock(timeout=10):
+                    pass
+            assert standby.poll() is None
+    finally:
+        standby.terminate()
+        standby.wait(10)
+        rack.close()
+    assert_clean(rack.path)
