@@ -269,7 +269,7 @@ def test_copies_stop_at_the_write_deadline(small_pool):
         offs = pool.alloc_batch(4096, 4)
         m = pool.mapping
         src = bytes(range(256)) * 64
-        m.write_deadline_ns = 1                            # long past
+        m.write_deadline_ns = 2                            # long past
         assert m.write_blocks(offs, src, 4096) == 0
         assert all(m.read(int(o), 4096) == bytes(4096) for o in offs)
         m.write_deadline_ns = 0                            # none
@@ -370,3 +370,27 @@ def test_a_paused_lock_manager_steps_down_when_it_resumes(pool_path, monkeypatch
         standby.wait(10)
         rack.close()
     assert_clean(rack.path)
+
+
+def test_hash_table_inserts_stop_at_the_write_deadline(small_pool):
+    """kv_insert writes no entry once the node's freshness ran out (a stall in
+    the middle of a long prefix); the store proves it fresh and carries on."""
+    with cxlkv.open_pool(small_pool, heartbeat=False) as pool:
+        kv = pool.kv(model="deadline", block_bytes=4096, block_tokens=16)
+        a, m = kv.area, pool.mapping
+        keys = kv.keys_for_hashes([bytes([i]) * 16 for i in range(4)])
+        pay = pool.alloc_batch(4096, 4)
+        slots, status = np.zeros(4, dtype=np.uint64), np.zeros(4, dtype=np.uint64)
+        with pool.lock():
+            m.write_deadline_ns = 2                          # long past, as after a stall
+            done, used, full = m.kv_insert(a.table, a.nslots, a.hdr, a.max_used, kv.ns,
+                                           kv.tenant, 4096, pool.node.owner_token, keys, 0,
+                                           pay, slots, status)
+            assert (done, used, full) == (0, 0, 4)
+            assert a.header().live == 0
+        pool.node._deadline_ns = 0                           # stale, not fenced
+        pool.free_batch(pay)
+        toks_ = np.arange(64, dtype=np.int64)
+        assert kv.store(toks_, b"".join(pattern(kv, toks_))) == 4
+        with kv.load(toks_) as views:
+            assert [bytes(v) for v in views] == pattern(kv, toks_)

@@ -387,6 +387,8 @@ class KVCache:
                         # full == 2: another node is storing block `pos`; what
                         # follows it is theirs to store
                         break
+                    if full == 4:
+                        continue                # stalled: guard() proves us fresh, or raises
                     if full == 3:
                         # tombstones fill the table: clear those no chain
                         # needs, else evict on this key's probe path, else

@@ -610,6 +610,10 @@ def _insert(pool, area, idx, keep_a, src_buf, ln, ns_of, t_of, keys_all, slot_of
                 slot_of[keep_a[s:s + done]] = slots[s:s + done].astype(np.int64)
                 state[keep_a[s:s + done][status[s:s + done] == 1]] = 4
                 if done < e - s:
+                    if full == 4:                       # stalled: prove us fresh, go on
+                        pool.node.guard()
+                        s += done
+                        continue
                     if full in (1, 3):
                         stop = "hash table full"
                         break

@@ -315,8 +315,11 @@ set_children(Mapping *m, const Table *t, uint64_t idx, int64_t delta)
  * each block's parent is the one before it.  Stops early when the payloads run
  * out (more absent blocks than expected), when the table holds max_used live
  * entries (full = 1), at a block another node is still storing (full = 2:
- * nothing may be chained under it), or when the key's probe path has no
- * tombstone and taking its EMPTY slot would leave none (full = 3). */
+ * nothing may be chained under it), when the key's probe path has no
+ * tombstone and taking its EMPTY slot would leave none (full = 3), or before
+ * writing an entry once the mapping's write deadline has passed (full = 4:
+ * this node was stalled and may have been fenced; it proves itself fresh -
+ * Attachment.guard - and resumes). */
 PyObject *
 Mapping_kv_insert(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -404,6 +407,10 @@ Mapping_kv_insert(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
             j = empty;                           /* one EMPTY slot always stays */
         } else {
             full = 3;                            /* tombstones fill the rest */
+            break;
+        }
+        if (write_deadline_passed(m)) {
+            full = 4;                            /* stalled: the caller proves freshness */
             break;
         }
         uint64_t p = pv[used];
