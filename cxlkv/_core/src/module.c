@@ -1157,6 +1157,14 @@ mod_layout(PyObject *self, PyObject *Py_UNUSED(ignored))
 
     if (!(f = PyDict_New()))
         goto fail;
+    FIELD(f, cxlkv_heap, hazard);
+    FIELD(f, cxlkv_heap, reserved);
+    if (add_struct(out, "heap", sizeof(struct cxlkv_heap), f) < 0)
+        goto fail;
+    Py_CLEAR(f);
+
+    if (!(f = PyDict_New()))
+        goto fail;
     FIELD(f, cxlkv_hash_entry, ctl);
     FIELD(f, cxlkv_hash_entry, key_lo);
     FIELD(f, cxlkv_hash_entry, key_hi);
@@ -1268,6 +1276,7 @@ mod_constants(PyObject *self, PyObject *Py_UNUSED(ignored))
         C(NODE_FREE), C(NODE_CLAIMED), C(NODE_ATTACHED), C(NODE_FENCED),
         C(LOCK_IDLE), C(LOCK_WAITING), C(LOCK_LOCKED), C(LOCK_ABANDONED),
         C(CHUNK_FREE), C(CHUNK_HEAD), C(CHUNK_TAIL), C(CHUNK_RELEASING), C(SLAB_MAX_SLOTS),
+        C(HEAP_HAZARDS),
         C(FEATURE_COMPAT_KV), C(FEATURE_COMPAT_SUPP), C(FEATURE_INCOMPAT_SUPP),
         C(FEATURE_RO_COMPAT_SUPP),
         C(KV_EMPTY), C(KV_WRITING), C(KV_PENDING), C(KV_PUBLISHED), C(KV_EVICTING),
