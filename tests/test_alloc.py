@@ -211,3 +211,146 @@ def test_nodes_free_each_others_slots(apool):
 
         rep = check(pool)
         assert rep.clean and rep.stats["allocator"]["chunks_used"] == 0
+
+
+# -- releases racing lock-free allocation (issue 14, item 8) ---------------------------
+
+def _head(pool, off: int) -> int:
+    data_off, chunk, _, _ = A.geometry(pool)
+    return (off - data_off) // chunk
+
+
+def _desc(pool, head: int) -> int:
+    return A.geometry(pool)[3] + head * L.CHUNK_DESC_SIZE
+
+
+def _kind(pool, head: int) -> int:
+    return pool.mapping.load64(_desc(pool, head)) & 0xFF
+
+
+def test_slot_holder_publishes_and_frees_while_a_release_looks_at_its_slab(apool, monkeypatch):
+    """The interleaving `cxlkv stress` hit about one run in three: node B, out of
+    room, tries to release node A's slab, which was empty when B listed the
+    empty slabs; A has just taken slots in it.  B's release marks the slab
+    RELEASING, and A publishes and frees in that window (no pool lock); then
+    B sees A's slots and puts the slab back."""
+    with cxlkv.open_pool(apool) as a, cxlkv.open_pool(apool) as b:
+        one, two = a.alloc(4096), a.alloc(4096)
+        head = _head(a, one)
+        assert _head(a, two) == head
+        seen = []
+
+        def b_releasing(site):               # B's release, just past RELEASING
+            if site == "release.releasing" and not seen:
+                seen.append(_kind(a, head))
+                a.publish(two)
+                a.free(one)
+
+        monkeypatch.setattr(A, "crashpoint", b_releasing)
+        with b.lock():
+            assert A.release_slab(b, head) is False
+        assert seen == [L.CHUNK_RELEASING]
+        assert _kind(a, head) == L.CHUNK_HEAD
+        assert A.slot_bits(a, one) == (False, False, False)
+        assert A.slot_bits(a, two) == (True, True, False)
+        a.free(two)
+
+
+def test_release_refuses_a_slab_its_owner_is_allocating_from(apool):
+    """An allocator names its slab in a hazard word before checking it; while
+    the word is up no other node's release takes the slab (so it cannot be
+    remade, and the allocator's slot bit can never land in someone else's slab)."""
+    with cxlkv.open_pool(apool) as a, cxlkv.open_pool(apool) as b:
+        off = a.alloc(4096)
+        a.free(off)                                 # A's slab is empty, still A's
+        head = _head(a, off)
+        hazard = A.heap_offset(a, a.node.slot) + 8 * 3
+        a.mapping.store64(hazard, head + 1)          # A between its check and its CAS
+        with b.lock():
+            assert A.release_slab(b, head) is False
+        assert _kind(a, head) == L.CHUNK_HEAD
+        b.mapping.store64(A.heap_offset(b, b.node.slot), head + 1)  # B's hazards don't count
+        a.mapping.store64(hazard, 0)
+        with b.lock():
+            assert A.release_slab(b, head) is True
+        assert _kind(a, head) == L.CHUNK_FREE
+        b.mapping.store64(A.heap_offset(b, b.node.slot), 0)
+
+
+def test_allocation_falls_back_to_the_pool_lock_when_every_hazard_word_is_taken(apool):
+    with cxlkv.open_pool(apool) as pool:
+        off = pool.alloc(4096)
+        head = _head(pool, off)
+        heap = A.heap_offset(pool, pool.node.slot)
+        m, al = pool.mapping, pool.allocator
+        assert [m.load64(heap + 8 * i) for i in range(L.HEAP_HAZARDS)] == [0] * 8   # dropped
+        for i in range(L.HEAP_HAZARDS):                 # other threads of this node
+            m.store64(heap + 8 * i, 1000 + i)
+        out = np.empty(1, dtype=np.uint64)
+        assert m.slab_alloc(head, al.token, out, 1, True, 4096, heap) == -2
+        more = pool.alloc(4096)                         # under the pool lock instead
+        assert _head(pool, more) == head and more != off
+        assert [m.load64(heap + 8 * i) for i in range(L.HEAP_HAZARDS)] == \
+            [1000 + i for i in range(8)]
+        for i in range(L.HEAP_HAZARDS):
+            m.store64(heap + 8 * i, 0)
+        pool.free_batch([off, more])
+
+
+HAZARD_CRASH = r'''
+import sys, cxlkv
+pool = cxlkv.open_pool(sys.argv[1])
+pool.alloc(4096)
+'''
+
+
+def test_a_node_killed_mid_allocation_has_its_hazard_dropped_by_recovery(apool):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CXLKV_CRASH_AT": "alloc.bit:1"}
+    r = subprocess.run([sys.executable, "-c", HAZARD_CRASH, apool], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == -9, r.stderr
+    with Pool.open(apool) as p:                          # not attached: nothing reaped yet
+        d = A.descriptors(p)
+        heads = np.flatnonzero((d["control"] & 0xFF) == L.CHUNK_HEAD)
+        del d
+        assert len(heads) == 1
+        heaps = [[p.mapping.load64(A.heap_offset(p, s) + 8 * i) for i in range(8)]
+                 for s in range(p.sb.max_nodes)]
+        assert sorted(w for ws in heaps for w in ws if w) == [int(heads[0]) + 1]
+    with cxlkv.open_pool(apool) as pool:                 # reaps the dead node
+        assert all(pool.mapping.load64(A.heap_offset(pool, s) + 8 * i) == 0
+                   for s in range(pool.sb.max_nodes) for i in range(8))
+        from cxlkv.state.fsck import check
+
+        rep = check(pool)
+        assert rep.clean, [f.to_json() for f in rep.errors]
+        assert rep.stats["allocator"]["slots_allocated"] == 0
+
+
+@pytest.fixture
+def crowded_pool(pool_path):
+    """64 MiB in 2 MiB chunks: 30 chunks, so slabs are released and remade all the time."""
+    init_pool(pool_path, {"size": 64 * MiB, "chunk_size": 2 * MiB, "max_nodes": 16})
+    return pool_path
+
+
+@pytest.mark.parametrize("nodes,seed", [(3, 1), (4, 2), (6, 3), (8, 4)])
+def test_stress_on_a_crowded_pool_finds_nothing(crowded_pool, nodes, seed):
+    """Workers allocate, publish, verify and free in a pool that is full most
+    of the time (releases racing lock-free allocation in other nodes' slabs)."""
+    from cxlkv.pool.pool import Pool as P
+    from cxlkv.state import stress
+    from cxlkv.state.fsck import check
+
+    res = stress.run(stress.Options(pool=crowded_pool, nodes=nodes, ops=5000, seed=seed,
+                                    mix={"alloc": 40, "free": 30, "verify": 20, "lock": 10}))
+    assert res.violations == []
+    assert res.ops["total"] >= 5000 and res.ops["alloc"] > 1000
+    with P.open(crowded_pool, writable=False) as p:
+        rep = check(p)
+    assert rep.clean, rep.to_json()
+    assert rep.stats["allocator"]["slots_allocated"] == rep.stats["allocator"]["chunks_used"] == 0

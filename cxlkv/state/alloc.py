@@ -17,6 +17,16 @@ adopt.  Freed slots are zeroed, or marked dirty and zeroed before they are
 handed out again (zero=False on free: for callers whose next writer
 overwrites the whole slot).
 
+Releases and lock-free allocation: any node may release any empty slab
+(under the pool lock), while owners take slots from their slabs without it.
+An allocator first names the slab in a hazard word of its node's heap header
+(L.HeapStruct), then checks the slab is its own; release_slab marks the slab
+RELEASING, then refuses while the owner's hazard words name it or any slot is
+allocated.  So a slab never changes under an allocator that has checked it,
+and a slot bit once set is the allocator's (nothing takes it back); a slot's
+holder may publish or free it while a release looks at its slab (RELEASING
+goes back to HEAD).
+
 Crash order: a new slab's descriptors are written before its bitmap bits are
 set; a released slab's descriptors are cleared before its bits are.  So a
 crash leaves at worst descriptors without bits (an owned slab recovery
@@ -29,7 +39,7 @@ import threading
 
 import numpy as np
 
-from cxlkv._core import crashpoint
+from cxlkv._core import crashpoint, fence
 from cxlkv.errors import CxlkvError, RefusedError
 from cxlkv.pool import layout as L
 from cxlkv.state import nodes as N
@@ -56,6 +66,31 @@ class AllocError(CxlkvError, ValueError):
 
     exit_code = 1
     kind = "bad-offset"
+
+
+def heap_offset(pool, slot: int) -> int:
+    """Pool offset of node slot `slot`'s heap header (its hazard words)."""
+    return pool.region("heaps")[0] + slot * L.HEAP_SIZE
+
+
+def _hazard_on(pool, head: int, owner: int) -> bool:
+    """Whether an allocator of the node that owner token `owner` names has
+    slab `head` in a hazard word.  Only the owner allocates from a slab
+    without the pool lock, so only its hazard words matter."""
+    slot = (owner & 0xFFFF) - 1
+    if not 0 <= slot < pool.sb.max_nodes:
+        return False                          # orphan (0), or no node's token
+    m, off = pool.mapping, heap_offset(pool, slot)
+    m.invalidate(off, 8 * L.HEAP_HAZARDS)
+    return any(m.load64(off + 8 * i) == head + 1 for i in range(L.HEAP_HAZARDS))
+
+
+def clear_hazards(pool, slot: int) -> None:
+    """Drop every hazard word of node slot `slot` (its node is gone)."""
+    m, off = pool.mapping, heap_offset(pool, slot)
+    for i in range(L.HEAP_HAZARDS):
+        m.store64(off + 8 * i, 0)
+    m.flush(off, 8 * L.HEAP_HAZARDS)
 
 
 def geometry(pool) -> tuple[int, int, int, int]:
@@ -182,10 +217,11 @@ class Allocator:
         # under the pool lock (with invalidate before and flush after)
         self.managed = pool.sb.sync == "manager"
         self.token = pool.node.owner_token
+        # cas mode: this node's hazard words (manager mode allocates under the lock)
+        self.heap = 0 if self.managed else heap_offset(pool, pool.node.slot)
         self._current: dict[int, int] = {}      # slot size -> head chunk of the slab in use
         self._spare: dict[int, list[int]] = {}  # slot size -> slabs made ahead for a batch
         self._slow = threading.Lock()
-        self._one = np.empty(1, dtype=np.uint64)
 
     # -- public ----------------------------------------------------------------
     def _locked(self):
@@ -204,8 +240,10 @@ class Allocator:
                 return int(self.alloc_batch(nbytes, 1, zero)[0])
         ss = slot_size_for(self.pool, nbytes)
         head = self._current.get(ss)
-        if head is not None and self.m.slab_alloc(head, self.token, self._one, 1, zero, ss) == 1:
-            return int(self._one[0])
+        if head is not None:
+            one = np.empty(1, dtype=np.uint64)
+            if self._slab_alloc(head, one, 1, zero, ss) == 1:
+                return int(one[0])
         return int(self.alloc_batch(nbytes, 1, zero)[0])
 
     def alloc_batch(self, nbytes: int, count: int, zero: bool = True) -> np.ndarray:
@@ -223,7 +261,7 @@ class Allocator:
             while got < count:
                 head = self._current.get(ss)
                 if head is not None:
-                    r = self.m.slab_alloc(head, self.token, out[got:], count - got, zero, ss)
+                    r = self._slab_alloc(head, out[got:], count - got, zero, ss)
                     if r > 0:
                         got += r
                         continue
@@ -234,13 +272,21 @@ class Allocator:
                             self._find_slab(ss, count - got)
         except BaseException:
             if got:
-                self.m.slab_free(out[:got], True, 0)
+                self.free_batch(out[:got], True)
             raise
         return out
 
+    def _slab_alloc(self, head: int, out: np.ndarray, count: int, zero: bool, ss: int) -> int:
+        """Slots from slab `head` (see Mapping.slab_alloc): -1 when the slab is
+        not this node's active slab of size ss."""
+        r = self.m.slab_alloc(head, self.token, out, count, zero, ss, self.heap)
+        if r == -2:                 # other threads of this node hold every hazard word
+            with self._locked():
+                r = self.m.slab_alloc(head, self.token, out, count, zero, ss, 0)
+        return r
+
     def free(self, offset: int, zero: bool = True) -> None:
-        self._one[0] = offset
-        self.free_batch(self._one, zero)
+        self.free_batch(np.array([offset], dtype=np.uint64), zero)
 
     def free_batch(self, offsets, zero: bool = True) -> int:
         """Free slots (any node's).  zero=True zeroes them now; False marks them
@@ -422,24 +468,25 @@ def set_bits(pool, first: int, count: int, value: bool) -> None:
 def release_slab(pool, head: int, *, resume: bool = False) -> bool:
     """Return an empty slab's chunks to the bitmap (caller holds the pool lock).
 
-    Refused (False) if any slot is allocated: allocators set their bit, then
-    check the slab is still a HEAD; we set RELEASING, then check the bits.
+    Refused (False) while any slot is allocated or the owner's allocator has
+    the slab in a hazard word: allocators set their hazard, then check the
+    slab is a HEAD; we set RELEASING, then check hazards and bits.
     resume=True finishes a release a dead lock holder left half done.
     """
-    _, _, _, base = geometry(pool)
+    data_off, chunk, nchunks, base = geometry(pool)
     m = pool.mapping
     h = base + head * L.CHUNK_DESC_SIZE
     if not (resume and m.load64(h) & 0xFF == L.CHUNK_RELEASING):
         if m.cas64(h, L.CHUNK_HEAD, L.CHUNK_RELEASING) != L.CHUNK_HEAD:
             return False
+    fence()                 # RELEASING is visible before the hazards are read
     m.flush(h, 8)
     crashpoint("release.releasing")
     m.invalidate(h, L.CHUNK_DESC_SIZE)
-    if any(m.read(h + _F["alloc_bits"], 64)):
+    if _hazard_on(pool, head, m.load64(h + _F["owner"])) or any(m.read(h + _F["alloc_bits"], 64)):
         m.store64(h, L.CHUNK_HEAD)
         m.flush(h, 8)
         return False
-    data_off, chunk, nchunks, _ = geometry(pool)
     k = max(1, min(m.load64(h + _F["nchunks"]), nchunks - head))
     if any(m.read(h + _F["dirty_bits"], 64)):
         m.zero(data_off + head * chunk, k * chunk)   # stale bytes never outlive a slab
@@ -463,9 +510,10 @@ def release_slab(pool, head: int, *, resume: bool = False) -> bool:
 @N.register_recovery(order=20)
 def _recover_allocations(pool, slot: int, epoch: int) -> None:
     """What a dead node left in the allocator, under the pool lock:
-    its unpublished slots are freed (zeroed), its empty slabs released, the
-    rest orphaned (any node may adopt them); then whatever a dead lock holder
-    left half done - a release, tails without a head, bits without a slab."""
+    its hazard words are dropped, its unpublished slots freed (zeroed), its
+    empty slabs released, the rest orphaned (any node may adopt them); then
+    whatever a dead lock holder left half done - a release, tails without a
+    head, bits without a slab."""
     token = (slot + 1) | epoch << 16
     pool.mapping.flush_meta = pool.sb.sync == "manager" or pool.mapping.noncoherent
     node = pool.node
@@ -480,6 +528,7 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
         data_off, chunk, nchunks, base = geometry(pool)
         pool.mapping.set_geometry(data_off, chunk, nchunks, base)
         m = pool.mapping
+        clear_hazards(pool, slot)
         rec = lock_entry_offset(pool, slot) + _FREEING
         m.invalidate(rec, 8)
         freeing = m.load64(rec)
