@@ -354,3 +354,62 @@ def test_stress_on_a_crowded_pool_finds_nothing(crowded_pool, nodes, seed):
         rep = check(p)
     assert rep.clean, rep.to_json()
     assert rep.stats["allocator"]["slots_allocated"] == rep.stats["allocator"]["chunks_used"] == 0
+
+
+# -- corrupt descriptors (issue 14, item 7) ---------------------------------------------
+
+CORRUPT = {
+    "kind": lambda m, h: m.store64(h, 0x7F),                          # no such kind
+    "geometry": lambda m, h: m.store64(h + A._F["nslots"], 100_000),  # > 512 slots
+    "tail": None,                                   # a tail naming no earlier head
+}
+
+
+@pytest.mark.parametrize("op,how", [(op, how) for op in ("alloc", "free", "publish")
+                                    for how in CORRUPT
+                                    if (op, how) != ("alloc", "tail")])  # reads its head only
+def test_a_corrupt_descriptor_fails_fast_naming_fsck_repair(apool, op, how):
+    from cxlkv.errors import CxlkvError, MetadataCorrupt
+    from cxlkv.state.fsck import check
+    from cxlkv.state.repair import repair
+
+    size = 3 * MiB if how == "tail" else 4096
+    with cxlkv.open_pool(apool) as pool:
+        m = pool.mapping
+        target = pool.alloc(size)
+        head = _head(pool, target)
+        if how == "tail":           # 3 MiB slots: a 3-chunk slab, slot 1 starts in chunk 1
+            target = pool.alloc(size)
+            assert _head(pool, target) == head + 1
+            m.store64(_desc(pool, head + 1), L.CHUNK_TAIL | (head + 1) << 8)
+        else:
+            CORRUPT[how](m, _desc(pool, head))
+        before = m.read(_desc(pool, head), 2 * L.CHUNK_DESC_SIZE)
+        call = {"alloc": lambda: pool.alloc(size), "free": lambda: pool.free(target),
+                "publish": lambda: pool.publish(target)}[op]
+        with pytest.raises(MetadataCorrupt, match=r"cxlkv fsck --repair") as err:
+            call()
+        assert isinstance(err.value, CxlkvError) and err.value.exit_code == 4
+        assert apool in str(err.value)
+        assert m.read(_desc(pool, head), 2 * L.CHUNK_DESC_SIZE) == before   # nothing written
+    rep = repair(apool)                                  # what the message says to do
+    assert rep.after.clean, rep.after.to_json()
+    with Pool.open(apool, writable=False) as p:
+        assert check(p).clean
+
+
+def test_kv_store_on_a_corrupt_descriptor_raises_metadata_corrupt(kvpool):
+    from cxlkv.errors import MetadataCorrupt
+
+    bb = 4096
+    with cxlkv.open_pool(kvpool) as pool:
+        kv = pool.kv(model="m", block_tokens=16, block_bytes=bb)
+        assert kv.store(np.arange(32), bytes(2 * bb)) == 2
+        d = A.descriptors(pool)
+        heads = np.flatnonzero(((d["control"] & 0xFF) == L.CHUNK_HEAD)
+                               & (d["slot_size"] == A.slot_size_for(pool, bb)))
+        del d
+        assert len(heads) == 1
+        pool.mapping.store64(_desc(pool, int(heads[0])) + A._F["nslots"], 100_000)
+        with pytest.raises(MetadataCorrupt, match=r"cxlkv fsck --repair"):
+            kv.store(np.arange(1000, 1032), bytes(2 * bb))

@@ -31,6 +31,9 @@ Crash order: a new slab's descriptors are written before its bitmap bits are
 set; a released slab's descriptors are cleared before its bits are.  So a
 crash leaves at worst descriptors without bits (an owned slab recovery
 releases) or bits without descriptors (a leak recovery reclaims).
+
+Descriptors that cannot be right raise MetadataCorrupt (naming
+`cxlkv fsck --repair`) before anything is written.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ import threading
 import numpy as np
 
 from cxlkv._core import crashpoint, fence
-from cxlkv.errors import CxlkvError, RefusedError
+from cxlkv.errors import CxlkvError, MetadataCorrupt, RefusedError
 from cxlkv.pool import layout as L
 from cxlkv.state import nodes as N
 from cxlkv.state.locks import entry_offset as lock_entry_offset
@@ -279,11 +282,17 @@ class Allocator:
     def _slab_alloc(self, head: int, out: np.ndarray, count: int, zero: bool, ss: int) -> int:
         """Slots from slab `head` (see Mapping.slab_alloc): -1 when the slab is
         not this node's active slab of size ss."""
-        r = self.m.slab_alloc(head, self.token, out, count, zero, ss, self.heap)
-        if r == -2:                 # other threads of this node hold every hazard word
-            with self._locked():
-                r = self.m.slab_alloc(head, self.token, out, count, zero, ss, 0)
+        try:
+            r = self.m.slab_alloc(head, self.token, out, count, zero, ss, self.heap)
+            if r == -2:             # other threads of this node hold every hazard word
+                with self._locked():
+                    r = self.m.slab_alloc(head, self.token, out, count, zero, ss, 0)
+        except MetadataCorrupt as e:
+            raise self._corrupt(e) from None
         return r
+
+    def _corrupt(self, e: MetadataCorrupt) -> MetadataCorrupt:
+        return MetadataCorrupt(f"{self.pool.path}: {e}", path=self.pool.path)
 
     def free(self, offset: int, zero: bool = True) -> None:
         self.free_batch(np.array([offset], dtype=np.uint64), zero)
@@ -307,6 +316,8 @@ class Allocator:
                     self.pool.node.check()
                     with self._locked():
                         done += self._free_foreign(int(arr[done]), zero)
+        except MetadataCorrupt as e:
+            raise self._corrupt(e) from None
         except ValueError as e:
             raise AllocError(str(e)) from None
         return done
@@ -337,6 +348,8 @@ class Allocator:
         self.pool.node.check()             # a fenced node publishes nothing
         try:
             return self.m.slab_publish(arr)
+        except MetadataCorrupt as e:
+            raise self._corrupt(e) from None
         except ValueError as e:
             raise AllocError(str(e)) from None
 
@@ -456,11 +469,18 @@ def set_bits(pool, first: int, count: int, value: bool) -> None:
         mask = ((1 << (hi - lo)) - 1) << lo
         woff = off + w * 8
         m.invalidate(woff, 8)
-        while True:
-            cur = m.load64(woff)
+        cur = m.load64(woff)
+        # only pool-lock holders change the bitmap: a retry means a word
+        # changing under the lock, which a few tries cannot outlast
+        for _ in range(64):
             new = cur | mask if value else cur & ~mask & 0xFFFFFFFFFFFFFFFF
-            if m.cas64(woff, cur, new) == cur:
+            old = m.cas64(woff, cur, new)
+            if old == cur:
                 break
+            cur = old
+        else:
+            raise MetadataCorrupt(f"{pool.path}: chunk bitmap word {w} keeps changing under "
+                                  "the pool lock", path=pool.path)
         i = w * 64 + hi
     m.flush(off + first // 64 * 8, ((first + count + 63) // 64 - first // 64) * 8)
 
@@ -472,11 +492,20 @@ def release_slab(pool, head: int, *, resume: bool = False) -> bool:
     the slab in a hazard word: allocators set their hazard, then check the
     slab is a HEAD; we set RELEASING, then check hazards and bits.
     resume=True finishes a release a dead lock holder left half done.
+    Raises MetadataCorrupt for a slab of impossible geometry (a release
+    could clear chunks that are not its own).
     """
     data_off, chunk, nchunks, base = geometry(pool)
     m = pool.mapping
     h = base + head * L.CHUNK_DESC_SIZE
     if not (resume and m.load64(h) & 0xFF == L.CHUNK_RELEASING):
+        m.invalidate(h, L.CHUNK_DESC_SIZE)
+        d = np.frombuffer(m.read(h, L.CHUNK_DESC_SIZE), dtype=_DESC)
+        if m.load64(h) & 0xFF == L.CHUNK_HEAD and not _geometry_ok(d[0], head, nchunks, chunk):
+            raise MetadataCorrupt(
+                f"{pool.path}: chunk {head}: slab descriptor is corrupt (slot "
+                f"{int(d['slot_size'][0])} x {int(d['nslots'][0])} in "
+                f"{int(d['nchunks'][0])} chunks)", path=pool.path)
         if m.cas64(h, L.CHUNK_HEAD, L.CHUNK_RELEASING) != L.CHUNK_HEAD:
             return False
     fence()                 # RELEASING is visible before the hazards are read
@@ -488,12 +517,13 @@ def release_slab(pool, head: int, *, resume: bool = False) -> bool:
         m.flush(h, 8)
         return False
     k = max(1, min(m.load64(h + _F["nchunks"]), nchunks - head))
-    if any(m.read(h + _F["dirty_bits"], 64)):
-        m.zero(data_off + head * chunk, k * chunk)   # stale bytes never outlive a slab
     # only this slab's own tails: a chunk in the span may already belong to
     # someone else if this slab was never finished
     ours = [i for i in range(head + 1, head + k)
             if m.load64(base + i * L.CHUNK_DESC_SIZE) == L.CHUNK_TAIL | head << 8]
+    if any(m.read(h + _F["dirty_bits"], 64)):
+        for i in [head] + ours:                  # stale bytes never outlive a slab
+            m.zero(data_off + i * chunk, chunk)
     for i in reversed(ours):
         m.store64(base + i * L.CHUNK_DESC_SIZE, L.CHUNK_FREE)
     m.flush(h, k * L.CHUNK_DESC_SIZE)
@@ -507,13 +537,21 @@ def release_slab(pool, head: int, *, resume: bool = False) -> bool:
     return True
 
 
+def _geometry_ok(desc, i: int, nchunks: int, chunk: int) -> bool:
+    """Whether one descriptor (a _DESC record) at chunk i has a possible slab geometry."""
+    ss, ns, nc = int(desc["slot_size"]), int(desc["nslots"]), int(desc["nchunks"])
+    return bool(ss and ss % 64 == 0 and 0 < ns <= L.SLAB_MAX_SLOTS and 0 < nc
+                and i + nc <= nchunks and ns * ss <= nc * chunk)
+
+
 @N.register_recovery(order=20)
 def _recover_allocations(pool, slot: int, epoch: int) -> None:
     """What a dead node left in the allocator, under the pool lock:
     its hazard words are dropped, its unpublished slots freed (zeroed), its
     empty slabs released, the rest orphaned (any node may adopt them); then
     whatever a dead lock holder left half done - a release, tails without a
-    head, bits without a slab."""
+    head, bits without a slab.  Slabs of impossible geometry are left for
+    fsck to report."""
     token = (slot + 1) | epoch << 16
     pool.mapping.flush_meta = pool.sb.sync == "manager" or pool.mapping.noncoherent
     node = pool.node
@@ -557,9 +595,9 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
                 h = base + head * L.CHUNK_DESC_SIZE
                 if m.load64(h) & 0xFF != L.CHUNK_HEAD:
                     continue
-                ss, ns = int(d["slot_size"][head]), int(d["nslots"][head])
-                if not (0 < ns <= L.SLAB_MAX_SLOTS and ss and ss % 64 == 0):
+                if not _geometry_ok(d[head], head, nchunks, chunk):
                     continue                    # corrupt: left for fsck to report
+                ss, ns = int(d["slot_size"][head]), int(d["nslots"][head])
                 alloc = [int(x) for x in d["alloc_bits"][head]]
                 pub = [int(x) for x in d["pub_bits"][head]]
                 dirty = [int(x) for x in d["dirty_bits"][head]]
@@ -567,8 +605,7 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
                 gone = [alloc[w] & (~pub[w] | dirty[w]) for w in range(8)]
                 reserved = [i for i in range(ns) if (gone[i // 64] >> (i % 64)) & 1]
                 if reserved:
-                    m.slab_free(np.array([data_off + head * chunk + i * ss for i in reserved],
-                                         dtype=np.uint64), True, 0)
+                    _free_slots(m, [data_off + head * chunk + i * ss for i in reserved])
                 m.store64(h + _F["owner"], 0)
                 m.flush(h, 64)
                 release_slab(pool, head)        # refused while published slots remain
@@ -581,6 +618,18 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
             lock.release()
 
 
+def _free_slots(m, offsets: list[int]) -> None:
+    """Free slots, zeroed, for recovery (pool lock held): a slot whose
+    descriptors are corrupt stays for fsck to report, the others go."""
+    arr = np.array(offsets, dtype=np.uint64)
+    try:
+        m.slab_free(arr, True, 0)
+    except MetadataCorrupt:
+        for i in range(len(arr)):              # one by one past the bad one
+            with contextlib.suppress(ValueError):
+                m.slab_free(arr[i:i + 1], True, 0)
+
+
 def _live_tokens(pool) -> set[int]:
     return {(n.slot + 1) | n.epoch << 16 for n in N.read_nodes(pool) if n.state == "attached"}
 
@@ -590,7 +639,7 @@ def _finish_interrupted_frees(pool, live_owner: set[int]) -> None:
     finish them - in slabs no live node owns (a live owner frees its own
     slots without the lock, and its own recovery finishes them) - and return
     empty ones of those slabs to the bitmap.  Caller holds the pool lock."""
-    data_off, chunk, _, base = geometry(pool)
+    data_off, chunk, nchunks, base = geometry(pool)
     d = descriptors(pool)
     try:
         kind = d["control"] & 0xFF
@@ -598,9 +647,9 @@ def _finish_interrupted_frees(pool, live_owner: set[int]) -> None:
                  if int(d["owner"][h]) not in live_owner]
         todo, empty = [], []
         for h in heads:
-            ss, ns = int(d["slot_size"][h]), int(d["nslots"][h])
-            if not (0 < ns <= L.SLAB_MAX_SLOTS and ss and ss % 64 == 0):
+            if not _geometry_ok(d[h], h, nchunks, chunk):
                 continue                        # corrupt: left for fsck to report
+            ss, ns = int(d["slot_size"][h]), int(d["nslots"][h])
             a = [int(x) for x in d["alloc_bits"][h]]
             dirty = [int(x) for x in d["dirty_bits"][h]]
             hit = [i for i in range(ns) if (a[i // 64] & dirty[i // 64]) >> (i % 64) & 1]
@@ -610,7 +659,7 @@ def _finish_interrupted_frees(pool, live_owner: set[int]) -> None:
     finally:
         del d
     if todo:
-        pool.mapping.slab_free(np.array(todo, dtype=np.uint64), True, 0)
+        _free_slots(pool.mapping, todo)
     for h in empty:
         release_slab(pool, h)
 

@@ -11,6 +11,9 @@
  * Lock-free allocation is fenced against release by the node's hazard words
  * (struct cxlkv_heap, see cxlkv_format.h): a slab an allocator has checked
  * cannot be released under it, so a slot bit, once set, is never taken back.
+ * Descriptors that cannot be right (an unknown kind, a tail that names no
+ * earlier head, impossible slab geometry) raise cxlkv_CorruptError, before
+ * anything is written; a bad offset from the caller raises ValueError.
  */
 #include "core.h"
 
@@ -90,13 +93,16 @@ slab_geometry(Mapping *m, uint64_t head, uint64_t *slot_size, uint64_t *nslots,
     return NULL;
 }
 
-/* Map a pool offset to (head chunk, slot).  NULL or an error string.  A
- * RELEASING head is still a slab: release_slab sets RELEASING, then goes back
- * to HEAD if any slot is allocated, so the holder of a slot may publish or
- * free it meanwhile (the caller checks the slot's alloc bit). */
+/* Map a pool offset to (head chunk, slot).  NULL, or an error string with
+ * *corrupt set when the descriptors are impossible rather than the offset
+ * wrong.  A RELEASING head is still a slab: release_slab sets RELEASING, then
+ * goes back to HEAD if any slot is allocated, so the holder of a slot may
+ * publish or free it meanwhile (the caller checks the slot's alloc bit). */
 static const char *
-decode_slot(Mapping *m, uint64_t off, uint64_t *head, uint64_t *slot, uint64_t *slot_size)
+decode_slot(Mapping *m, uint64_t off, uint64_t *head, uint64_t *slot, uint64_t *slot_size,
+            int *corrupt)
 {
+    *corrupt = 0;
     if (off < m->data_off || off - m->data_off >= m->chunk_size * m->nchunks)
         return "offset is outside the data area";
     uint64_t idx = (off - m->data_off) / m->chunk_size;
@@ -106,18 +112,28 @@ decode_slot(Mapping *m, uint64_t off, uint64_t *head, uint64_t *slot, uint64_t *
     uint64_t kind = ctl & 0xff, h = idx;
     if (kind == CXLKV_CHUNK_TAIL) {
         h = ctl >> 8;
-        if (h >= idx)
-            return "chunk descriptor is corrupt (tail before its head)";
+        if (h >= idx) {
+            *corrupt = 1;
+            return "chunk descriptor is corrupt (a tail that names no earlier head)";
+        }
         if (m->flush_meta)
             pool_invalidate(m, m->desc_base + h * CXLKV_CHUNK_DESC_SIZE, CXLKV_CHUNK_DESC_SIZE);
         kind = pool_load64(m, m->desc_base + h * CXLKV_CHUNK_DESC_SIZE + CD_CONTROL) & 0xff;
+    }
+    if (kind > CXLKV_CHUNK_RELEASING) {
+        *corrupt = 1;
+        return "chunk descriptor is corrupt (unknown kind)";
     }
     if (kind != CXLKV_CHUNK_HEAD && kind != CXLKV_CHUNK_RELEASING)
         return "offset is not in an allocated slab";
     uint64_t ns, base;
     const char *err = slab_geometry(m, h, slot_size, &ns, &base);
-    if (err)     /* RELEASING: past its check, being cleared */
-        return kind == CXLKV_CHUNK_RELEASING ? "offset is not in an allocated slab" : err;
+    if (err) {
+        if (kind == CXLKV_CHUNK_RELEASING)  /* past its check: being cleared */
+            return "offset is not in an allocated slab";
+        *corrupt = 1;
+        return err;
+    }
     uint64_t rel = off - base;
     if (rel % *slot_size)
         return "offset is not the start of a slot";
@@ -181,7 +197,8 @@ hazard_drop(Mapping *m, uint64_t w)
  * there names the slab while it is in use, so that no release can take the
  * slab from under this call.  -2 when every hazard word is taken (other
  * threads of the node): call again holding the pool lock, with heap 0 (the
- * lock alone keeps releases out). */
+ * lock alone keeps releases out).  Raises cxlkv_CorruptError when the head's
+ * descriptor is impossible. */
 PyObject *
 Mapping_slab_alloc(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -220,6 +237,10 @@ Mapping_slab_alloc(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     if (m->flush_meta)
         pool_invalidate(m, d, CXLKV_CHUNK_DESC_SIZE);
     kind = pool_load64(m, d + CD_CONTROL) & 0xff;
+    if (kind > CXLKV_CHUNK_RELEASING) {
+        err = "chunk descriptor is corrupt (unknown kind)";
+        goto done;
+    }
     if (kind != CXLKV_CHUNK_HEAD || pool_load64(m, d + CD_OWNER) != owner) {
         got = -1;
         goto done;
@@ -280,7 +301,7 @@ done:
         hazard_drop(m, hz);
     PyBuffer_Release(&out);
     if (err) {
-        PyErr_Format(PyExc_ValueError, "slab_alloc: chunk %llu: %s", (unsigned long long)head,
+        PyErr_Format(cxlkv_CorruptError, "slab_alloc: chunk %llu: %s", (unsigned long long)head,
                      err);
         return NULL;
     }
@@ -292,8 +313,9 @@ done:
  * the first slot whose slab another node owns - the caller takes the pool
  * lock and calls again with owner 0 for the rest, so that frees in slabs
  * that are not the caller's are serialised with recovery and with releases.
- * Raises ValueError at the first offset that is not an allocated slot (the
- * ones before it are freed).
+ * Raises ValueError at the first offset that is not an allocated slot,
+ * cxlkv_CorruptError at the first whose descriptors are impossible (the ones
+ * before it are freed).
  * Order, so that a crash at any point is recognisable and finishable:
  *   dirty bit set ("contents going away") -> pub bit cleared -> contents
  *   zeroed (zero=True) -> alloc bit cleared -> dirty bit cleared (zeroed).
@@ -319,11 +341,12 @@ Mapping_slab_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     const uint64_t *offs = in.buf;
     Py_ssize_t n = in.len / 8, i;
     const char *err = NULL;
+    int corrupt = 0;
     m->busy++;
     Py_BEGIN_ALLOW_THREADS
     for (i = 0; i < n; i++) {
         uint64_t head, slot, ss;
-        if ((err = decode_slot(m, offs[i], &head, &slot, &ss)))
+        if ((err = decode_slot(m, offs[i], &head, &slot, &ss, &corrupt)))
             break;
         uint64_t d = m->desc_base + head * CXLKV_CHUNK_DESC_SIZE;
         if (owner && pool_load64(m, d + CD_OWNER) != owner)
@@ -358,7 +381,8 @@ Mapping_slab_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     uint64_t bad = i < n ? offs[i] : 0;
     PyBuffer_Release(&in);
     if (err) {
-        PyErr_Format(PyExc_ValueError, "free of offset %llu (item %zd): %s; %zd freed before it",
+        PyErr_Format(corrupt ? cxlkv_CorruptError : PyExc_ValueError,
+                     "free of offset %llu (item %zd): %s; %zd freed before it",
                      (unsigned long long)bad, i, err, i);
         return NULL;
     }
@@ -367,7 +391,8 @@ Mapping_slab_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 
 /* Set one per-slot bit (`field`: CD_PUB or CD_DIRTY) of allocated slots,
  * flushed in manager mode; -> slots done.  ValueError at the first offset
- * that is not an allocated slot (the ones before it are done). */
+ * that is not an allocated slot, cxlkv_CorruptError at the first whose
+ * descriptors are impossible (the ones before it are done). */
 static PyObject *
 set_slot_bits(Mapping *m, PyObject *const *args, Py_ssize_t nargs, uint64_t field,
               const char *what)
@@ -381,9 +406,10 @@ set_slot_bits(Mapping *m, PyObject *const *args, Py_ssize_t nargs, uint64_t fiel
     const uint64_t *offs = in.buf;
     Py_ssize_t n = in.len / 8, i;
     const char *err = NULL;
+    int corrupt = 0;
     for (i = 0; i < n; i++) {
         uint64_t head, slot, ss;
-        if ((err = decode_slot(m, offs[i], &head, &slot, &ss)))
+        if ((err = decode_slot(m, offs[i], &head, &slot, &ss, &corrupt)))
             break;
         uint64_t d = m->desc_base + head * CXLKV_CHUNK_DESC_SIZE;
         uint64_t w = slot / 64, bit = 1ull << (slot % 64);
@@ -398,8 +424,8 @@ set_slot_bits(Mapping *m, PyObject *const *args, Py_ssize_t nargs, uint64_t fiel
     uint64_t bad = i < n ? offs[i] : 0;
     PyBuffer_Release(&in);
     if (err) {
-        PyErr_Format(PyExc_ValueError, "%s of offset %llu (item %zd): %s", what,
-                     (unsigned long long)bad, i, err);
+        PyErr_Format(corrupt ? cxlkv_CorruptError : PyExc_ValueError,
+                     "%s of offset %llu (item %zd): %s", what, (unsigned long long)bad, i, err);
         return NULL;
     }
     return PyLong_FromSsize_t(i);

@@ -31,6 +31,7 @@
 #define GIL_RELEASE_MIN (64 * 1024)
 
 PyObject *cxlkv_RangeError;   /* set by _native.set_error_types() */
+PyObject *cxlkv_CorruptError; /* impossible pool metadata; set by set_error_types() */
 #define RangeError cxlkv_RangeError
 
 /* ------------------------------------------------------------------ */
@@ -998,15 +999,20 @@ static PyObject *
 mod_set_error_types(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *range;
-    if (!PyArg_ParseTuple(args, "O!:set_error_types", &PyType_Type, &range))
+    PyObject *range, *corrupt;
+    if (!PyArg_ParseTuple(args, "O!O!:set_error_types", &PyType_Type, &range, &PyType_Type,
+                          &corrupt))
         return NULL;
-    if (!PyType_IsSubtype((PyTypeObject *)range, (PyTypeObject *)PyExc_IndexError)) {
-        PyErr_SetString(PyExc_TypeError, "range error type must subclass IndexError");
+    if (!PyType_IsSubtype((PyTypeObject *)range, (PyTypeObject *)PyExc_IndexError) ||
+        !PyType_IsSubtype((PyTypeObject *)corrupt, (PyTypeObject *)PyExc_ValueError)) {
+        PyErr_SetString(PyExc_TypeError, "range error type must subclass IndexError, "
+                                         "corrupt error type ValueError");
         return NULL;
     }
     Py_INCREF(range);
     Py_XSETREF(RangeError, range);
+    Py_INCREF(corrupt);
+    Py_XSETREF(cxlkv_CorruptError, corrupt);
     Py_RETURN_NONE;
 }
 
@@ -1388,7 +1394,8 @@ static PyMethodDef module_methods[] = {
     {"layout", mod_layout, METH_NOARGS, "on-media structure offsets and sizes, from the C header"},
     {"constants", mod_constants, METH_NOARGS, "on-media constants, from the C header"},
     {"set_error_types", mod_set_error_types, METH_VARARGS,
-     "set_error_types(range_error): the exception class raised for out-of-range offsets"},
+     "set_error_types(range_error, corrupt_error): the exception classes raised for "
+     "out-of-range offsets and for impossible pool metadata"},
     {NULL},
 };
 
@@ -1412,6 +1419,7 @@ PyInit__native(void)
     Py_INCREF(RangeError);
     if (PyModule_AddObject(m, "RangeError", RangeError) < 0)
         goto fail;
+    cxlkv_CorruptError = Py_NewRef(PyExc_ValueError);
     Py_INCREF(&MappingType);
     if (PyModule_AddObject(m, "Mapping", (PyObject *)&MappingType) < 0)
         goto fail;
