@@ -55,6 +55,17 @@ def test_bad_frees_are_refused(apool, bad, msg):
         pool.free(o)                     # the good one is untouched and frees fine
 
 
+@pytest.mark.parametrize("nbytes", [0, -4096])
+def test_a_size_of_nothing_is_a_usage_error(apool, nbytes):
+    from cxlkv.errors import UsageError
+
+    with cxlkv.open_pool(apool) as pool:
+        with pytest.raises(UsageError, match=f"cannot allocate {nbytes} bytes"):
+            pool.alloc(nbytes)
+        with pytest.raises(UsageError):
+            pool.alloc_batch(nbytes, 3)
+
+
 def test_freed_slots_are_zeroed(apool):
     with cxlkv.open_pool(apool) as pool:
         o = pool.alloc(4096)

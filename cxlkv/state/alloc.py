@@ -43,7 +43,7 @@ import threading
 import numpy as np
 
 from cxlkv._core import crashpoint, fence
-from cxlkv.errors import CxlkvError, MetadataCorrupt, RefusedError
+from cxlkv.errors import CxlkvError, MetadataCorrupt, RefusedError, UsageError
 from cxlkv.pool import layout as L
 from cxlkv.state import nodes as N
 from cxlkv.state.locks import entry_offset as lock_entry_offset
@@ -157,8 +157,9 @@ def slot_bits(pool, off: int) -> tuple[bool, bool, bool] | None:
 
 
 def slot_size_for(pool, nbytes: int) -> int:
+    """The slot size a request of nbytes gets; UsageError for nbytes <= 0."""
     if nbytes <= 0:
-        raise ValueError(f"cannot allocate {nbytes} bytes")
+        raise UsageError(f"cannot allocate {nbytes} bytes")
     min_slot = max(64, -(-pool.sb.chunk_size // L.SLAB_MAX_SLOTS))
     min_slot = -(-min_slot // 64) * 64
     return max(min_slot, -(-nbytes // 64) * 64)
