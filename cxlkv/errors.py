@@ -128,6 +128,23 @@ class PoolCorrupt(PoolInvalid):
     kind = "corrupt"
 
 
+class MetadataCorrupt(PoolCorrupt, ValueError):
+    """Shared state in the pool that cannot be right (a chunk descriptor of
+    unknown kind, a slab of impossible geometry, ...), met by an operation
+    before it wrote anything.  The message names the way out:
+    `cxlkv fsck --repair`.  A ValueError too, for callers that treat a bad
+    slot and a bad descriptor alike."""
+
+    kind = "metadata-corrupt"
+    REPAIR = "cxlkv fsck --repair"
+
+    def __init__(self, message: str, **kw):
+        kw.setdefault("hint", f"stop the nodes using the pool and run `{self.REPAIR}`")
+        if self.REPAIR not in message:
+            message = f"{message} (pool metadata is corrupt: run `{self.REPAIR}`)"
+        super().__init__(message, **kw)
+
+
 class PoolTruncated(PoolInvalid):
     kind = "truncated"
 

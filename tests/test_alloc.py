@@ -55,6 +55,17 @@ def test_bad_frees_are_refused(apool, bad, msg):
         pool.free(o)                     # the good one is untouched and frees fine
 
 
+@pytest.mark.parametrize("nbytes", [0, -4096])
+def test_a_size_of_nothing_is_a_usage_error(apool, nbytes):
+    from cxlkv.errors import UsageError
+
+    with cxlkv.open_pool(apool) as pool:
+        with pytest.raises(UsageError, match=f"cannot allocate {nbytes} bytes"):
+            pool.alloc(nbytes)
+        with pytest.raises(UsageError):
+            pool.alloc_batch(nbytes, 3)
+
+
 def test_freed_slots_are_zeroed(apool):
     with cxlkv.open_pool(apool) as pool:
         o = pool.alloc(4096)
@@ -211,3 +222,205 @@ def test_nodes_free_each_others_slots(apool):
 
         rep = check(pool)
         assert rep.clean and rep.stats["allocator"]["chunks_used"] == 0
+
+
+# -- releases racing lock-free allocation (issue 14, item 8) ---------------------------
+
+def _head(pool, off: int) -> int:
+    data_off, chunk, _, _ = A.geometry(pool)
+    return (off - data_off) // chunk
+
+
+def _desc(pool, head: int) -> int:
+    return A.geometry(pool)[3] + head * L.CHUNK_DESC_SIZE
+
+
+def _kind(pool, head: int) -> int:
+    return pool.mapping.load64(_desc(pool, head)) & 0xFF
+
+
+def test_slot_holder_publishes_and_frees_while_a_release_looks_at_its_slab(apool, monkeypatch):
+    """The interleaving `cxlkv stress` hit about one run in three: node B, out of
+    room, tries to release node A's slab, which was empty when B listed the
+    empty slabs; A has just taken slots in it.  B's release marks the slab
+    RELEASING, and A publishes and frees in that window (no pool lock); then
+    B sees A's slots and puts the slab back."""
+    with cxlkv.open_pool(apool) as a, cxlkv.open_pool(apool) as b:
+        one, two = a.alloc(4096), a.alloc(4096)
+        head = _head(a, one)
+        assert _head(a, two) == head
+        seen = []
+
+        def b_releasing(site):               # B's release, just past RELEASING
+            if site == "release.releasing" and not seen:
+                seen.append(_kind(a, head))
+                a.publish(two)
+                a.free(one)
+
+        monkeypatch.setattr(A, "crashpoint", b_releasing)
+        with b.lock():
+            assert A.release_slab(b, head) is False
+        assert seen == [L.CHUNK_RELEASING]
+        assert _kind(a, head) == L.CHUNK_HEAD
+        assert A.slot_bits(a, one) == (False, False, False)
+        assert A.slot_bits(a, two) == (True, True, False)
+        a.free(two)
+
+
+def test_release_refuses_a_slab_its_owner_is_allocating_from(apool):
+    """An allocator names its slab in a hazard word before checking it; while
+    the word is up no other node's release takes the slab (so it cannot be
+    remade, and the allocator's slot bit can never land in someone else's slab)."""
+    with cxlkv.open_pool(apool) as a, cxlkv.open_pool(apool) as b:
+        off = a.alloc(4096)
+        a.free(off)                                 # A's slab is empty, still A's
+        head = _head(a, off)
+        hazard = A.heap_offset(a, a.node.slot) + 8 * 3
+        a.mapping.store64(hazard, head + 1)          # A between its check and its CAS
+        with b.lock():
+            assert A.release_slab(b, head) is False
+        assert _kind(a, head) == L.CHUNK_HEAD
+        b.mapping.store64(A.heap_offset(b, b.node.slot), head + 1)  # B's hazards don't count
+        a.mapping.store64(hazard, 0)
+        with b.lock():
+            assert A.release_slab(b, head) is True
+        assert _kind(a, head) == L.CHUNK_FREE
+        b.mapping.store64(A.heap_offset(b, b.node.slot), 0)
+
+
+def test_allocation_falls_back_to_the_pool_lock_when_every_hazard_word_is_taken(apool):
+    with cxlkv.open_pool(apool) as pool:
+        off = pool.alloc(4096)
+        head = _head(pool, off)
+        heap = A.heap_offset(pool, pool.node.slot)
+        m, al = pool.mapping, pool.allocator
+        assert [m.load64(heap + 8 * i) for i in range(L.HEAP_HAZARDS)] == [0] * 8   # dropped
+        for i in range(L.HEAP_HAZARDS):                 # other threads of this node
+            m.store64(heap + 8 * i, 1000 + i)
+        out = np.empty(1, dtype=np.uint64)
+        assert m.slab_alloc(head, al.token, out, 1, True, 4096, heap) == -2
+        more = pool.alloc(4096)                         # under the pool lock instead
+        assert _head(pool, more) == head and more != off
+        assert [m.load64(heap + 8 * i) for i in range(L.HEAP_HAZARDS)] == \
+            [1000 + i for i in range(8)]
+        for i in range(L.HEAP_HAZARDS):
+            m.store64(heap + 8 * i, 0)
+        pool.free_batch([off, more])
+
+
+HAZARD_CRASH = r'''
+import sys, cxlkv
+pool = cxlkv.open_pool(sys.argv[1])
+pool.alloc(4096)
+'''
+
+
+def test_a_node_killed_mid_allocation_has_its_hazard_dropped_by_recovery(apool):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CXLKV_CRASH_AT": "alloc.bit:1"}
+    r = subprocess.run([sys.executable, "-c", HAZARD_CRASH, apool], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == -9, r.stderr
+    with Pool.open(apool) as p:                          # not attached: nothing reaped yet
+        d = A.descriptors(p)
+        heads = np.flatnonzero((d["control"] & 0xFF) == L.CHUNK_HEAD)
+        del d
+        assert len(heads) == 1
+        heaps = [[p.mapping.load64(A.heap_offset(p, s) + 8 * i) for i in range(8)]
+                 for s in range(p.sb.max_nodes)]
+        assert sorted(w for ws in heaps for w in ws if w) == [int(heads[0]) + 1]
+    with cxlkv.open_pool(apool) as pool:                 # reaps the dead node
+        assert all(pool.mapping.load64(A.heap_offset(pool, s) + 8 * i) == 0
+                   for s in range(pool.sb.max_nodes) for i in range(8))
+        from cxlkv.state.fsck import check
+
+        rep = check(pool)
+        assert rep.clean, [f.to_json() for f in rep.errors]
+        assert rep.stats["allocator"]["slots_allocated"] == 0
+
+
+@pytest.fixture
+def crowded_pool(pool_path):
+    """64 MiB in 2 MiB chunks: 30 chunks, so slabs are released and remade all the time."""
+    init_pool(pool_path, {"size": 64 * MiB, "chunk_size": 2 * MiB, "max_nodes": 16})
+    return pool_path
+
+
+@pytest.mark.parametrize("nodes,seed", [(3, 1), (4, 2), (6, 3), (8, 4)])
+def test_stress_on_a_crowded_pool_finds_nothing(crowded_pool, nodes, seed):
+    """Workers allocate, publish, verify and free in a pool that is full most
+    of the time (releases racing lock-free allocation in other nodes' slabs)."""
+    from cxlkv.pool.pool import Pool as P
+    from cxlkv.state import stress
+    from cxlkv.state.fsck import check
+
+    res = stress.run(stress.Options(pool=crowded_pool, nodes=nodes, ops=5000, seed=seed,
+                                    mix={"alloc": 40, "free": 30, "verify": 20, "lock": 10}))
+    assert res.violations == []
+    assert res.ops["total"] >= 5000 and res.ops["alloc"] > 1000
+    with P.open(crowded_pool, writable=False) as p:
+        rep = check(p)
+    assert rep.clean, rep.to_json()
+    assert rep.stats["allocator"]["slots_allocated"] == rep.stats["allocator"]["chunks_used"] == 0
+
+
+# -- corrupt descriptors (issue 14, item 7) ---------------------------------------------
+
+CORRUPT = {
+    "kind": lambda m, h: m.store64(h, 0x7F),                          # no such kind
+    "geometry": lambda m, h: m.store64(h + A._F["nslots"], 100_000),  # > 512 slots
+    "tail": None,                                   # a tail naming no earlier head
+}
+
+
+@pytest.mark.parametrize("op,how", [(op, how) for op in ("alloc", "free", "publish")
+                                    for how in CORRUPT
+                                    if (op, how) != ("alloc", "tail")])  # reads its head only
+def test_a_corrupt_descriptor_fails_fast_naming_fsck_repair(apool, op, how):
+    from cxlkv.errors import CxlkvError, MetadataCorrupt
+    from cxlkv.state.fsck import check
+    from cxlkv.state.repair import repair
+
+    size = 3 * MiB if how == "tail" else 4096
+    with cxlkv.open_pool(apool) as pool:
+        m = pool.mapping
+        target = pool.alloc(size)
+        head = _head(pool, target)
+        if how == "tail":           # 3 MiB slots: a 3-chunk slab, slot 1 starts in chunk 1
+            target = pool.alloc(size)
+            assert _head(pool, target) == head + 1
+            m.store64(_desc(pool, head + 1), L.CHUNK_TAIL | (head + 1) << 8)
+        else:
+            CORRUPT[how](m, _desc(pool, head))
+        before = m.read(_desc(pool, head), 2 * L.CHUNK_DESC_SIZE)
+        call = {"alloc": lambda: pool.alloc(size), "free": lambda: pool.free(target),
+                "publish": lambda: pool.publish(target)}[op]
+        with pytest.raises(MetadataCorrupt, match=r"cxlkv fsck --repair") as err:
+            call()
+        assert isinstance(err.value, CxlkvError) and err.value.exit_code == 4
+        assert apool in str(err.value)
+        assert m.read(_desc(pool, head), 2 * L.CHUNK_DESC_SIZE) == before   # nothing written
+    rep = repair(apool)                                  # what the message says to do
+    assert rep.after.clean, rep.after.to_json()
+    with Pool.open(apool, writable=False) as p:
+        assert check(p).clean
+
+
+def test_kv_store_on_a_corrupt_descriptor_raises_metadata_corrupt(kvpool):
+    from cxlkv.errors import MetadataCorrupt
+
+    bb = 4096
+    with cxlkv.open_pool(kvpool) as pool:
+        kv = pool.kv(model="m", block_tokens=16, block_bytes=bb)
+        assert kv.store(np.arange(32), bytes(2 * bb)) == 2
+        d = A.descriptors(pool)
+        heads = np.flatnonzero(((d["control"] & 0xFF) == L.CHUNK_HEAD)
+                               & (d["slot_size"] == A.slot_size_for(pool, bb)))
+        del d
+        assert len(heads) == 1
+        pool.mapping.store64(_desc(pool, int(heads[0])) + A._F["nslots"], 100_000)
+        with pytest.raises(MetadataCorrupt, match=r"cxlkv fsck --repair"):
+            kv.store(np.arange(1000, 1032), bytes(2 * bb))

@@ -43,6 +43,7 @@ PINNED = {
         "nchunks": (32, 8), "pad": (40, 24), "alloc_bits": (64, 64),
         "pub_bits": (128, 64), "dirty_bits": (192, 64),
     }),
+    "heap": (1024, {"hazard": (0, 64), "reserved": (64, 960)}),
     "lock_entry": (128, {
         "state": (0, 8), "ticket": (8, 8), "epoch": (16, 8), "req_seq": (24, 8),
         "release_seq": (32, 8), "freeing": (40, 8), "line0_pad": (48, 16),
@@ -120,6 +121,7 @@ def test_constants_agree():
         "LOCK_ABANDONED": L.LOCK_ABANDONED, "CHUNK_FREE": L.CHUNK_FREE,
         "CHUNK_HEAD": L.CHUNK_HEAD, "CHUNK_TAIL": L.CHUNK_TAIL,
         "CHUNK_RELEASING": L.CHUNK_RELEASING, "SLAB_MAX_SLOTS": L.SLAB_MAX_SLOTS,
+        "HEAP_HAZARDS": L.HEAP_HAZARDS,
         "FEATURE_COMPAT_KV": L.COMPAT_KV, "FEATURE_COMPAT_SUPP": L.COMPAT_SUPPORTED,
         "FEATURE_INCOMPAT_SUPP": L.INCOMPAT_SUPPORTED,
         "FEATURE_RO_COMPAT_SUPP": L.RO_COMPAT_SUPPORTED,
@@ -142,6 +144,7 @@ def test_pinned_values():
     assert L.MAGIC == b"CXLKVPOL"
     assert (L.FORMAT_VERSION, L.SB_SIZE, L.NODE_SIZE, L.HASH_ENTRY_SIZE) == (1, 4096, 512, 64)
     assert L.CHUNK_DESC_SIZE == 256
+    assert (L.HEAP_SIZE, L.HEAP_HAZARDS) == (1024, 8)
     assert L.REGION_NAMES == ("nodes", "locks", "bitmap", "heaps", "hash", "data", "kv")
     assert L.POOL_ORDER == ("nodes", "locks", "bitmap", "heaps", "hash", "kv", "data")
     assert (L.KV_MAGIC.to_bytes(8, "little"), L.COMPAT_KV) == (b"CXLKVKV1", 1)

@@ -5,7 +5,7 @@ takes a byte offset from the pool base and is bounds-checked in C.
 """
 import os
 
-from cxlkv.errors import PoolRangeError
+from cxlkv.errors import MetadataCorrupt, PoolRangeError
 
 try:
     from cxlkv._core import _native
@@ -24,7 +24,7 @@ if _native.ABI_VERSION != EXPECTED_ABI:  # pragma: no cover - depends on the bui
         f"(expects {EXPECTED_ABI}): rebuild with `pip install -e .`"
     )
 
-_native.set_error_types(PoolRangeError)
+_native.set_error_types(PoolRangeError, MetadataCorrupt)
 
 #: crash points are live only when CXLKV_CRASH_AT or CXLKV_PAUSE_AT is set
 #: (tests); hot paths test this flag before calling crashpoint().

@@ -190,6 +190,19 @@ class ChunkStruct(ctypes.LittleEndianStructure):
     ]
 
 
+HEAP_HAZARDS = 8
+
+
+class HeapStruct(ctypes.LittleEndianStructure):
+    """Per-node heap header: the allocator's hazard words (cxlkv_format.h)."""
+
+    _pack_ = 1
+    _fields_ = [
+        ("hazard", c_uint64 * HEAP_HAZARDS),
+        ("reserved", c_uint8 * 960),
+    ]
+
+
 # KV cache (see cxlkv_format.h): hash entry states, records, per-node areas.
 KV_EMPTY = 0
 KV_WRITING = 1
@@ -305,7 +318,7 @@ class KVNodeStruct(ctypes.LittleEndianStructure):
 
 STRUCTS = {"superblock": SuperblockStruct, "region": Region, "node": NodeStruct,
            "lock_hdr": LockHdrStruct, "lock_entry": LockEntryStruct, "chunk": ChunkStruct,
-           "hash_entry": HashEntryStruct, "kv_hdr": KVHdrStruct, "kv_stats": KVStatsStruct,
+           "heap": HeapStruct, "hash_entry": HashEntryStruct, "kv_hdr": KVHdrStruct, "kv_stats": KVStatsStruct,
            "kv_ns": KVNsStruct, "kv_tenant": KVTenantStruct, "kv_node": KVNodeStruct}
 
 

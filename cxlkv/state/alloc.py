@@ -17,10 +17,23 @@ adopt.  Freed slots are zeroed, or marked dirty and zeroed before they are
 handed out again (zero=False on free: for callers whose next writer
 overwrites the whole slot).
 
+Releases and lock-free allocation: any node may release any empty slab
+(under the pool lock), while owners take slots from their slabs without it.
+An allocator first names the slab in a hazard word of its node's heap header
+(L.HeapStruct), then checks the slab is its own; release_slab marks the slab
+RELEASING, then refuses while the owner's hazard words name it or any slot is
+allocated.  So a slab never changes under an allocator that has checked it,
+and a slot bit once set is the allocator's (nothing takes it back); a slot's
+holder may publish or free it while a release looks at its slab (RELEASING
+goes back to HEAD).
+
 Crash order: a new slab's descriptors are written before its bitmap bits are
 set; a released slab's descriptors are cleared before its bits are.  So a
 crash leaves at worst descriptors without bits (an owned slab recovery
 releases) or bits without descriptors (a leak recovery reclaims).
+
+Descriptors that cannot be right raise MetadataCorrupt (naming
+`cxlkv fsck --repair`) before anything is written.
 """
 from __future__ import annotations
 
@@ -29,8 +42,8 @@ import threading
 
 import numpy as np
 
-from cxlkv._core import crashpoint
-from cxlkv.errors import CxlkvError, RefusedError
+from cxlkv._core import crashpoint, fence
+from cxlkv.errors import CxlkvError, MetadataCorrupt, RefusedError, UsageError
 from cxlkv.pool import layout as L
 from cxlkv.state import nodes as N
 from cxlkv.state.locks import entry_offset as lock_entry_offset
@@ -57,6 +70,31 @@ class AllocError(CxlkvError, ValueError):
 
     exit_code = 1
     kind = "bad-offset"
+
+
+def heap_offset(pool, slot: int) -> int:
+    """Pool offset of node slot `slot`'s heap header (its hazard words)."""
+    return pool.region("heaps")[0] + slot * L.HEAP_SIZE
+
+
+def _hazard_on(pool, head: int, owner: int) -> bool:
+    """Whether an allocator of the node that owner token `owner` names has
+    slab `head` in a hazard word.  Only the owner allocates from a slab
+    without the pool lock, so only its hazard words matter."""
+    slot = (owner & 0xFFFF) - 1
+    if not 0 <= slot < pool.sb.max_nodes:
+        return False                          # orphan (0), or no node's token
+    m, off = pool.mapping, heap_offset(pool, slot)
+    m.invalidate(off, 8 * L.HEAP_HAZARDS)
+    return any(m.load64(off + 8 * i) == head + 1 for i in range(L.HEAP_HAZARDS))
+
+
+def clear_hazards(pool, slot: int) -> None:
+    """Drop every hazard word of node slot `slot` (its node is gone)."""
+    m, off = pool.mapping, heap_offset(pool, slot)
+    for i in range(L.HEAP_HAZARDS):
+        m.store64(off + 8 * i, 0)
+    m.flush(off, 8 * L.HEAP_HAZARDS)
 
 
 def geometry(pool) -> tuple[int, int, int, int]:
@@ -120,8 +158,9 @@ def slot_bits(pool, off: int) -> tuple[bool, bool, bool] | None:
 
 
 def slot_size_for(pool, nbytes: int) -> int:
+    """The slot size a request of nbytes gets; UsageError for nbytes <= 0."""
     if nbytes <= 0:
-        raise ValueError(f"cannot allocate {nbytes} bytes")
+        raise UsageError(f"cannot allocate {nbytes} bytes")
     min_slot = max(64, -(-pool.sb.chunk_size // L.SLAB_MAX_SLOTS))
     min_slot = -(-min_slot // 64) * 64
     return max(min_slot, -(-nbytes // 64) * 64)
@@ -183,10 +222,11 @@ class Allocator:
         # under the pool lock (with invalidate before and flush after)
         self.managed = pool.sb.sync == "manager"
         self.token = pool.node.owner_token
+        # cas mode: this node's hazard words (manager mode allocates under the lock)
+        self.heap = 0 if self.managed else heap_offset(pool, pool.node.slot)
         self._current: dict[int, int] = {}      # slot size -> head chunk of the slab in use
         self._spare: dict[int, list[int]] = {}  # slot size -> slabs made ahead for a batch
         self._slow = threading.Lock()
-        self._one = np.empty(1, dtype=np.uint64)
 
     # -- public ----------------------------------------------------------------
     def _locked(self):
@@ -205,8 +245,10 @@ class Allocator:
                 return int(self.alloc_batch(nbytes, 1, zero)[0])
         ss = slot_size_for(self.pool, nbytes)
         head = self._current.get(ss)
-        if head is not None and self.m.slab_alloc(head, self.token, self._one, 1, zero, ss) == 1:
-            return int(self._one[0])
+        if head is not None:
+            one = np.empty(1, dtype=np.uint64)
+            if self._slab_alloc(head, one, 1, zero, ss) == 1:
+                return int(one[0])
         return int(self.alloc_batch(nbytes, 1, zero)[0])
 
     def alloc_batch(self, nbytes: int, count: int, zero: bool = True) -> np.ndarray:
@@ -224,7 +266,7 @@ class Allocator:
             while got < count:
                 head = self._current.get(ss)
                 if head is not None:
-                    r = self.m.slab_alloc(head, self.token, out[got:], count - got, zero, ss)
+                    r = self._slab_alloc(head, out[got:], count - got, zero, ss)
                     if r > 0:
                         got += r
                         continue
@@ -235,13 +277,27 @@ class Allocator:
                             self._find_slab(ss, count - got)
         except BaseException:
             if got:
-                self.m.slab_free(out[:got], True, 0)
+                self.free_batch(out[:got], True)
             raise
         return out
 
+    def _slab_alloc(self, head: int, out: np.ndarray, count: int, zero: bool, ss: int) -> int:
+        """Slots from slab `head` (see Mapping.slab_alloc): -1 when the slab is
+        not this node's active slab of size ss."""
+        try:
+            r = self.m.slab_alloc(head, self.token, out, count, zero, ss, self.heap)
+            if r == -2:             # other threads of this node hold every hazard word
+                with self._locked():
+                    r = self.m.slab_alloc(head, self.token, out, count, zero, ss, 0)
+        except MetadataCorrupt as e:
+            raise self._corrupt(e) from None
+        return r
+
+    def _corrupt(self, e: MetadataCorrupt) -> MetadataCorrupt:
+        return MetadataCorrupt(f"{self.pool.path}: {e}", path=self.pool.path)
+
     def free(self, offset: int, zero: bool = True) -> None:
-        self._one[0] = offset
-        self.free_batch(self._one, zero)
+        self.free_batch(np.array([offset], dtype=np.uint64), zero)
 
     def free_batch(self, offsets, zero: bool = True) -> int:
         """Free slots (any node's).  zero=True zeroes them now; False marks them
@@ -262,6 +318,8 @@ class Allocator:
                     self.pool.node.guard()
                     with self._locked():
                         done += self._free_foreign(int(arr[done]), zero)
+        except MetadataCorrupt as e:
+            raise self._corrupt(e) from None
         except ValueError as e:
             raise AllocError(str(e)) from None
         return done
@@ -292,6 +350,8 @@ class Allocator:
         self.pool.node.guard()             # a fenced node publishes nothing
         try:
             return self.m.slab_publish(arr)
+        except MetadataCorrupt as e:
+            raise self._corrupt(e) from None
         except ValueError as e:
             raise AllocError(str(e)) from None
 
@@ -411,11 +471,18 @@ def set_bits(pool, first: int, count: int, value: bool) -> None:
         mask = ((1 << (hi - lo)) - 1) << lo
         woff = off + w * 8
         m.invalidate(woff, 8)
-        while True:
-            cur = m.load64(woff)
+        cur = m.load64(woff)
+        # only pool-lock holders change the bitmap: a retry means a word
+        # changing under the lock, which a few tries cannot outlast
+        for _ in range(64):
             new = cur | mask if value else cur & ~mask & 0xFFFFFFFFFFFFFFFF
-            if m.cas64(woff, cur, new) == cur:
+            old = m.cas64(woff, cur, new)
+            if old == cur:
                 break
+            cur = old
+        else:
+            raise MetadataCorrupt(f"{pool.path}: chunk bitmap word {w} keeps changing under "
+                                  "the pool lock", path=pool.path)
         i = w * 64 + hi
     m.flush(off + first // 64 * 8, ((first + count + 63) // 64 - first // 64) * 8)
 
@@ -423,31 +490,42 @@ def set_bits(pool, first: int, count: int, value: bool) -> None:
 def release_slab(pool, head: int, *, resume: bool = False) -> bool:
     """Return an empty slab's chunks to the bitmap (caller holds the pool lock).
 
-    Refused (False) if any slot is allocated: allocators set their bit, then
-    check the slab is still a HEAD; we set RELEASING, then check the bits.
+    Refused (False) while any slot is allocated or the owner's allocator has
+    the slab in a hazard word: allocators set their hazard, then check the
+    slab is a HEAD; we set RELEASING, then check hazards and bits.
     resume=True finishes a release a dead lock holder left half done.
+    Raises MetadataCorrupt for a slab of impossible geometry (a release
+    could clear chunks that are not its own).
     """
-    _, _, _, base = geometry(pool)
+    data_off, chunk, nchunks, base = geometry(pool)
     m = pool.mapping
     h = base + head * L.CHUNK_DESC_SIZE
     if not (resume and m.load64(h) & 0xFF == L.CHUNK_RELEASING):
+        m.invalidate(h, L.CHUNK_DESC_SIZE)
+        d = np.frombuffer(m.read(h, L.CHUNK_DESC_SIZE), dtype=_DESC)
+        if m.load64(h) & 0xFF == L.CHUNK_HEAD and not _geometry_ok(d[0], head, nchunks, chunk):
+            raise MetadataCorrupt(
+                f"{pool.path}: chunk {head}: slab descriptor is corrupt (slot "
+                f"{int(d['slot_size'][0])} x {int(d['nslots'][0])} in "
+                f"{int(d['nchunks'][0])} chunks)", path=pool.path)
         if m.cas64(h, L.CHUNK_HEAD, L.CHUNK_RELEASING) != L.CHUNK_HEAD:
             return False
+    fence()                 # RELEASING is visible before the hazards are read
     m.flush(h, 8)
     crashpoint("release.releasing")
     m.invalidate(h, L.CHUNK_DESC_SIZE)
-    if any(m.read(h + _F["alloc_bits"], 64)):
+    if _hazard_on(pool, head, m.load64(h + _F["owner"])) or any(m.read(h + _F["alloc_bits"], 64)):
         m.store64(h, L.CHUNK_HEAD)
         m.flush(h, 8)
         return False
-    data_off, chunk, nchunks, _ = geometry(pool)
     k = max(1, min(m.load64(h + _F["nchunks"]), nchunks - head))
-    if any(m.read(h + _F["dirty_bits"], 64)):
-        m.zero(data_off + head * chunk, k * chunk)   # stale bytes never outlive a slab
     # only this slab's own tails: a chunk in the span may already belong to
     # someone else if this slab was never finished
     ours = [i for i in range(head + 1, head + k)
             if m.load64(base + i * L.CHUNK_DESC_SIZE) == L.CHUNK_TAIL | head << 8]
+    if any(m.read(h + _F["dirty_bits"], 64)):
+        for i in [head] + ours:                  # stale bytes never outlive a slab
+            m.zero(data_off + i * chunk, chunk)
     for i in reversed(ours):
         m.store64(base + i * L.CHUNK_DESC_SIZE, L.CHUNK_FREE)
     m.flush(h, k * L.CHUNK_DESC_SIZE)
@@ -461,18 +539,28 @@ def release_slab(pool, head: int, *, resume: bool = False) -> bool:
     return True
 
 
+def _geometry_ok(desc, i: int, nchunks: int, chunk: int) -> bool:
+    """Whether one descriptor (a _DESC record) at chunk i has a possible slab geometry."""
+    ss, ns, nc = int(desc["slot_size"]), int(desc["nslots"]), int(desc["nchunks"])
+    return bool(ss and ss % 64 == 0 and 0 < ns <= L.SLAB_MAX_SLOTS and 0 < nc
+                and i + nc <= nchunks and ns * ss <= nc * chunk)
+
+
 @N.register_recovery(order=20)
 def _recover_allocations(pool, slot: int, epoch: int) -> None:
     """What a dead node left in the allocator, under the pool lock:
-    its unpublished slots are freed (zeroed), its empty slabs released, the
-    rest orphaned (any node may adopt them); then whatever a dead lock holder
-    left half done - a release, tails without a head, bits without a slab."""
+    its hazard words are dropped, its unpublished slots freed (zeroed), its
+    empty slabs released, the rest orphaned (any node may adopt them); then
+    whatever a dead lock holder left half done - a release, tails without a
+    head, bits without a slab.  Slabs of impossible geometry are left for
+    fsck to report."""
     token = (slot + 1) | epoch << 16
     pool.mapping.flush_meta = pool.sb.sync == "manager" or pool.mapping.noncoherent
     with held_lock(pool, slot):
         data_off, chunk, nchunks, base = geometry(pool)
         pool.mapping.set_geometry(data_off, chunk, nchunks, base)
         m = pool.mapping
+        clear_hazards(pool, slot)
         rec = lock_entry_offset(pool, slot) + _FREEING
         m.invalidate(rec, 8)
         freeing = m.load64(rec)
@@ -502,9 +590,9 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
                 h = base + head * L.CHUNK_DESC_SIZE
                 if m.load64(h) & 0xFF != L.CHUNK_HEAD:
                     continue
-                ss, ns = int(d["slot_size"][head]), int(d["nslots"][head])
-                if not (0 < ns <= L.SLAB_MAX_SLOTS and ss and ss % 64 == 0):
+                if not _geometry_ok(d[head], head, nchunks, chunk):
                     continue                    # corrupt: left for fsck to report
+                ss, ns = int(d["slot_size"][head]), int(d["nslots"][head])
                 alloc = [int(x) for x in d["alloc_bits"][head]]
                 pub = [int(x) for x in d["pub_bits"][head]]
                 dirty = [int(x) for x in d["dirty_bits"][head]]
@@ -512,8 +600,7 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
                 gone = [alloc[w] & (~pub[w] | dirty[w]) for w in range(8)]
                 reserved = [i for i in range(ns) if (gone[i // 64] >> (i % 64)) & 1]
                 if reserved:
-                    m.slab_free(np.array([data_off + head * chunk + i * ss for i in reserved],
-                                         dtype=np.uint64), True, 0)
+                    _free_slots(m, [data_off + head * chunk + i * ss for i in reserved])
                 m.store64(h + _F["owner"], 0)
                 m.flush(h, 64)
                 release_slab(pool, head)        # refused while published slots remain
@@ -521,6 +608,18 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
             del d
         _finish_interrupted_frees(pool, live_owner=_live_tokens(pool))
         _repair_dangling(pool)
+
+
+def _free_slots(m, offsets: list[int]) -> None:
+    """Free slots, zeroed, for recovery (pool lock held): a slot whose
+    descriptors are corrupt stays for fsck to report, the others go."""
+    arr = np.array(offsets, dtype=np.uint64)
+    try:
+        m.slab_free(arr, True, 0)
+    except MetadataCorrupt:
+        for i in range(len(arr)):              # one by one past the bad one
+            with contextlib.suppress(ValueError):
+                m.slab_free(arr[i:i + 1], True, 0)
 
 
 def _live_tokens(pool) -> set[int]:
@@ -535,7 +634,7 @@ def _finish_interrupted_frees(pool, live_owner: set[int]) -> None:
     finish them - in slabs no live node owns (a live owner frees its own
     slots without the lock, and its own recovery finishes them) - and return
     empty ones of those slabs to the bitmap.  Caller holds the pool lock."""
-    data_off, chunk, _, base = geometry(pool)
+    data_off, chunk, nchunks, base = geometry(pool)
     d = descriptors(pool)
     try:
         kind = d["control"] & 0xFF
@@ -543,9 +642,9 @@ def _finish_interrupted_frees(pool, live_owner: set[int]) -> None:
                  if int(d["owner"][h]) not in live_owner]
         todo, empty = [], []
         for h in heads:
-            ss, ns = int(d["slot_size"][h]), int(d["nslots"][h])
-            if not (0 < ns <= L.SLAB_MAX_SLOTS and ss and ss % 64 == 0):
+            if not _geometry_ok(d[h], h, nchunks, chunk):
                 continue                        # corrupt: left for fsck to report
+            ss, ns = int(d["slot_size"][h]), int(d["nslots"][h])
             a = [int(x) for x in d["alloc_bits"][h]]
             dirty = [int(x) for x in d["dirty_bits"][h]]
             hit = [i for i in range(ns) if (a[i // 64] & dirty[i // 64]) >> (i % 64) & 1]
@@ -555,7 +654,7 @@ def _finish_interrupted_frees(pool, live_owner: set[int]) -> None:
     finally:
         del d
     if todo:
-        pool.mapping.slab_free(np.array(todo, dtype=np.uint64), True, 0)
+        _free_slots(pool.mapping, todo)
     for h in empty:
         release_slab(pool, h)
 

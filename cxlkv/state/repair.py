@@ -467,6 +467,10 @@ def _allocator(pool, rep: Repair, live: set[int]) -> None:
     finally:
         del d
     bits = A.bitmap(pool)
+
+    def covered_by_other(j: int, named: int) -> bool:
+        return named in spans and named < j < named + spans[named]
+
     for h, k in spans.items():
         for j in range(h + 1, h + k):
             if kind[j] == L.CHUNK_FREE:
@@ -474,6 +478,13 @@ def _allocator(pool, rep: Repair, live: set[int]) -> None:
                 m.flush(_desc(pool, j), 8)
                 kind[j] = L.CHUNK_TAIL
                 rep.did("slab-tail", f"chunk {j}", f"missing tail of slab {h} restored")
+            elif kind[j] == L.CHUNK_TAIL:
+                named = int(m.load64(_desc(pool, j))) >> 8
+                if named != h and not covered_by_other(j, named):
+                    m.store64(_desc(pool, j), L.CHUNK_TAIL | h << 8)
+                    m.flush(_desc(pool, j), 8)
+                    rep.did("slab-tail", f"chunk {j}", f"tail of slab {h} named chunk {named} "
+                                                       "instead: restored")
         missing = [j for j in range(h, h + k) if not bits[j]
                    and (j == h or int(m.load64(_desc(pool, j))) == L.CHUNK_TAIL | h << 8)]
         for j in missing:

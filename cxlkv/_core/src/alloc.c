@@ -7,6 +7,13 @@
  * the pool lock (cas mode).  Every offset - from the caller or read from a
  * descriptor - is validated against the geometry set by set_geometry(),
  * which itself was checked against the mapping.
+ *
+ * Lock-free allocation is fenced against release by the node's hazard words
+ * (struct cxlkv_heap, see cxlkv_format.h): a slab an allocator has checked
+ * cannot be released under it, so a slot bit, once set, is never taken back.
+ * Descriptors that cannot be right (an unknown kind, a tail that names no
+ * earlier head, impossible slab geometry) raise cxlkv_CorruptError, before
+ * anything is written; a bad offset from the caller raises ValueError.
  */
 #include "core.h"
 
@@ -18,6 +25,7 @@
 #define CD_ALLOC     offsetof(struct cxlkv_chunk, alloc_bits)
 #define CD_PUB       offsetof(struct cxlkv_chunk, pub_bits)
 #define CD_DIRTY     offsetof(struct cxlkv_chunk, dirty_bits)
+#define HEAP_HAZARD  offsetof(struct cxlkv_heap, hazard)
 
 static inline void
 bit_set(Mapping *m, uint64_t word_off, uint64_t bit)
@@ -85,10 +93,16 @@ slab_geometry(Mapping *m, uint64_t head, uint64_t *slot_size, uint64_t *nslots,
     return NULL;
 }
 
-/* Map a pool offset to (head chunk, slot).  NULL or an error string. */
+/* Map a pool offset to (head chunk, slot).  NULL, or an error string with
+ * *corrupt set when the descriptors are impossible rather than the offset
+ * wrong.  A RELEASING head is still a slab: release_slab sets RELEASING, then
+ * goes back to HEAD if any slot is allocated, so the holder of a slot may
+ * publish or free it meanwhile (the caller checks the slot's alloc bit). */
 static const char *
-decode_slot(Mapping *m, uint64_t off, uint64_t *head, uint64_t *slot, uint64_t *slot_size)
+decode_slot(Mapping *m, uint64_t off, uint64_t *head, uint64_t *slot, uint64_t *slot_size,
+            int *corrupt)
 {
+    *corrupt = 0;
     if (off < m->data_off || off - m->data_off >= m->chunk_size * m->nchunks)
         return "offset is outside the data area";
     uint64_t idx = (off - m->data_off) / m->chunk_size;
@@ -98,18 +112,28 @@ decode_slot(Mapping *m, uint64_t off, uint64_t *head, uint64_t *slot, uint64_t *
     uint64_t kind = ctl & 0xff, h = idx;
     if (kind == CXLKV_CHUNK_TAIL) {
         h = ctl >> 8;
-        if (h >= idx)
-            return "chunk descriptor is corrupt (tail before its head)";
+        if (h >= idx) {
+            *corrupt = 1;
+            return "chunk descriptor is corrupt (a tail that names no earlier head)";
+        }
         if (m->flush_meta)
             pool_invalidate(m, m->desc_base + h * CXLKV_CHUNK_DESC_SIZE, CXLKV_CHUNK_DESC_SIZE);
         kind = pool_load64(m, m->desc_base + h * CXLKV_CHUNK_DESC_SIZE + CD_CONTROL) & 0xff;
     }
-    if (kind != CXLKV_CHUNK_HEAD)
+    if (kind > CXLKV_CHUNK_RELEASING) {
+        *corrupt = 1;
+        return "chunk descriptor is corrupt (unknown kind)";
+    }
+    if (kind != CXLKV_CHUNK_HEAD && kind != CXLKV_CHUNK_RELEASING)
         return "offset is not in an allocated slab";
     uint64_t ns, base;
     const char *err = slab_geometry(m, h, slot_size, &ns, &base);
-    if (err)
+    if (err) {
+        if (kind == CXLKV_CHUNK_RELEASING)  /* past its check: being cleared */
+            return "offset is not in an allocated slab";
+        *corrupt = 1;
         return err;
+    }
     uint64_t rel = off - base;
     if (rel % *slot_size)
         return "offset is not the start of a slot";
@@ -136,21 +160,58 @@ get_offsets(PyObject *obj, Py_buffer *b, int writable)
     return 0;
 }
 
-/* slab_alloc(head, owner, out, count, zero, slot_size=0) -> allocated
+/* Claim one of the hazard words of the node heap header at `heap` for the
+ * slab whose head chunk is `head`; -> the word's offset, or 0 when other
+ * threads of this node hold all of them. */
+static uint64_t
+hazard_claim(Mapping *m, uint64_t heap, uint64_t head)
+{
+    for (uint64_t i = 0; i < CXLKV_HEAP_HAZARDS; i++) {
+        uint64_t w = heap + HEAP_HAZARD + i * 8;
+        if (pool_cas64(m, w, 0, head + 1) == 0) {
+            if (m->flush_meta)
+                pool_flush(m, w, 8);
+            /* Dekker with release_slab(): the hazard is visible before this
+             * thread reads the slab's descriptor */
+            __atomic_thread_fence(__ATOMIC_SEQ_CST);
+            return w;
+        }
+    }
+    return 0;
+}
+
+static void
+hazard_drop(Mapping *m, uint64_t w)
+{
+    pool_store64(m, w, 0);
+    if (m->flush_meta)
+        pool_flush(m, w, 8);
+}
+
+/* slab_alloc(head, owner, out, count, zero, slot_size=0, heap=0) -> allocated
  * Allocates up to `count` slots from the slab whose head chunk index is
- * `head`, writing their pool offsets to out[0..].  Returns -1 when the slab
- * is not an active slab owned by `owner` (released, adopted by someone else)
- * or, with slot_size, not of that slot size (released by another node and
- * remade by this one for another size). */
+ * `head`, writing their pool offsets to out[0..].  -1 when the slab is not an
+ * active slab owned by `owner` (released, adopted by someone else) or, with
+ * slot_size, not of that slot size (released and remade for another size).
+ * heap: the pool offset of the calling node's heap header; a hazard word
+ * there names the slab while it is in use, so that no release can take the
+ * slab from under this call.  -2 when every hazard word is taken (other
+ * threads of the node): call again holding the pool lock, with heap 0 (the
+ * lock alone keeps releases out).  Raises cxlkv_CorruptError when the head's
+ * descriptor is impossible. */
 PyObject *
 Mapping_slab_alloc(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    uint64_t head, owner, count, want_ss = 0;
+    uint64_t head, owner, count, want_ss = 0, heap = 0;
     int zero;
-    if (nargs_check(nargs, 5, 6, "slab_alloc") < 0 || need_geometry(m, "slab_alloc") < 0 ||
+    if (nargs_check(nargs, 5, 7, "slab_alloc") < 0 || need_geometry(m, "slab_alloc") < 0 ||
         (nargs > 5 && as_u64(args[5], &want_ss, "slot_size") < 0) ||
+        (nargs > 6 && as_u64(args[6], &heap, "heap") < 0) ||
         as_u64(args[0], &head, "head") < 0 || as_u64(args[1], &owner, "owner") < 0 ||
         as_u64(args[3], &count, "count") < 0 || check_writable(m, "slab_alloc") < 0)
+        return NULL;
+    if (heap && (check_word(m, heap, "slab_alloc heap") < 0 ||
+                 check_range(m, heap, CXLKV_HEAP_SIZE, "slab_alloc heap") < 0))
         return NULL;
     if ((zero = PyObject_IsTrue(args[4])) < 0)
         return NULL;
@@ -166,13 +227,21 @@ Mapping_slab_alloc(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         count = (uint64_t)(out.len / 8);
     uint64_t d = m->desc_base + head * CXLKV_CHUNK_DESC_SIZE;
     uint64_t *dst = out.buf;
-    if (m->flush_meta)
-        pool_invalidate(m, d, CXLKV_CHUNK_DESC_SIZE);
     long long got = 0;
     const char *err = NULL;
-    uint64_t ss, ns, base;
-    if ((pool_load64(m, d + CD_CONTROL) & 0xff) != CXLKV_CHUNK_HEAD ||
-        pool_load64(m, d + CD_OWNER) != owner) {
+    uint64_t ss, ns, base, kind, hz = 0;
+    if (heap && !(hz = hazard_claim(m, heap, head))) {
+        got = -2;
+        goto done;
+    }
+    if (m->flush_meta)
+        pool_invalidate(m, d, CXLKV_CHUNK_DESC_SIZE);
+    kind = pool_load64(m, d + CD_CONTROL) & 0xff;
+    if (kind > CXLKV_CHUNK_RELEASING) {
+        err = "chunk descriptor is corrupt (unknown kind)";
+        goto done;
+    }
+    if (kind != CXLKV_CHUNK_HEAD || pool_load64(m, d + CD_OWNER) != owner) {
         got = -1;
         goto done;
     }
@@ -206,14 +275,16 @@ Mapping_slab_alloc(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
             break;
         uint64_t w = slot / 64, bit = 1ull << (slot % 64);
         cxlkv_crashpoint("alloc.bit");
-        /* Dekker with release_slab(): it sets RELEASING, then looks at the bits;
-         * and the slab must still be ours (not released and remade by another
-         * node while this one was paused) */
-        if ((pool_load64(m, d + CD_CONTROL) & 0xff) != CXLKV_CHUNK_HEAD ||
-            pool_load64(m, d + CD_OWNER) != owner || pool_load64(m, d + CD_SLOT) != ss) {
-            bit_clear(m, d + CD_ALLOC + w * 8, bit);
+        /* The hazard (or the pool lock) kept every release out since the check
+         * above; a release may have set RELEASING meanwhile, and goes back to
+         * HEAD on seeing the hazard.  A slab that is not ours all the same
+         * means this node was declared dead and recovered (its hazards
+         * cleared): the slot may be someone else's by now, so its bit stays
+         * (recovery or fsck --repair reclaims it) and nothing is handed out. */
+        kind = pool_load64(m, d + CD_CONTROL) & 0xff;
+        if ((kind != CXLKV_CHUNK_HEAD && kind != CXLKV_CHUNK_RELEASING) ||
+            pool_load64(m, d + CD_OWNER) != owner || pool_load64(m, d + CD_SLOT) != ss)
             break;
-        }
         if (pool_load64(m, d + CD_DIRTY + w * 8) & bit) {
             if (zero)
                 pool_zero(m, base + slot * ss, ss, 1);
@@ -226,9 +297,11 @@ Mapping_slab_alloc(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     Py_END_ALLOW_THREADS
     m->busy--;
 done:
+    if (hz)
+        hazard_drop(m, hz);
     PyBuffer_Release(&out);
     if (err) {
-        PyErr_Format(PyExc_ValueError, "slab_alloc: chunk %llu: %s", (unsigned long long)head,
+        PyErr_Format(cxlkv_CorruptError, "slab_alloc: chunk %llu: %s", (unsigned long long)head,
                      err);
         return NULL;
     }
@@ -239,13 +312,19 @@ done:
  * Frees slots in order.  owner != 0: stops (returning how many it freed) at
  * the first slot whose slab another node owns - the caller takes the pool
  * lock and calls again with owner 0 for the rest, so that frees in slabs
- * that are not the caller's are serialised with recovery.  Raises ValueError
- * at the first offset that is not an allocated slot (the ones before it are
- * freed).
+ * that are not the caller's are serialised with recovery and with releases.
+ * Raises ValueError at the first offset that is not an allocated slot,
+ * cxlkv_CorruptError at the first whose descriptors are impossible (the ones
+ * before it are freed).
  * Order, so that a crash at any point is recognisable and finishable:
  *   dirty bit set ("contents going away") -> pub bit cleared -> contents
  *   zeroed (zero=True) -> alloc bit cleared -> dirty bit cleared (zeroed).
- * An allocated slot with its dirty bit set is a free that was interrupted. */
+ * An allocated slot with its dirty bit set is a free that was interrupted.
+ * owner != 0 (no pool lock): clearing the last alloc bit lets another node
+ * release the slab and remake it at once, so nothing may be written to the
+ * descriptor after it - the dirty bit is cleared first.  A crash between the
+ * two leaves an unpublished slot in the caller's own slab, which the
+ * recovery of the caller frees like any reserved slot. */
 PyObject *
 Mapping_slab_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -262,11 +341,12 @@ Mapping_slab_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     const uint64_t *offs = in.buf;
     Py_ssize_t n = in.len / 8, i;
     const char *err = NULL;
+    int corrupt = 0;
     m->busy++;
     Py_BEGIN_ALLOW_THREADS
     for (i = 0; i < n; i++) {
         uint64_t head, slot, ss;
-        if ((err = decode_slot(m, offs[i], &head, &slot, &ss)))
+        if ((err = decode_slot(m, offs[i], &head, &slot, &ss, &corrupt)))
             break;
         uint64_t d = m->desc_base + head * CXLKV_CHUNK_DESC_SIZE;
         if (owner && pool_load64(m, d + CD_OWNER) != owner)
@@ -282,22 +362,27 @@ Mapping_slab_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         if (zero)
             pool_zero(m, offs[i], ss, 1);
         cxlkv_crashpoint("free.zeroed");
+        if (zero && owner)
+            bit_clear(m, d + CD_DIRTY + w * 8, bit);
+        if (m->flush_meta && owner)     /* all but the alloc bit, while the slab is held */
+            pool_flush(m, d + CD_ALLOC, 192);
         uint64_t old = pool_and64(m, d + CD_ALLOC + w * 8, ~bit);
         if (!(old & bit)) {
             err = "slot is not allocated (double free?)";
             break;
         }
-        if (zero)
+        if (zero && !owner)
             bit_clear(m, d + CD_DIRTY + w * 8, bit);
         if (m->flush_meta)
-            pool_flush(m, d + CD_ALLOC, 192);
+            pool_flush(m, d + CD_ALLOC + (owner ? w * 8 : 0), owner ? 8 : 192);
     }
     Py_END_ALLOW_THREADS
     m->busy--;
     uint64_t bad = i < n ? offs[i] : 0;
     PyBuffer_Release(&in);
     if (err) {
-        PyErr_Format(PyExc_ValueError, "free of offset %llu (item %zd): %s; %zd freed before it",
+        PyErr_Format(corrupt ? cxlkv_CorruptError : PyExc_ValueError,
+                     "free of offset %llu (item %zd): %s; %zd freed before it",
                      (unsigned long long)bad, i, err, i);
         return NULL;
     }
@@ -306,7 +391,8 @@ Mapping_slab_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 
 /* Set one per-slot bit (`field`: CD_PUB or CD_DIRTY) of allocated slots,
  * flushed in manager mode; -> slots done.  ValueError at the first offset
- * that is not an allocated slot (the ones before it are done). */
+ * that is not an allocated slot, cxlkv_CorruptError at the first whose
+ * descriptors are impossible (the ones before it are done). */
 static PyObject *
 set_slot_bits(Mapping *m, PyObject *const *args, Py_ssize_t nargs, uint64_t field,
               const char *what)
@@ -320,9 +406,10 @@ set_slot_bits(Mapping *m, PyObject *const *args, Py_ssize_t nargs, uint64_t fiel
     const uint64_t *offs = in.buf;
     Py_ssize_t n = in.len / 8, i;
     const char *err = NULL;
+    int corrupt = 0;
     for (i = 0; i < n; i++) {
         uint64_t head, slot, ss;
-        if ((err = decode_slot(m, offs[i], &head, &slot, &ss)))
+        if ((err = decode_slot(m, offs[i], &head, &slot, &ss, &corrupt)))
             break;
         uint64_t d = m->desc_base + head * CXLKV_CHUNK_DESC_SIZE;
         uint64_t w = slot / 64, bit = 1ull << (slot % 64);
@@ -337,8 +424,8 @@ set_slot_bits(Mapping *m, PyObject *const *args, Py_ssize_t nargs, uint64_t fiel
     uint64_t bad = i < n ? offs[i] : 0;
     PyBuffer_Release(&in);
     if (err) {
-        PyErr_Format(PyExc_ValueError, "%s of offset %llu (item %zd): %s", what,
-                     (unsigned long long)bad, i, err);
+        PyErr_Format(corrupt ? cxlkv_CorruptError : PyExc_ValueError,
+                     "%s of offset %llu (item %zd): %s", what, (unsigned long long)bad, i, err);
         return NULL;
     }
     return PyLong_FromSsize_t(i);

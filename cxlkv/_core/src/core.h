@@ -56,6 +56,7 @@ write_deadline_passed(const Mapping *m)
 }
 
 extern PyObject *cxlkv_RangeError;
+extern PyObject *cxlkv_CorruptError;
 
 int check_open(const Mapping *m);
 int check_range(const Mapping *m, uint64_t off, uint64_t len, const char *what);

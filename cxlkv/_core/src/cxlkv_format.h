@@ -187,7 +187,8 @@ struct cxlkv_lock_entry {
 #define CXLKV_CHUNK_FREE       0u
 #define CXLKV_CHUNK_HEAD       1u
 #define CXLKV_CHUNK_TAIL       2u   /* control = TAIL | head index << 8 */
-#define CXLKV_CHUNK_RELEASING  3u   /* head being returned to the bitmap */
+#define CXLKV_CHUNK_RELEASING  3u   /* head being released: back to HEAD if a slot is
+                                       allocated or its owner has it in a hazard word */
 #define CXLKV_SLAB_MAX_SLOTS   512u
 
 struct cxlkv_chunk {
@@ -200,6 +201,22 @@ struct cxlkv_chunk {
     uint64_t alloc_bits[8];     /*   64 */
     uint64_t pub_bits[8];       /*  128 */
     uint64_t dirty_bits[8];     /*  192 */
+};
+
+/* Per-node heap header (region heaps, one per node slot, before the chunk
+ * descriptors).  hazard[i] = head chunk + 1 of the slab one allocator thread
+ * of the node is taking slots from without the pool lock, 0 = none.  An
+ * allocator claims a hazard word (CAS 0 -> head + 1), then checks that the
+ * slab is its own HEAD, then sets slot bits; release_slab sets RELEASING, then
+ * refuses while the owner's hazard words name the slab or any slot bit is
+ * set.  So a slab is never released or remade under an allocator that has
+ * checked it, and no allocator sets a bit it may have to take back.
+ * Recovery of a node clears its hazard words. */
+#define CXLKV_HEAP_HAZARDS     8u
+
+struct cxlkv_heap {
+    uint64_t hazard[CXLKV_HEAP_HAZARDS]; /*    0 */
+    uint8_t  reserved[960];              /*   64 */
 };
 
 /* KV cache.
@@ -332,6 +349,7 @@ CXLKV_STATIC_ASSERT(offsetof(struct cxlkv_superblock, checksum) == 4088, "checks
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_node) == CXLKV_NODE_SIZE, "node size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_lock_hdr) == CXLKV_LOCK_HDR_SIZE, "lock header size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_lock_entry) == CXLKV_LOCK_ENTRY_SIZE, "lock entry size");
+CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_heap) == CXLKV_HEAP_SIZE, "heap header size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_chunk) == CXLKV_CHUNK_DESC_SIZE, "chunk descriptor size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_hash_entry) == CXLKV_HASH_ENTRY_SIZE, "hash entry size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_kv_hdr) == CXLKV_KV_HDR_SIZE, "kv header size");

@@ -31,6 +31,7 @@
 #define GIL_RELEASE_MIN (64 * 1024)
 
 PyObject *cxlkv_RangeError;   /* set by _native.set_error_types() */
+PyObject *cxlkv_CorruptError; /* impossible pool metadata; set by set_error_types() */
 #define RangeError cxlkv_RangeError
 
 /* ------------------------------------------------------------------ */
@@ -985,7 +986,7 @@ static PyMethodDef Mapping_methods[] = {
     FAST(ticket_wait, "ticket_wait(hdr, entry, ticket, token, spins) -> (acquired, serving); GIL released"),
     FAST(ticket_release, "ticket_release(hdr, entry, ticket, token) -> bool: False if it was not ours"),
     FAST(set_geometry, "set_geometry(data_off, chunk_size, nchunks, desc_base): allocator geometry"),
-    FAST(slab_alloc, "slab_alloc(head, owner, out, count, zero, slot_size=0) -> allocated | -1 (not our active slab of that size)"),
+    FAST(slab_alloc, "slab_alloc(head, owner, out, count, zero, slot_size=0, heap=0) -> allocated | -1 (not our active slab of that size) | -2 (no hazard word free: call again holding the pool lock, heap=0)"),
     FAST(slab_free, "slab_free(offsets, zero, owner) -> freed (stops at a slab owner does not own; owner 0 = any); raises ValueError at the first bad offset"),
     FAST(slab_mark_freeing, "slab_mark_freeing(offsets) -> marked: set the dirty bit of allocated slots (a free has begun)"),
     FAST(slab_publish, "slab_publish(offsets) -> published"),
@@ -1116,15 +1117,20 @@ static PyObject *
 mod_set_error_types(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *range;
-    if (!PyArg_ParseTuple(args, "O!:set_error_types", &PyType_Type, &range))
+    PyObject *range, *corrupt;
+    if (!PyArg_ParseTuple(args, "O!O!:set_error_types", &PyType_Type, &range, &PyType_Type,
+                          &corrupt))
         return NULL;
-    if (!PyType_IsSubtype((PyTypeObject *)range, (PyTypeObject *)PyExc_IndexError)) {
-        PyErr_SetString(PyExc_TypeError, "range error type must subclass IndexError");
+    if (!PyType_IsSubtype((PyTypeObject *)range, (PyTypeObject *)PyExc_IndexError) ||
+        !PyType_IsSubtype((PyTypeObject *)corrupt, (PyTypeObject *)PyExc_ValueError)) {
+        PyErr_SetString(PyExc_TypeError, "range error type must subclass IndexError, "
+                                         "corrupt error type ValueError");
         return NULL;
     }
     Py_INCREF(range);
     Py_XSETREF(RangeError, range);
+    Py_INCREF(corrupt);
+    Py_XSETREF(cxlkv_CorruptError, corrupt);
     Py_RETURN_NONE;
 }
 
@@ -1277,6 +1283,14 @@ mod_layout(PyObject *self, PyObject *Py_UNUSED(ignored))
 
     if (!(f = PyDict_New()))
         goto fail;
+    FIELD(f, cxlkv_heap, hazard);
+    FIELD(f, cxlkv_heap, reserved);
+    if (add_struct(out, "heap", sizeof(struct cxlkv_heap), f) < 0)
+        goto fail;
+    Py_CLEAR(f);
+
+    if (!(f = PyDict_New()))
+        goto fail;
     FIELD(f, cxlkv_hash_entry, ctl);
     FIELD(f, cxlkv_hash_entry, key_lo);
     FIELD(f, cxlkv_hash_entry, key_hi);
@@ -1388,6 +1402,7 @@ mod_constants(PyObject *self, PyObject *Py_UNUSED(ignored))
         C(NODE_FREE), C(NODE_CLAIMED), C(NODE_ATTACHED), C(NODE_FENCED),
         C(LOCK_IDLE), C(LOCK_WAITING), C(LOCK_LOCKED), C(LOCK_ABANDONED),
         C(CHUNK_FREE), C(CHUNK_HEAD), C(CHUNK_TAIL), C(CHUNK_RELEASING), C(SLAB_MAX_SLOTS),
+        C(HEAP_HAZARDS),
         C(FEATURE_COMPAT_KV), C(FEATURE_COMPAT_SUPP), C(FEATURE_INCOMPAT_SUPP),
         C(FEATURE_RO_COMPAT_SUPP),
         C(KV_EMPTY), C(KV_WRITING), C(KV_PENDING), C(KV_PUBLISHED), C(KV_EVICTING),
@@ -1500,7 +1515,8 @@ static PyMethodDef module_methods[] = {
     {"layout", mod_layout, METH_NOARGS, "on-media structure offsets and sizes, from the C header"},
     {"constants", mod_constants, METH_NOARGS, "on-media constants, from the C header"},
     {"set_error_types", mod_set_error_types, METH_VARARGS,
-     "set_error_types(range_error): the exception class raised for out-of-range offsets"},
+     "set_error_types(range_error, corrupt_error): the exception classes raised for "
+     "out-of-range offsets and for impossible pool metadata"},
     {NULL},
 };
 
@@ -1524,6 +1540,7 @@ PyInit__native(void)
     Py_INCREF(RangeError);
     if (PyModule_AddObject(m, "RangeError", RangeError) < 0)
         goto fail;
+    cxlkv_CorruptError = Py_NewRef(PyExc_ValueError);
     Py_INCREF(&MappingType);
     if (PyModule_AddObject(m, "Mapping", (PyObject *)&MappingType) < 0)
         goto fail;
