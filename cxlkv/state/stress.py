@@ -288,7 +288,7 @@ class Worker:
         self.kv = None
         node = self.pool.node
         self.emit({"t": "attached", "slot": node.slot, "epoch": node.epoch, "pid": os.getpid()})
-        if self.weights[self.kinds.index("kv")]:
+        if "kv" in self.kinds and self.weights[self.kinds.index("kv")]:
             self.kv = self.pool.kv(model=KV_NAMESPACE, block_tokens=KV_BLOCK_TOKENS,
                                    block_bytes=self.kv_block)
         self.adopt()
