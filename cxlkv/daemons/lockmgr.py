@@ -94,6 +94,7 @@ class LockManager:
         self.log = log or (lambda msg: sys.stderr.write(f"cxlkv lock-manager: {msg}\n"))
         self.observer = N.Observer(self.pool)
         self.holder = -1                       # slot holding the lock, -1 = none
+        self.recover_pending = False           # a fenced slot waits for the lock to be free
         self.beat_at = 0.0                     # monotonic time of the last heartbeat
         self.last = -1                         # last slot granted (round-robin)
         self.stop = False
@@ -223,7 +224,16 @@ class LockManager:
                     int(e["revoke_seq"]) >= int(e["grant_seq"]):
                 self.holder = -1
                 changed = True
-        if self.holder < 0:
+        if self.holder < 0 and self.recover_pending:
+            # a fenced node's quarantine may end: recover it before the next
+            # grant (under contention the lock is never otherwise free)
+            self._nodes = P.read_node_lines(pool)
+            self.recover_pending = False
+            for slot in range(pool.sb.max_nodes):
+                changed |= self._slot(slot, self._nodes[slot], ents[slot])
+            self._nodes = P.read_node_lines(pool)
+            nodes = self._nodes
+        if self.holder < 0 and not self.recover_pending:
             req = ents["req_seq"]
             waiting = np.flatnonzero(req > np.maximum(np.maximum(ents["grant_seq"],
                                                                  ents["revoke_seq"]),
@@ -290,7 +300,8 @@ class LockManager:
         if reason is None:
             return changed
         if self.holder >= 0:
-            return changed                          # recover only while nobody holds the lock
+            self.recover_pending = True             # recover only while nobody holds the
+            return changed                          # lock: step() grants nothing until then
         self.guard()
         N.run_recoveries(pool, slot, epoch)
         P.set_mgr(pool, slot, L.node_control(L.NODE_FREE, epoch), granted)

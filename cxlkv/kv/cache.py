@@ -237,11 +237,21 @@ class KVCache:
         return shared[key]
 
     def _count(self, **delta) -> None:
-        mu, st = self._counters()
-        with mu:
-            for k, v in delta.items():
-                st[k] += v
-            self.m.write(self._stats_off, st.tobytes())
+        """Add to this node's counters (in its per-node area) - a section in
+        flight; nothing once the node is fenced: the area may be another's."""
+        node = self.pool.node
+        try:
+            node.enter()
+        except NodeFenced:
+            return
+        try:
+            mu, st = self._counters()
+            with mu:
+                for k, v in delta.items():
+                    st[k] += v
+                self.m.write(self._stats_off, st.tobytes())
+        finally:
+            node.leave()
 
     def match(self, tokens) -> int:
         """Leading tokens covered by published blocks (a multiple of block_tokens)."""
@@ -593,41 +603,50 @@ class KVCache:
         got = fetch(keys[lead:])
         if not got:
             return 0
+        node = self.pool.node
+        node.enter()                          # pins, then a store: a section in flight
         try:
-            base, _, _, rec, _ = self._pin(keys[:lead])
-        except TooManyPins:
-            return 0
-        try:
-            if base != lead:                  # evicted meanwhile: nothing to chain under
-                return 0
-            items = [None] * base + list(got)
             try:
-                n = self._store(keys[:len(items)], None, items)
-            except (KVPoolFull, KVTableFull, QuotaExceeded) as e:
-                failed(e)
+                base, _, _, rec, _ = self._pin(keys[:lead])
+            except TooManyPins:
                 return 0
-            promoted(n)
-            return n
+            try:
+                if base != lead:              # evicted meanwhile: nothing to chain under
+                    return 0
+                items = [None] * base + list(got)
+                try:
+                    n = self._store(keys[:len(items)], None, items)
+                except (KVPoolFull, KVTableFull, QuotaExceeded) as e:
+                    failed(e)
+                    return 0
+                promoted(n)
+                return n
+            finally:
+                if not node.fenced:           # a fenced node's pins stay with its quarantine
+                    self.m.kv_unpin(self._pins_off, self.area.npins, rec)
         finally:
-            self.m.kv_unpin(self._pins_off, self.area.npins, rec)
+            node.leave()
 
     def _load(self, keys) -> "Loaded":
         self._fill(keys)
         node = self.pool.node
         node.enter()                        # pins held: a section in flight until release
+        rec = None
         try:
             n, idx, pay, rec, ctl = self._pin(keys)
+            self._count(lookups=1, hit_blocks=n, miss_blocks=len(keys) - n, loaded_blocks=n,
+                        loaded_bytes=n * self.block_bytes)
+            hot = self.pool.__dict__.get("_kv_hot")
+            if hot is None or not n:
+                return Loaded(self, pay, rec, idx, ctl)
+            return Loaded(self, pay, rec, idx, ctl,
+                          hot=(hot, keys[:n], idx, ctl,
+                               hot.lookup(keys, idx, ctl, n, self.block_bytes)))
         except BaseException:
+            if rec is not None and not node.fenced:
+                self.m.kv_unpin(self._pins_off, self.area.npins, rec)
             node.leave()
             raise
-        self._count(lookups=1, hit_blocks=n, miss_blocks=len(keys) - n, loaded_blocks=n,
-                    loaded_bytes=n * self.block_bytes)
-        hot = self.pool.__dict__.get("_kv_hot")
-        if hot is None or not n:
-            return Loaded(self, pay, rec, idx, ctl)
-        return Loaded(self, pay, rec, idx, ctl,
-                      hot=(hot, keys[:n], idx, ctl,
-                           hot.lookup(keys, idx, ctl, n, self.block_bytes)))
 
     def load_into(self, tokens, out, start: int = 0) -> int:
         """Copy the matched leading blocks into `out` (a writable buffer of at

@@ -1,7 +1,10 @@
 """Opening a formatted pool: probe, permission check, map, choose a superblock."""
 from __future__ import annotations
 
+import gc
 import os
+import sys
+import traceback
 
 from cxlkv.errors import PoolTruncated
 from cxlkv.pool import device, layout as L, superblock
@@ -46,12 +49,15 @@ class Pool:
         """fn(*args) as a section of this node in flight (Attachment.enter): a
         node fenced meanwhile acknowledges its fencing only once it returned,
         and no section starts after that."""
-        node = self.node
-        node.enter()
+        node, m = self.node, self.mapping
+        if not m.section_begin():           # the allocator's hot path: no extra frames
+            node.enter()                    # raises NodeFenced
         try:
             return fn(*args)
         finally:
-            node.leave()
+            m.section_end()
+            if node.fenced:
+                node.acknowledge_if_idle()
 
     def alloc(self, nbytes: int, zero: bool = True) -> int:
         """Reserve a slot of at least nbytes (64-byte aligned); returns its offset."""
@@ -212,12 +218,26 @@ class Pool:
 
     # -- lifetime --------------------------------------------------------
     def close(self) -> None:
+        handling = sys.exc_info()[1]        # closing from an except block?
         if self.node is not None:
             self.node.detach()
             self.node = None
             self._lock = self._alloc = None
         if self.mapping is not None and not self.mapping.closed:
-            self.mapping.close()
+            try:
+                self.mapping.close()
+            except BufferError:
+                if handling is None:
+                    raise
+                # an error raised from inside cxlkv (NodeFenced mid-allocation,
+                # say) keeps the frames it passed alive, and with them views
+                # of the pool they held: let them go, then close
+                e = handling
+                while e is not None:
+                    traceback.clear_frames(e.__traceback__)
+                    e = e.__context__
+                gc.collect()
+                self.mapping.close()
 
     def __enter__(self) -> "Pool":
         return self

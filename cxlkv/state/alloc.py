@@ -227,6 +227,7 @@ class Allocator:
         self._current: dict[int, int] = {}      # slot size -> head chunk of the slab in use
         self._spare: dict[int, list[int]] = {}  # slot size -> slabs made ahead for a batch
         self._slow = threading.Lock()
+        self._tls = threading.local()           # per-thread scratch (_scratch)
 
     # -- public ----------------------------------------------------------------
     def _locked(self):
@@ -246,7 +247,7 @@ class Allocator:
         ss = slot_size_for(self.pool, nbytes)
         head = self._current.get(ss)
         if head is not None:
-            one = np.empty(1, dtype=np.uint64)
+            one = self._scratch()
             if self._slab_alloc(head, one, 1, zero, ss) == 1:
                 return int(one[0])
         return int(self.alloc_batch(nbytes, 1, zero)[0])
@@ -297,7 +298,18 @@ class Allocator:
         return MetadataCorrupt(f"{self.pool.path}: {e}", path=self.pool.path)
 
     def free(self, offset: int, zero: bool = True) -> None:
-        self.free_batch(np.array([offset], dtype=np.uint64), zero)
+        one = self._scratch()
+        one[0] = offset
+        self.free_batch(one, zero)
+
+    def _scratch(self) -> np.ndarray:
+        """A one-slot buffer of the calling thread (threads of a node must not
+        share one: each call's result lives there until it returns)."""
+        try:
+            return self._tls.one
+        except AttributeError:
+            self._tls.one = np.empty(1, dtype=np.uint64)
+            return self._tls.one
 
     def free_batch(self, offsets, zero: bool = True) -> int:
         """Free slots (any node's).  zero=True zeroes them now; False marks them

@@ -264,12 +264,12 @@ class PoolLock:
             deadline = None
         else:
             deadline = _take_local(self._local, self.pool.path, timeout)
+        # held (or waited for): in flight for the fencing acknowledgement
+        # (Attachment._in_flight) until release - set before the lock is ours
+        self._holder = get_ident()
         try:
             r = self._acquire(self._hdr, self._entry, self._token, self._epoch, SPINS,
                               self._ctl, self._ctl_val)
-            # held (or about to be): a section in flight for the fencing
-            # acknowledgement (Attachment._in_flight) until release
-            self._holder = get_ident()
             if type(r) is int:
                 self._ticket = r
             elif r is None:
@@ -281,7 +281,7 @@ class PoolLock:
             self._holder = 0
             self._local.release()
             if self.pool.node.fenced:
-                self.pool.node.lock_released()
+                self.pool.node.acknowledge_if_idle()
             raise
         return self
 
@@ -312,7 +312,11 @@ class PoolLock:
         backoff = 1e-5
         last, since = serving, time.monotonic()
         while True:
-            ok, serving = m.ticket_wait(self._hdr, self._entry, t, self._token, SPINS)
+            r = m.ticket_wait(self._hdr, self._entry, t, self._token, SPINS, self._ctl,
+                              self._ctl_val)
+            if r is None:                   # our turn came, but we were fenced meanwhile
+                self.pool.node.check()      # raises NodeFenced
+            ok, serving = r
             if ok:
                 return t
             if serving > t or t - serving > MAX_QUEUE:
@@ -359,11 +363,13 @@ class PoolLock:
         try:
             ok = t is None or (not node.fenced and self._release(
                 self._hdr, self._entry, t, self._token, self._ctl, self._ctl_val))
+        except N.NodeFenced:                # found fenced before anything was written
+            ok = False
         finally:
             self._holder = 0
             self._local.release()
         if not ok:
-            node.lock_released()
+            node.acknowledge_if_idle()
             raise self._lost()
 
     __enter__ = acquire          # the uncontended path is one C call each way
@@ -442,7 +448,7 @@ class ManagerLock:
             self._holder = 0
             self._local.release()
             if self.pool.node.fenced:
-                self.pool.node.lock_released()
+                self.pool.node.acknowledge_if_idle()
             raise
         return self
 
@@ -476,19 +482,18 @@ class ManagerLock:
         try:
             try:
                 node.check()
-            except N.NodeFenced:
-                pass
-            else:
                 m.invalidate(self.e + P.E_REVOKE, 8)
                 lost = m.load64(self.e + P.E_REVOKE) >= self.seq
                 m.store64(self.e + P.E_EPOCH, node.epoch)
                 m.store64(self.e + P.E_RELEASE, self.seq)
                 m.flush(self.e, 64)
+            except N.NodeFenced:            # nothing of a fenced node's is written
+                lost = True
         finally:
             self._holder = 0
             self._local.release()
         if lost:
-            node.lock_released()
+            node.acknowledge_if_idle()
             raise self._lost()
 
     def held_by_me(self) -> bool:

@@ -27,14 +27,16 @@ recoveries, under the pool lock, after re-checking the slot's epoch, and
 frees the slot.
 
 The node side of the bargain (Attachment): before every phase that writes
-shared memory a node proves its own heartbeat fresh (`guard()`: its last
-successful beat is less than FRESH_SHARE of a lease old, else it beats now
-and re-reads its state), and the C copy loops stop before a block once that
-freshness has run out (the mapping's write deadline).  Remaining window: a
-pause between the check and the store itself (nanoseconds for a block copy,
-one Python statement for a guarded section).  A write landing there goes
-into memory that is still quarantined - harmless - unless the pause outlasts
-the grace as well; the grace is a generous multiple of the lease for that.
+shared memory a node re-reads its state word and proves its own heartbeat
+fresh (`guard()`: its last successful beat is less than FRESH_SHARE of a
+lease old, else it beats now); every write primitive of the C core checks
+the mapping's write deadline and calls guard() once it has passed
+(Mapping.set_guard), and the C loops that copy blocks or insert entries stop
+before each one once it has passed.  Remaining window: a pause between the check and the store
+itself (nanoseconds in the C loops, one Python statement for a guarded
+step).  A write landing there goes into memory that is still quarantined -
+harmless - unless the pause outlasts the grace as well; the grace is a
+generous multiple of the lease for that.
 """
 from __future__ import annotations
 
@@ -432,7 +434,9 @@ class Attachment:
         # freshness: writes need a beat younger than FRESH_SHARE of the lease
         self._fresh_ns = int(lease * FRESH_SHARE * 1e9)
         self._deadline_ns = 0               # monotonic ns; 0 until the slot is ours
-        self._beat_lock = threading.Lock()  # beats come from two threads (guard(), heartbeat)
+        # beats come from two threads (guard(), heartbeat) and nest (a write in beat()
+        # past the deadline calls guard() again from the C core): reentrant
+        self._beat_lock = threading.RLock()
         # guards fenced / acknowledged; the sections in flight that the fencing
         # acknowledgement waits for are counted in the C core (enter / leave)
         self._state = threading.Lock()
@@ -453,6 +457,9 @@ class Attachment:
             run_recoveries(self.pool, slot, epoch)
         self._pending.clear()
         self._fresh(time.monotonic_ns())
+        # every write through the mapping proves this node fresh first, once
+        # the deadline passed (check_writable in the C core calls guard)
+        self.pool.mapping.set_guard(self.guard)
         if not self.managed:                    # in manager mode the manager reaps
             self._reap_dead(local_only=True)
         if self._heartbeat and self._thread is None:
@@ -507,15 +514,15 @@ class Attachment:
         m, n = self.pool.mapping, self.pool.sb.max_nodes
         start = random.randrange(n)
         for attempt in range(2):
-            # first pass: free slots; second (full table): slots of nodes that are
-            # certainly dead - their recovery runs in start(), under the pool
-            # lock, once we are attached
-            # (a fenced node's slot only once its quarantine may end)
+            # first pass: free slots; second (full table): slots of attached nodes
+            # that are certainly dead (their pid is gone) - their recovery runs
+            # in start(), under the pool lock, once we are attached.  Never a
+            # fenced slot: its quarantine is a reaper's to end (release()),
+            # which may be recovering it right now.
             dead = {} if attempt == 0 else {
                 nd.slot: nd for nd, v in self.observer.scan()
-                if v == "dead" and nd.state != "free"
-                and (nd.same_process_space(self.observer.boot_id, self.observer.pidns)
-                     or self.observer.release_reason(nd) is not None)}
+                if v == "dead" and nd.state in ("attached", "claimed")
+                and nd.same_process_space(self.observer.boot_id, self.observer.pidns)}
             for i in range(n):
                 slot = (start + i) % n
                 off = node_offset(self.pool, slot)
@@ -538,8 +545,11 @@ class Attachment:
                 if state != L.NODE_FREE:
                     self._pending.append((slot, epoch))
                 return
-        raise PoolFull(f"{self.pool.path}: all {n} node slots are in use by live nodes",
-                       path=self.pool.path,
+        fenced = sum(1 for nd in read_nodes(self.pool) if nd.state == "fenced")
+        raise PoolFull(f"{self.pool.path}: all {n} node slots are in use"
+                       + (f" ({fenced} by fenced nodes in quarantine, freed by a reaper - "
+                          "cxlkv serve - once each is gone, acknowledges or its grace passes)"
+                          if fenced else " by live nodes"), path=self.pool.path,
                        hint="detach idle processes, or reformat with a larger --max-nodes")
 
     def _write_identity(self, off: int, epoch: int) -> None:
@@ -596,13 +606,16 @@ class Attachment:
     def guard(self) -> None:
         """Prove this node may write shared memory now, or raise NodeFenced.
 
-        Call before each phase that writes the pool.  Nobody can have judged
-        this node dead within a lease of its last successful beat, so while
-        that beat is younger than FRESH_SHARE of the lease this is one clock
-        read; otherwise (the heartbeat thread was stalled with us, or
-        starved) it beats now, which re-reads the node's state."""
+        Call before each phase that writes the pool.  It re-reads the node's
+        state word (a reaper that judged us on a read from before our last
+        beat may fence us any time), and when the last successful beat is
+        older than FRESH_SHARE of the lease (the heartbeat thread was stalled
+        with us, or starved) it beats first, so the C copies, which check
+        only the clock, may go on."""
         if self.fenced or self.slot < 0 or time.monotonic_ns() > self._deadline_ns:
             self.beat()
+        else:
+            self.check()
 
     def write_blocks(self, offsets, src, block_bytes: int) -> None:
         """Block i of `src` into pool offset offsets[i], each block only while
@@ -634,7 +647,7 @@ class Attachment:
     def leave(self) -> None:
         self.pool.mapping.section_end()
         if self.fenced:
-            self._maybe_acknowledge()
+            self.acknowledge_if_idle()
 
     def _in_flight(self) -> bool:
         """Sections begun and not ended, C calls running with the GIL released,
@@ -643,12 +656,9 @@ class Attachment:
         lk = self.pool.__dict__.get("_lock")
         return self.pool.mapping.in_flight > 0 or (lk is not None and lk._holder != 0)
 
-    def lock_released(self) -> None:
-        """The pool lock was just left (called by it when this node is fenced)."""
-        self._maybe_acknowledge()
-
-    def _maybe_acknowledge(self) -> bool:
-        """Acknowledge the fencing once nothing is in flight; True when done."""
+    def acknowledge_if_idle(self) -> bool:
+        """Acknowledge the fencing once nothing is in flight (called when a
+        section ends or the pool lock is left); True when acknowledged."""
         with self._state:
             if not self.fenced or self.acknowledged or self._in_flight():
                 return self.acknowledged
@@ -668,7 +678,7 @@ class Attachment:
             self.fenced = True
             self._deadline_ns = 0
             self.pool.mapping.write_deadline_ns = 1     # before reading what is in flight
-        self._maybe_acknowledge()
+        self.acknowledge_if_idle()
 
     def _acknowledge(self) -> None:
         """Write ack_epoch (our own line 0) - only while the slot still shows
@@ -682,13 +692,19 @@ class Attachment:
         off = node_offset(self.pool, self.slot)
         word = off + (_MGR_LINE if self.managed else _CONTROL)
         try:
+            m.set_guard(None)               # the one write a fenced node makes ...
             m.invalidate(word, 8)
-            if m.load64(word) != L.node_control(L.NODE_FENCED, self.epoch):
-                return
-            m.store64(off + _ACK, self.epoch)
-            m.flush(off, 64)
+            if m.load64(word) == L.node_control(L.NODE_FENCED, self.epoch):
+                m.store64(off + _ACK, self.epoch)
+                m.flush(off, 64)
         except (ValueError, OSError):       # the mapping was closed under us
             pass
+        finally:
+            m.set_guard(self._refuse)       # ... and nothing after it
+
+    def _refuse(self) -> None:
+        raise NodeFenced(f"{self.pool.path}: node {self.slot} acknowledged its fencing: "
+                         "it writes nothing more; reattach")
 
     # -- run time -----------------------------------------------------------
     @property
@@ -726,7 +742,7 @@ class Attachment:
         while not self._stop.wait(self.interval):
             try:
                 if self.fenced:
-                    if self._maybe_acknowledge():
+                    if self.acknowledge_if_idle():
                         return              # until then, again every interval
                 else:
                     self.beat()
@@ -778,7 +794,7 @@ class Attachment:
             # run our own recovery first: nothing of ours must outlive the slot
             run_recoveries(self.pool, self.slot, self.epoch)
         except NodeFenced:
-            self._maybe_acknowledge()
+            self.acknowledge_if_idle()
             self.slot = -1
             return
         except CxlkvError as e:
@@ -792,9 +808,14 @@ class Attachment:
             self.slot = -1
             return
         free = L.node_control(L.NODE_FREE, self.epoch)
-        if self.managed:                    # ask the manager to free the slot
-            self.pool.mapping.store64(off, free)
-            self.pool.mapping.flush(off, 8)
-        else:
-            self.pool.mapping.cas64(off, self.control, free)
+        try:
+            if self.managed:                # ask the manager to free the slot
+                self.pool.mapping.store64(off, free)
+                self.pool.mapping.flush(off, 8)
+            else:
+                self.pool.mapping.cas64(off, self.control, free)
+        except NodeFenced:
+            pass                            # fenced meanwhile: the reaper's now
         self.slot = -1
+        self.pool.mapping.set_guard(None)
+        self.pool.mapping.write_deadline_ns = 0

@@ -41,6 +41,11 @@ typedef struct {
     /* sections of the attached node in flight (section_begin/end): writes or
      * views of this process that the node's fencing acknowledgement waits for */
     Py_ssize_t sections;
+    /* the attached node's guard (set_guard): called before a write once the
+     * write deadline has passed - it proves the node fresh (beats) or raises
+     * NodeFenced; in_guard keeps the guard's own writes from recursing */
+    PyObject *guard;
+    int in_guard;
 } Mapping;
 
 /* Has the write deadline passed (a copy must stop before the next block)? */
@@ -61,7 +66,7 @@ extern PyObject *cxlkv_CorruptError;
 int check_open(const Mapping *m);
 int check_range(const Mapping *m, uint64_t off, uint64_t len, const char *what);
 int check_word(const Mapping *m, uint64_t off, const char *what);
-int check_writable(const Mapping *m, const char *what);
+int check_writable(Mapping *m, const char *what);
 int as_u64(PyObject *o, uint64_t *out, const char *what);
 int nargs_check(Py_ssize_t nargs, Py_ssize_t lo, Py_ssize_t hi, const char *name);
 

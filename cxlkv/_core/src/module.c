@@ -85,11 +85,22 @@ check_word(const Mapping *m, uint64_t off, const char *what)
 }
 
 int
-check_writable(const Mapping *m, const char *what)
+check_writable(Mapping *m, const char *what)
 {
     if (!m->writable) {
         PyErr_Format(PyExc_PermissionError, "%s: pool is mapped read-only", what);
         return -1;
+    }
+    /* every write primitive passes here (GIL held): once the attached node's
+     * freshness ran out - it was stalled, or fenced (deadline 1) - its guard
+     * proves it fresh again or raises, before anything is written */
+    if (m->guard && !m->in_guard && write_deadline_passed(m)) {
+        m->in_guard = 1;
+        PyObject *r = PyObject_CallNoArgs(m->guard);
+        m->in_guard = 0;
+        if (!r)
+            return -1;
+        Py_DECREF(r);
     }
     return 0;
 }
@@ -169,6 +180,7 @@ mapping_release(Mapping *m)
 static void
 Mapping_dealloc(Mapping *m)
 {
+    Py_CLEAR(m->guard);
     mapping_release(m);
     Py_TYPE(m)->tp_free((PyObject *)m);
 }
@@ -586,12 +598,19 @@ ticket_spin(Mapping *m, uint64_t hdr, uint64_t ticket, uint64_t spins, uint64_t 
     return s == ticket;
 }
 
-static void
-ticket_granted(Mapping *m, uint64_t hdr, uint64_t entry, uint64_t token)
+/* Our turn came: take it, unless the node was fenced while it waited (its
+ * control word changed) - then nothing is written: the waiters skip a fenced
+ * node's ticket, and a fenced node must not hold the lock.  1 = granted. */
+static int
+ticket_granted(Mapping *m, uint64_t hdr, uint64_t entry, uint64_t token, uint64_t ctl_off,
+               uint64_t ctl)
 {
+    if (pool_load64(m, ctl_off) != ctl)
+        return 0;
     pool_store64(m, hdr + LH_OWNER, token);
     pool_fadd64(m, hdr + LH_ACQ, 1);
     pool_store64(m, entry + LE_STATE, CXLKV_LOCK_LOCKED);
+    return 1;
 }
 
 /* ticket_acquire(hdr, entry, token, epoch, spins, control_off, control)
@@ -631,21 +650,25 @@ Mapping_ticket_acquire(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         m->busy--;
     }
     if (got) {
-        ticket_granted(m, hdr, entry, token);
+        if (!ticket_granted(m, hdr, entry, token, ctl_off, ctl))
+            Py_RETURN_NONE;
         return PyLong_FromUnsignedLongLong(t);
     }
     return Py_BuildValue("(KK)", (unsigned long long)t, (unsigned long long)serving);
 }
 
-/* ticket_wait(hdr, entry, ticket, token, spins) -> (acquired, now_serving) */
+/* ticket_wait(hdr, entry, ticket, token, spins, control_off, control)
+ *   -> (acquired, now_serving), or None when our turn came but the word at
+ *      control_off is no longer `control` (the node was fenced meanwhile) */
 static PyObject *
 Mapping_ticket_wait(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    uint64_t hdr, entry, ticket, token, spins, serving;
-    if (nargs_check(nargs, 5, 5, "ticket_wait") < 0 ||
+    uint64_t hdr, entry, ticket, token, spins, serving, ctl_off, ctl;
+    if (nargs_check(nargs, 7, 7, "ticket_wait") < 0 ||
         lock_args(m, args, &hdr, &entry, "ticket_wait") < 0 ||
         as_u64(args[2], &ticket, "ticket") < 0 || as_u64(args[3], &token, "token") < 0 ||
-        as_u64(args[4], &spins, "spins") < 0)
+        as_u64(args[4], &spins, "spins") < 0 || as_u64(args[5], &ctl_off, "control offset") < 0 ||
+        as_u64(args[6], &ctl, "control") < 0 || check_word(m, ctl_off, "ticket_wait") < 0)
         return NULL;
     int got;
     m->busy++;
@@ -653,8 +676,8 @@ Mapping_ticket_wait(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     got = ticket_spin(m, hdr, ticket, spins, &serving);
     Py_END_ALLOW_THREADS
     m->busy--;
-    if (got)
-        ticket_granted(m, hdr, entry, token);
+    if (got && !ticket_granted(m, hdr, entry, token, ctl_off, ctl))
+        Py_RETURN_NONE;
     return Py_BuildValue("(OK)", got ? Py_True : Py_False, (unsigned long long)serving);
 }
 
@@ -805,6 +828,19 @@ Mapping_get_closed(Mapping *m, void *c)
 {
     (void)c;
     return PyBool_FromLong(m->closed);
+}
+
+/* set_guard(callable or None): what check_writable calls once the write
+ * deadline has passed (see Mapping.guard in core.h) */
+static PyObject *
+Mapping_set_guard(Mapping *m, PyObject *fn)
+{
+    if (fn != Py_None && !PyCallable_Check(fn)) {
+        PyErr_SetString(PyExc_TypeError, "set_guard: a callable or None");
+        return NULL;
+    }
+    Py_XSETREF(m->guard, fn == Py_None ? NULL : Py_NewRef(fn));
+    Py_RETURN_NONE;
 }
 
 /* section_begin() -> True, or False when the write deadline is the fenced
@@ -983,11 +1019,11 @@ static PyMethodDef Mapping_methods[] = {
     FAST(fetch_add64, "fetch_add64(off, delta) -> old: atomic add modulo 2**64"),
     FAST(add64_many, "add64_many(off, delta, count) -> old: count atomic adds, GIL released"),
     FAST(ticket_acquire, "ticket_acquire(hdr, entry, token, epoch, spins, control_off, control) -> ticket if acquired | (ticket, serving) | None if fenced"),
-    FAST(ticket_wait, "ticket_wait(hdr, entry, ticket, token, spins) -> (acquired, serving); GIL released"),
-    FAST(ticket_release, "ticket_release(hdr, entry, ticket, token) -> bool: False if it was not ours"),
+    FAST(ticket_wait, "ticket_wait(hdr, entry, ticket, token, spins, control_off, control) -> (acquired, serving) | None if fenced; GIL released"),
+    FAST(ticket_release, "ticket_release(hdr, entry, ticket, token, control_off, control) -> bool: False if it was not ours or the node was fenced (nothing written)"),
     FAST(set_geometry, "set_geometry(data_off, chunk_size, nchunks, desc_base): allocator geometry"),
     FAST(slab_alloc, "slab_alloc(head, owner, out, count, zero, slot_size=0, heap=0) -> allocated | -1 (not our active slab of that size) | -2 (no hazard word free: call again holding the pool lock, heap=0)"),
-    FAST(slab_free, "slab_free(offsets, zero, owner) -> freed (stops at a slab owner does not own; owner 0 = any); raises ValueError at the first bad offset"),
+    FAST(slab_free, "slab_free(offsets, zero, owner) -> freed (stops at a slab owner does not own; owner 0 = any); raises ValueError at the first bad offset (MetadataCorrupt, also a ValueError, for a corrupt descriptor)"),
     FAST(slab_mark_freeing, "slab_mark_freeing(offsets) -> marked: set the dirty bit of allocated slots (a free has begun)"),
     FAST(slab_publish, "slab_publish(offsets) -> published"),
     FAST(kv_lookup, "kv_lookup(table, nslots, ns, keys, out_idx, out_ctl, out_payload, out_len, stop_at_miss) -> found"),
@@ -998,7 +1034,7 @@ static PyMethodDef Mapping_methods[] = {
     FAST(kv_pin, "kv_pin(table, nslots, pins, npins, hint, idx, ctl, out) -> (pinned, hint, full)"),
     FAST(kv_unpin, "kv_unpin(pins, npins, records) -> cleared"),
     FAST(kv_touch, "kv_touch(head_off, ring_off, nring, idx) -> head"),
-    FAST(write_blocks, "write_blocks(offsets, src, block_bytes, nt=None): block i of src to offsets[i]; flushed"),
+    FAST(write_blocks, "write_blocks(offsets, src, block_bytes, nt=None) -> blocks written: block i of src to offsets[i]; flushed; stops before a block once write_deadline_ns passed"),
     FAST(read_blocks, "read_blocks(offsets, dst, block_bytes): offsets[i] to block i of dst"),
     FAST(flush, "flush(off, length): write back the cache lines of a range, then fence"),
     FAST(invalidate, "invalidate(off, length): drop the cache lines of a range"),
@@ -1010,6 +1046,9 @@ static PyMethodDef Mapping_methods[] = {
     {"from_buffer", (PyCFunction)Mapping_from_buffer, METH_O | METH_CLASS,
      "from_buffer(obj) -> Mapping over an existing buffer (formatting without files, tests)"},
     {"close", (PyCFunction)Mapping_close, METH_NOARGS, "unmap; refused while views are alive"},
+    {"set_guard", (PyCFunction)Mapping_set_guard, METH_O,
+     "set_guard(fn or None): called (GIL held) before any write once write_deadline_ns has "
+     "passed; it proves the writer fresh or raises"},
     {"section_begin", (PyCFunction)Mapping_section_begin, METH_NOARGS,
      "count a section of the attached node in flight; False (nothing counted) once the "
      "write deadline is the fenced sentinel 1"},
