@@ -394,3 +394,77 @@ def test_hash_table_inserts_stop_at_the_write_deadline(small_pool):
         assert kv.store(toks_, b"".join(pattern(kv, toks_))) == 4
         with kv.load(toks_) as views:
             assert [bytes(v) for v in views] == pattern(kv, toks_)
+
+
+# -- review regressions -------------------------------------------------------------------
+
+def test_a_fenced_waiter_never_takes_the_pool_lock(pool_path):
+    """F waits for the lock and is fenced meanwhile: when its turn comes it
+    must not take the lock (its turn is skipped), and the lock goes on."""
+    import threading
+
+    init_pool(pool_path, {"size": 16 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8,
+                          "lease_ms": 10_000})
+    h, f, w = (cxlkv.open_pool(pool_path, heartbeat=False) for _ in range(3))
+    try:
+        lk = h.lock()
+        lk.acquire()
+        got = {}
+
+        def wait_f():
+            try:
+                f.lock().acquire()
+                got["f"] = "acquired"
+            except N.NodeFenced:
+                got["f"] = "fenced"
+
+        t = threading.Thread(target=wait_f)
+        t.start()
+        wait_for(lambda: K.read_entries(h)["state"][f.node.slot] == L.LOCK_WAITING,
+                 what="f to wait for its turn")
+        assert N.fence(h, f.node.slot, f.node.control)     # a reaper fences it
+        lk.release()                                         # f's turn comes up
+        t.join(30)
+        assert got == {"f": "fenced"}
+        with w.lock(timeout=10):
+            assert K.describe_owner(w).startswith(f"node {w.node.slot} ")
+    finally:
+        for p in (w, f, h):
+            p.close()
+
+
+def test_a_fresh_node_fenced_by_a_late_reaper_stops_at_its_next_guard(small_pool):
+    """A reaper that judged the node on a read from before its last beat fences
+    it while it still counts itself fresh: guard() re-reads the state word."""
+    with cxlkv.open_pool(small_pool, heartbeat=False) as pool:
+        pool.node.guard()                                    # fresh
+        with Pool.open(small_pool) as reaper:
+            assert N.fence(reaper, pool.node.slot, pool.node.control)
+        with pytest.raises(N.NodeFenced):
+            pool.node.guard()
+
+
+def test_the_manager_recovers_an_acknowledged_node_under_lock_contention(
+        pool_path, monkeypatch, remote_env):
+    """With two nodes taking the lock back to back the lock is never free at a
+    slot scan: the manager holds the next grant back to end a quarantine."""
+    rack = Rack(pool_path, "manager", monkeypatch, grace_ms=60_000)   # only the ack ends it
+    procs = []
+    try:
+        f = rack.node(remote_env)
+        procs.append(f)
+        with Pool.open(rack.path) as p:
+            off = p.region("data")[0]               # a scratch word; no allocator in use
+        for _ in range(2):
+            w = rack.node(remote_env)
+            procs.append(w)
+            w.send(op="incr", offset=off, n=10 ** 7)
+        os.kill(f.p.pid, signal.SIGSTOP)
+        wait_for(lambda: fenced(rack.path, f), what="f to be fenced")
+        os.kill(f.p.pid, signal.SIGCONT)                    # it acknowledges at once
+        wait_for(lambda: freed(rack.path, f), timeout=20,
+                 what="the quarantine to end (acknowledged) while the lock is busy")
+    finally:
+        for p in procs:
+            p.kill()
+        rack.close()
