@@ -296,7 +296,10 @@ class Area:
         With a spill store on this pool object (cxlkv.kv.spill) and spill
         true, the payloads are copied out for it before the slots are freed."""
         m = self.m
-        m.kv_set_state(self.table, self.nslots, idx, L.KV_PUBLISHED, L.KV_EVICTING, 0, 0)
+        # the evictor records itself: a recovery finishes only its own node's
+        # evictions (a fenced evictor's are its own quarantine's to finish)
+        evictor = self.pool.node.owner_token if self.pool.node is not None else 0
+        m.kv_set_state(self.table, self.nslots, idx, L.KV_PUBLISHED, L.KV_EVICTING, 0, 0, evictor)
         pinned = np.isin(idx, self.pinned())          # after the fence in kv_set_state
         if pinned.any():
             # a reader pinned it in the meantime: it and every ancestor stay
@@ -479,8 +482,12 @@ class Area:
                     pass                                # finished by another reaper
         # an evictor died: where it had begun freeing the payload (the slot is
         # marked) the entry goes and the free is finished; otherwise the block
-        # is published again, untouched
-        for i in np.flatnonzero(st == L.KV_EVICTING):
+        # is published again, untouched.  Only this node's evictions (or an
+        # unknown evictor's): another node's may be a fenced node's in flight,
+        # whose later steps its own recovery judges
+        others = {(n.slot + 1) | n.epoch << 16 for n in N.read_nodes(self.pool)
+                  if n.state in ("attached", "fenced")} - {token}
+        for i in np.flatnonzero((st == L.KV_EVICTING) & ~np.isin(t["owner"], list(others))):
             one[0] = int(t["payload"][i])
             bits = A.slot_bits(self.pool, int(one[0]))
             if bits is not None and bits[0] and bits[2]:

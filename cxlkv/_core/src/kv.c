@@ -459,19 +459,23 @@ done:
     return ret;
 }
 
-/* kv_set_state(table_off, nslots, idx, from_state, to_state, owner, stamp) -> changed
+/* kv_set_state(table_off, nslots, idx, from_state, to_state, owner, stamp, new_owner=0)
+ *   -> changed
  * For each entry index: if its state is from_state (and, when owner != 0,
  * its owner is `owner`), move it to to_state with a new version; with
- * stamp != 0 also set its LRU stamp.  Used to publish (PENDING ->
- * PUBLISHED), to start evicting (PUBLISHED -> EVICTING) and to undo that. */
+ * stamp != 0 also set its LRU stamp; with new_owner != 0 also its owner (an
+ * evictor records itself, so that only its own recovery finishes its
+ * eviction).  Used to publish (PENDING -> PUBLISHED), to start evicting
+ * (PUBLISHED -> EVICTING) and to undo that. */
 PyObject *
 Mapping_kv_set_state(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 {
     Table t;
-    uint64_t from, to, owner, stamp;
-    if (nargs_check(nargs, 7, 7, "kv_set_state") < 0 || table_args(m, args[0], args[1], &t) < 0 ||
+    uint64_t from, to, owner, stamp, new_owner = 0;
+    if (nargs_check(nargs, 7, 8, "kv_set_state") < 0 || table_args(m, args[0], args[1], &t) < 0 ||
         as_u64(args[3], &from, "from_state") < 0 || as_u64(args[4], &to, "to_state") < 0 ||
         as_u64(args[5], &owner, "owner") < 0 || as_u64(args[6], &stamp, "stamp") < 0 ||
+        (nargs > 7 && as_u64(args[7], &new_owner, "new_owner") < 0) ||
         check_writable(m, "kv_set_state") < 0)
         return NULL;
     if (from > CXLKV_KV_TOMBSTONE || to > CXLKV_KV_TOMBSTONE) {
@@ -497,6 +501,8 @@ Mapping_kv_set_state(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
             continue;
         if (stamp)
             pool_store64(m, e + E_LRU, stamp);
+        if (new_owner)
+            pool_store64(m, e + E_OWNER, new_owner);
         __atomic_thread_fence(__ATOMIC_RELEASE);
         pool_store64(m, e + E_CTL, CTL(to, VER(c) + 1));
         meta_flush(m, e, CXLKV_HASH_ENTRY_SIZE);

@@ -1028,7 +1028,7 @@ static PyMethodDef Mapping_methods[] = {
     FAST(slab_publish, "slab_publish(offsets) -> published"),
     FAST(kv_lookup, "kv_lookup(table, nslots, ns, keys, out_idx, out_ctl, out_payload, out_len, stop_at_miss) -> found"),
     FAST(kv_insert, "kv_insert(table, nslots, hdr, max_used, ns, tenant, length, owner, keys, parent, payloads, out_idx, out_status) -> (processed, used, full); pool lock held"),
-    FAST(kv_set_state, "kv_set_state(table, nslots, idx, from, to, owner, stamp) -> changed; pool lock held"),
+    FAST(kv_set_state, "kv_set_state(table, nslots, idx, from, to, owner, stamp, new_owner=0) -> changed; pool lock held"),
     FAST(kv_stamp, "kv_stamp(table, nslots, idx, stamp) -> stamped; pool lock held"),
     FAST(kv_remove, "kv_remove(table, nslots, hdr, idx) -> parent + 1; pool lock held"),
     FAST(kv_pin, "kv_pin(table, nslots, pins, npins, hint, idx, ctl, out) -> (pinned, hint, full)"),
