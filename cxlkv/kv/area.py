@@ -462,9 +462,14 @@ class Area:
         t = self.entries()
         st = t["ctl"] & 0xFF
         one = np.zeros(1, dtype=np.uint64)
+        # entries another node's recovery must leave alone: a fenced node's
+        # half-written or half-evicted ones are its own quarantine's to finish
+        others = {(n.slot + 1) | n.epoch << 16 for n in N.read_nodes(self.pool)
+                  if n.state in ("attached", "fenced")} - {token}
+        mine = ~np.isin(t["owner"], list(others))
         # a lock holder died writing an entry: nothing refers to it yet (its
         # payload is an unpublished reservation the allocator reclaims)
-        for i in np.flatnonzero(st == L.KV_WRITING):
+        for i in np.flatnonzero((st == L.KV_WRITING) & mine):
             m.kv_remove(self.table, self.nslots, self.hdr, int(i))
         # blocks the node reserved and never published: mark the payload's
         # free begun, drop the entry, free - each step finishable after a crash
@@ -482,12 +487,9 @@ class Area:
                     pass                                # finished by another reaper
         # an evictor died: where it had begun freeing the payload (the slot is
         # marked) the entry goes and the free is finished; otherwise the block
-        # is published again, untouched.  Only this node's evictions (or an
-        # unknown evictor's): another node's may be a fenced node's in flight,
-        # whose later steps its own recovery judges
-        others = {(n.slot + 1) | n.epoch << 16 for n in N.read_nodes(self.pool)
-                  if n.state in ("attached", "fenced")} - {token}
-        for i in np.flatnonzero((st == L.KV_EVICTING) & ~np.isin(t["owner"], list(others))):
+        # is published again, untouched (only this node's evictions, or an
+        # unknown evictor's)
+        for i in np.flatnonzero((st == L.KV_EVICTING) & mine):
             one[0] = int(t["payload"][i])
             bits = A.slot_bits(self.pool, int(one[0]))
             if bits is not None and bits[0] and bits[2]:

@@ -419,8 +419,12 @@ Mapping_kv_insert(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         uint64_t e = ent(&t, j), c = pool_load64(m, e + E_CTL);
         int was_tomb = ST(c) == CXLKV_KV_TOMBSTONE;
         uint64_t v = VER(c) + 1;
+        /* the owner first, with the WRITING state in the same line write-back:
+         * a recovery then removes only its own node's half-written entries,
+         * never a fenced (stalled) writer's still in flight */
+        pool_store64(m, e + E_OWNER, owner);
         pool_store64(m, e + E_CTL, CTL(CXLKV_KV_WRITING, v));
-        meta_flush(m, e, 8);
+        meta_flush(m, e, CXLKV_HASH_ENTRY_SIZE);
         __atomic_thread_fence(__ATOMIC_RELEASE);
         pool_store64(m, e + E_KEY_LO, lo);
         pool_store64(m, e + E_KEY_HI, hi);
