@@ -468,3 +468,18 @@ def test_the_manager_recovers_an_acknowledged_node_under_lock_contention(
         for p in procs:
             p.kill()
         rack.close()
+
+
+def test_a_stale_verdict_does_not_fence_a_node_that_beat_meanwhile(small_pool):
+    """The reaper judged the node on a heartbeat it has since advanced (the
+    reaper was slow between its read and its fence): the fence is taken back
+    and the node's lock turn is not passed on."""
+    with cxlkv.open_pool(small_pool, heartbeat=False) as pool:
+        judged = N.read_slot(pool, pool.node.slot)
+        pool.node.beat()                                     # it lives on
+        with Pool.open(small_pool) as reaper:
+            assert not N.fence(reaper, judged.slot, judged.control, judged.heartbeat)
+            assert N.read_slot(reaper, judged.slot).state == "attached"
+        pool.node.guard()
+        with pool.lock(timeout=10):
+            pass

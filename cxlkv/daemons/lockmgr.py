@@ -280,8 +280,13 @@ class LockManager:
             if self.observer.verdict(n) != "dead":
                 return False
             self.guard()
-            self.log(f"node {slot} ({n.hostname} pid {n.pid}) is dead: fencing it")
             P.set_mgr(pool, slot, L.node_control(L.NODE_FENCED, epoch), granted)
+            if N.read_slot(pool, slot).heartbeat != n.heartbeat:
+                # it beat after the verdict was made (this manager was slow):
+                # alive after all - the fence is taken back before it counts
+                P.set_mgr(pool, slot, L.node_control(state, epoch), granted)
+                return False
+            self.log(f"node {slot} ({n.hostname} pid {n.pid}) is dead: fencing it")
             state, changed = L.NODE_FENCED, True
         if state != L.NODE_FENCED:
             return changed

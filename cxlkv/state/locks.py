@@ -170,8 +170,9 @@ def _holder_alive(pool, slot: int, epoch: int, observer: N.Observer | None) -> b
     n = N.read_slot(pool, slot)
     verdict = (observer or N.Observer(pool)).verdict(n)
     if verdict == "dead" and n.control == control:
-        pool.mapping.cas64(off, control, L.node_control(L.NODE_FENCED, epoch))
-        return False
+        # fenced unless it beat meanwhile (a stale verdict): then it lives on
+        return not N.fence(pool, slot, control, n.heartbeat) and \
+            N.read_slot(pool, slot).control == control
     return True
 
 

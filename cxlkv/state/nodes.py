@@ -354,18 +354,27 @@ def register_recovery(fn: Recovery | None = None, *, order: int = 50, at_fence: 
     return add(fn) if fn is not None else add
 
 
-def fence(pool, slot: int, control: int) -> bool:
+def fence(pool, slot: int, control: int, heartbeat: int | None = None) -> bool:
     """Fence a node judged dead (cas mode): ATTACHED or CLAIMED -> FENCED, and
     pass its lock turn on.  Nothing else it held is touched: that waits for
     release().  `control` is the word that was judged; nothing happens if
-    the slot changed since.  True when this call fenced it."""
+    the slot changed since.  `heartbeat`: the counter the verdict was made
+    on - if it moved by the time the fence lands, the verdict was stale (the
+    reaper was slow, the node had resumed and beaten), and the fence is taken
+    back before anyone acts on it.  True when this call fenced it."""
     state, epoch = L.node_state(control)
     if state not in (L.NODE_ATTACHED, L.NODE_CLAIMED):
         return False
-    off = node_offset(pool, slot) + _CONTROL
+    m = pool.mapping
+    off = node_offset(pool, slot)
     fenced = L.node_control(L.NODE_FENCED, epoch)
-    if pool.mapping.cas64(off, control, fenced) != control:
+    if m.cas64(off + _CONTROL, control, fenced) != control:
         return False
+    if heartbeat is not None:
+        m.invalidate(off + _HEARTBEAT, 8)
+        if m.load64(off + _HEARTBEAT) != heartbeat:
+            m.cas64(off + _CONTROL, fenced, control)    # alive after all
+            return False
     run_recoveries(pool, slot, epoch, fence_only=True)
     return True
 
@@ -728,7 +737,7 @@ class Attachment:
                     self.observer.boot_id, self.observer.pidns):
                 continue
             if n.state in ("attached", "claimed"):
-                if not fence(self.pool, n.slot, n.control):
+                if not fence(self.pool, n.slot, n.control, n.heartbeat):
                     continue
                 n = read_slot(self.pool, n.slot)
             reason = self.observer.release_reason(n)
