@@ -400,10 +400,10 @@ def release(pool, slot: int, control: int) -> bool:
         return m.cas64(off, control, L.node_control(L.NODE_FREE, epoch)) == control
 
 
-def reap(pool, slot: int, control: int, *, quarantine: bool = False) -> bool:
-    """Fence a dead node and, unless quarantine=True, end its quarantine at
-    once: the caller knows it is gone (or is a repair run the operator
-    ordered).  Returns True when this call freed the slot."""
+def reap(pool, slot: int, control: int) -> bool:
+    """Fence a dead node and end its quarantine at once: for callers that know
+    it is gone, or a repair the operator ordered (fsck --repair).  Returns
+    True when this call freed the slot."""
     _load_recoveries()
     state, epoch = L.node_state(control)
     if state in (L.NODE_ATTACHED, L.NODE_CLAIMED):
@@ -412,7 +412,7 @@ def reap(pool, slot: int, control: int, *, quarantine: bool = False) -> bool:
         control = L.node_control(L.NODE_FENCED, epoch)
     elif state != L.NODE_FENCED:
         return False
-    return False if quarantine else release(pool, slot, control)
+    return release(pool, slot, control)
 
 
 class Attachment:
