@@ -17,7 +17,8 @@ manager     the lock manager's round trip (acquire + release) p50 with 8
 attach      cxlkv.open_pool of a 16 GiB pool (a file in the temporary
             directory, on disk): the first call in a fresh interpreter
             (cxlkv and numpy imported, as in an engine; what the call itself
-            imports counts), and the median of later calls in that process.
+            imports counts), with compiled bytecode (as installed) and
+            without (compiled at import); the median of later calls.
 recovery    a node process holds `slabs` one-chunk slabs (published 64 KiB
             KV blocks), is killed with SIGKILL, and the next open_pool
             recovers it (cas mode: an attaching node reaps dead nodes of its
@@ -457,11 +458,20 @@ print(json.dumps({"first": first, "detach": detach, "more": more}))
 """
 
 
-def _python(script: str, *args) -> dict:
+def _python(script: str, *args, pycache: str | None = None) -> dict:
+    """Run `script` in a fresh interpreter; its last stdout line as JSON.
+    pycache: a bytecode cache directory it uses and fills (as an installed
+    package's compiled bytecode); None: no bytecode is written, so modules
+    without it next to their source are compiled at import."""
     env = dict(os.environ)
     top = os.path.dirname(os.path.dirname(os.path.abspath(cxlkv.__file__)))
     env["PYTHONPATH"] = os.pathsep.join(
         [top] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    if pycache is None:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    else:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = pycache
     r = subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True,
                        text=True, env=env, timeout=600, stdin=subprocess.DEVNULL)
     if r.returncode:
@@ -469,27 +479,37 @@ def _python(script: str, *args) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def attach(size: int, repeat: int = 5) -> dict:
-    """open_pool of a `size` pool: first in a fresh interpreter, then again.
+def attach(size: int, repeat: int = 5, runs: int = 5) -> dict:
+    """open_pool of a `size` pool: the first call in a fresh interpreter
+    (median of `runs` interpreters), then the later calls in it.
 
-    The pool is a file in the temporary directory (on disk: a pool file's
-    space is reserved, and /dev/shm would hold all of it in memory)."""
+    attach_ms: with compiled bytecode in a cache (as pip installs a package;
+    one interpreter fills the cache first, untimed); attach_uncached_ms:
+    without, so what the call imports is compiled (a source tree run with
+    PYTHONDONTWRITEBYTECODE).  The pool is a file in the temporary directory
+    (on disk: a pool file's space is reserved, and /dev/shm would hold all
+    of it in memory)."""
     d = tempfile.mkdtemp(prefix="cxlkv-bench-attach-")
     path = os.path.join(d, "attach.pool")
+    pyc = os.path.join(d, "pycache")
     t = time.perf_counter()
     try:
         init_pool(path, {"size": size})
         fmt = time.perf_counter() - t
-        firsts, mores, detach = [], [], []
-        for _ in range(3):
-            r = _python(_ATTACH_SCRIPT, path, repeat)
-            firsts.append(r["first"])
-            mores += r["more"]
-            detach.append(r["detach"])
-        return {"attach_size": size, "attach_dir": d,
-                "attach_ms": float(np.median(firsts)) * 1e3,
-                "attach_warm_ms": float(np.median(mores)) * 1e3,
-                "detach_ms": float(np.median(detach)) * 1e3, "attach_format_s": fmt}
+        _python(_ATTACH_SCRIPT, path, 0, pycache=pyc)          # fills the cache
+        res = {"attach_size": size, "attach_format_s": fmt}
+        for key, cache in (("attach", pyc), ("attach_uncached", None)):
+            firsts, mores, detach = [], [], []
+            for _ in range(runs):
+                r = _python(_ATTACH_SCRIPT, path, repeat, pycache=cache)
+                firsts.append(r["first"])
+                mores += r["more"]
+                detach.append(r["detach"])
+            res[f"{key}_ms"] = float(np.median(firsts)) * 1e3
+            if cache is not None:
+                res["attach_warm_ms"] = float(np.median(mores)) * 1e3
+                res["detach_ms"] = float(np.median(detach)) * 1e3
+        return res
     finally:
         shutil.rmtree(d, ignore_errors=True)
 

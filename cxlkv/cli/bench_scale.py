@@ -91,6 +91,7 @@ def render(app: Application, res: dict) -> None:
         gib = res["attach_size"] / (1 << 30)
         t.add_row(f"attach {gib:g} GiB ms", _f(res["attach_ms"]),
                   f"later {_f(res['attach_warm_ms'])}", "", target("attach_ms"))
+        t.add_row("  without bytecode cache", _f(res["attach_uncached_ms"]), "", "", "")
         t.add_row("  detach ms", _f(res["detach_ms"]), "", "", "")
     if "recovery_slabs" in res:
         t.add_row(f"recovery {res['recovery_slabs']:,} slabs ms",
