@@ -172,10 +172,10 @@ def _op_lock_loop(st: _State, arg):
                 break
         return len(out), out
     while time.monotonic() < end:
-        for _ in range(64):
+        for _ in range(16):
             with lk:
                 pass
-        n += 64
+        n += 16
     return n, None
 
 
@@ -201,12 +201,13 @@ def _op_hold_slabs(st: _State, arg):
     kv = st.pool.kv(model="cxlkv-bench-recovery", block_tokens=16, block_bytes=bb)
     per = 256
     data = np.zeros(bb * per, dtype=np.uint8)
-    done = 0
+    done = stored = 0
     while done < arg["blocks"]:
         n = min(per, arg["blocks"] - done)
         toks = np.arange(done * 16, (done + n) * 16, dtype=np.uint32) + (1 << 28)
-        done += kv.store(toks, data[:n * bb]) and n
-    return done
+        stored += kv.store(toks, data[:n * bb])
+        done += n
+    return stored
 
 
 _OPS = {"open": _op_open, "close": _op_close, "store_loop": _op_store_loop,

@@ -44,11 +44,18 @@ def _f(v, fmt=".2f") -> str:
     return "n/a" if v is None else format(v, fmt)
 
 
+def _c(*vals) -> str:
+    """Compact figures, slash-separated: about three significant digits."""
+    return "/".join("n/a" if v is None else f"{v:.0f}" if v >= 100 else
+                    f"{v:.1f}" if v >= 10 else f"{v:.2f}" if v >= 0.1 else f"{v:.3f}"
+                    for v in vals)
+
+
 def render(app: Application, res: dict) -> None:
     t = Table(title="cxlkv bench --scale", title_justify="left")
     for col in ("figure", "value", "baseline", "ratio", "target"):
         t.add_column(col, justify="left" if col in ("figure", "target") else "right",
-                     no_wrap=col == "figure")
+                     no_wrap=col in ("figure", "value"))
 
     def target(key):
         op, v = bench_scale.TARGETS[key]
@@ -60,18 +67,17 @@ def render(app: Application, res: dict) -> None:
     for s in sizes:
         r = fp[s]
         small = s == sizes[0] and len(sizes) > 1
-        t.add_row(f"store ms, {int(s):,} slots",
-                  f"{_f(r['store_p50_ms'], '.1f')}/{_f(r['store_p90_ms'], '.1f')}/"
-                  f"{_f(r['store_p99_ms'], '.1f')}",
-                  "" if small or len(sizes) < 2 else f"p90 {_f(fp[sizes[0]]['store_p90_ms'])}",
-                  "" if small or len(sizes) < 2 else _f(res["store_p90_big_vs_small"]),
+        t.add_row(f"store ms, {int(s)} slots",
+                  _c(r["store_p50_ms"], r["store_p90_ms"], r["store_p99_ms"]),
+                  "" if small or len(sizes) < 2 else f"p90 {_c(fp[sizes[0]]['store_p90_ms'])}",
+                  "" if small or len(sizes) < 2 else _c(res["store_p90_big_vs_small"]),
                   "" if small or len(sizes) < 2 else target("store_p90_big_vs_small"))
         t.add_row("  lock wait ms",
-                  f"{_f(r['lock_wait_p50_ms'], '.3f')}/{_f(r['lock_wait_p99_ms'], '.3f')}", "", "",
+                  _c(r["lock_wait_p50_ms"], r["lock_wait_p99_ms"]), "", "",
                   "" if small or len(sizes) < 2 else target("lock_wait_p99_big_ms"))
     pr = res.get("procs") or {}
     for what, label in (("store", "kv.store ops/s"), ("lock", "lock ops/s cas"),
-                        ("manager_lock", "lock ops/s manager")):
+                        ("manager_lock", "lock ops/s mgr")):
         for k in sorted(pr, key=int):
             v = pr[k].get(f"{what}_ops_per_s")
             if v is None:
@@ -79,23 +85,23 @@ def render(app: Application, res: dict) -> None:
             key = f"{what}_ops_{k}_vs_best12"
             t.add_row(f"{label}, {k} proc", f"{v:,.0f}",
                       "best 1-2" if res.get(key) is not None else "",
-                      _f(res[key]) if res.get(key) is not None else "",
+                      _c(res[key]) if res.get(key) is not None else "",
                       target(key) if key in bench_scale.TARGETS else "")
     if "manager_rtt_p50_us" in res:
         t.add_row(f"manager rtt us, {res.get('manager_clients')} clients",
-                  f"{_f(res['manager_rtt_p50_us'], '.1f')}/{_f(res['manager_rtt_p99_us'], '.1f')}",
+                  _c(res["manager_rtt_p50_us"], res["manager_rtt_p99_us"]),
                   "", "", target("manager_rtt_p50_us"))
         t.add_row("idle manager CPU %", _f(res.get("manager_idle_cpu_pct")), "", "",
                   target("manager_idle_cpu_pct"))
     if "attach_size" in res:
         gib = res["attach_size"] / (1 << 30)
-        t.add_row(f"attach {gib:g} GiB ms", _f(res["attach_ms"]),
-                  f"later {_f(res['attach_warm_ms'])}", "", target("attach_ms"))
-        t.add_row("  without bytecode cache", _f(res["attach_uncached_ms"]), "", "", "")
-        t.add_row("  detach ms", _f(res["detach_ms"]), "", "", "")
+        t.add_row(f"attach {gib:g} GiB ms", _c(res["attach_ms"]),
+                  f"later {_c(res['attach_warm_ms'])}", "", target("attach_ms"))
+        t.add_row("  no bytecode cache", _c(res["attach_uncached_ms"]), "", "", "")
+        t.add_row("  detach ms", _c(res["detach_ms"]), "", "", "")
     if "recovery_slabs" in res:
-        t.add_row(f"recovery {res['recovery_slabs']:,} slabs ms",
-                  _f(res["recovery_ms"]), f"attach {_f(res['recovery_attach_ms'])}", "",
+        t.add_row(f"recovery {res['recovery_slabs']} slabs ms",
+                  _c(res["recovery_ms"]), f"attach {_c(res['recovery_attach_ms'])}", "",
                   target("recovery_ms"))
     app.out.print(t)
     app.out.print("store: p50/p90/p99 of 64-block stores into a full pool (each evicts); lock "
