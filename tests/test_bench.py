@@ -322,3 +322,5 @@ def test_scale_cli_json_and_table(cli, monkeypatch):
     assert r.code != 0 and "unknown --scale-only scenario nothing" in r.err
     r = cli("bench", "--scale", "--scale-entries", "1000")
     assert r.code != 0 and "powers of two" in r.err
+    r = cli("bench", "--scale", "--pool", "/dev/shm/p.pool")
+    assert r.code != 0 and "--pool does not apply to --scale" in r.err

@@ -7,6 +7,7 @@ import click
 from rich.table import Table
 
 from cxlkv.cli.app import Application, exit_codes_epilog, json_option, pass_app
+from cxlkv.errors import UsageError
 
 SCALE_SCENARIOS = ("full-pool", "procs", "manager", "attach", "recovery")
 
@@ -61,6 +62,9 @@ def bench_cmd(app: Application, pool, scale, scale_only, scale_entries, scale_pr
     """
     if scale:
         from cxlkv.cli.bench_scale import scale_cmd
+
+        if pool is not None:
+            raise UsageError("--pool does not apply to --scale (it runs on scratch pools)")
 
         scale_cmd(app, _progress, only=scale_only, entries=scale_entries, procs=scale_procs,
                   stores=scale_stores, seconds=scale_seconds, attach_size=scale_attach_size,
