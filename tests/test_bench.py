@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -221,3 +222,105 @@ def test_pool_without_free_node_slots_is_refused(cli, scratch, tmp_path):
     assert "free node slots" in r.json()["error"]["message"]
     with cxlkv.open_pool(path) as pool:
         assert kv_report(pool)["namespaces"] == []
+
+
+# -- cxlkv bench --scale ------------------------------------------------------------------
+def scale_children() -> list[int]:
+    """Pids of this process's children still running (workers, lock managers)."""
+    import psutil
+
+    return [p.pid for p in psutil.Process().children(recursive=True)
+            if p.status() != psutil.STATUS_ZOMBIE]
+
+
+def attach_dirs() -> set[str]:
+    import tempfile
+
+    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("cxlkv-bench-attach-")}
+
+
+def test_scale_bench_at_tiny_sizes_reports_every_figure(monkeypatch, tmp_path):
+    from cxlkv import bench_scale
+
+    d = tmp_path / "scratch"
+    d.mkdir()
+    monkeypatch.setattr(bench_scale, "_scratch_dir", lambda: str(d))
+    before = attach_dirs()
+    steps = []
+    res = bench_scale.run(steps.append, entries=(1024, 2048), procs=(1, 2, 4), stores=4,
+                          seconds=0.1, attach_size=64 * MiB, slabs=40, idle_seconds=0.1)
+    assert steps == bench_scale.steps(bench_scale.SCENARIOS, (1024, 2048), (1, 2, 4))
+    assert set(res["targets"]) == set(bench_scale.TARGETS)
+    for key in bench_scale.TARGETS:
+        v = res[key]
+        if v is None:
+            assert res["notes"].get(key), f"{key} is None without a reason"
+            assert res["targets"][key] is None
+        else:
+            assert isinstance(v, float) and math.isfinite(v) and v >= 0, key
+            assert isinstance(res["targets"][key], bool), key
+    # 8 processes were not asked for: no figure, and a note saying why
+    assert res["store_ops_8_vs_best12"] is None and res["notes"]["store_ops_8_vs_best12"]
+    for slots in ("1024", "2048"):
+        fp = res["full_pool"][slots]
+        assert fp["slots"] == int(slots) and fp["stores"] == 4
+        # the pool was past capacity: the timed stores evicted (64 blocks each)
+        assert fp["evictions"] >= 4 * bench_scale.FP_STORE_BLOCKS
+        assert fp["entries"] <= fp["max_entries"]
+        assert 0 < fp["store_p50_ms"] <= fp["store_p90_ms"] <= fp["store_p99_ms"]
+        assert fp["lock_waits"] > 0 and fp["lock_wait_p99_ms"] >= fp["lock_wait_p50_ms"] > 0
+    fp = res["full_pool"]
+    assert res["store_p90_big_vs_small"] == fp["2048"]["store_p90_ms"] / fp["1024"]["store_p90_ms"]
+    assert res["lock_wait_p99_big_ms"] == fp["2048"]["lock_wait_p99_ms"]
+    pr = res["procs"]
+    assert set(pr) == {"1", "2", "4"}
+    for k in pr.values():
+        assert k["store_ops_per_s"] > 0 and k["lock_ops_per_s"] > 0
+        assert k["manager_lock_ops_per_s"] > 0 and k["manager_rtt_p50_us"] > 0
+    best = max(pr["1"]["lock_ops_per_s"], pr["2"]["lock_ops_per_s"])
+    assert res["lock_ops_4_vs_best12"] == pr["4"]["lock_ops_per_s"] / best
+    assert res["manager_clients"] == 4 and res["manager_rtt_p50_us"] == pr["4"]["manager_rtt_p50_us"]
+    assert res["attach_size"] == 64 * MiB and res["attach_warm_ms"] > 0
+    assert res["attach_uncached_ms"] > 0 and res["detach_ms"] > 0
+    assert res["recovery_slabs"] == 40 and res["recovered"] is True
+    assert res["recovery_attach_ms"] > 0
+    json.dumps(res)                                         # one JSON document
+    assert not d.exists()                                   # scratch pools removed
+    assert attach_dirs() == before
+    assert scale_children() == []                           # workers and manager ended
+
+
+def test_scale_cli_json_and_table(cli, monkeypatch):
+    from cxlkv import bench_scale
+    from cxlkv.cli.bench import SCALE_SCENARIOS
+
+    assert SCALE_SCENARIOS == bench_scale.SCENARIOS
+    seen = {}
+    res = {"scale": True, "notes": {"attach_ms": "no room"}, "attach_ms": None,
+           "targets": {k: None for k in bench_scale.TARGETS},
+           "full_pool": {"65536": {"store_p50_ms": 0.1, "store_p90_ms": 0.2,
+                                   "store_p99_ms": 0.3, "lock_wait_p50_ms": 0.01,
+                                   "lock_wait_p99_ms": 0.02}},
+           "procs": {"1": {"store_ops_per_s": 10.0, "lock_ops_per_s": 20.0}}}
+
+    def fake_run(progress, **kw):
+        seen.update(kw)
+        for step in bench_scale.steps(kw["only"], kw["entries"], kw["procs"]):
+            progress(step)
+        return res
+
+    monkeypatch.setattr(bench_scale, "run", fake_run)
+    r = cli("bench", "--scale", "--json", "--scale-only", "full-pool,procs",
+            "--scale-entries", "65536", "--scale-procs", "1,8", "--scale-attach-size", "1G")
+    assert r.code == 0 and r.json()["scale"] is True and r.err == ""
+    assert seen["only"] == ("full-pool", "procs") and seen["entries"] == (65536,)
+    assert seen["procs"] == (1, 8) and seen["attach_size"] == 1 << 30
+    r = cli("bench", "--scale", "--scale-only", "full-pool")
+    assert r.code == 0 and "65536 slots" in r.out and "no room" in r.out
+    assert "bench: full-pool store, 65,536 slots" in r.err
+    r = cli("bench", "--scale", "--scale-only", "nothing")
+    assert r.code != 0 and "unknown --scale-only scenario nothing" in r.err
+    r = cli("bench", "--scale", "--scale-entries", "1000")
+    assert r.code != 0 and "powers of two" in r.err
+    r = cli("bench", "--scale", "--pool", "/dev/shm/p.pool")
+    assert r.code != 0 and "--pool does not apply to --scale" in r.err

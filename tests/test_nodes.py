@@ -72,6 +72,18 @@ def test_attach_detach(small_pool):
         assert N.read_slot(p, slot).state == "free"
 
 
+def test_read_nodes_decodes_as_read_slot_does(small_pool):
+    """The table read in one piece gives what slot-by-slot reads give; free
+    slots are left out unless asked for."""
+    fake_node(small_pool, 3, pid=999_999, start_time_ns=5,     # a node of another host
+              boot_id="0b5e55ed-0000-4000-8000-000000000003")
+    with cxlkv.open_pool(small_pool) as pool:
+        every = N.read_nodes(pool, include_free=True)
+        assert every == [N.read_slot(pool, i) for i in range(pool.sb.max_nodes)]
+        assert N.read_nodes(pool) == [n for n in every if n.state != "free"]
+        assert {n.slot for n in N.read_nodes(pool)} == {3, pool.node.slot}
+
+
 def test_epoch_bumps_on_every_attach(pool_path):
     from cxlkv.pool.admin import init_pool
 

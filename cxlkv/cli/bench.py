@@ -7,6 +7,9 @@ import click
 from rich.table import Table
 
 from cxlkv.cli.app import Application, exit_codes_epilog, json_option, pass_app
+from cxlkv.errors import UsageError
+
+SCALE_SCENARIOS = ("full-pool", "procs", "manager", "attach", "recovery")
 
 
 @click.command("bench", epilog=exit_codes_epilog())
@@ -15,9 +18,31 @@ from cxlkv.cli.app import Application, exit_codes_epilog, json_option, pass_app
                    "in a namespace of their own that is dropped after; refused when the pool "
                    "lacks room for them (the bench never evicts other blocks).  Without it "
                    "they run on a scratch pool.")
+@click.option("--scale", is_flag=True,
+              help="Measure the rack-scale costs instead (see --scale-only): full-pool "
+                   "stores at a small and a large hash table, store and lock throughput "
+                   "at 1-8 processes, the lock manager, attach of a 16 GiB pool, "
+                   "recovery of a dead node; a few minutes.")
+@click.option("--scale-only", metavar="LIST", default=",".join(SCALE_SCENARIOS),
+              show_default=True, help="With --scale: the scenarios to run.")
+@click.option("--scale-entries", metavar="N,N", default="65536,1048576", show_default=True,
+              help="With --scale: hash-table slots of the full-pool scenario (the largest "
+                   "is compared with the smallest).")
+@click.option("--scale-procs", metavar="N,..", default="1,2,4,8", show_default=True,
+              help="With --scale: process counts (4 and 8 are compared with the best of "
+                   "1-2; the largest is the lock manager's client count).")
+@click.option("--scale-stores", type=click.IntRange(2), default=40, show_default=True,
+              help="With --scale: timed full-pool stores per table size.")
+@click.option("--scale-seconds", type=click.FloatRange(0.01), default=1.0,
+              show_default=True, help="With --scale: seconds of each throughput window.")
+@click.option("--scale-attach-size", metavar="SIZE", default="16G", show_default=True,
+              help="With --scale: size of the pool whose attach is timed.")
+@click.option("--scale-slabs", type=click.IntRange(1), default=10_000, show_default=True,
+              help="With --scale: slabs the killed node holds.")
 @json_option
 @pass_app
-def bench_cmd(app: Application, pool, as_json):
+def bench_cmd(app: Application, pool, scale, scale_only, scale_entries, scale_procs,
+              scale_stores, scale_seconds, scale_attach_size, scale_slabs, as_json):
     """Measure the pool against baselines measured in the same run.
 
     Runs on scratch pools it makes in /dev/shm and removes after: pool writes
@@ -31,7 +56,20 @@ def bench_cmd(app: Application, pool, as_json):
     through the pool, against the same bytes through a /dev/shm mapping, a
     loopback TCP stream and a redis-server started for the run (127.0.0.1).
     Takes under a minute.
+
+    --scale measures the rack-scale costs instead (pool-size and process
+    count independence), each beside its same-run baseline and target.
     """
+    if scale:
+        from cxlkv.cli.bench_scale import scale_cmd
+
+        if pool is not None:
+            raise UsageError("--pool does not apply to --scale (it runs on scratch pools)")
+
+        scale_cmd(app, _progress, only=scale_only, entries=scale_entries, procs=scale_procs,
+                  stores=scale_stores, seconds=scale_seconds, attach_size=scale_attach_size,
+                  slabs=scale_slabs)
+        return
     from cxlkv.benchmarks import STEPS, TARGETS, run
 
     with _progress(app, STEPS) as progress:

@@ -42,8 +42,6 @@ from __future__ import annotations
 
 import os
 import random
-import secrets
-import socket
 import sys
 import threading
 import time
@@ -51,11 +49,9 @@ import uuid as uuidlib
 from dataclasses import dataclass, field
 from typing import Callable
 
-import psutil
-
 from cxlkv import __version__
 from cxlkv.errors import CxlkvError, RefusedError
-from cxlkv.host import sysfs
+from cxlkv.host import procs, sysfs
 from cxlkv.pool import layout as L
 
 _CONTROL = L.field_offset(L.NodeStruct, "control")
@@ -66,6 +62,8 @@ _HEARTBEAT = L.field_offset(L.NodeStruct, "heartbeat")
 _ACK = L.field_offset(L.NodeStruct, "ack_epoch")
 #: a node writes only while its last heartbeat is younger than this share of the lease
 FRESH_SHARE = 0.5
+#: claim tokens (os.urandom; the secrets module would load OpenSSL at attach)
+_RNG = random.SystemRandom()
 
 
 class NodeFenced(CxlkvError):
@@ -140,7 +138,7 @@ def local_boot_id() -> str:
 
 def _fallback_boot_id() -> str:
     return str(uuidlib.uuid5(uuidlib.NAMESPACE_DNS,
-                             f"{socket.gethostname()}-{psutil.boot_time()}"))
+                             f"{os.uname().nodename}-{procs.boot_time()}"))
 
 
 def node_offset(pool, slot: int) -> int:
@@ -156,7 +154,11 @@ def read_slot(pool, slot: int) -> NodeInfo:
     off = node_offset(pool, slot)
     m = pool.mapping
     m.invalidate(off, L.NODE_SIZE)
-    s = L.NodeStruct.from_buffer_copy(m.read(off, L.NODE_SIZE))
+    return _decode_slot(pool, slot, m.read(off, L.NODE_SIZE))
+
+
+def _decode_slot(pool, slot: int, raw, base: int = 0) -> NodeInfo:
+    s = L.NodeStruct.from_buffer_copy(raw, base)
     # manager mode: the lock manager's word (line 7) is the slot's state
     control = s.mgr_control if pool.sb.sync == "manager" else s.control
     state, epoch = L.node_state(control)
@@ -170,22 +172,24 @@ def read_slot(pool, slot: int) -> NodeInfo:
 
 
 def read_nodes(pool, include_free: bool = False) -> list[NodeInfo]:
-    nodes = [read_slot(pool, i) for i in range(pool.sb.max_nodes)]
-    return nodes if include_free else [n for n in nodes if n.state != "free"]
+    """Every slot of the node table (one read of the region), or the slots
+    that are not free.  Free slots are skipped before they are decoded: an
+    attach scans the table, and it must cost what the live nodes cost."""
+    off, _ = pool.sb.regions["nodes"]
+    n, size, m = pool.sb.max_nodes, L.NODE_SIZE, pool.mapping
+    m.invalidate(off, n * size)
+    raw = m.read(off, n * size)
+    word = _MGR_LINE if pool.sb.sync == "manager" else _CONTROL
+    return [_decode_slot(pool, i, raw, i * size) for i in range(n)
+            if include_free or L.node_state(int.from_bytes(
+                raw[i * size + word:i * size + word + 8], "little"))[0] != L.NODE_FREE]
 
 
 def process_start_ns(pid: int) -> int | None:
-    """Start time of a running local process in ns (psutil); None if it does not
-    exist or is a zombie (dead, not yet waited for); -1 if we may not look."""
-    try:
-        p = psutil.Process(pid)
-        if p.status() == psutil.STATUS_ZOMBIE:
-            return None
-        return int(p.create_time() * 1e9)
-    except (psutil.NoSuchProcess, psutil.ZombieProcess, ValueError):
-        return None
-    except psutil.AccessDenied:
-        return -1
+    """Start time of a running local process in ns (as psutil's create_time);
+    None if it does not exist or is a zombie (dead, not yet waited for); -1
+    if we may not look."""
+    return procs.start_time_ns(pid)
 
 
 def local_process_alive(pid: int, start_time_ns: int) -> bool:
@@ -194,7 +198,7 @@ def local_process_alive(pid: int, start_time_ns: int) -> bool:
     start = process_start_ns(pid)
     if start == -1:
         return True                     # cannot tell: the cautious answer
-    # psutil derives create_time from boot time + clock ticks: equal for the
+    # the start time is boot time + clock ticks (as psutil computes it): equal for the
     # same process, different after pid reuse; allow rounding of 1 ms.
     return start is not None and abs(start - start_time_ns) < 1_000_000
 
@@ -485,7 +489,7 @@ class Attachment:
         from cxlkv.state import protocol as P
 
         pool, m = self.pool, self.pool.mapping
-        token = secrets.randbits(62) | 1
+        token = _RNG.getrandbits(62) | 1
         lines = P.read_node_lines(pool)
         free = [s for s in range(pool.sb.max_nodes)
                 if P.mgr_state(lines[s])[0] == L.NODE_FREE]
@@ -569,7 +573,7 @@ class Attachment:
         s.pid, s.start_time_ns, s.attach_time_ns = pid, start, time.time_ns()
         s.format_version = L.FORMAT_VERSION
         s.boot_id[:] = uuidlib.UUID(self.observer.boot_id).bytes
-        s.hostname = socket.gethostname().encode()[:63]
+        s.hostname = os.uname().nodename.encode()[:63]
         s.sw_version = f"cxlkv {__version__}".encode()[:31]
         ident = bytes(s)[64:_MGR_LINE]
         m = self.pool.mapping
