@@ -441,8 +441,8 @@ class KVCache:
                 self.pool.publish(pay)
                 m.kv_set_state(a.table, a.nslots, slots[new], L.KV_PENDING, L.KV_PUBLISHED,
                                token, stamp())
-                a.journal.append(J.STORED, slots[new])
                 published = True
+                a.journal.append(J.STORED, slots[new])
         except BaseException:
             if not published:
                 self._abandon(slots[:pos][status[:pos] == 0], pay)

@@ -8,9 +8,10 @@
  * takes its sequence numbers from the header's next_seq first (a crash
  * after that leaves a gap, never a reuse); every record is written as a
  * seqlock - seq 0, release, the fields, release, its sequence number - and
- * the head is advanced after the whole batch: a crash before that leaves the
- * head where it was (the half-written records are beyond it, overwritten by
- * the slot's next appender).  With flush_meta
+ * the head is advanced after the whole batch, once the node is proven fresh
+ * again if the write deadline passed meanwhile: a crash or a fencing before
+ * that leaves the head where it was (the records are beyond it, overwritten
+ * by the slot's next appender).  With flush_meta
  * (manager mode, the non-coherence emulation) the records and the head line
  * are flushed and the lines read are invalidated first.
  *
@@ -161,6 +162,10 @@ Mapping_journal_append(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     PyBuffer_Release(&b);
     /* a crash here: the records are beyond the head, never read */
     cxlkv_crashpoint("journal.append");
+    /* a stall since the check above (past the write deadline): prove this
+     * node fresh again, or leave the head alone (NodeFenced) */
+    if (check_writable(m, "journal_append") < 0)
+        return NULL;
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     if (pool_load64(m, ring + R_WRITER) != writer)
         pool_store64(m, ring + R_WRITER, writer);
