@@ -314,3 +314,29 @@ with cxlkv.open_pool({str(path)!r}) as pool:
         mgr.terminate()
         mgr.wait(10)
     assert r.returncode != 0 and "without the change journal" in r.stderr, r.stderr
+
+
+# -- fsck ---------------------------------------------------------------------------------
+def test_fsck_reports_and_repairs_a_damaged_journal_header(pool_path):
+    from cxlkv.state import repair as R
+
+    init_pool(pool_path, {"size": 8 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8})
+    with cxlkv.open_pool(pool_path) as pool:
+        pool.kv(**KV_ARGS).store(toks(1, 3), bytes(3 * BB))
+        g = J.JournalReader(pool, start="now").geo
+        hdr = g.hdr
+        seq = g.next_seq()
+    with Pool.open(pool_path) as p:
+        p.mapping.store64(hdr + L.field_offset(L.JournalHdrStruct, "next_seq"), 2)  # behind
+        rep = fsck.check(p)
+        assert [f.code for f in rep.errors] == ["kv-journal-seq"]
+        p.mapping.store64(hdr, 0)                                                 # magic
+        assert [f.code for f in fsck.check(p).errors] == ["kv-journal-header"]
+        with pytest.raises(Exception, match="header is corrupt"):
+            J.JournalReader(p)
+    rep = R.repair(pool_path)
+    assert "kv-journal-header" in [a["code"] for a in rep.actions]
+    with Pool.open(pool_path) as p:
+        assert fsck.check(p).clean
+        r = J.JournalReader(p, start="now")
+        assert r.geo.next_seq() == seq                     # above every record again

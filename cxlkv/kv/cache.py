@@ -927,7 +927,12 @@ def kv_report(pool) -> dict:
 
 def drop_namespace(pool, name: str) -> dict:
     """Evict every unpinned block of a namespace; the record is freed once
-    no block is left.  Returns what was done and what stayed (pinned)."""
+    no block is left.  Returns what was done and what stayed (pinned).
+
+    The blocks are found in the table (the change journal records changes,
+    it is no index of what a namespace holds); each eviction is journaled,
+    and the freed record as NS_CLEARED, so journal readers learn of the drop
+    without a pass of their own."""
     a = Area(pool)
     with pool.lock():
         idx = [i for i, r in enumerate(a.ns_records())

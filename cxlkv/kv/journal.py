@@ -336,3 +336,66 @@ def report(pool) -> dict | None:
             "rings": [{"slot": s, "head": int(heads[s]), "writer_slot": (int(writers[s]) & 0xFFFF) - 1,
                        "writer_epoch": int(writers[s]) >> 16}
                       for s in np.flatnonzero(heads).tolist()]}
+
+
+# -- fsck ----------------------------------------------------------------------------------
+def _problems(pool) -> tuple[bool, int, list[tuple[str, str, str]]]:
+    """(header corrupt, next_seq a repair sets, [(code, where, message)])."""
+    sb, m = pool.sb, pool.mapping
+    kv_off, _ = sb.regions["kv"]
+    g = L.journal_geometry(sb.max_nodes, sb.hash_slots)
+    hdr = kv_off + g["hdr_off"]
+    m.invalidate(hdr, 128)
+    h = L.JournalHdrStruct.from_buffer_copy(m.read(hdr, ctypes.sizeof(L.JournalHdrStruct)))
+    out = []
+    corrupt = (h.magic != L.JOURNAL_MAGIC or h.records_per_node != g["records_per_node"]
+               or h.rec_size != L.JOURNAL_REC_SIZE or h.ring_off != g["ring_off"]
+               or h.ring_stride != g["ring_stride"] or h.max_nodes != sb.max_nodes)
+    if corrupt:
+        out.append(("kv-journal-header", "change journal", "its header is corrupt (magic or "
+                                                           "geometry): readers refuse it"))
+    top = 0
+    for s in range(sb.max_nodes):
+        ring = kv_off + g["ring_off"] + s * g["ring_stride"]
+        m.invalidate(ring, 64)
+        head, writer = m.load64(ring), m.load64(ring + 8)
+        if writer and (writer & 0xFFFF) != s + 1:
+            out.append(("kv-journal-ring", f"journal ring {s}",
+                        f"names writer {writer:#x}, a token of another node slot"))
+        if head:
+            last = ring + _RING_HDR + ((head - 1) % g["records_per_node"]) * L.JOURNAL_REC_SIZE
+            m.invalidate(last, 8)
+            top = max(top, m.load64(last))
+    if not corrupt and h.next_seq <= top:
+        out.append(("kv-journal-seq", "change journal", f"next sequence number {h.next_seq} "
+                                                        f"is not above a record's ({top})"))
+    return corrupt, max(h.next_seq if not corrupt else 0, top + 1, 1), out
+
+
+def check(pool, rep) -> None:
+    """fsck: the journal's header, ring writers and sequence numbers."""
+    if not has_journal(pool):
+        return
+    for code, where, msg in _problems(pool)[2]:
+        rep.error(code, where, msg)
+
+
+def repair(pool, rep) -> None:
+    """fsck --repair: rewrite a corrupt header or a sequence number that is
+    not above every record's (readers resync on what they then see; ring
+    heads are left alone, so their cursors stay meaningful)."""
+    if not has_journal(pool):
+        return
+    corrupt, next_seq, found = _problems(pool)
+    codes = {c for c, _, _ in found}
+    if corrupt or "kv-journal-seq" in codes:
+        sb, m = pool.sb, pool.mapping
+        g = L.journal_geometry(sb.max_nodes, sb.hash_slots)
+        hdr = sb.regions["kv"][0] + g["hdr_off"]
+        h = L.JournalHdrStruct(magic=L.JOURNAL_MAGIC, records_per_node=g["records_per_node"],
+                               rec_size=L.JOURNAL_REC_SIZE, ring_off=g["ring_off"],
+                               ring_stride=g["ring_stride"], max_nodes=sb.max_nodes,
+                               next_seq=next_seq)
+        m.write(hdr, bytes(h))
+        rep.did("kv-journal-header", "change journal",
+                f"header rewritten (next sequence number {next_seq})")

@@ -127,9 +127,10 @@ class Pusher:
         for d in (self._live, self._done, self._seen, self._pending):
             d.pop(k, None)
 
-    def _follow(self, spaces) -> None:
+    def _follow(self, spaces) -> tuple[int, int]:
         """Apply the journal's records since the last pass to the set of
-        published blocks of the chosen namespaces."""
+        published blocks of the chosen namespaces.  Returns (records, 1 if
+        this was a resync else 0)."""
         ch = self.journal.poll()
         recs = ch.records
         self.totals["records"] += len(recs)
@@ -152,6 +153,7 @@ class Pusher:
             for d in (self._done, self._seen, self._pending):
                 for k in [k for k in d if k not in self._live]:
                     del d[k]
+        return len(recs), int(ch.resync)
 
     def _entries(self, idx: np.ndarray) -> np.ndarray:
         """The current hash entries at `idx` (a copy)."""
@@ -175,10 +177,10 @@ class Pusher:
         t0 = time.monotonic()
         spaces = self._namespaces()
         got = {"candidates": 0, "present": 0, "queued": 0, "changed": 0, "refused": 0,
-               "seconds": 0.0}
+               "records": 0, "resyncs": 0, "seconds": 0.0}
         if not spaces:
             return got
-        self._follow(spaces)
+        got["records"], got["resyncs"] = self._follow(spaces)
         if self.policy == "reused":
             with self.pool.lock(self.lock_timeout):
                 self.area.drain_rings()

@@ -22,7 +22,9 @@ its payload copied, and its control word (state and version) read again; a
 block that changed at any step is skipped and counted, never written torn.
 A block whose parent was skipped is left out too (a chain is never cut).
 A snapshot does not count as use: LRU stamps are left alone (touches still
-in the nodes' rings count as "now").
+in the nodes' rings count as "now").  A snapshot reads the whole table once and
+does not follow the change journal (cxlkv.kv.journal): it needs every
+published block, and it has no incremental form to feed.
 
 Restore goes through the KV engine's own C insert and publish calls
 (kv_insert, publish, kv_set_state), so the table, the namespace and tenant
