@@ -340,3 +340,19 @@ def test_fsck_reports_and_repairs_a_damaged_journal_header(pool_path):
         assert fsck.check(p).clean
         r = J.JournalReader(p, start="now")
         assert r.geo.next_seq() == seq                     # above every record again
+
+
+def test_a_restore_records_what_it_publishes(tmp_path):
+    from cxlkv.kv import snapshot as S
+
+    a, b = str(tmp_path / "a.pool"), str(tmp_path / "b.pool")
+    for p in (a, b):
+        init_pool(p, {"size": 8 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8})
+    with cxlkv.open_pool(a) as pool:
+        pool.kv(**KV_ARGS).store(toks(1, 5), bytes(5 * BB))
+        S.snapshot(pool, tmp_path / "snap")
+    with cxlkv.open_pool(b) as pool:
+        f = Follower(pool, start="now")
+        assert S.restore(pool, tmp_path / "snap")["blocks"] == 5
+        ch = f.poll()
+        assert not ch.resync and f.ops[J.STORED] == 5 and f.present == published(pool)
