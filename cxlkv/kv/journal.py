@@ -79,7 +79,7 @@ def require(pool) -> None:
     """PoolIncompatible, by name, for a pool formatted without the journal."""
     if not has_journal(pool):
         raise PoolIncompatible(
-            f"{pool.path} was formatted without the change journal (by cxlkv before 0.3): "
+            f"{pool.path} was formatted without the change journal (by an earlier cxlkv): "
             "its KV cache cannot be used by this version", path=pool.path,
             hint="snapshot its KV blocks with the cxlkv that formatted it, re-format with "
                  "`cxlkv format --force`, then restore them")
@@ -129,6 +129,15 @@ class _Geometry:
 
     def heads(self) -> tuple[np.ndarray, np.ndarray]:
         """(head, writer) of every ring."""
+        if not self.flush_meta:                 # one strided copy out of a view
+            v = self.m.view(self.rings, self.max_nodes * self.stride)
+            try:
+                w = np.frombuffer(v, dtype="<u8").reshape(self.max_nodes, self.stride // 8)
+                heads, writers = w[:, 0].copy(), w[:, 1].copy()
+                del w
+            finally:
+                v.release()
+            return heads, writers
         heads = np.empty(self.max_nodes, dtype=np.uint64)
         writers = np.empty(self.max_nodes, dtype=np.uint64)
         for s in range(self.max_nodes):
