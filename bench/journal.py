@@ -3,7 +3,8 @@ and how fast a reader follows the rack.
 
 1. store ops/s with and without the journal append (the same stores on a
    fresh pool each round, rounds interleaved; the append is replaced by a
-   no-op for "without"): the ratio of medians;
+   no-op for "without"): the ratio of medians; and the time of one append
+   call itself (less sensitive to a loaded machine than the ratio);
 2. a writer process storing at a paced rate (default 10K blocks/s) while
    this process polls a JournalReader every --poll-ms: records/s received,
    resyncs, lag (record time to receipt) p50/p99, and the reader's CPU per
@@ -113,6 +114,22 @@ def follow(path, rate, seconds, poll_ms):
             "poll_ms": poll_ms}
 
 
+def append_cost(path, n=20000):
+    """Microseconds one journal append of PER records takes (the call the
+    store path adds, pool lock held), against one store of PER blocks."""
+    fresh(path)
+    with cxlkv.open_pool(path) as pool:
+        kv = pool.kv(model="bench", block_tokens=4, block_bytes=BB)
+        kv.store(np.arange(PER * 4, dtype=np.int64), bytes(PER * BB))
+        idx = np.flatnonzero((kv.area.entries()["ctl"] & 0xFF) == 3).astype(np.uint64)[:PER]
+        w = kv.area.journal
+        with pool.lock():
+            t0 = time.perf_counter()
+            for _ in range(n):
+                w.append(J.STORED, idx)
+            return (time.perf_counter() - t0) / n * 1e6
+
+
 def capacity(path):
     fresh(path)
     with cxlkv.open_pool(path) as pool:
@@ -153,7 +170,9 @@ def main():
                           "without_journal_ops_s": round(statistics.median(off)),
                           "ratio": round(statistics.median(on) / statistics.median(off), 3),
                           "rounds_with": [round(x) for x in on],
-                          "rounds_without": [round(x) for x in off]},
+                          "rounds_without": [round(x) for x in off],
+                          "append_us": round(append_cost(path), 2),
+                          "store_us_with_journal": round(1e6 / statistics.median(on), 1)},
                "follow": follow(path, a.rate, a.seconds, a.poll_ms),
                "capacity": capacity(path)}
     finally:
@@ -165,7 +184,8 @@ def main():
     else:
         s = out["stores"]
         print(f"store ops/s ({PER} x {BB} B): with journal {s['with_journal_ops_s']}, without "
-              f"{s['without_journal_ops_s']}, ratio {s['ratio']}")
+              f"{s['without_journal_ops_s']}, ratio {s['ratio']}; one append of {PER} records "
+              f"{s['append_us']} us vs {s['store_us_with_journal']} us per store")
         f = out["follow"]
         print(f"reader at {f['target_blocks_per_s']:.0f} blocks/s (writer reached "
               f"{f['writer_blocks_per_s']}): {f['records_per_s']} records/s, resyncs "
