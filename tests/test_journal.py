@@ -356,3 +356,18 @@ def test_a_restore_records_what_it_publishes(tmp_path):
         assert S.restore(pool, tmp_path / "snap")["blocks"] == 5
         ch = f.poll()
         assert not ch.resync and f.ops[J.STORED] == 5 and f.present == published(pool)
+
+
+def test_inspect_and_kv_stats_show_the_rings(cli, pool_path):
+    init_pool(pool_path, {"size": 8 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8})
+    with cxlkv.open_pool(pool_path) as pool:
+        pool.kv(**KV_ARGS).store(toks(1, 3), bytes(3 * BB))
+        slot = pool.node.slot
+    for args in (("inspect", "--pool", pool_path, "--json"),
+                 ("kv", "stats", "--pool", pool_path, "--json")):
+        r = cli(*args)
+        assert r.code == 0, r.err
+        doc = r.json()
+        j = (doc["pool"] if "pool" in doc and isinstance(doc["pool"], dict) else doc)["kv"]["journal"]
+        assert j["appended"] == 3 and j["next_seq"] == 4
+        assert j["rings"] == [{"slot": slot, "head": 3, "writer_slot": slot, "writer_epoch": 1}]
