@@ -81,6 +81,17 @@ PINNED = {
         "ring_head": (0, 8), "line0_pad": (8, 56), "ring_drained": (64, 8),
         "line1_pad": (72, 56),
     }),
+    "journal_hdr": (128, {
+        "magic": (0, 8), "records_per_node": (8, 4), "rec_size": (12, 4), "ring_off": (16, 8),
+        "ring_stride": (24, 8), "max_nodes": (32, 4), "line0_pad": (36, 28),
+        "next_seq": (64, 8), "line1_pad": (72, 56),
+    }),
+    "journal_ring": (64, {"head": (0, 8), "writer": (8, 8), "pad": (16, 48)}),
+    "journal_rec": (64, {
+        "seq": (0, 8), "key_lo": (8, 8), "key_hi": (16, 8), "parent_lo": (24, 8),
+        "parent_hi": (32, 8), "length": (40, 4), "ns": (44, 2), "tenant": (46, 2),
+        "time_us": (48, 8), "entry": (56, 4), "op": (60, 1), "reserved": (61, 3),
+    }),
 }
 
 
@@ -132,6 +143,9 @@ def test_constants_agree():
         "KV_NS_NAME": L.KV_NS_NAME, "KV_NSTATS": L.KV_NSTATS, "KV_REC_FREE": L.KV_REC_FREE,
         "KV_REC_ACTIVE": L.KV_REC_ACTIVE, "KV_HASH_XXH3_128": L.KV_HASH_XXH3_128,
         "KV_HASH_SHA256_CBOR": L.KV_HASH_SHA256_CBOR,
+        "FEATURE_INCOMPAT_JOURNAL": L.INCOMPAT_JOURNAL, "JOURNAL_MAGIC": L.JOURNAL_MAGIC,
+        "JOURNAL_REC_SIZE": L.JOURNAL_REC_SIZE, "JOURNAL_STORED": L.JOURNAL_STORED,
+        "JOURNAL_EVICTED": L.JOURNAL_EVICTED, "JOURNAL_NS_CLEARED": L.JOURNAL_NS_CLEARED,
     }
     for k, v in pairs.items():
         assert c[k] == v, k
@@ -150,3 +164,16 @@ def test_pinned_values():
     assert (L.KV_MAGIC.to_bytes(8, "little"), L.COMPAT_KV) == (b"CXLKVKV1", 1)
     assert (L.KV_EMPTY, L.KV_WRITING, L.KV_PENDING, L.KV_PUBLISHED, L.KV_EVICTING,
             L.KV_TOMBSTONE) == (0, 1, 2, 3, 4, 5)
+    assert (L.JOURNAL_MAGIC.to_bytes(8, "little"), L.INCOMPAT_JOURNAL) == (b"CXLKVJN1", 4)
+    assert (L.JOURNAL_STORED, L.JOURNAL_EVICTED, L.JOURNAL_NS_CLEARED) == (1, 2, 3)
+
+
+def test_journal_geometry():
+    # after the per-node KV areas, page aligned; records scale with the table
+    g = L.journal_geometry(8, 256)
+    assert g["records_per_node"] == 256 and g["hdr_off"] % L.PAGE == 0
+    assert g["hdr_off"] >= L.kv_geometry(8, 256)["size"] and g["ring_off"] == g["hdr_off"] + L.PAGE
+    assert g["ring_stride"] == L.PAGE * 5 and g["end"] == g["ring_off"] + 8 * g["ring_stride"]
+    assert L.journal_geometry(4, 1 << 20)["records_per_node"] == 16384
+    assert L.kv_region_size(8, 256, 0) == L.kv_geometry(8, 256)["size"]
+    assert L.kv_region_size(8, 256, L.INCOMPAT_JOURNAL) == g["end"]

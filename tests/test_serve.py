@@ -637,6 +637,13 @@ def _fill_and_squeeze(q, spool, first: int, nseq: int, other: float):
     return seqs, data
 
 
+def _to_3pct_free(nseq: int, data: int) -> float:
+    """The share of the data area other allocations take so that, after
+    `nseq` sequences of 8 blocks, 3 % is left free (under the low watermark
+    whatever the metadata's size)."""
+    return 0.97 - nseq * 8 * BLOCK / data
+
+
 def _evicted(s, since=0):
     """Blocks the agent says it evicted (in log lines from `since` on)."""
     return sum(d["blocks"] for d in s.drain()[since:] if isinstance(d, dict)
@@ -657,7 +664,8 @@ def test_agent_spills_its_evictions_and_a_reader_promotes_them(spool, serve, tmp
         q.call(op="kv_open", args=dict(model="m", block_tokens=4, block_bytes=BLOCK))
         with Pool.open(spool, writable=False) as p:
             nseq = int(0.7 * p.sb.regions["data"][1]) // (8 * BLOCK)
-        seqs, data = _fill_and_squeeze(q, spool, 0, nseq, 0.27)
+            other = _to_3pct_free(nseq, p.sb.regions["data"][1])
+        seqs, data = _fill_and_squeeze(q, spool, 0, nseq, other)
         ev = s.wait_log(lambda x: x["msg"].startswith("evicted KV blocks"))
         assert ev["blocks"] >= 8
         # every block the agent evicted is written by its store's writers
@@ -708,7 +716,8 @@ def test_agent_spill_metrics_and_a_failing_disk(spool, serve, tmp_path):
         q.call(op="kv_open", args=dict(model="m", block_tokens=4, block_bytes=BLOCK))
         with Pool.open(spool, writable=False) as p:
             nseq = int(0.7 * p.sb.regions["data"][1]) // (8 * BLOCK)
-        _, data = _fill_and_squeeze(q, spool, 0, nseq, 0.27)
+            other = _to_3pct_free(nseq, p.sb.regions["data"][1])
+        _, data = _fill_and_squeeze(q, spool, 0, nseq, other)
         s.wait_log(lambda x: x["msg"].startswith("evicted KV blocks"))
         e1 = _evicted(s)
         wait_for(lambda: sample(s.metrics(), "cxlkv_spill_dropped_blocks_total",

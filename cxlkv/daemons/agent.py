@@ -528,6 +528,8 @@ class Agent:
             for k in ("queued", "present", "changed"):
                 self.metrics.push_blocks.labels(k).inc(got[k])
             self.metrics.push_scans.inc()
+            self.metrics.push_journal_records.inc(got.get("records", 0))
+            self.metrics.push_journal_resyncs.inc(got.get("resyncs", 0))
 
     def _close_remote(self, deadline: float) -> None:
         """Send what the push queue holds, until the stop deadline."""

@@ -88,8 +88,15 @@ class AgentMetrics:
 
         r.register(Collector(lambda: agent.spill))
         r.register(RemoteCollector(lambda: agent.remote))
-        self.push_scans = Counter("cxlkv_remote_push_scans", "Write-behind passes over the "
-                                  "pool's hash table (--remote-push).", registry=r)
+        self.push_scans = Counter("cxlkv_remote_push_scans", "Write-behind passes "
+                                  "(--remote-push).", registry=r)
+        self.push_journal_records = Counter(
+            "cxlkv_remote_push_journal_records", "Change-journal records the write-behind "
+            "read.", registry=r)
+        self.push_journal_resyncs = Counter(
+            "cxlkv_remote_push_journal_resyncs", "Full passes over the hash table the "
+            "write-behind made instead of reading the change journal (its first pass, a "
+            "ring overrun, a torn record, a node slot used again).", registry=r)
         self.push_blocks = Counter("cxlkv_remote_push_selected_blocks",
                                    "Blocks the write-behind selected, by outcome: queued, "
                                    "present (the cluster had them), changed (evicted or "

@@ -10,6 +10,7 @@ import time
 import numpy as np
 
 from cxlkv.errors import CxlkvError, PoolIncompatible, RefusedError
+from cxlkv.kv import journal as J
 from cxlkv.pool import layout as L
 from cxlkv.state import alloc as A
 from cxlkv.state import nodes as N
@@ -95,6 +96,7 @@ class Area:
         pool.mapping.set_geometry(*A.geometry(pool))      # payload frees go through C
         # manager mode / emulation: flush what we write, invalidate what we read
         self.m.flush_meta = self.managed or self.m.noncoherent
+        self.journal = J.Writer(pool)        # this node's change journal ring
 
     # -- offsets ----------------------------------------------------------
     def ns_off(self, i: int) -> int:
@@ -333,6 +335,7 @@ class Area:
                 m.slab_mark_freeing(one)
             except ValueError as err:
                 sys.stderr.write(f"cxlkv: evicting entry {int(i)}: {err} (fsck will report it)\n")
+            self.journal.append(J.EVICTED, i)         # the free has begun: it goes
             m.kv_remove(self.table, self.nslots, self.hdr, int(i))
             if CRASH_ENABLED:
                 crashpoint("kv.evict")

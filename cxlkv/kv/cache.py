@@ -21,6 +21,7 @@ import numpy as np
 
 from cxlkv._core import CRASH_ENABLED, crashpoint
 from cxlkv.errors import UsageError
+from cxlkv.kv import journal as J
 from cxlkv.kv import keys as K
 from cxlkv.kv.area import (ENTRY, HIGH_WATERMARK, LOW_WATERMARK, STATS, Area, KVPoolFull, KVTableFull,
                            QuotaExceeded, TooManyPins, stamp)
@@ -65,6 +66,7 @@ class KVCache:
             raise UsageError("spill_dir needs spill_bytes, the spill store's size in bytes")
         self.pool = pool
         self.area = Area(pool)
+        self.area.journal.require()
         self.m = pool.mapping
         self.name = model
         self.block_tokens = block_tokens
@@ -440,6 +442,7 @@ class KVCache:
                 m.kv_set_state(a.table, a.nslots, slots[new], L.KV_PENDING, L.KV_PUBLISHED,
                                token, stamp())
                 published = True
+                a.journal.append(J.STORED, slots[new])
         except BaseException:
             if not published:
                 self._abandon(slots[:pos][status[:pos] == 0], pay)
@@ -918,12 +921,18 @@ def kv_report(pool) -> dict:
         "evictions": h.evictions, "evicted_bytes": h.evicted_bytes,
         "namespaces": spaces, "tenants": tenants,
         "pins_per_node": a.npins, "max_namespaces": a.max_ns,
+        "journal": J.report(pool),
     }
 
 
 def drop_namespace(pool, name: str) -> dict:
     """Evict every unpinned block of a namespace; the record is freed once
-    no block is left.  Returns what was done and what stayed (pinned)."""
+    no block is left.  Returns what was done and what stayed (pinned).
+
+    The blocks are found in the table (the change journal records changes,
+    it is no index of what a namespace holds); each eviction is journaled,
+    and the freed record as NS_CLEARED, so journal readers learn of the drop
+    without a pass of their own."""
     a = Area(pool)
     with pool.lock():
         idx = [i for i, r in enumerate(a.ns_records())
@@ -941,6 +950,7 @@ def drop_namespace(pool, name: str) -> dict:
             a.m.store64(a.ns_off(i) + L.field_offset(L.KVNsStruct, "state"), L.KV_REC_FREE)
             a.m.flush(a.ns_off(i), L.KV_NS_SIZE)
             a.m.zero(a.ns_off(i), L.KV_NS_SIZE)
+            a.journal.append(J.NS_CLEARED, ns=i)
     return {"namespace": name, "evicted": blocks, "evicted_bytes": nbytes,
             "pinned_left": left - pending, "pending_left": pending, "dropped": not left}
 

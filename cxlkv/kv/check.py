@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from cxlkv.errors import CxlkvError
+from cxlkv.kv import journal as J
 from cxlkv.pool import layout as L
 from cxlkv.state import alloc as A
 
@@ -20,6 +21,7 @@ def check_kv(pool, rep, live: set[int]) -> None:
     except CxlkvError as e:
         rep.error("kv-header", "kv header", str(e))
         return
+    J.check(pool, rep)
     t = a.entries()
     st = (t["ctl"] & 0xFF).astype(np.int64)
     n = a.nslots
@@ -162,6 +164,7 @@ def repair_kv(pool, rep, live: set[int]) -> None:
         return
     m, n = a.m, a.nslots
     one = np.zeros(1, dtype=np.uint64)
+    J.repair(pool, rep)
 
     def free_payload(off: int) -> bool:
         bits = A.slot_bits(pool, off)

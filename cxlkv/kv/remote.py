@@ -19,9 +19,10 @@ Cluster / Valkey the racks already run).
   rack hits locally).  A slow or down cluster costs at most the budget and
   is a miss, never an error.
 * Write-behind (`Pusher`, run by `cxlkv serve`): published blocks of the
-  chosen namespaces are read out of the pool with a version check (never a
-  block that changed while copied) and queued on the client's bounded queue;
-  the client's writer thread sends them.  A full queue or a down cluster
+  chosen namespaces, learnt from the pool's change journal, are read out of
+  the pool with a version check (never a block that changed while copied)
+  and queued on the client's bounded queue; the client's writer thread
+  sends them.  A full queue or a down cluster
   drops the work, counted and logged once, never an error.
 """
 from __future__ import annotations
@@ -32,7 +33,8 @@ import time
 import numpy as np
 
 from cxlkv.errors import UsageError
-from cxlkv.kv.area import Area
+from cxlkv.kv.area import ENTRY, Area
+from cxlkv.kv.journal import EVICTED, NS_CLEARED, STORED, JournalReader
 from cxlkv.pool import layout as L
 
 _ATTR = "_kv_remote"
@@ -78,7 +80,17 @@ class Pusher:
     """Write-behind of published blocks to the remote tier (see the module
     doc).  `namespaces`: names or shell patterns of the namespaces to push;
     `policy`: "all" (every published block) or "reused" (blocks loaded at
-    least once after the pusher first saw them)."""
+    least once after the pusher first saw them).
+
+    The pusher learns what is published and evicted from the pool's change
+    journal (cxlkv.kv.journal), not from the table: a pass reads the records
+    appended since the last one and the entries of the blocks it still has
+    to push, so its cost follows the rack's store rate, not the table's
+    size.  Its first pass, and any pass after the journal overran or tore
+    (the reader's resync, counted in totals["resyncs"]), reads the table
+    once instead.  The "reused" policy still applies the nodes' touch rings
+    under the pool lock each pass and reads the LRU stamps of the blocks not
+    pushed yet."""
 
     def __init__(self, pool, client, namespaces, policy: str = "reused",
                  max_blocks: int = 4096, lock_timeout: float | None = None, stop=None):
@@ -92,11 +104,14 @@ class Pusher:
         self.lock_timeout = lock_timeout
         self.stop = stop                         # a threading.Event: end a pass early
         self.area = Area(pool)
+        self.journal = JournalReader(pool)       # its first poll: the whole table
+        self._live: dict[bytes, tuple[int, int]] = {}  # key -> (entry, ns): published, chosen
         self._done: dict[bytes, int] = {}        # key -> ctl the cluster has (seen present)
         self._pending: dict[bytes, int] = {}     # key -> ctl queued, not known written yet
         self._seen: dict[bytes, int] = {}        # key -> lru stamp when first seen
         self.exists_budget_s = 1.0
-        self.totals = dict.fromkeys(("scans", "present", "queued", "changed", "refused"), 0)
+        self.totals = dict.fromkeys(("scans", "present", "queued", "changed", "refused",
+                                     "records", "resyncs"), 0)
 
     def _namespaces(self) -> dict[int, tuple[bytes, str, int]]:
         out = {}
@@ -108,66 +123,113 @@ class Pusher:
                 out[i] = (bytes(r.digest), name, r.block_bytes)
         return out
 
+    def _forget(self, k: bytes) -> None:
+        for d in (self._live, self._done, self._seen, self._pending):
+            d.pop(k, None)
+
+    def _follow(self, spaces) -> tuple[int, int]:
+        """Apply the journal's records since the last pass to the set of
+        published blocks of the chosen namespaces.  Returns (records, 1 if
+        this was a resync else 0)."""
+        ch = self.journal.poll()
+        recs = ch.records
+        self.totals["records"] += len(recs)
+        if ch.resync:
+            self.totals["resyncs"] += 1
+            self._live.clear()
+        keys = [int(lo).to_bytes(8, "little") + int(hi).to_bytes(8, "little")
+                for lo, hi in zip(recs["key_lo"].tolist(), recs["key_hi"].tolist())]
+        for k, op, ns, entry in zip(keys, recs["op"].tolist(), recs["ns"].tolist(),
+                                    recs["entry"].tolist()):
+            if op == STORED:
+                if ns in spaces and entry:
+                    self._live[k] = (entry - 1, ns)
+            elif op == EVICTED:
+                self._forget(k)
+            elif op == NS_CLEARED:
+                for k2 in [k2 for k2, v in self._live.items() if v[1] == ns]:
+                    self._forget(k2)
+        if ch.resync:                            # forget what left the table (bounded memory)
+            for d in (self._done, self._seen, self._pending):
+                for k in [k for k in d if k not in self._live]:
+                    del d[k]
+        return len(recs), int(ch.resync)
+
+    def _entries(self, idx: np.ndarray) -> np.ndarray:
+        """The current hash entries at `idx` (a copy)."""
+        a, m = self.area, self.pool.mapping
+        if m.flush_meta:
+            return np.frombuffer(b"".join(a._read(a.entry_off(int(i)), L.HASH_ENTRY_SIZE)
+                                          for i in idx), dtype=ENTRY)
+        v = m.view(a.table, a.nslots * L.HASH_ENTRY_SIZE)
+        try:
+            t = np.frombuffer(v, dtype=ENTRY)
+            out = t[idx]
+            del t
+        finally:
+            v.release()
+        return out
+
     def scan(self) -> dict:
-        """One pass over the table: queue what the policy selects and was not
-        pushed yet (at most max_blocks).  Returns this pass's figures."""
+        """One pass: follow the journal, then queue what the policy selects
+        and was not pushed yet (at most max_blocks).  Returns this pass's
+        figures."""
         t0 = time.monotonic()
         spaces = self._namespaces()
         got = {"candidates": 0, "present": 0, "queued": 0, "changed": 0, "refused": 0,
-               "seconds": 0.0}
+               "records": 0, "resyncs": 0, "seconds": 0.0}
         if not spaces:
             return got
+        got["records"], got["resyncs"] = self._follow(spaces)
         if self.policy == "reused":
             with self.pool.lock(self.lock_timeout):
                 self.area.drain_rings()
-        t = self.area.entries()
-        pub = np.flatnonzero(((t["ctl"] & 0xFF) == L.KV_PUBLISHED)
-                             & np.isin(t["ns"], np.fromiter(spaces, dtype=np.uint16)))
-        keys = {}
-        for i in pub.tolist():
-            e = t[i]
-            k = int(e["key_lo"]).to_bytes(8, "little") + int(e["key_hi"]).to_bytes(8, "little")
-            keys[k] = i
         # queued blocks are known written only once seen present: when the
         # client's queue is empty they were written or dropped, and the
         # exists() below tells which (dropped ones are pushed again)
         if not self.client.stats()["queued_bytes"]:
             self._pending.clear()
-        # forget what left the table (bounded memory)
-        for d in (self._done, self._seen, self._pending):
-            for k in [k for k in d if k not in keys]:
-                del d[k]
         for d_ns, name, _ in spaces.values():
             self.client.register_namespace(d_ns, name)
-        todo = []
-        for k, i in keys.items():
+        todo = []                                # (key, entry) in the order they were published
+        cand = [(k, i) for k, (i, ns) in self._live.items()
+                if ns in spaces and k not in self._pending]
+        for c0 in range(0, len(cand), 4096):
             if len(todo) >= self.max_blocks:
                 break
-            e = t[i]
-            if self._done.get(k) == int(e["ctl"]) or k in self._pending:
-                continue
-            if self.policy == "reused":
-                first = self._seen.setdefault(k, int(e["lru"]))
-                if int(e["lru"]) == first:
+            part = cand[c0:c0 + 4096]
+            ents = self._entries(np.array([i for _, i in part], dtype=np.int64))
+            for (k, i), e in zip(part, ents):
+                if len(todo) >= self.max_blocks:
+                    break
+                if (int(e["ctl"]) & 0xFF != L.KV_PUBLISHED
+                        or int(e["key_lo"]).to_bytes(8, "little")
+                        + int(e["key_hi"]).to_bytes(8, "little") != k):
+                    continue                     # its eviction's record is on its way
+                if self._done.get(k) == int(e["ctl"]):
                     continue
-            todo.append((k, i))
+                if self.policy == "reused":
+                    first = self._seen.setdefault(k, int(e["lru"]))
+                    if int(e["lru"]) == first:
+                        continue
+                todo.append((k, i, e))
         got["candidates"] = len(todo)
         # what another rack (or an earlier run) already pushed is not sent again
         by_ns: dict[int, list] = {}
-        for k, i in todo:
-            by_ns.setdefault(int(t[i]["ns"]), []).append((k, i))
+        for k, i, e in todo:
+            by_ns.setdefault(int(e["ns"]), []).append((k, i, e))
         for ns, items in by_ns.items():
             digest = spaces[ns][0]
-            there = self.client.exists(digest, [k for k, _ in items], self.exists_budget_s)
-            for (k, i), present in zip(items, there):
+            there = self.client.exists(digest, [k for k, _, _ in items], self.exists_budget_s)
+            for (k, i, e), present in zip(items, there):
                 if self.stop is not None and self.stop.is_set():
                     break
-                ctl = int(t[i]["ctl"])
+                ctl = int(e["ctl"])
                 if present:
                     got["present"] += 1
                     self._done[k] = ctl
                     continue
-                data = self._copy(i, ctl, int(t[i]["payload"]), int(t[i]["length"]))
+                data = self._copy(i, ctl, int(e["payload"]), int(e["length"]))
                 if data is None:
                     got["changed"] += 1
                     continue

@@ -22,11 +22,14 @@ its payload copied, and its control word (state and version) read again; a
 block that changed at any step is skipped and counted, never written torn.
 A block whose parent was skipped is left out too (a chain is never cut).
 A snapshot does not count as use: LRU stamps are left alone (touches still
-in the nodes' rings count as "now").
+in the nodes' rings count as "now").  A snapshot reads the whole table once and
+does not follow the change journal (cxlkv.kv.journal): it needs every
+published block, and it has no incremental form to feed.
 
 Restore goes through the KV engine's own C insert and publish calls
 (kv_insert, publish, kv_set_state), so the table, the namespace and tenant
-counters and fsck stay consistent.  It needs a pool with no KV block; blocks
+counters and fsck stay consistent, and records the blocks it publishes in
+the change journal as a store does.  It needs a pool with no KV block; blocks
 go in most recently used first (a block after its ancestors), so a smaller
 pool ends up with the most recent blocks that fit and whole chains; what did
 not fit is counted.  Keys are carried as they are: they embed the tenants'
@@ -46,6 +49,7 @@ import numpy as np
 import xxhash
 
 from cxlkv import errors as E
+from cxlkv.kv import journal as J
 from cxlkv.kv.area import Area, stamp
 from cxlkv.pool import layout as L
 from cxlkv.state import alloc as A
@@ -640,6 +644,7 @@ def _insert(pool, area, idx, keep_a, src_buf, ln, ns_of, t_of, keys_all, slot_of
                 if v:
                     m.kv_stamp(area.table, area.nslots, sl[lr == v], int(v))
             published = True
+            area.journal.append(J.STORED, sl)       # journal readers learn of them
     except BaseException:
         if not published:
             try:

@@ -131,7 +131,7 @@ def compute_layout(p: FormatParams) -> Layout:
         "bitmap": _align((max_chunks + 63) // 64 * 8, 8),
         "heaps": p.max_nodes * L.HEAP_SIZE + max_chunks * L.CHUNK_DESC_SIZE,
         "hash": hash_slots * L.HASH_ENTRY_SIZE,
-        "kv": L.kv_geometry(p.max_nodes, hash_slots)["size"],
+        "kv": L.kv_region_size(p.max_nodes, hash_slots, L.INCOMPAT_JOURNAL),
     }
     off = L.SB_COPIES * L.SB_SIZE
     regions: dict[str, tuple[int, int]] = {}
@@ -165,7 +165,8 @@ def build_superblock(p: FormatParams, *, pool_uuid: uuidlib.UUID | None = None,
         uuid=pool_uuid or uuidlib.uuid4(),
         ctime_ns=time.time_ns() if ctime_ns is None else ctime_ns,
         tenant_secret=os.urandom(32) if secret is None else secret,
-        label=p.label, creator=creator or f"cxlkv {__version__}", seq=1, compat=L.COMPAT_KV)
+        label=p.label, creator=creator or f"cxlkv {__version__}", seq=1, compat=L.COMPAT_KV,
+        incompat=L.INCOMPAT_JOURNAL)
 
 
 Progress = Callable[[int, int], None]   # (bytes done, bytes total)
@@ -216,7 +217,8 @@ def format_mapping(m, p: FormatParams, *, zero_data: bool = True,
 
 def kv_initial_records(max_nodes: int, hash_slots: int) -> list[tuple[int, bytes]]:
     """(offset in the KV region, bytes) a fresh KV region holds besides zeros:
-    its header, and tenant record 0 (the unsalted tenant) active."""
+    its header, tenant record 0 (the unsalted tenant) active, and the
+    change journal's header (its rings start empty: heads 0)."""
     g = L.kv_geometry(max_nodes, hash_slots)
     h = L.KVHdrStruct()
     h.magic = L.KV_MAGIC
@@ -225,7 +227,11 @@ def kv_initial_records(max_nodes: int, hash_slots: int) -> list[tuple[int, bytes
         setattr(h, f, g[f])
     t = L.KVTenantStruct()
     t.state = L.KV_REC_ACTIVE
-    return [(0, bytes(h)), (g["tenant_off"], bytes(t))]
+    j = L.journal_geometry(max_nodes, hash_slots)
+    jh = L.JournalHdrStruct(magic=L.JOURNAL_MAGIC, records_per_node=j["records_per_node"],
+                            rec_size=L.JOURNAL_REC_SIZE, ring_off=j["ring_off"],
+                            ring_stride=j["ring_stride"], max_nodes=max_nodes, next_seq=1)
+    return [(0, bytes(h)), (g["tenant_off"], bytes(t)), (j["hdr_off"], bytes(jh))]
 
 
 def format_buffer(buf, p: FormatParams, **kw) -> Superblock:

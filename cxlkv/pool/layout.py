@@ -27,7 +27,9 @@ SYNC_CODES = {v: k for k, v in SYNC_NAMES.items()}
 # Feature bits this version understands.
 COMPAT_KV = 1               # the pool has a KV region
 COMPAT_SUPPORTED = COMPAT_KV
-INCOMPAT_SUPPORTED = 0
+INCOMPAT_JOURNAL = 1 << 2    # the KV region ends with the change journal
+INCOMPAT_NAMES = {INCOMPAT_JOURNAL: "journal"}
+INCOMPAT_SUPPORTED = INCOMPAT_JOURNAL
 RO_COMPAT_SUPPORTED = 0
 
 # Regions; index = slot in superblock.regions.  POOL_ORDER is the order they
@@ -316,10 +318,60 @@ class KVNodeStruct(ctypes.LittleEndianStructure):
     ]
 
 
+# Change journal (incompat JOURNAL; see cxlkv_format.h): records' ops.
+JOURNAL_MAGIC = 0x314E4A564B4C5843
+JOURNAL_REC_SIZE = 64
+JOURNAL_STORED = 1
+JOURNAL_EVICTED = 2
+JOURNAL_NS_CLEARED = 3
+JOURNAL_OP_NAMES = {JOURNAL_STORED: "stored", JOURNAL_EVICTED: "evicted",
+                    JOURNAL_NS_CLEARED: "namespace-cleared"}
+
+
+class JournalHdrStruct(ctypes.LittleEndianStructure):
+    _pack_ = 1
+    _fields_ = [
+        ("magic", c_uint64),
+        ("records_per_node", c_uint32),
+        ("rec_size", c_uint32),
+        ("ring_off", c_uint64),
+        ("ring_stride", c_uint64),
+        ("max_nodes", c_uint32),
+        ("line0_pad", c_uint8 * 28),
+        ("next_seq", c_uint64),
+        ("line1_pad", c_uint8 * 56),
+    ]
+
+
+class JournalRingStruct(ctypes.LittleEndianStructure):
+    _pack_ = 1
+    _fields_ = [("head", c_uint64), ("writer", c_uint64), ("pad", c_uint8 * 48)]
+
+
+class JournalRecStruct(ctypes.LittleEndianStructure):
+    _pack_ = 1
+    _fields_ = [
+        ("seq", c_uint64),
+        ("key_lo", c_uint64),
+        ("key_hi", c_uint64),
+        ("parent_lo", c_uint64),
+        ("parent_hi", c_uint64),
+        ("length", c_uint32),
+        ("ns", c_uint16),
+        ("tenant", c_uint16),
+        ("time_us", c_uint64),
+        ("entry", c_uint32),
+        ("op", c_uint8),
+        ("reserved", c_uint8 * 3),
+    ]
+
+
 STRUCTS = {"superblock": SuperblockStruct, "region": Region, "node": NodeStruct,
            "lock_hdr": LockHdrStruct, "lock_entry": LockEntryStruct, "chunk": ChunkStruct,
            "heap": HeapStruct, "hash_entry": HashEntryStruct, "kv_hdr": KVHdrStruct, "kv_stats": KVStatsStruct,
-           "kv_ns": KVNsStruct, "kv_tenant": KVTenantStruct, "kv_node": KVNodeStruct}
+           "kv_ns": KVNsStruct, "kv_tenant": KVTenantStruct, "kv_node": KVNodeStruct,
+           "journal_hdr": JournalHdrStruct, "journal_ring": JournalRingStruct,
+           "journal_rec": JournalRecStruct}
 
 
 def field_layout(struct: type[ctypes.Structure]) -> dict[str, tuple[int, int]]:
@@ -359,3 +411,24 @@ def kv_geometry(max_nodes: int, hash_slots: int) -> dict[str, int]:
             "tenant_off": tenant_off, "node_off": node_off, "node_stride": stride,
             "stats_off": stats_off, "pins_off": pins_off, "ring_off": ring_off,
             "size": node_off + max_nodes * stride}
+
+
+def journal_geometry(max_nodes: int, hash_slots: int) -> dict[str, int]:
+    """Where the change journal lies in the KV region (offsets relative to
+    its start): a header page on the first page boundary after the per-node
+    areas (kv_geometry), then one ring per node slot.  Records per node scale
+    with the hash table (a thirty-second of it, 256 to 16384)."""
+    recs = min(16384, max(256, hash_slots // 32))
+    hdr_off = _align(kv_geometry(max_nodes, hash_slots)["size"], PAGE)
+    ring_off = hdr_off + PAGE
+    stride = _align(ctypes.sizeof(JournalRingStruct) + recs * JOURNAL_REC_SIZE, PAGE)
+    return {"records_per_node": recs, "hdr_off": hdr_off, "ring_off": ring_off,
+            "ring_stride": stride, "end": ring_off + max_nodes * stride}
+
+
+def kv_region_size(max_nodes: int, hash_slots: int, incompat: int) -> int:
+    """Bytes the KV region needs: the KV areas, and the journal when the
+    pool has the JOURNAL feature."""
+    if incompat & INCOMPAT_JOURNAL:
+        return journal_geometry(max_nodes, hash_slots)["end"]
+    return kv_geometry(max_nodes, hash_slots)["size"]

@@ -268,7 +268,7 @@ def _validate(s: L.SuperblockStruct, where: str) -> Superblock:
         "hash": s.hash_slots * L.HASH_ENTRY_SIZE,
     }
     if has_kv:
-        need["kv"] = L.kv_geometry(s.max_nodes, s.hash_slots)["size"]
+        need["kv"] = L.kv_region_size(s.max_nodes, s.hash_slots, s.incompat)
     for name, n in need.items():
         if regions[name][1] < n:
             raise bad(f"region {name} is {regions[name][1]} bytes, needs {n}")

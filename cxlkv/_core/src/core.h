@@ -198,6 +198,8 @@ PyObject *Mapping_kv_remove(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 PyObject *Mapping_kv_pin(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_kv_unpin(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_kv_touch(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+/* journal.c */
+PyObject *Mapping_journal_append(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_write_blocks(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_read_blocks(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *mod_kv_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs);

@@ -31,7 +31,8 @@
  * open read-only; unknown compat -> ignore. */
 #define CXLKV_FEATURE_COMPAT_KV       1ull  /* the pool has a KV region (regions[6]) */
 #define CXLKV_FEATURE_COMPAT_SUPP     CXLKV_FEATURE_COMPAT_KV
-#define CXLKV_FEATURE_INCOMPAT_SUPP   0ull
+#define CXLKV_FEATURE_INCOMPAT_JOURNAL (1ull << 2) /* the KV region ends with the change journal */
+#define CXLKV_FEATURE_INCOMPAT_SUPP   CXLKV_FEATURE_INCOMPAT_JOURNAL
 #define CXLKV_FEATURE_RO_COMPAT_SUPP  0ull
 
 /* regions (superblock.regions[i]); in the pool they lie in the order
@@ -336,6 +337,61 @@ struct cxlkv_kv_node {
     /* 128: struct cxlkv_kv_stats stats[max_namespaces], then pins, then ring */
 };
 
+/* Change journal (incompat JOURNAL): at the end of the KV region, on the
+ * first page boundary after the per-node areas, a header page and then one
+ * ring per node slot (ring_stride bytes each): a ring header line and
+ * records_per_node records.  A node appends what it published and evicted
+ * to the ring of its slot, under the pool lock: it takes sequence numbers
+ * from next_seq, writes each record as a seqlock (seq 0, the fields, then
+ * its seq), then advances the head.  The head counts records ever appended to the ring and goes on
+ * across the nodes that use the slot in turn (never reset but by format),
+ * so a reader's cursor stays meaningful after a slot is reused; `writer`
+ * names the node that appended last.  Every record carries a sequence
+ * number taken from the journal header's next_seq under the pool lock, so
+ * records of all rings have one order (gaps where an appender died).
+ * Readers detect an overrun (head - cursor > records_per_node) and a torn
+ * record (its sequence number is not above the ring's previous one). */
+#define CXLKV_JOURNAL_MAGIC     0x314e4a564b4c5843ull  /* "CXLKVJN1" */
+#define CXLKV_JOURNAL_REC_SIZE  64u
+#define CXLKV_JOURNAL_STORED    1u   /* a block was published */
+#define CXLKV_JOURNAL_EVICTED   2u   /* a block was evicted (its free has begun) */
+#define CXLKV_JOURNAL_NS_CLEARED 3u  /* a namespace record was freed (`kv drop`) */
+
+struct cxlkv_journal_hdr {
+    uint64_t magic;             /*    0 CXLKV_JOURNAL_MAGIC */
+    uint32_t records_per_node;  /*    8 */
+    uint32_t rec_size;          /*   12 CXLKV_JOURNAL_REC_SIZE */
+    uint64_t ring_off;          /*   16 first ring, relative to the KV region */
+    uint64_t ring_stride;       /*   24 bytes per ring */
+    uint32_t max_nodes;         /*   32 rings */
+    uint8_t  line0_pad[28];     /*   36 */
+    /* line 1: written by the pool-lock holder */
+    uint64_t next_seq;          /*   64 sequence number of the next record (rack-wide) */
+    uint8_t  line1_pad[56];     /*   72 */
+};
+
+/* Ring header line: written by the node on the slot (pool lock held). */
+struct cxlkv_journal_ring {
+    uint64_t head;              /*    0 records appended so far (monotonic) */
+    uint64_t writer;            /*    8 token (slot + 1 | epoch << 16) of the last appender */
+    uint8_t  pad[48];           /*   16 */
+};
+
+struct cxlkv_journal_rec {
+    uint64_t seq;               /*    0 sequence number (header next_seq); written last (0: being written) */
+    uint64_t key_lo;            /*    8 pool key of the block (0 for NS_CLEARED) */
+    uint64_t key_hi;            /*   16 */
+    uint64_t parent_lo;         /*   24 pool key of its parent block; 0 = a chain root */
+    uint64_t parent_hi;         /*   32 */
+    uint32_t length;            /*   40 payload bytes */
+    uint16_t ns;                /*   44 namespace record index */
+    uint16_t tenant;            /*   46 tenant record index */
+    uint64_t time_us;           /*   48 microseconds since the Unix epoch */
+    uint32_t entry;             /*   56 hash entry index + 1 at the time (0 = none) */
+    uint8_t  op;                /*   60 CXLKV_JOURNAL_* */
+    uint8_t  reserved[3];       /*   61 */
+};
+
 #ifdef __cplusplus
 #define CXLKV_STATIC_ASSERT static_assert
 #else
@@ -356,5 +412,8 @@ CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_kv_hdr) == CXLKV_KV_HDR_SIZE, "kv header
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_kv_ns) == CXLKV_KV_NS_SIZE, "kv namespace size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_kv_tenant) == CXLKV_KV_TENANT_SIZE, "kv tenant size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_kv_node) == 128, "kv node header size");
+CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_journal_hdr) == 128, "journal header size");
+CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_journal_ring) == 64, "journal ring header size");
+CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_journal_rec) == CXLKV_JOURNAL_REC_SIZE, "journal record size");
 
 #endif /* CXLKV_FORMAT_H */

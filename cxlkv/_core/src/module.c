@@ -25,7 +25,7 @@
 /* Bump when the Python-visible interface changes; cxlkv/_core/__init__.py
  * refuses to import a build with a different number (a stale build must fail
  * loudly, not strangely). */
-#define CXLKV_NATIVE_ABI 9
+#define CXLKV_NATIVE_ABI 10
 
 /* Copies at least this large release the GIL. */
 #define GIL_RELEASE_MIN (64 * 1024)
@@ -1034,6 +1034,7 @@ static PyMethodDef Mapping_methods[] = {
     FAST(kv_pin, "kv_pin(table, nslots, pins, npins, hint, idx, ctl, out) -> (pinned, hint, full)"),
     FAST(kv_unpin, "kv_unpin(pins, npins, records) -> cleared"),
     FAST(kv_touch, "kv_touch(head_off, ring_off, nring, idx) -> head"),
+    FAST(journal_append, "journal_append(hdr, ring, nrec, table, nslots, op, writer, now_us, idx, ns=0) -> head; pool lock held"),
     FAST(write_blocks, "write_blocks(offsets, src, block_bytes, nt=None) -> blocks written: block i of src to offsets[i]; flushed; stops before a block once write_deadline_ns passed"),
     FAST(read_blocks, "read_blocks(offsets, dst, block_bytes): offsets[i] to block i of dst"),
     FAST(flush, "flush(off, length): write back the cache lines of a range, then fence"),
@@ -1421,6 +1422,48 @@ mod_layout(PyObject *self, PyObject *Py_UNUSED(ignored))
     if (add_struct(out, "kv_node", sizeof(struct cxlkv_kv_node), f) < 0)
         goto fail;
     Py_CLEAR(f);
+
+    if (!(f = PyDict_New()))
+        goto fail;
+    FIELD(f, cxlkv_journal_hdr, magic);
+    FIELD(f, cxlkv_journal_hdr, records_per_node);
+    FIELD(f, cxlkv_journal_hdr, rec_size);
+    FIELD(f, cxlkv_journal_hdr, ring_off);
+    FIELD(f, cxlkv_journal_hdr, ring_stride);
+    FIELD(f, cxlkv_journal_hdr, max_nodes);
+    FIELD(f, cxlkv_journal_hdr, line0_pad);
+    FIELD(f, cxlkv_journal_hdr, next_seq);
+    FIELD(f, cxlkv_journal_hdr, line1_pad);
+    if (add_struct(out, "journal_hdr", sizeof(struct cxlkv_journal_hdr), f) < 0)
+        goto fail;
+    Py_CLEAR(f);
+
+    if (!(f = PyDict_New()))
+        goto fail;
+    FIELD(f, cxlkv_journal_ring, head);
+    FIELD(f, cxlkv_journal_ring, writer);
+    FIELD(f, cxlkv_journal_ring, pad);
+    if (add_struct(out, "journal_ring", sizeof(struct cxlkv_journal_ring), f) < 0)
+        goto fail;
+    Py_CLEAR(f);
+
+    if (!(f = PyDict_New()))
+        goto fail;
+    FIELD(f, cxlkv_journal_rec, seq);
+    FIELD(f, cxlkv_journal_rec, key_lo);
+    FIELD(f, cxlkv_journal_rec, key_hi);
+    FIELD(f, cxlkv_journal_rec, parent_lo);
+    FIELD(f, cxlkv_journal_rec, parent_hi);
+    FIELD(f, cxlkv_journal_rec, length);
+    FIELD(f, cxlkv_journal_rec, ns);
+    FIELD(f, cxlkv_journal_rec, tenant);
+    FIELD(f, cxlkv_journal_rec, time_us);
+    FIELD(f, cxlkv_journal_rec, entry);
+    FIELD(f, cxlkv_journal_rec, op);
+    FIELD(f, cxlkv_journal_rec, reserved);
+    if (add_struct(out, "journal_rec", sizeof(struct cxlkv_journal_rec), f) < 0)
+        goto fail;
+    Py_CLEAR(f);
     return out;
 fail:
     Py_XDECREF(f);
@@ -1448,6 +1491,8 @@ mod_constants(PyObject *self, PyObject *Py_UNUSED(ignored))
         C(KV_TOMBSTONE), C(KV_MAGIC), C(KV_HDR_SIZE), C(KV_NS_SIZE), C(KV_TENANT_SIZE),
         C(KV_NS_NAME), C(KV_NSTATS), C(KV_REC_FREE), C(KV_REC_ACTIVE),
         C(KV_HASH_XXH3_128), C(KV_HASH_SHA256_CBOR),
+        C(FEATURE_INCOMPAT_JOURNAL), C(JOURNAL_MAGIC), C(JOURNAL_REC_SIZE), C(JOURNAL_STORED),
+        C(JOURNAL_EVICTED), C(JOURNAL_NS_CLEARED),
     };
 #undef C
     PyObject *d = PyDict_New(), *v;

@@ -1,0 +1,410 @@
+"""The pool's change journal: what every node published and evicted.
+
+    from cxlkv.kv.journal import JournalReader
+    r = JournalReader(pool)              # any process with the pool open
+    ch = r.poll()                        # Changes: records (CHANGE dtype), resync flag
+    for rec in ch.records: ...           # op: STORED / EVICTED / NS_CLEARED
+
+On media (cxlkv_format.h, "Change journal"; feature INCOMPAT_JOURNAL): one
+ring of 64-byte records per node slot at the end of the KV region.  Who
+writes: the node on the slot, under the pool lock, from two places - the
+store path where its blocks become PUBLISHED (cache.KVCache._store_new) and
+the eviction loop once a victim's free has begun (area.Area._evict_batch) -
+plus `kv drop` when it frees a namespace record.  The append is one C call
+(journal_append) that checks the node's freshness first, as every write
+primitive does: a fenced node appends nothing.
+
+Every record carries a rack-wide sequence number (taken under the pool
+lock), so readers (lock-free, any number, each with its own cursors) get
+every record exactly once and in the order the changes were made across
+all nodes, unless one of these is seen, and then they fall back to one full
+pass over the hash table (a *resync*, counted by reason):
+
+* ``overrun``: a ring advanced more than its size past the cursor (the
+  reader was too slow), or records it copied were overwritten meanwhile;
+* ``torn``: a record's sequence number does not rise from the ring's
+  previous one (a record of the previous lap: written by a node that died or
+  lost its line before flushing it, or damaged);
+* ``writer``: another node now appends to a ring a node appended to before
+  (the slot was reused after a detach or a death; records a dying node
+  never appended - a crash between its publish or free and its append -
+  are found this way);
+* ``reset``: a ring's head went backwards (the pool was re-formatted).
+
+A resync returns the published entries of the table as STORED records
+(``Changes.resync`` true): the reader's whole state, to replace what it
+knew.  It reads the ring heads before the table, so records appended
+meanwhile come again in the next poll: after a resync, delivery is at least
+once (apply records idempotently).  A block whose eviction was undone while
+the resync read the table (pinned at the last moment) is missed until the
+next resync.
+
+The head of a ring is never reset (it counts on across the nodes that use
+the slot), so a cursor stays valid when a slot is reused.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import time
+
+import numpy as np
+
+from cxlkv._core import fence
+from cxlkv.errors import MetadataCorrupt, PoolIncompatible, UsageError
+from cxlkv.pool import layout as L
+
+STORED = L.JOURNAL_STORED
+EVICTED = L.JOURNAL_EVICTED
+NS_CLEARED = L.JOURNAL_NS_CLEARED
+
+REC = np.dtype([("seq", "<u8"), ("key_lo", "<u8"), ("key_hi", "<u8"), ("parent_lo", "<u8"),
+                ("parent_hi", "<u8"), ("length", "<u4"), ("ns", "<u2"), ("tenant", "<u2"),
+                ("time_us", "<u8"), ("entry", "<u4"), ("op", "u1"), ("reserved", "u1", (3,))])
+assert REC.itemsize == L.JOURNAL_REC_SIZE
+#: what poll() returns: a record, without its padding, with the node slot of its ring
+CHANGE = np.dtype([(n, REC.fields[n][0]) for n in REC.names if n != "reserved"]
+                  + [("node", "<u2")])
+_ENTRY = np.dtype(L.HashEntryStruct)
+_RING_HDR = ctypes.sizeof(L.JournalRingStruct)
+_NEXT_SEQ = L.field_offset(L.JournalHdrStruct, "next_seq")
+_RESYNC_REASONS = ("start", "overrun", "torn", "writer", "reset")
+
+
+def has_journal(pool) -> bool:
+    return bool(pool.sb.incompat & L.INCOMPAT_JOURNAL)
+
+
+def require(pool) -> None:
+    """PoolIncompatible, by name, for a pool formatted without the journal."""
+    if not has_journal(pool):
+        raise PoolIncompatible(
+            f"{pool.path} was formatted without the change journal (by an earlier cxlkv): "
+            "its KV cache cannot be used by this version", path=pool.path,
+            hint="snapshot its KV blocks with the cxlkv that formatted it, re-format with "
+                 "`cxlkv format --force`, then restore them")
+
+
+class _Geometry:
+    """The journal of an open pool: where its rings lie (checked against the
+    header format wrote)."""
+
+    def __init__(self, pool):
+        require(pool)
+        sb = pool.sb
+        self.pool, self.m = pool, pool.mapping
+        self.flush_meta = sb.sync == "manager" or self.m.noncoherent
+        kv_off, kv_size = sb.regions["kv"]
+        g = L.journal_geometry(sb.max_nodes, sb.hash_slots)
+        self.nrec = g["records_per_node"]
+        self.max_nodes = sb.max_nodes
+        self.stride = g["ring_stride"]
+        self.rings = kv_off + g["ring_off"]
+        self.hdr = hdr = kv_off + g["hdr_off"]
+        raw = self._read(hdr, ctypes.sizeof(L.JournalHdrStruct))
+        h = L.JournalHdrStruct.from_buffer_copy(raw)
+        if (h.magic != L.JOURNAL_MAGIC or h.records_per_node != self.nrec
+                or h.rec_size != L.JOURNAL_REC_SIZE or h.ring_off != g["ring_off"]
+                or h.ring_stride != self.stride or h.max_nodes != sb.max_nodes
+                or kv_size < g["end"]):
+            raise MetadataCorrupt(f"{pool.path}: the change journal's header is corrupt "
+                                  "(magic or geometry)", path=pool.path,
+                                  hint="run `cxlkv fsck` on the pool")
+        self.table, _ = sb.regions["hash"]
+        self.nslots = sb.hash_slots
+
+    def ring_off(self, slot: int) -> int:
+        if not 0 <= slot < self.max_nodes:
+            raise UsageError(f"node slot {slot} out of range")
+        return self.rings + slot * self.stride
+
+    def _read(self, off: int, size: int) -> bytes:
+        if self.flush_meta:
+            self.m.invalidate(off, size)
+        return self.m.read(off, size)
+
+    def next_seq(self) -> int:
+        """The sequence number the next record will get."""
+        return int.from_bytes(self._read(self.hdr + _NEXT_SEQ, 8), "little")
+
+    def heads(self) -> tuple[np.ndarray, np.ndarray]:
+        """(head, writer) of every ring."""
+        if not self.flush_meta:                 # one strided copy out of a view
+            v = self.m.view(self.rings, self.max_nodes * self.stride)
+            try:
+                w = np.frombuffer(v, dtype="<u8").reshape(self.max_nodes, self.stride // 8)
+                heads, writers = w[:, 0].copy(), w[:, 1].copy()
+                del w
+            finally:
+                v.release()
+            return heads, writers
+        heads = np.empty(self.max_nodes, dtype=np.uint64)
+        writers = np.empty(self.max_nodes, dtype=np.uint64)
+        for s in range(self.max_nodes):
+            raw = self._read(self.ring_off(s), 16)
+            heads[s] = int.from_bytes(raw[:8], "little")
+            writers[s] = int.from_bytes(raw[8:16], "little")
+        return heads, writers
+
+
+class Writer:
+    """This node's appends to the ring of its slot.  Pool lock held by the
+    caller (appends of the whole rack are serialised by it).  Made with
+    every Area; the journal's header is read at the first append, and a pool
+    without the journal is refused then (KVCache refuses it up front)."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self._geo: _Geometry | None = None
+        self._none = np.zeros(0, dtype=np.uint64)
+
+    def require(self) -> None:
+        require(self.pool)
+
+    def append(self, op: int, idx=None, *, ns: int = 0) -> int:
+        """Record entries `idx` (entry indices; an int or an array) as STORED
+        or EVICTED - the entries must still hold their key and fields - or
+        namespace `ns` as cleared.  Returns the ring's head."""
+        g = self._geo
+        if g is None:
+            g = self._geo = _Geometry(self.pool)
+        node = self.pool.node
+        if idx is None:
+            idx = self._none
+        elif not isinstance(idx, np.ndarray) or idx.dtype != np.uint64 or idx.ndim != 1:
+            idx = np.ascontiguousarray(np.atleast_1d(idx), dtype=np.uint64)
+        return g.m.journal_append(g.hdr, g.ring_off(node.slot), g.nrec, g.table, g.nslots, op,
+                                  node.owner_token, max(1, time.time_ns() // 1000), idx, ns)
+
+
+@dataclasses.dataclass
+class Changes:
+    """What one poll saw.  records: CHANGE array (op, key, parent key, length,
+    namespace, tenant, time, entry index + 1, ring position + 1, node slot).
+    resync: the records are the table's published entries, the reader's whole
+    state (reasons: why it resynced)."""
+
+    records: np.ndarray
+    resync: bool = False
+    reasons: tuple[str, ...] = ()
+
+
+class JournalReader:
+    """A cursor per ring over the journal of `pool` (see the module doc).
+    start="resync": the first poll returns the whole table (a resync counted
+    as "start"); start="now": only what is appended after the reader was made.
+    Not thread-safe: one reader per consumer."""
+
+    def __init__(self, pool, *, start: str = "resync"):
+        if start not in ("resync", "now"):
+            raise UsageError(f"start must be 'resync' or 'now', not {start!r}")
+        self.geo = _Geometry(pool)
+        self.pool = pool
+        self.cursors: np.ndarray | None = None     # ring position of the next record to read
+        self.writers: np.ndarray | None = None     # ring writer when last read
+        self.last = np.zeros(self.geo.max_nodes, dtype=np.uint64)  # seq of the last record read
+        if start == "now":
+            self._mark(*self.geo.heads())
+        self.stats = {"polls": 0, "records": 0, "resyncs": 0, "resync_entries": 0,
+                      **{f"resync_{r}": 0 for r in _RESYNC_REASONS}}
+
+    @property
+    def resyncs(self) -> int:
+        return self.stats["resyncs"]
+
+    def lag(self) -> int:
+        """Records appended and not yet returned (all rings)."""
+        if self.cursors is None:
+            return 0
+        heads, _ = self.geo.heads()
+        return int(np.maximum(heads.astype(np.int64) - self.cursors.astype(np.int64), 0).sum())
+
+    def _mark(self, heads: np.ndarray, writers: np.ndarray) -> None:
+        """Cursors at `heads`; each ring's last sequence number is that of
+        the record before its head."""
+        self.cursors, self.writers = heads.copy(), writers.copy()
+        rec = self.geo.rings + _RING_HDR
+        for s in np.flatnonzero(heads).tolist():
+            pos = (int(heads[s]) - 1) % self.geo.nrec
+            self.last[s] = int.from_bytes(self.geo._read(
+                rec + s * self.geo.stride + pos * L.JOURNAL_REC_SIZE, 8), "little")
+
+    def poll(self) -> Changes:
+        """Everything appended since the last poll, in sequence order, or a
+        resync.  Records numbered from the header's next_seq read first are
+        left for the next poll, so a record never comes before one that was
+        appended earlier (in another ring)."""
+        self.stats["polls"] += 1
+        if self.cursors is None:
+            return self._resync(("start",))
+        limit = self.geo.next_seq()
+        fence()
+        heads, writers = self.geo.heads()
+        out, reasons = [], []
+        for s in np.flatnonzero((heads != self.cursors) | (writers != self.writers)):
+            s = int(s)
+            cur, head = int(self.cursors[s]), int(heads[s])
+            if int(self.writers[s]) not in (0, int(writers[s])):
+                reasons.append("writer")
+            if head < cur:
+                reasons.append("reset")
+            elif head - cur > self.geo.nrec:
+                reasons.append("overrun")
+            if reasons:
+                break
+            self.writers[s] = writers[s]
+            if head == cur:
+                continue
+            recs, why = self._records(s, cur, head)
+            if why:
+                reasons.append(why)
+                break
+            recs = recs[recs["seq"] < limit]         # the rest: next poll
+            if len(recs):
+                out.append(recs)
+                self.cursors[s] = cur + len(recs)
+                self.last[s] = recs["seq"][-1]
+        if reasons:
+            return self._resync(tuple(sorted(set(reasons))))
+        if not out:
+            return Changes(np.zeros(0, dtype=CHANGE))
+        recs = np.concatenate(out)
+        if len(out) > 1:
+            recs = recs[np.argsort(recs["seq"], kind="stable")]
+        self.stats["records"] += len(recs)
+        return Changes(recs)
+
+    def _records(self, slot: int, cur: int, head: int) -> tuple[np.ndarray | None, str]:
+        """Records [cur, head) of a ring, each read as a seqlock: the ring is
+        copied twice (with a fence between) and the records count only when
+        their sequence numbers agree in both copies and rise from the ring's
+        last one (a record from the ring's previous lap, or being written,
+        does not)."""
+        n, nrec = head - cur, self.geo.nrec
+        base = self.geo.ring_off(slot) + _RING_HDR
+        first = cur % nrec
+        spans = [(first, min(n, nrec - first))]
+        if spans[0][1] < n:
+            spans.append((0, n - spans[0][1]))
+
+        def copy():
+            return np.concatenate([np.frombuffer(
+                self.geo._read(base + a * L.JOURNAL_REC_SIZE, k * L.JOURNAL_REC_SIZE), dtype=REC)
+                for a, k in spans])
+
+        a = copy()
+        fence()
+        b = copy()
+        seq = a["seq"]
+        if not (np.array_equal(seq, b["seq"]) and seq[0] > self.last[slot]
+                and (n == 1 or bool((np.diff(seq.astype(np.int64)) > 0).all()))):
+            now, _ = self.geo.heads()
+            return None, "overrun" if int(now[slot]) - cur > nrec else "torn"
+        out = np.empty(n, dtype=CHANGE)
+        for f in CHANGE.names:
+            out[f] = slot if f == "node" else a[f]
+        return out, ""
+
+    def _resync(self, reasons: tuple[str, ...]) -> Changes:
+        """The table's published entries as STORED records (seq 0); cursors
+        at the heads read before the table."""
+        heads, writers = self.geo.heads()
+        self._mark(heads, writers)
+        t = np.frombuffer(self.geo._read(self.geo.table, self.geo.nslots * L.HASH_ENTRY_SIZE),
+                          dtype=_ENTRY)
+        idx = np.flatnonzero((t["ctl"] & 0xFF) == L.KV_PUBLISHED)
+        e = t[idx]
+        out = np.zeros(len(idx), dtype=CHANGE)
+        for f in ("key_lo", "key_hi", "length", "ns", "tenant"):
+            out[f] = e[f]
+        par = e["parent"].astype(np.int64)
+        ok = (par > 0) & (par <= self.geo.nslots)
+        out["parent_lo"][ok] = t["key_lo"][par[ok] - 1]
+        out["parent_hi"][ok] = t["key_hi"][par[ok] - 1]
+        out["time_us"] = e["lru"]
+        out["entry"] = idx + 1
+        out["op"] = STORED
+        slot = (e["owner"] & 0xFFFF).astype(np.int64) - 1
+        out["node"] = np.where(slot >= 0, slot, 0xFFFF)
+        self.stats["resyncs"] += 1
+        self.stats["resync_entries"] += len(out)
+        for r in reasons:
+            self.stats[f"resync_{r}"] += 1
+        return Changes(out, True, reasons)
+
+
+def report(pool) -> dict | None:
+    """The journal's rings for `cxlkv inspect` / `kv stats` (None: a pool
+    without the journal)."""
+    if not has_journal(pool):
+        return None
+    g = _Geometry(pool)
+    heads, writers = g.heads()
+    return {"records_per_node": g.nrec,
+            "appended": int(heads.sum()), "next_seq": g.next_seq(),
+            "rings": [{"slot": s, "head": int(heads[s]), "writer_slot": (int(writers[s]) & 0xFFFF) - 1,
+                       "writer_epoch": int(writers[s]) >> 16}
+                      for s in np.flatnonzero(heads).tolist()]}
+
+
+# -- fsck ----------------------------------------------------------------------------------
+def _problems(pool) -> tuple[bool, int, list[tuple[str, str, str]]]:
+    """(header corrupt, next_seq a repair sets, [(code, where, message)])."""
+    sb, m = pool.sb, pool.mapping
+    kv_off, _ = sb.regions["kv"]
+    g = L.journal_geometry(sb.max_nodes, sb.hash_slots)
+    hdr = kv_off + g["hdr_off"]
+    m.invalidate(hdr, 128)
+    h = L.JournalHdrStruct.from_buffer_copy(m.read(hdr, ctypes.sizeof(L.JournalHdrStruct)))
+    out = []
+    corrupt = (h.magic != L.JOURNAL_MAGIC or h.records_per_node != g["records_per_node"]
+               or h.rec_size != L.JOURNAL_REC_SIZE or h.ring_off != g["ring_off"]
+               or h.ring_stride != g["ring_stride"] or h.max_nodes != sb.max_nodes)
+    if corrupt:
+        out.append(("kv-journal-header", "change journal", "its header is corrupt (magic or "
+                                                           "geometry): readers refuse it"))
+    top = 0
+    for s in range(sb.max_nodes):
+        ring = kv_off + g["ring_off"] + s * g["ring_stride"]
+        m.invalidate(ring, 64)
+        head, writer = m.load64(ring), m.load64(ring + 8)
+        if writer and (writer & 0xFFFF) != s + 1:
+            out.append(("kv-journal-ring", f"journal ring {s}",
+                        f"names writer {writer:#x}, a token of another node slot"))
+        if head:
+            last = ring + _RING_HDR + ((head - 1) % g["records_per_node"]) * L.JOURNAL_REC_SIZE
+            m.invalidate(last, 8)
+            top = max(top, m.load64(last))
+    if not corrupt and h.next_seq <= top:
+        out.append(("kv-journal-seq", "change journal", f"next sequence number {h.next_seq} "
+                                                        f"is not above a record's ({top})"))
+    return corrupt, max(h.next_seq if not corrupt else 0, top + 1, 1), out
+
+
+def check(pool, rep) -> None:
+    """fsck: the journal's header, ring writers and sequence numbers."""
+    if not has_journal(pool):
+        return
+    for code, where, msg in _problems(pool)[2]:
+        rep.error(code, where, msg)
+
+
+def repair(pool, rep) -> None:
+    """fsck --repair: rewrite a corrupt header or a sequence number that is
+    not above every record's (readers resync on what they then see; ring
+    heads are left alone, so their cursors stay meaningful)."""
+    if not has_journal(pool):
+        return
+    corrupt, next_seq, found = _problems(pool)
+    codes = {c for c, _, _ in found}
+    if corrupt or "kv-journal-seq" in codes:
+        sb, m = pool.sb, pool.mapping
+        g = L.journal_geometry(sb.max_nodes, sb.hash_slots)
+        hdr = sb.regions["kv"][0] + g["hdr_off"]
+        h = L.JournalHdrStruct(magic=L.JOURNAL_MAGIC, records_per_node=g["records_per_node"],
+                               rec_size=L.JOURNAL_REC_SIZE, ring_off=g["ring_off"],
+                               ring_stride=g["ring_stride"], max_nodes=sb.max_nodes,
+                               next_seq=next_seq)
+        m.write(hdr, bytes(h))
+        rep.did("kv-journal-header", "change journal",
+                f"header rewritten (next sequence number {next_seq})")

@@ -1,0 +1,373 @@
+"""The change journal (issue 15): every node appends what it published and
+evicted to a ring of its own; a reader sees every record once, in the rack's
+order, and falls back to one pass over the table (a resync) when a ring
+overran, a record is torn or a slot changed hands.  Node processes stand in
+for hosts; sync mode cas, and manager under the non-coherence emulation."""
+from __future__ import annotations
+
+import gzip
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+import cxlkv
+from cxlkv.errors import PoolIncompatible
+from cxlkv.kv import journal as J
+from cxlkv.kv.area import Area
+from cxlkv.pool import layout as L
+from cxlkv.pool.admin import init_pool
+from cxlkv.pool.pool import Pool
+from cxlkv.state import fsck
+from cxlkv.state import nodes as N
+
+from conftest import MiB, wait_for
+from nodeproc import NodeProc, lock_manager
+
+BB = 16 * 1024
+KV_ARGS = {"model": "journal-test", "block_bytes": BB, "block_tokens": 16}
+MODES = ["cas", "manager-nc"]
+
+
+@pytest.fixture(params=MODES)
+def rack(request, pool_path, monkeypatch):
+    """A pool (8 MiB: stores evict) in one mode; yields (path, env for nodes)."""
+    nc = request.param == "manager-nc"
+    env = {"CXLKV_NONCOHERENT": "1"} if nc else {}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    init_pool(pool_path, {"size": 8 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8,
+                          "sync": "manager" if nc else "cas", "lease_ms": 300,
+                          "grace_ms": 900})
+    mgr = lock_manager(pool_path) if nc else None
+    yield pool_path, env
+    if mgr is not None:
+        mgr.terminate()
+        mgr.wait(10)
+
+
+def toks(tag: int, blocks: int) -> list[int]:
+    return (np.arange(blocks * 16) + tag * 1_000_000).tolist()
+
+
+def key(rec) -> bytes:
+    return int(rec["key_lo"]).to_bytes(8, "little") + int(rec["key_hi"]).to_bytes(8, "little")
+
+
+def published(pool) -> set[bytes]:
+    t = Area(pool).entries()
+    t = t[(t["ctl"] & 0xFF) == L.KV_PUBLISHED]
+    return {int(a).to_bytes(8, "little") + int(b).to_bytes(8, "little")
+            for a, b in zip(t["key_lo"].tolist(), t["key_hi"].tolist())}
+
+
+class Follower:
+    """Applies a reader's records to a set of present keys, checking that
+    each change is consistent with what came before (exactly once, in order)."""
+
+    def __init__(self, pool, **kw):
+        self.reader = J.JournalReader(pool, **kw)
+        self.present: set[bytes] = set()
+        self.seqs: list[int] = []
+        self.ops = {J.STORED: 0, J.EVICTED: 0, J.NS_CLEARED: 0}
+        self.resyncs: list[tuple[str, ...]] = []
+
+    def poll(self) -> J.Changes:
+        ch = self.reader.poll()
+        if ch.resync:
+            self.resyncs.append(ch.reasons)
+            self.present = {key(r) for r in ch.records}
+            return ch
+        for r in ch.records:
+            k, op = key(r), int(r["op"])
+            self.ops[op] += 1
+            self.seqs.append(int(r["seq"]))
+            if op == J.STORED:
+                assert k not in self.present, "stored twice"
+                self.present.add(k)
+            elif op == J.EVICTED:
+                assert k in self.present, "evicted before stored"
+                self.present.discard(k)
+        return ch
+
+
+# -- every change of two nodes, once ------------------------------------------------------
+def test_two_nodes_stores_and_evictions_are_seen_exactly_once(rack):
+    path, env = rack
+    with Pool.open(path) as pool:
+        f = Follower(pool)
+        assert f.poll().resync and f.resyncs == [("start",)]
+        nodes = [NodeProc(env=env) for _ in range(2)]
+        for n in nodes:
+            n.attach(path)
+            assert "ns" in n.call(op="kv_open", args=KV_ARGS)
+        stored = 0
+        for i in range(60):
+            for j, n in enumerate(nodes):
+                stored += n.call(op="kv_store", tokens=toks(i * 2 + j, 4))["stored"]
+            f.poll()
+        f.poll()
+        for n in nodes:
+            n.close()
+        f.poll()
+        ev = Area(pool).header().evictions
+        assert ev > 0, "the test must evict"
+        assert f.resyncs == [("start",)]
+        assert f.ops[J.STORED] == stored and f.ops[J.EVICTED] == ev
+        assert f.seqs == sorted(set(f.seqs))            # one order across both rings
+        assert f.present == published(pool)
+        rep = J.report(pool)
+        assert rep["appended"] == stored + ev and len(rep["rings"]) == 2
+
+
+def test_records_carry_the_parent_key_and_the_namespace(pool_path):
+    init_pool(pool_path, {"size": 8 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8})
+    with cxlkv.open_pool(pool_path) as pool:
+        r = J.JournalReader(pool, start="now")
+        kv = pool.kv(**KV_ARGS)
+        t = toks(1, 3)
+        assert kv.store(t, bytes(3 * BB)) == 3
+        recs = r.poll().records
+        keys = kv._keys(np.array(t))
+        assert [key(x) for x in recs] == [bytes(k) for k in keys]
+        assert key({"key_lo": recs["parent_lo"][0], "key_hi": recs["parent_hi"][0]}) == bytes(16)
+        assert key({"key_lo": recs["parent_lo"][2], "key_hi": recs["parent_hi"][2]}) == bytes(keys[1])
+        assert set(recs["ns"].tolist()) == {kv.ns} and set(recs["length"].tolist()) == {BB}
+        assert set(recs["node"].tolist()) == {pool.node.slot}
+        from cxlkv.kv.cache import drop_namespace
+
+        drop_namespace(pool, KV_ARGS["model"])
+        recs = r.poll().records
+        assert recs["op"].tolist() == [J.EVICTED] * 3 + [J.NS_CLEARED]
+        assert int(recs["ns"][-1]) == kv.ns
+
+
+# -- overrun, torn records ----------------------------------------------------------------
+def test_an_overrun_is_detected_and_resynced(pool_path):
+    init_pool(pool_path, {"size": 32 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8})
+    with cxlkv.open_pool(pool_path) as pool:
+        f = Follower(pool, start="now")
+        kv = pool.kv(**KV_ARGS)
+        nrec = f.reader.geo.nrec
+        for i in range(nrec // 4 + 2):                      # more than a ring, unread
+            kv.store(toks(i, 4), bytes(4 * BB))
+        ch = f.poll()
+        assert ch.resync and ch.reasons == ("overrun",)
+        assert f.present == published(pool) and len(f.present) == 4 * (nrec // 4 + 2)
+        assert f.reader.stats["resync_overrun"] == 1
+        kv.store(toks(4000, 2), bytes(2 * BB))
+        ch = f.poll()                                       # and on from there
+        assert not ch.resync and len(ch.records) == 2
+
+
+@pytest.mark.parametrize("how", ["stale", "being-written"])
+def test_a_torn_record_is_detected(pool_path, how):
+    init_pool(pool_path, {"size": 8 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8})
+    with cxlkv.open_pool(pool_path) as pool:
+        f = Follower(pool, start="now")
+        kv = pool.kv(**KV_ARGS)
+        kv.store(toks(1, 2), bytes(2 * BB))
+        assert len(f.poll().records) == 2
+        # half a record by hand: the head advanced over a record whose fields
+        # are half there and whose sequence number is not the next one
+        g, m, slot = f.reader.geo, pool.mapping, pool.node.slot
+        ring = g.ring_off(slot)
+        head = m.load64(ring)
+        rec = ring + 64 + (head % g.nrec) * L.JOURNAL_REC_SIZE
+        with pool.lock():
+            m.store64(rec + 8, 0x1234)                      # key_lo only
+            m.store64(rec, 1 if how == "stale" else 0)      # a sequence number already used / none
+            m.store64(ring, head + 1)
+        ch = f.poll()
+        assert ch.resync and ch.reasons == ("torn",)
+        assert f.present == published(pool) and f.reader.stats["resync_torn"] == 1
+
+
+# -- a node slot used again ---------------------------------------------------------------
+def test_a_reused_node_slot_resyncs_once_and_keeps_counting(rack):
+    path, env = rack
+    with Pool.open(path) as pool:
+        f = Follower(pool)
+        f.poll()
+        a = NodeProc(env=env)
+        a.attach(path)
+        a.call(op="kv_open", args=KV_ARGS)
+        a.call(op="kv_store", tokens=toks(1, 3))
+        f.poll()
+        head = f.reader.cursors[a.slot]
+        assert head == 3 and not f.resyncs[1:]
+        a.kill()                                            # dies; its slot is reaped ...
+        with cxlkv.open_pool(path) as p2:
+            wait_for(lambda: N.read_slot(p2, a.slot).state == "free", what="the reap")
+        others = []                                         # ... and taken by another node
+        while True:                                         # (nodes claim a random free slot)
+            b = NodeProc(env=env)
+            b.attach(path)
+            if b.slot == a.slot:
+                break
+            others.append(b)
+        assert b.epoch != a.epoch
+        b.call(op="kv_open", args=KV_ARGS)
+        b.call(op="kv_store", tokens=toks(2, 2))
+        ch = f.poll()
+        assert ch.resync and ch.reasons == ("writer",)
+        assert f.reader.cursors[b.slot] == head + 2         # the head went on, not back to 0
+        b.call(op="kv_store", tokens=toks(3, 2))
+        ch = f.poll()
+        assert not ch.resync and len(ch.records) == 2
+        assert f.present == published(pool)
+        for n in others + [b]:
+            n.close()
+
+
+# -- crashes and stalls -------------------------------------------------------------------
+def test_a_node_killed_mid_append_leaves_nothing_torn(pool_path):
+    init_pool(pool_path, {"size": 8 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8,
+                          "lease_ms": 300})
+    with Pool.open(pool_path) as pool:
+        f = Follower(pool)
+        f.poll()
+        w = NodeProc(env={"CXLKV_CRASH_AT": "journal.append:3"})
+        w.attach(pool_path)
+        w.call(op="kv_open", args=KV_ARGS)
+        for i in range(2):
+            assert w.call(op="kv_store", tokens=toks(i, 2))["stored"] == 2
+        w.send(op="kv_store", tokens=toks(2, 2))            # killed after writing its records
+        assert w.p.wait(30) == -9
+        ch = f.poll()
+        assert not ch.resync and len(ch.records) == 4       # its half append is beyond the head
+        assert f.ops[J.STORED] == 4 and len(published(pool)) == 6
+        with cxlkv.open_pool(pool_path) as p2:              # reaps it; the slot is free again
+            wait_for(lambda: N.read_slot(p2, w.slot).state == "free", what="the reap")
+        others = []
+        while True:                                         # the slot's next node appends ...
+            b = NodeProc()
+            b.attach(pool_path)
+            if b.slot == w.slot:
+                break
+            others.append(b)
+        b.call(op="kv_open", args=KV_ARGS)
+        assert b.call(op="kv_store", tokens=toks(3, 1))["stored"] == 1
+        for n in others + [b]:
+            n.close()
+        ch = f.poll()                                       # ... and the reader resyncs
+        assert ch.resync and ch.reasons == ("writer",)
+        assert f.present == published(pool) and len(f.present) == 7
+    with Pool.open(pool_path) as p:
+        rep = fsck.check(p)
+    assert rep.clean, [x.to_json() for x in rep.errors]
+
+
+def test_a_fenced_node_cannot_append_after_it_resumes(pool_path, remote_env):
+    init_pool(pool_path, {"size": 8 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8,
+                          "lease_ms": 300, "grace_ms": 900})
+    with cxlkv.open_pool(pool_path) as pool:
+        f = Follower(pool)
+        f.poll()
+        w = NodeProc(env=remote_env(CXLKV_PAUSE_AT="journal.append:2"))
+        w.attach(pool_path)
+        w.call(op="kv_open", args=KV_ARGS)
+        assert w.call(op="kv_store", tokens=toks(1, 2))["stored"] == 2
+        assert len(f.poll().records) == 2
+        w.send(op="kv_store", tokens=toks(2, 2))            # stops mid-append, lock held
+        wait_for(lambda: psutil.Process(w.p.pid).status() == psutil.STATUS_STOPPED,
+                 what="the node to stop in its append")
+        wait_for(lambda: N.read_slot(pool, w.slot).state == "fenced", what="the fence")
+        kv = pool.kv(**KV_ARGS)
+        kv.store(toks(3, 2), bytes(2 * BB))                 # the lock was passed on
+        os.kill(w.p.pid, signal.SIGCONT)
+        r = w.reply()
+        assert r.get("error") in ("NodeFenced", "LockLost"), r     # told, and appended nothing
+        ring = f.reader.geo.ring_off(w.slot)
+        assert pool.mapping.load64(ring) == 2               # its head did not move
+        ch = f.poll()
+        assert not ch.resync and set(ch.records["node"].tolist()) == {pool.node.slot}
+        assert f.ops[J.STORED] == 4
+        w.close()
+
+
+# -- old pools ----------------------------------------------------------------------------
+def test_a_pool_formatted_without_the_journal_is_refused_by_name(tmp_path):
+    raw = gzip.decompress((Path(__file__).parent / "golden" / "pool-v1-4m-0.1.img.gz")
+                          .read_bytes())
+    path = tmp_path / "old.pool"
+    path.write_bytes(raw)
+    os.chmod(path, 0o660)
+    with Pool.open(str(path)) as p:
+        assert not p.sb.incompat & L.INCOMPAT_JOURNAL
+        with pytest.raises(PoolIncompatible, match="without the change journal"):
+            J.JournalReader(p)
+        assert J.report(p) is None
+    mgr = lock_manager(str(path))                           # the golden pool is in manager mode
+    try:
+        r = subprocess.run([sys.executable, "-c", f"""
+import cxlkv
+with cxlkv.open_pool({str(path)!r}) as pool:
+    pool.kv(model="m", block_bytes=4096)
+"""], capture_output=True, text=True, timeout=60)
+    finally:
+        mgr.terminate()
+        mgr.wait(10)
+    assert r.returncode != 0 and "without the change journal" in r.stderr, r.stderr
+
+
+# -- fsck ---------------------------------------------------------------------------------
+def test_fsck_reports_and_repairs_a_damaged_journal_header(pool_path):
+    from cxlkv.state import repair as R
+
+    init_pool(pool_path, {"size": 8 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8})
+    with cxlkv.open_pool(pool_path) as pool:
+        pool.kv(**KV_ARGS).store(toks(1, 3), bytes(3 * BB))
+        g = J.JournalReader(pool, start="now").geo
+        hdr = g.hdr
+        seq = g.next_seq()
+    with Pool.open(pool_path) as p:
+        p.mapping.store64(hdr + L.field_offset(L.JournalHdrStruct, "next_seq"), 2)  # behind
+        rep = fsck.check(p)
+        assert [f.code for f in rep.errors] == ["kv-journal-seq"]
+        p.mapping.store64(hdr, 0)                                                 # magic
+        assert [f.code for f in fsck.check(p).errors] == ["kv-journal-header"]
+        with pytest.raises(Exception, match="header is corrupt"):
+            J.JournalReader(p)
+    rep = R.repair(pool_path)
+    assert "kv-journal-header" in [a["code"] for a in rep.actions]
+    with Pool.open(pool_path) as p:
+        assert fsck.check(p).clean
+        r = J.JournalReader(p, start="now")
+        assert r.geo.next_seq() == seq                     # above every record again
+
+
+def test_a_restore_records_what_it_publishes(tmp_path):
+    from cxlkv.kv import snapshot as S
+
+    a, b = str(tmp_path / "a.pool"), str(tmp_path / "b.pool")
+    for p in (a, b):
+        init_pool(p, {"size": 8 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8})
+    with cxlkv.open_pool(a) as pool:
+        pool.kv(**KV_ARGS).store(toks(1, 5), bytes(5 * BB))
+        S.snapshot(pool, tmp_path / "snap")
+    with cxlkv.open_pool(b) as pool:
+        f = Follower(pool, start="now")
+        assert S.restore(pool, tmp_path / "snap")["blocks"] == 5
+        ch = f.poll()
+        assert not ch.resync and f.ops[J.STORED] == 5 and f.present == published(pool)
+
+
+def test_inspect_and_kv_stats_show_the_rings(cli, pool_path):
+    init_pool(pool_path, {"size": 8 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8})
+    with cxlkv.open_pool(pool_path) as pool:
+        pool.kv(**KV_ARGS).store(toks(1, 3), bytes(3 * BB))
+        slot = pool.node.slot
+    for args in (("inspect", "--pool", pool_path, "--json"),
+                 ("kv", "stats", "--pool", pool_path, "--json")):
+        r = cli(*args)
+        assert r.code == 0, r.err
+        doc = r.json()
+        j = (doc["pool"] if "pool" in doc and isinstance(doc["pool"], dict) else doc)["kv"]["journal"]
+        assert j["appended"] == 3 and j["next_seq"] == 4
+        assert j["rings"] == [{"slot": slot, "head": 3, "writer_slot": slot, "writer_epoch": 1}]
