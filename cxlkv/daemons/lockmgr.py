@@ -52,6 +52,9 @@ from cxlkv.state import protocol as P
 #: a contender's write must land before anyone reads the lease back
 CONTEND_WAIT_S = 0.2
 SLEEP_MAX_S = 0.002
+#: the C loop's idle sleep (backoff from 50 us): a request waits at most this
+#: long for an idle manager; the cost of an idle manager is one wake-up each
+C_SLEEP_MAX_S = 0.001
 #: keep polling without sleeping this long after the last grant or release
 SPIN_S = 0.02
 #: node slots (claims, detaches, liveness) are looked at this often
@@ -78,6 +81,15 @@ def _identity(sb) -> tuple:
             tuple(sorted(sb.regions.items())))
 
 
+# the C loop's state words and table columns (cxlkv/_core/src/lockmgr.c)
+(_MS_HOLDER, _MS_LAST, _MS_GRANTS, _MS_RECOVER, _MS_BEAT_AT, _MS_RETURN_AT, _MS_BUSY_UNTIL,
+ _MS_SLEEP, _MS_TOKEN, _MS_LEASE, _MS_SCAN_EVERY, _MS_SPIN, _MS_SLEEP_MAX, _MS_PIDNS,
+ _MS_LAST_SCAN, _MS_REFRESH, _MS_SLOT, _MS_ROUNDS, _MS_COUNT) = range(19)
+_TB_CTL, _TB_HB, _TB_SINCE, _TB_PIDFD, _TB_LOCAL, _TB_WIDTH = 0, 1, 2, 3, 4, 8
+#: why mgr_loop returned
+R_BEAT, R_SLOTS, R_GUARD, R_STEPDOWN, R_PYSTEP = range(5)
+
+
 class LockManager:
     def __init__(self, path: str, *, standby: bool = False, log=None):
         self.pool = Pool.open(path, writable=True)
@@ -102,6 +114,13 @@ class LockManager:
         self._nodes = None
         self._identity = _identity(self.pool.sb)
         self.reformatted = False
+        # the C loop (cxlkv/_core/src/lockmgr.c): its state words and per-slot
+        # table; CXLKV_LOCKMGR_PY=1 runs the Python reference loop instead
+        self.use_c = os.environ.get("CXLKV_LOCKMGR_PY") != "1"
+        self._st = np.zeros(_MS_COUNT, dtype=np.int64)
+        self._tb = np.zeros((self.pool.sb.max_nodes, _TB_WIDTH), dtype=np.int64)
+        self._tb[:, _TB_CTL] = -1
+        self._tb[:, _TB_PIDFD] = -1
 
     # -- the superblock it was opened with -------------------------------------
     def check_superblock(self) -> None:
@@ -316,16 +335,14 @@ class LockManager:
     # -- the loop --------------------------------------------------------------------
     def run(self) -> None:
         self.acquire_lease()
+        if self.use_c:
+            return self._run_c()
         sleep, busy_until = 0.0, 0.0
         last_beat = last_slots = 0.0
         while not self.stop:
             now = time.monotonic()
             if now - last_beat >= min(0.05, self.lease / 10):
-                self.check_superblock()
-                if not self.still_active():
-                    self.log("another manager holds the lease: stepping down")
-                    raise ManagerExists("another lock manager took over", path=self.path)
-                self.beat()
+                self._heartbeat()
                 last_beat = now
             scan_slots = now - last_slots >= SLOT_SCAN_S
             if scan_slots:
@@ -339,7 +356,80 @@ class LockManager:
             time.sleep(sleep)            # then sleep: an idle manager costs nothing
         self.log("stopped")
 
+    def _heartbeat(self) -> None:
+        self.check_superblock()
+        if not self.still_active():
+            self.log("another manager holds the lease: stepping down")
+            raise ManagerExists("another lock manager took over", path=self.path)
+        self.beat()
+
+    def _run_c(self) -> None:
+        """The same loop with its hot part in C (mgr_loop): the lock rounds
+        and a cheap look at the node slots stay in C; whatever the Python
+        reference (step, _slot, guard) decides is done here, then C resumes."""
+        st, tb, pool = self._st, self._tb, self.pool
+        hdr, nodes = self.hdr, pool.region("nodes")[0]
+        n = pool.sb.max_nodes
+        boot = uuidlib.UUID(self.observer.boot_id).bytes
+        beat_every = min(0.05, self.lease / 10)
+        st[_MS_TOKEN] = self.token               # < 2**63
+        st[_MS_LEASE] = int(self.lease * 1e9)
+        st[_MS_SCAN_EVERY] = int(SLOT_SCAN_S * 1e9)
+        st[_MS_SPIN] = int(SPIN_S * 1e9)
+        st[_MS_SLEEP_MAX] = int(C_SLEEP_MAX_S * 1e9)
+        st[_MS_PIDNS] = self.observer.pidns
+        st[_MS_REFRESH] = 1
+        loop = self.m.mgr_loop
+        last_beat = 0.0
+        while not self.stop:
+            now = time.monotonic()
+            if now - last_beat >= beat_every:
+                self._heartbeat()
+                last_beat = now
+            st[_MS_HOLDER], st[_MS_LAST] = self.holder, self.last
+            st[_MS_RECOVER] = int(self.recover_pending)
+            st[_MS_GRANTS] = self.grants
+            st[_MS_BEAT_AT] = int(self.beat_at * 1e9)
+            st[_MS_RETURN_AT] = int((last_beat + beat_every) * 1e9)
+            r = loop(hdr, nodes, n, st, tb, boot)
+            self.holder, self.last = int(st[_MS_HOLDER]), int(st[_MS_LAST])
+            self.grants = int(st[_MS_GRANTS])
+            if r == R_BEAT:
+                continue
+            if r == R_GUARD:
+                self.guard()
+                continue
+            if r == R_STEPDOWN:
+                raise ManagerExists("another lock manager took over")
+            if r == R_SLOTS:
+                self._seed_observer()
+                changed = self.step(True)
+                st[_MS_REFRESH] = 1              # C re-reads the slots Python changed
+            else:                                # R_PYSTEP: the lock, the reference way
+                changed = self.step(False)
+            if changed:
+                st[_MS_SLEEP] = 0
+                st[_MS_BUSY_UNTIL] = int((time.monotonic() + SPIN_S) * 1e9)
+        self.log("stopped")
+
+    def _seed_observer(self) -> None:
+        """Remote nodes are watched by C between Python's looks: give the
+        observer what C saw (control, heartbeat and since when on the same
+        monotonic clock), so its verdict is the one it would have reached
+        watching every scan itself."""
+        tb, seen = self._tb, self.observer._seen
+        for slot in np.flatnonzero((tb[:, _TB_CTL] >= 0) & ((tb[:, _TB_LOCAL] == 0) | (tb[:, _TB_LOCAL] == 3))).tolist():
+            ctl, hb, since = (int(x) & 0xFFFFFFFFFFFFFFFF for x in tb[slot, :_TB_PIDFD])
+            prev = seen.get(slot)
+            if prev is None or (prev.control, prev.heartbeat) != (ctl, hb) or \
+                    prev.since > since / 1e9:
+                seen[slot] = N._Seen(ctl, hb, since / 1e9)
+
     def close(self) -> None:
+        for fd in self._tb[:, _TB_PIDFD].tolist():
+            if fd >= 0:
+                os.close(fd)
+        self._tb[:, _TB_PIDFD] = -1
         if not self.reformatted and self.still_active():
             self.m.store64(self.hdr + P.MGR_TOKEN, 0)   # hand over at once, not after a lease
             self.m.flush(self.hdr + P.MGR_TOKEN, 8)
