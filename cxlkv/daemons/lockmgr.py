@@ -52,9 +52,15 @@ from cxlkv.state import protocol as P
 #: a contender's write must land before anyone reads the lease back
 CONTEND_WAIT_S = 0.2
 SLEEP_MAX_S = 0.002
-#: the C loop's idle sleep (backoff from 50 us): a request waits at most this
-#: long for an idle manager; the cost of an idle manager is one wake-up each
+#: the C loop's sleep when nothing happens (backoff from 50 us): a request
+#: waits at most this long for a manager that was idle; after C_IDLE_AFTER_S
+#: without a grant or release, up to C_IDLE_SLEEP_MAX_S (each wake-up, ~20 us
+#: of CPU on a VM, is what an idle manager costs)
 C_SLEEP_MAX_S = 0.001
+C_IDLE_AFTER_S = 1.0
+C_IDLE_SLEEP_MAX_S = 0.01
+#: the C loop comes back to Python at least this often (a signal is handled then)
+C_RETURN_EVERY_S = 0.25
 #: keep polling without sleeping this long after the last grant or release
 SPIN_S = 0.02
 #: node slots (claims, detaches, liveness) are looked at this often
@@ -84,7 +90,8 @@ def _identity(sb) -> tuple:
 # the C loop's state words and table columns (cxlkv/_core/src/lockmgr.c)
 (_MS_HOLDER, _MS_LAST, _MS_GRANTS, _MS_RECOVER, _MS_BEAT_AT, _MS_RETURN_AT, _MS_BUSY_UNTIL,
  _MS_SLEEP, _MS_TOKEN, _MS_LEASE, _MS_SCAN_EVERY, _MS_SPIN, _MS_SLEEP_MAX, _MS_PIDNS,
- _MS_LAST_SCAN, _MS_REFRESH, _MS_SLOT, _MS_ROUNDS, _MS_COUNT) = range(19)
+ _MS_LAST_SCAN, _MS_REFRESH, _MS_SLOT, _MS_ROUNDS, _MS_IDLE_AFTER, _MS_IDLE_SLEEP_MAX,
+ _MS_BEAT_DUE, _MS_BEAT_EVERY, _MS_BEATS, _MS_COUNT) = range(24)
 _TB_CTL, _TB_HB, _TB_SINCE, _TB_PIDFD, _TB_LOCAL, _TB_WIDTH = 0, 1, 2, 3, 4, 8
 #: why mgr_loop returned
 R_BEAT, R_SLOTS, R_GUARD, R_STEPDOWN, R_PYSTEP = range(5)
@@ -114,6 +121,7 @@ class LockManager:
         self._nodes = None
         self._identity = _identity(self.pool.sb)
         self.reformatted = False
+        self._sb_raw = None                    # superblock bytes last found to be ours
         # the C loop (cxlkv/_core/src/lockmgr.c): its state words and per-slot
         # table; CXLKV_LOCKMGR_PY=1 runs the Python reference loop instead
         self.use_c = os.environ.get("CXLKV_LOCKMGR_PY") != "1"
@@ -132,14 +140,18 @@ class LockManager:
         if self.reformatted:
             raise PoolReformatted(f"{self.path} was reformatted under this lock manager",
                                   path=self.path)
+        raws = read_superblocks(self.m)
+        if raws == self._sb_raw:
+            return                   # the very bytes found good last time: no decode
         seen = []
-        for raw in read_superblocks(self.m):
+        for raw in raws:
             try:
                 sb = S.decode(raw)
             except CxlkvError as e:
                 seen.append(str(e))
                 continue
             if _identity(sb) == self._identity:
+                self._sb_raw = raws
                 return
             seen.append(f"uuid {sb.uuid}, {sb.max_nodes} node slots, chunk {sb.chunk_size}")
         self.reformatted = True
@@ -377,23 +389,28 @@ class LockManager:
         st[_MS_SCAN_EVERY] = int(SLOT_SCAN_S * 1e9)
         st[_MS_SPIN] = int(SPIN_S * 1e9)
         st[_MS_SLEEP_MAX] = int(C_SLEEP_MAX_S * 1e9)
+        st[_MS_IDLE_AFTER] = int(C_IDLE_AFTER_S * 1e9)
+        st[_MS_IDLE_SLEEP_MAX] = int(C_IDLE_SLEEP_MAX_S * 1e9)
         st[_MS_PIDNS] = self.observer.pidns
         st[_MS_REFRESH] = 1
+        st[_MS_BEAT_EVERY] = int(beat_every * 1e9)
         loop = self.m.mgr_loop
-        last_beat = 0.0
         while not self.stop:
             now = time.monotonic()
-            if now - last_beat >= beat_every:
-                self._heartbeat()
-                last_beat = now
+            if now - self.beat_at >= beat_every:
+                self._heartbeat()            # C could not: Python checks (and may step down)
             st[_MS_HOLDER], st[_MS_LAST] = self.holder, self.last
             st[_MS_RECOVER] = int(self.recover_pending)
             st[_MS_GRANTS] = self.grants
             st[_MS_BEAT_AT] = int(self.beat_at * 1e9)
-            st[_MS_RETURN_AT] = int((last_beat + beat_every) * 1e9)
-            r = loop(hdr, nodes, n, st, tb, boot)
+            st[_MS_BEAT_DUE] = int((self.beat_at + beat_every) * 1e9)
+            st[_MS_RETURN_AT] = int((now + C_RETURN_EVERY_S) * 1e9)
+            # C beats while the superblock bytes are the ones found good here
+            sb = b"".join(self._sb_raw) if self._sb_raw else b""
+            r = loop(hdr, nodes, n, st, tb, boot, sb)
             self.holder, self.last = int(st[_MS_HOLDER]), int(st[_MS_LAST])
             self.grants = int(st[_MS_GRANTS])
+            self.beat_at = st[_MS_BEAT_AT] / 1e9
             if r == R_BEAT:
                 continue
             if r == R_GUARD:

@@ -17,19 +17,23 @@
  * Python reference handles (the holder's line shows another epoch; a fenced
  * node waits for recovery while the lock is free).  The common rounds -
  * a holder released, grant the next waiter round-robin - never leave C.
- * When nothing happened for spin_ns it sleeps with backoff up to sleep_max_ns
- * (and never past the next heartbeat), so an idle manager costs nearly nothing.
+ * When nothing happened for the spin time it sleeps with backoff (to 1 ms, and
+ * to a few ms once idle for a second; never past the next heartbeat), so an
+ * idle manager costs nearly nothing: a request to an idle manager waits at
+ * most one such sleep.
  */
 #include "core.h"
 
 #include <errno.h>
 #include <poll.h>
+#include <sched.h>
 #include <stddef.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #define LH_MGR_TOKEN   offsetof(struct cxlkv_lock_hdr, mgr_token)
+#define LH_MGR_HEARTBEAT offsetof(struct cxlkv_lock_hdr, mgr_heartbeat)
 #define LE_EPOCH       offsetof(struct cxlkv_lock_entry, epoch)
 #define LE_REQ         offsetof(struct cxlkv_lock_entry, req_seq)
 #define LE_RELEASE     offsetof(struct cxlkv_lock_entry, release_seq)
@@ -71,6 +75,11 @@ enum {
     MS_REFRESH,         /* 1: Python just looked at the slots: refresh the table only */
     MS_SLOT,            /* out: the slot that needs Python (-1: several / none) */
     MS_ROUNDS,          /* lock rounds run (stats) */
+    MS_IDLE_AFTER,      /* no activity for this long (ns): sleep up to MS_IDLE_SLEEP_MAX */
+    MS_IDLE_SLEEP_MAX,  /* longest sleep of a manager idle that long, ns */
+    MS_BEAT_DUE,        /* heartbeat due at this time */
+    MS_BEAT_EVERY,      /* heartbeat period, ns */
+    MS_BEATS,           /* heartbeats made in C (stats) */
     MS_COUNT
 };
 
@@ -125,6 +134,8 @@ struct mgr {
     int64_t *st;
     int64_t *tb;
     const unsigned char *boot;    /* 16 bytes */
+    const unsigned char *sb;      /* the superblock copies last found good by Python */
+    uint64_t sb_len;              /* 0: none (Python beats) */
 };
 
 static inline uint64_t ent(const struct mgr *g, int64_t s) { return g->entries + (uint64_t)s * CXLKV_LOCK_ENTRY_SIZE; }
@@ -172,18 +183,46 @@ try_local(struct mgr *g, int64_t s, int64_t *t, uint64_t epoch)
     return 1;
 }
 
+/* Invalidate line 0 (the node's own line) of every slot: one fence pair for
+ * all of them (what pool_invalidate does per range), so that the loads that
+ * follow miss in parallel. */
+static void
+invalidate_node_lines(struct mgr *g, int own_too)
+{
+    Mapping *m = g->m;
+    if (m->nc) {
+        for (int64_t s = 0; s < g->n; s++) {
+            nc_invalidate(m->nc, nod(g, s), 64);
+            if (own_too)
+                nc_invalidate(m->nc, nod(g, s) + ND_MGR_CONTROL, 16);
+        }
+        return;
+    }
+    enum cxlkv_flush_kind k = cxlkv_cpu.invalidate;
+    cxlkv_mfence();
+    for (int64_t s = 0; s < g->n; s++) {
+        cxlkv_line_op(k, m->base + nod(g, s));
+        if (own_too)
+            cxlkv_line_op(k, m->base + nod(g, s) + ND_MGR_CONTROL);
+    }
+    cxlkv_mfence();
+}
+
 /* One look at every node slot (what LockManager._slot would act on).
- * Returns the number of slots that need Python; *which = the last of them. */
+ * Line 7 (mgr_control, mgr_grant_token) has one writer, this manager (its
+ * Python side writes it through the same mapping), so it is read from this
+ * host's cache, and invalidated only on a refresh (after Python acted, or
+ * when taking office: what an earlier manager wrote).  Returns the number of
+ * slots that need Python; *which = the last of them. */
 static int
-scan_slots(struct mgr *g, int64_t now, int64_t *which)
+scan_slots(struct mgr *g, int64_t now, int64_t *which, int refresh)
 {
     Mapping *m = g->m;
     int need = 0;
+    invalidate_node_lines(g, refresh);
     for (int64_t s = 0; s < g->n; s++) {
         uint64_t off = nod(g, s);
         int64_t *t = g->tb + s * TB_WIDTH;
-        pool_invalidate(m, off, 64);
-        pool_invalidate(m, off + ND_MGR_CONTROL, 16);
         uint64_t mctl = pool_load64(m, off + ND_MGR_CONTROL);
         uint64_t granted = pool_load64(m, off + ND_MGR_GRANT);
         uint64_t ctl = pool_load64(m, off + ND_CONTROL);
@@ -228,16 +267,19 @@ scan_slots(struct mgr *g, int64_t now, int64_t *which)
     return need;
 }
 
+/* LockManager.guard's fast path, on the clock of this moment (not the
+ * round's: the process may have been paused since): beaten within half a
+ * lease.  Otherwise Python proves the lease (or steps down) first. */
 static inline int
-guard_ok(struct mgr *g, int64_t now)
+guard_ok(struct mgr *g)
 {
-    return now - g->st[MS_BEAT_AT] < g->st[MS_LEASE] / 2;
+    return mono_ns() - g->st[MS_BEAT_AT] < g->st[MS_LEASE] / 2;
 }
 
 /* One round of the lock (LockManager.step after the slots): 1 = something
  * changed, 0 = nothing, or -(R_*) for Python. */
 static int
-lock_round(struct mgr *g, int64_t now)
+lock_round(struct mgr *g)
 {
     Mapping *m = g->m;
     int64_t holder = g->st[MS_HOLDER];
@@ -284,7 +326,7 @@ lock_round(struct mgr *g, int64_t now)
             continue;               /* not (yet) an attached node of that epoch */
         if (fresh64(m, g->hdr + LH_MGR_TOKEN) != (uint64_t)g->st[MS_TOKEN])
             return -R_STEPDOWN;
-        if (!guard_ok(g, now))
+        if (!guard_ok(g))
             return -R_GUARD;
         pool_store64(m, e + LE_GRANT_EPOCH, epoch);
         pool_store64(m, e + LE_GRANT, req);
@@ -297,6 +339,34 @@ lock_round(struct mgr *g, int64_t now)
     return changed;
 }
 
+/* The heartbeat, when Python's checks would pass: the superblock copies are
+ * byte for byte the ones Python last validated (LockManager.check_superblock
+ * returns at once on them), the lease still carries our token (still_active);
+ * then beat (LockManager.beat).  0: Python must look (and beat). */
+static int
+beat(struct mgr *g, int64_t now)
+{
+    Mapping *m = g->m;
+    if (g->sb_len == 0)
+        return 0;
+    unsigned char buf[256];
+    pool_invalidate(m, 0, g->sb_len);
+    for (uint64_t o = 0; o < g->sb_len; o += sizeof buf) {
+        uint64_t k = g->sb_len - o < sizeof buf ? g->sb_len - o : sizeof buf;
+        pool_read(m, o, buf, k);
+        if (memcmp(buf, g->sb + o, k) != 0)
+            return 0;
+    }
+    if (fresh64(m, g->hdr + LH_MGR_TOKEN) != (uint64_t)g->st[MS_TOKEN])
+        return 0;
+    uint64_t off = g->hdr + LH_MGR_HEARTBEAT;
+    pool_store64(m, off, pool_load64(m, off) + 1);
+    pool_flush(m, off, 8);
+    g->st[MS_BEAT_AT] = now;
+    g->st[MS_BEATS]++;
+    return 1;
+}
+
 static int
 mgr_run(struct mgr *g)
 {
@@ -305,24 +375,29 @@ mgr_run(struct mgr *g)
     int64_t now = mono_ns();
     st[MS_SLOT] = -1;
     if (st[MS_REFRESH]) {
-        scan_slots(g, now, &which);     /* Python just acted on the slots */
+        scan_slots(g, now, &which, 1);  /* Python just acted on the slots */
         st[MS_REFRESH] = 0;
         st[MS_LAST_SCAN] = now;
     }
     for (;;) {
         now = mono_ns();
+        if (now >= st[MS_BEAT_DUE]) {
+            if (!beat(g, now))
+                return R_BEAT;
+            st[MS_BEAT_DUE] = now + st[MS_BEAT_EVERY];
+        }
         if (now >= st[MS_RETURN_AT])
             return R_BEAT;
         if (now - st[MS_LAST_SCAN] >= st[MS_SCAN_EVERY]) {
             st[MS_LAST_SCAN] = now;
             which = -1;
-            int need = scan_slots(g, now, &which);
+            int need = scan_slots(g, now, &which, 0);
             if (need) {
                 st[MS_SLOT] = need == 1 ? which : -1;
                 return R_SLOTS;
             }
         }
-        int r = lock_round(g, now);
+        int r = lock_round(g);
         if (r < 0)
             return -r;
         if (r > 0) {
@@ -331,17 +406,22 @@ mgr_run(struct mgr *g)
             continue;
         }
         if (now < st[MS_BUSY_UNTIL]) {
-            for (int i = 0; i < 16; i++)
-                relax();
-            continue;               /* spin after activity: grants stay fast */
+            /* spin after activity: grants stay fast; yielding, so that a
+             * client runnable on this CPU gets it (more processes than CPUs) */
+            sched_yield();
+            continue;
         }
+        /* backoff from 50 us to MS_SLEEP_MAX; once idle for MS_IDLE_AFTER, to
+         * MS_IDLE_SLEEP_MAX: each wake-up is what an idle manager costs */
+        int64_t cap = now - (st[MS_BUSY_UNTIL] - st[MS_SPIN]) >= st[MS_IDLE_AFTER]
+                      ? st[MS_IDLE_SLEEP_MAX] : st[MS_SLEEP_MAX];
         int64_t s = st[MS_SLEEP] * 2;
         if (s < 50000)
             s = 50000;
-        if (s > st[MS_SLEEP_MAX])
-            s = st[MS_SLEEP_MAX];
+        if (s > cap)
+            s = cap;
         st[MS_SLEEP] = s;
-        int64_t left = st[MS_RETURN_AT] - now;
+        int64_t left = (st[MS_RETURN_AT] < st[MS_BEAT_DUE] ? st[MS_RETURN_AT] : st[MS_BEAT_DUE]) - now;
         sleep_ns(s < left ? s : left);  /* idle: sleep, a request waits at most this */
     }
 }
@@ -363,16 +443,21 @@ get_i64(PyObject *o, Py_buffer *b, Py_ssize_t min_items, const char *what)
     return 0;
 }
 
-/* mgr_loop(lock_hdr, nodes, max_nodes, state, table, boot_id) -> reason
+/* mgr_loop(lock_hdr, nodes, max_nodes, state, table, boot_id, superblocks)
+ *   -> reason
  *   state: int64[MS_COUNT] (see enum), table: int64[max_nodes * 8],
- *   boot_id: 16 bytes.  Reasons: 0 heartbeat due, 1 a slot needs Python,
+ *   boot_id: 16 bytes, superblocks: the bytes at offset 0 that Python last
+ *   validated (b"": Python makes every heartbeat).  It beats itself while
+ *   they are unchanged and the lease is ours, and returns at state[RETURN_AT]
+ *   (signals are handled then).  Reasons: 0 heartbeat (Python's) or return
+ *   time due, 1 a slot needs Python,
  *   2 guard (beat before writing), 3 another manager holds the lease,
  *   4 the lock needs the Python step.  GIL released. */
 PyObject *
 Mapping_mgr_loop(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 {
     uint64_t hdr, nodes, n;
-    if (nargs_check(nargs, 6, 6, "mgr_loop") < 0 ||
+    if (nargs_check(nargs, 7, 7, "mgr_loop") < 0 ||
         as_u64(args[0], &hdr, "lock header offset") < 0 ||
         as_u64(args[1], &nodes, "node table offset") < 0 ||
         as_u64(args[2], &n, "max_nodes") < 0)
@@ -402,14 +487,25 @@ Mapping_mgr_loop(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         PyBuffer_Release(&tb);
         return NULL;
     }
+    Py_buffer sbb;
+    if (PyObject_GetBuffer(args[6], &sbb, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&sb);
+        PyBuffer_Release(&tb);
+        PyBuffer_Release(&bb);
+        return NULL;
+    }
     PyObject *ret = NULL;
-    struct mgr g = {m, hdr, hdr + CXLKV_LOCK_HDR_SIZE, nodes, (int64_t)n, sb.buf, tb.buf, bb.buf};
+    struct mgr g = {m, hdr, hdr + CXLKV_LOCK_HDR_SIZE, nodes, (int64_t)n, sb.buf, tb.buf, bb.buf,
+                    sbb.buf, (uint64_t)sbb.len};
     if (bb.len != 16) {
         PyErr_SetString(PyExc_ValueError, "mgr_loop: boot_id must be 16 bytes");
         goto out;
     }
+    if (check_range(m, 0, g.sb_len, "mgr_loop superblocks") < 0)
+        goto out;
     if (g.st[MS_HOLDER] < -1 || g.st[MS_HOLDER] >= (int64_t)n || g.st[MS_LAST] < -1 ||
-        g.st[MS_LAST] >= (int64_t)n || g.st[MS_LEASE] <= 0 || g.st[MS_SLEEP_MAX] <= 0) {
+        g.st[MS_LAST] >= (int64_t)n || g.st[MS_LEASE] <= 0 || g.st[MS_SLEEP_MAX] <= 0 ||
+        g.st[MS_IDLE_SLEEP_MAX] <= 0 || g.st[MS_BEAT_EVERY] <= 0) {
         PyErr_SetString(PyExc_ValueError, "mgr_loop: state words out of range");
         goto out;
     }
@@ -424,6 +520,7 @@ out:
     PyBuffer_Release(&sb);
     PyBuffer_Release(&tb);
     PyBuffer_Release(&bb);
+    PyBuffer_Release(&sbb);
     return ret;
 }
 
@@ -475,7 +572,7 @@ Mapping_mgr_wait(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
                 break;
             }
             if (now - start < (int64_t)spin) {
-                relax();
+                sched_yield();      /* the manager may be waiting for this CPU */
                 continue;
             }
             sl = sl ? sl * 2 : 2000;
