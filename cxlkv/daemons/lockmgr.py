@@ -376,14 +376,20 @@ class LockManager:
         self.beat()
 
     def _run_c(self) -> None:
-        """The same loop with its hot part in C (mgr_loop): the lock rounds
-        and a cheap look at the node slots stay in C; whatever the Python
-        reference (step, _slot, guard) decides is done here, then C resumes."""
-        st, tb, pool = self._st, self._tb, self.pool
-        hdr, nodes = self.hdr, pool.region("nodes")[0]
-        n = pool.sb.max_nodes
-        boot = uuidlib.UUID(self.observer.boot_id).bytes
-        beat_every = min(0.05, self.lease / 10)
+        """The same loop with its hot part in C (mgr_loop): the lock rounds,
+        the heartbeat and a cheap look at the node slots stay in C; whatever
+        the Python reference (step, _slot, guard) decides is done here, then
+        C resumes."""
+        self._c_setup()
+        while not self.stop:
+            self._c_step(time.monotonic() + C_RETURN_EVERY_S)
+        self.log("stopped")
+
+    def _c_setup(self) -> None:
+        st, pool = self._st, self.pool
+        self._beat_every = min(0.05, self.lease / 10)
+        self._c_args = (self.hdr, pool.region("nodes")[0], pool.sb.max_nodes, st, self._tb,
+                        uuidlib.UUID(self.observer.boot_id).bytes)
         st[_MS_TOKEN] = self.token               # < 2**63
         st[_MS_LEASE] = int(self.lease * 1e9)
         st[_MS_SCAN_EVERY] = int(SLOT_SCAN_S * 1e9)
@@ -393,41 +399,43 @@ class LockManager:
         st[_MS_IDLE_SLEEP_MAX] = int(C_IDLE_SLEEP_MAX_S * 1e9)
         st[_MS_PIDNS] = self.observer.pidns
         st[_MS_REFRESH] = 1
-        st[_MS_BEAT_EVERY] = int(beat_every * 1e9)
-        loop = self.m.mgr_loop
-        while not self.stop:
-            now = time.monotonic()
-            if now - self.beat_at >= beat_every:
-                self._heartbeat()            # C could not: Python checks (and may step down)
-            st[_MS_HOLDER], st[_MS_LAST] = self.holder, self.last
-            st[_MS_RECOVER] = int(self.recover_pending)
-            st[_MS_GRANTS] = self.grants
-            st[_MS_BEAT_AT] = int(self.beat_at * 1e9)
-            st[_MS_BEAT_DUE] = int((self.beat_at + beat_every) * 1e9)
-            st[_MS_RETURN_AT] = int((now + C_RETURN_EVERY_S) * 1e9)
-            # C beats while the superblock bytes are the ones found good here
-            sb = b"".join(self._sb_raw) if self._sb_raw else b""
-            r = loop(hdr, nodes, n, st, tb, boot, sb)
-            self.holder, self.last = int(st[_MS_HOLDER]), int(st[_MS_LAST])
-            self.grants = int(st[_MS_GRANTS])
-            self.beat_at = st[_MS_BEAT_AT] / 1e9
-            if r == R_BEAT:
-                continue
-            if r == R_GUARD:
-                self.guard()
-                continue
-            if r == R_STEPDOWN:
-                raise ManagerExists("another lock manager took over")
-            if r == R_SLOTS:
-                self._seed_observer()
-                changed = self.step(True)
-                st[_MS_REFRESH] = 1              # C re-reads the slots Python changed
-            else:                                # R_PYSTEP: the lock, the reference way
-                changed = self.step(False)
-            if changed:
-                st[_MS_SLEEP] = 0
-                st[_MS_BUSY_UNTIL] = int((time.monotonic() + SPIN_S) * 1e9)
-        self.log("stopped")
+        st[_MS_BEAT_EVERY] = int(self._beat_every * 1e9)
+
+    def _c_step(self, return_at: float) -> int:
+        """Run the C loop until it needs Python (or until `return_at`), and
+        do what it came back for.  Returns its reason (R_*)."""
+        st = self._st
+        if time.monotonic() - self.beat_at >= self._beat_every:
+            self._heartbeat()                # C could not: Python checks (and may step down)
+        st[_MS_HOLDER], st[_MS_LAST] = self.holder, self.last
+        st[_MS_RECOVER] = int(self.recover_pending)
+        st[_MS_GRANTS] = self.grants
+        st[_MS_BEAT_AT] = int(self.beat_at * 1e9)
+        st[_MS_BEAT_DUE] = int((self.beat_at + self._beat_every) * 1e9)
+        st[_MS_RETURN_AT] = int(return_at * 1e9)
+        # C beats while the superblock bytes are the ones found good here
+        sb = b"".join(self._sb_raw) if self._sb_raw else b""
+        r = self.m.mgr_loop(*self._c_args, sb)
+        self.holder, self.last = int(st[_MS_HOLDER]), int(st[_MS_LAST])
+        self.grants = int(st[_MS_GRANTS])
+        self.beat_at = st[_MS_BEAT_AT] / 1e9
+        if r == R_BEAT:
+            return r
+        if r == R_GUARD:
+            self.guard()
+            return r
+        if r == R_STEPDOWN:
+            raise ManagerExists("another lock manager took over")
+        if r == R_SLOTS:
+            self._seed_observer()
+            changed = self.step(True)
+            st[_MS_REFRESH] = 1                  # C re-reads the slots Python changed
+        else:                                    # R_PYSTEP: the lock, the reference way
+            changed = self.step(False)
+        if changed:
+            st[_MS_SLEEP] = 0
+            st[_MS_BUSY_UNTIL] = int((time.monotonic() + SPIN_S) * 1e9)
+        return r
 
     def _seed_observer(self) -> None:
         """Remote nodes are watched by C between Python's looks: give the
