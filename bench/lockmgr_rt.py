@@ -7,10 +7,11 @@ running); 8 clients back to back (contended: the figure includes waiting for
 the others' turns).  Idle CPU: the manager process's psutil cpu_percent over
 `--idle` seconds with no node attached, and with 8 attached idle nodes.
 
-    .venv/bin/python bench/lockmgr_rt.py [--seconds S] [--json] [--nc]
+    .venv/bin/python bench/lockmgr_rt.py [--seconds S] [--idle S] [--json]
 
 Run it with another checkout's interpreter (e.g. /work/main/.venv/bin/python)
-for that version's figures.  CXLKV_LOCKMGR_PY=1 runs the manager's Python
+for that version's figures, from outside this source tree (`cd /tmp`), or
+Python imports ./cxlkv from here.  CXLKV_LOCKMGR_PY=1 runs the manager's Python
 reference loop instead of the C one (where the C one exists).
 """
 import argparse
@@ -53,9 +54,14 @@ pool.close()
 '''
 
 
+# children run in a directory of their own: `-m cxlkv` and `-c` would import
+# ./cxlkv from a source tree they were started in, not the interpreter's
+CWD = tempfile.gettempdir()
+
+
 def start_manager(path):
     p = subprocess.Popen([sys.executable, "-m", "cxlkv", "lock-manager", "--pool", path],
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, cwd=CWD)
     line = p.stderr.readline()
     assert "active" in line, line
     return p
@@ -64,7 +70,7 @@ def start_manager(path):
 def clients(path, n, seconds, think, tmp):
     outs = [os.path.join(tmp, f"lat{i}.npy") for i in range(n)]
     procs = [subprocess.Popen([sys.executable, "-c", CLIENT, path, str(seconds), str(think), o],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=CWD)
              for o in outs]
     for p in procs:
         assert p.stdout.readline().strip() == "ready"
@@ -99,11 +105,11 @@ def _ran_ns(pid):
 
 def idle_cpu(mgr, seconds, path=None, nodes=0):
     procs = [subprocess.Popen([sys.executable, "-c", IDLE_NODE, path], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True) for _ in range(nodes)]
+                              stdout=subprocess.PIPE, text=True, cwd=CWD) for _ in range(nodes)]
     try:
         for p in procs:
             assert p.stdout.readline().strip() == "ready"
-        time.sleep(0.5)
+        time.sleep(2.0)          # past the attaches (activity keeps a manager awake a while)
         ps = psutil.Process(mgr.pid)
         ps.cpu_percent()
         run0, t0 = _ran_ns(mgr.pid), time.monotonic()
@@ -129,7 +135,9 @@ def main():
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     import cxlkv
+    import cxlkv._core
     doc = {"cxlkv": os.path.dirname(cxlkv.__file__), "cpus": os.cpu_count(),
+           "c_loop": hasattr(cxlkv._core._native.Mapping, "mgr_loop"),
            "loadavg_start": os.getloadavg()[0],
            "loop": "python" if os.environ.get("CXLKV_LOCKMGR_PY") == "1" else "default",
            "noncoherent": os.environ.get("CXLKV_NONCOHERENT") == "1"}
@@ -150,7 +158,7 @@ def main():
     if args.json:
         print(json.dumps(doc, indent=1))
         return
-    print(f"cxlkv at {doc['cxlkv']} ({doc['loop']} loop), {doc['cpus']} CPUs, "
+    print(f"cxlkv at {doc['cxlkv']} ({doc['loop']} loop, C loop built: {doc['c_loop']}), {doc['cpus']} CPUs, "
           f"load avg {doc['loadavg_start']:.2f} -> {doc['loadavg_end']:.2f}")
     for k, what in (("idle_cpu_pct", "no nodes"), ("idle_cpu_pct_8_nodes", "8 idle nodes attached")):
         print(f"idle manager CPU ({what}): {doc[k]['schedstat_pct']} % (schedstat), "
