@@ -315,3 +315,46 @@ def test_an_idle_manager_sleeps(mpool, manager):
         assert rate < 250, rate
         with pool.lock(timeout=10):                     # and still grants at once
             pass
+
+
+# -- the C entry points check what they are given --------------------------------------
+
+def test_mgr_loop_and_mgr_wait_refuse_bad_arguments(mpool):
+    from cxlkv.errors import PoolRangeError
+
+    with Pool.open(mpool, writable=True) as pool:
+        m, n = pool.mapping, pool.sb.max_nodes
+        hdr, nodes = P.lock_header(pool), pool.region("nodes")[0]
+        st = np.zeros(LM._MS_COUNT, dtype=np.int64)
+        st[[LM._MS_HOLDER, LM._MS_LAST]] = -1
+        st[[LM._MS_LEASE, LM._MS_SLEEP_MAX, LM._MS_IDLE_SLEEP_MAX, LM._MS_BEAT_EVERY]] = 1
+        tb = np.full((n, LM._TB_WIDTH), -1, dtype=np.int64)
+        boot = bytes(16)
+        with pytest.raises(PoolRangeError):                       # past the mapping
+            m.mgr_loop(m.size - 64, nodes, n, st, tb, boot, b"")
+        with pytest.raises(PoolRangeError):
+            m.mgr_loop(hdr, m.size - 1024, n, st, tb, boot, b"")  # node table past the end
+        with pytest.raises(PoolRangeError):
+            m.mgr_loop(hdr + 8, nodes, n, st, tb, boot, b"")      # misaligned
+        with pytest.raises(TypeError):
+            m.mgr_loop(hdr, nodes, n, st[:3], tb, boot, b"")      # state too short
+        with pytest.raises(TypeError):
+            m.mgr_loop(hdr, nodes, n, st, tb[:1], boot, b"")      # table too short
+        with pytest.raises(TypeError):
+            m.mgr_loop(hdr, nodes, n, st.astype(np.float64), tb, boot, b"")
+        with pytest.raises(ValueError):
+            m.mgr_loop(hdr, nodes, n, st, tb, b"short", b"")
+        bad = st.copy()
+        bad[LM._MS_HOLDER] = n                                    # a holder past the table
+        with pytest.raises(ValueError):
+            m.mgr_loop(hdr, nodes, n, bad, tb, boot, b"")
+        with pytest.raises(PoolRangeError):
+            m.mgr_wait(m.size, 1, 0, 1000, 0)
+        with pytest.raises(PoolRangeError):
+            m.mgr_wait(P.entry(pool, 0) + 8, 1, 0, 1000, 0)
+        e = P.entry(pool, 0)
+        assert m.mgr_wait(e, 1, 0, 1000, 0) == 0                  # not granted: time is up
+        m.store64(e + P.E_REVOKE, 1)
+        assert m.mgr_wait(e, 1, 0, 1000, 0) == 2                  # revoked
+        m.store64(e + P.E_GRANT, 1)
+        assert m.mgr_wait(e, 1, 0, 1000, 0) == 1                  # granted
