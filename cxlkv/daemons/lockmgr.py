@@ -24,6 +24,17 @@ refuses to start unless --standby, which waits for the active one's
 heartbeat to stop for a lease and then takes over.  All state lives in the
 pool, so a restarted manager carries on where the last one stopped.
 
+The loop's hot part is C (Mapping.mgr_loop, cxlkv/_core/src/lockmgr.c):
+the lock rounds (a release seen, the next waiter granted round-robin), the
+heartbeat while the superblock bytes are the ones last validated here, and a
+look at the node slots every SLOT_SCAN_S that comes back to Python only for
+a slot that needs a decision (a claim, an attach or detach acknowledgement,
+a local process gone - a pidfd says so at once - a remote heartbeat still
+for a lease, a fenced slot).  Python keeps the decisions: step() and _slot()
+are the reference, run as they are whenever C comes back (a lock line of
+another epoch, a recovery pending, the lease guard), and the whole loop with
+CXLKV_LOCKMGR_PY=1.
+
 A manager knows the pool by the superblock it opened: it re-reads the
 superblock with every heartbeat (and a standby before every bid for the
 lease) and steps down - exits with PoolReformatted - when the uuid or the
