@@ -24,6 +24,17 @@ refuses to start unless --standby, which waits for the active one's
 heartbeat to stop for a lease and then takes over.  All state lives in the
 pool, so a restarted manager carries on where the last one stopped.
 
+The loop's hot part is C (Mapping.mgr_loop, cxlkv/_core/src/lockmgr.c):
+the lock rounds (a release seen, the next waiter granted round-robin), the
+heartbeat while the superblock bytes are the ones last validated here, and a
+look at the node slots every SLOT_SCAN_S that comes back to Python only for
+a slot that needs a decision (a claim, an attach or detach acknowledgement,
+a local process gone - a pidfd says so at once - a remote heartbeat still
+for a lease, a fenced slot).  Python keeps the decisions: step() and _slot()
+are the reference, run as they are whenever C comes back (a lock line of
+another epoch, a recovery pending, the lease guard), and the whole loop with
+CXLKV_LOCKMGR_PY=1.
+
 A manager knows the pool by the superblock it opened: it re-reads the
 superblock with every heartbeat (and a standby before every bid for the
 lease) and steps down - exits with PoolReformatted - when the uuid or the
@@ -52,6 +63,15 @@ from cxlkv.state import protocol as P
 #: a contender's write must land before anyone reads the lease back
 CONTEND_WAIT_S = 0.2
 SLEEP_MAX_S = 0.002
+#: the C loop's sleep when nothing happens (backoff from 50 us): a request
+#: waits at most this long for a manager that was idle; after C_IDLE_AFTER_S
+#: without a grant or release, up to C_IDLE_SLEEP_MAX_S (each wake-up, ~20 us
+#: of CPU on a VM, is what an idle manager costs)
+C_SLEEP_MAX_S = 0.001
+C_IDLE_AFTER_S = 1.0
+C_IDLE_SLEEP_MAX_S = 0.01
+#: the C loop comes back to Python at least this often (a signal is handled then)
+C_RETURN_EVERY_S = 0.25
 #: keep polling without sleeping this long after the last grant or release
 SPIN_S = 0.02
 #: node slots (claims, detaches, liveness) are looked at this often
@@ -78,6 +98,16 @@ def _identity(sb) -> tuple:
             tuple(sorted(sb.regions.items())))
 
 
+# the C loop's state words and table columns (cxlkv/_core/src/lockmgr.c)
+(_MS_HOLDER, _MS_LAST, _MS_GRANTS, _MS_RECOVER, _MS_BEAT_AT, _MS_RETURN_AT, _MS_BUSY_UNTIL,
+ _MS_SLEEP, _MS_TOKEN, _MS_LEASE, _MS_SCAN_EVERY, _MS_SPIN, _MS_SLEEP_MAX, _MS_PIDNS,
+ _MS_LAST_SCAN, _MS_REFRESH, _MS_SLOT, _MS_ROUNDS, _MS_IDLE_AFTER, _MS_IDLE_SLEEP_MAX,
+ _MS_BEAT_DUE, _MS_BEAT_EVERY, _MS_BEATS, _MS_COUNT) = range(24)
+_TB_CTL, _TB_HB, _TB_SINCE, _TB_PIDFD, _TB_LOCAL, _TB_WIDTH = 0, 1, 2, 3, 4, 8
+#: why mgr_loop returned
+R_BEAT, R_SLOTS, R_GUARD, R_STEPDOWN, R_PYSTEP = range(5)
+
+
 class LockManager:
     def __init__(self, path: str, *, standby: bool = False, log=None):
         self.pool = Pool.open(path, writable=True)
@@ -102,6 +132,14 @@ class LockManager:
         self._nodes = None
         self._identity = _identity(self.pool.sb)
         self.reformatted = False
+        self._sb_raw = None                    # superblock bytes last found to be ours
+        # the C loop (cxlkv/_core/src/lockmgr.c): its state words and per-slot
+        # table; CXLKV_LOCKMGR_PY=1 runs the Python reference loop instead
+        self.use_c = os.environ.get("CXLKV_LOCKMGR_PY") != "1"
+        self._st = np.zeros(_MS_COUNT, dtype=np.int64)
+        self._tb = np.zeros((self.pool.sb.max_nodes, _TB_WIDTH), dtype=np.int64)
+        self._tb[:, _TB_CTL] = -1
+        self._tb[:, _TB_PIDFD] = -1
 
     # -- the superblock it was opened with -------------------------------------
     def check_superblock(self) -> None:
@@ -113,14 +151,18 @@ class LockManager:
         if self.reformatted:
             raise PoolReformatted(f"{self.path} was reformatted under this lock manager",
                                   path=self.path)
+        raws = read_superblocks(self.m)
+        if raws == self._sb_raw:
+            return                   # the very bytes found good last time: no decode
         seen = []
-        for raw in read_superblocks(self.m):
+        for raw in raws:
             try:
                 sb = S.decode(raw)
             except CxlkvError as e:
                 seen.append(str(e))
                 continue
             if _identity(sb) == self._identity:
+                self._sb_raw = raws
                 return
             seen.append(f"uuid {sb.uuid}, {sb.max_nodes} node slots, chunk {sb.chunk_size}")
         self.reformatted = True
@@ -316,16 +358,14 @@ class LockManager:
     # -- the loop --------------------------------------------------------------------
     def run(self) -> None:
         self.acquire_lease()
+        if self.use_c:
+            return self._run_c()
         sleep, busy_until = 0.0, 0.0
         last_beat = last_slots = 0.0
         while not self.stop:
             now = time.monotonic()
             if now - last_beat >= min(0.05, self.lease / 10):
-                self.check_superblock()
-                if not self.still_active():
-                    self.log("another manager holds the lease: stepping down")
-                    raise ManagerExists("another lock manager took over", path=self.path)
-                self.beat()
+                self._heartbeat()
                 last_beat = now
             scan_slots = now - last_slots >= SLOT_SCAN_S
             if scan_slots:
@@ -339,7 +379,93 @@ class LockManager:
             time.sleep(sleep)            # then sleep: an idle manager costs nothing
         self.log("stopped")
 
+    def _heartbeat(self) -> None:
+        self.check_superblock()
+        if not self.still_active():
+            self.log("another manager holds the lease: stepping down")
+            raise ManagerExists("another lock manager took over", path=self.path)
+        self.beat()
+
+    def _run_c(self) -> None:
+        """The same loop with its hot part in C (mgr_loop): the lock rounds,
+        the heartbeat and a cheap look at the node slots stay in C; whatever
+        the Python reference (step, _slot, guard) decides is done here, then
+        C resumes."""
+        self._c_setup()
+        while not self.stop:
+            self._c_step(time.monotonic() + C_RETURN_EVERY_S)
+        self.log("stopped")
+
+    def _c_setup(self) -> None:
+        st, pool = self._st, self.pool
+        self._beat_every = min(0.05, self.lease / 10)
+        self._c_args = (self.hdr, pool.region("nodes")[0], pool.sb.max_nodes, st, self._tb,
+                        uuidlib.UUID(self.observer.boot_id).bytes)
+        st[_MS_TOKEN] = self.token               # < 2**63
+        st[_MS_LEASE] = int(self.lease * 1e9)
+        st[_MS_SCAN_EVERY] = int(SLOT_SCAN_S * 1e9)
+        st[_MS_SPIN] = int(SPIN_S * 1e9)
+        st[_MS_SLEEP_MAX] = int(C_SLEEP_MAX_S * 1e9)
+        st[_MS_IDLE_AFTER] = int(C_IDLE_AFTER_S * 1e9)
+        st[_MS_IDLE_SLEEP_MAX] = int(C_IDLE_SLEEP_MAX_S * 1e9)
+        st[_MS_PIDNS] = self.observer.pidns
+        st[_MS_REFRESH] = 1
+        st[_MS_BEAT_EVERY] = int(self._beat_every * 1e9)
+
+    def _c_step(self, return_at: float) -> int:
+        """Run the C loop until it needs Python (or until `return_at`), and
+        do what it came back for.  Returns its reason (R_*)."""
+        st = self._st
+        if time.monotonic() - self.beat_at >= self._beat_every:
+            self._heartbeat()                # C could not: Python checks (and may step down)
+        st[_MS_HOLDER], st[_MS_LAST] = self.holder, self.last
+        st[_MS_RECOVER] = int(self.recover_pending)
+        st[_MS_GRANTS] = self.grants
+        st[_MS_BEAT_AT] = int(self.beat_at * 1e9)
+        st[_MS_BEAT_DUE] = int((self.beat_at + self._beat_every) * 1e9)
+        st[_MS_RETURN_AT] = int(return_at * 1e9)
+        # C beats while the superblock bytes are the ones found good here
+        sb = b"".join(self._sb_raw) if self._sb_raw else b""
+        r = self.m.mgr_loop(*self._c_args, sb)
+        self.holder, self.last = int(st[_MS_HOLDER]), int(st[_MS_LAST])
+        self.grants = int(st[_MS_GRANTS])
+        self.beat_at = st[_MS_BEAT_AT] / 1e9
+        if r == R_BEAT:
+            return r
+        if r == R_GUARD:
+            self.guard()
+            return r
+        if r == R_STEPDOWN:
+            raise ManagerExists("another lock manager took over")
+        if r == R_SLOTS:
+            self._seed_observer()
+            changed = self.step(True)
+            st[_MS_REFRESH] = 1                  # C re-reads the slots Python changed
+        else:                                    # R_PYSTEP: the lock, the reference way
+            changed = self.step(False)
+        if changed:
+            st[_MS_SLEEP] = 0
+            st[_MS_BUSY_UNTIL] = int((time.monotonic() + SPIN_S) * 1e9)
+        return r
+
+    def _seed_observer(self) -> None:
+        """Remote nodes are watched by C between Python's looks: give the
+        observer what C saw (control, heartbeat and since when on the same
+        monotonic clock), so its verdict is the one it would have reached
+        watching every scan itself."""
+        tb, seen = self._tb, self.observer._seen
+        for slot in np.flatnonzero((tb[:, _TB_CTL] >= 0) & ((tb[:, _TB_LOCAL] == 0) | (tb[:, _TB_LOCAL] == 3))).tolist():
+            ctl, hb, since = (int(x) & 0xFFFFFFFFFFFFFFFF for x in tb[slot, :_TB_PIDFD])
+            prev = seen.get(slot)
+            if prev is None or (prev.control, prev.heartbeat) != (ctl, hb) or \
+                    prev.since > since / 1e9:
+                seen[slot] = N._Seen(ctl, hb, since / 1e9)
+
     def close(self) -> None:
+        for fd in self._tb[:, _TB_PIDFD].tolist():
+            if fd >= 0:
+                os.close(fd)
+        self._tb[:, _TB_PIDFD] = -1
         if not self.reformatted and self.still_active():
             self.m.store64(self.hdr + P.MGR_TOKEN, 0)   # hand over at once, not after a lease
             self.m.flush(self.hdr + P.MGR_TOKEN, 8)

@@ -44,6 +44,11 @@ from cxlkv.state import nodes as N
 
 SPINS = 4000
 BACKOFF_MAX = 0.001
+#: manager mode: a waiter polls its grant line this long without sleeping,
+#: then sleeps with backoff (2 us doubling) up to MGR_SLEEP_MAX_NS
+MGR_SPIN_NS = 20_000
+MGR_SLEEP_MAX_NS = int(BACKOFF_MAX * 1e9)
+MGR_WAIT_SLICE_S = 0.1
 #: most tickets that can be outstanding at once (taken, not yet served): one
 #: per node, plus the few abandoned or taken by nodes that died recording
 #: them; a larger gap is a corrupt word
@@ -419,12 +424,20 @@ class ManagerLock:
             start = time.monotonic()
             deadline = None if timeout is None else start + timeout
             lease = self.pool.sb.lease_ms / 1000.0
-            next_check, spins, sleep = start + lease, 0, 1e-5
+            next_check = start + lease
+            wait = m.mgr_wait
             while True:
-                m.invalidate(e + P.E_GRANT, 16)
-                if m.load64(e + P.E_GRANT) == req:
+                # C polls the manager's line (invalidate + load), spinning
+                # briefly then sleeping with backoff, GIL released; it comes
+                # back for the checks below at least every MGR_WAIT_SLICE_S
+                # (so a signal is handled)
+                until = min(next_check, time.monotonic() + MGR_WAIT_SLICE_S)
+                if deadline is not None:
+                    until = min(until, deadline)
+                r = wait(e, req, MGR_SPIN_NS, MGR_SLEEP_MAX_NS, int(until * 1e9))
+                if r == 1:
                     break
-                if m.load64(e + P.E_REVOKE) >= req:
+                if r == 2:
                     node.check()
                     raise LockLost(f"{self.pool.path}: the lock manager revoked our request")
                 now = time.monotonic()
@@ -440,10 +453,6 @@ class ManagerLock:
                             f"manager): start `cxlkv lock-manager --pool {self.pool.path}` "
                             "on any host")
                     next_check = time.monotonic() + lease
-                spins += 1
-                if spins > 200:
-                    time.sleep(sleep)
-                    sleep = min(sleep * 2, 0.001)
             _granted()
         except BaseException:
             self._holder = 0

@@ -205,4 +205,8 @@ PyObject *Mapping_read_blocks(Mapping *m, PyObject *const *args, Py_ssize_t narg
 PyObject *mod_kv_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *mod_kv_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
+/* lockmgr.c: sync mode manager */
+PyObject *Mapping_mgr_loop(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_mgr_wait(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+
 #endif

@@ -1021,6 +1021,8 @@ static PyMethodDef Mapping_methods[] = {
     FAST(ticket_acquire, "ticket_acquire(hdr, entry, token, epoch, spins, control_off, control) -> ticket if acquired | (ticket, serving) | None if fenced"),
     FAST(ticket_wait, "ticket_wait(hdr, entry, ticket, token, spins, control_off, control) -> (acquired, serving) | None if fenced; GIL released"),
     FAST(ticket_release, "ticket_release(hdr, entry, ticket, token, control_off, control) -> bool: False if it was not ours or the node was fenced (nothing written)"),
+    FAST(mgr_loop, "mgr_loop(lock_hdr, nodes, max_nodes, state, table, boot_id, superblocks) -> reason: the lock manager's scan / grant / heartbeat loop until Python is needed (0 heartbeat or return time due, 1 slots, 2 guard, 3 step down, 4 Python step); GIL released"),
+    FAST(mgr_wait, "mgr_wait(entry, req, spin_ns, sleep_max_ns, until_ns) -> 1 granted | 2 revoked | 0 until_ns passed; GIL released"),
     FAST(set_geometry, "set_geometry(data_off, chunk_size, nchunks, desc_base): allocator geometry"),
     FAST(slab_alloc, "slab_alloc(head, owner, out, count, zero, slot_size=0, heap=0) -> allocated | -1 (not our active slab of that size) | -2 (no hazard word free: call again holding the pool lock, heap=0)"),
     FAST(slab_free, "slab_free(offsets, zero, owner) -> freed (stops at a slab owner does not own; owner 0 = any); raises ValueError at the first bad offset (MetadataCorrupt, also a ValueError, for a corrupt descriptor)"),
