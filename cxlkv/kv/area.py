@@ -1,6 +1,31 @@
 """The KV region and hash table of one pool: geometry, records, eviction and
 recovery.  Everything that writes entries or records here runs under the
 pool lock; readers (cxlkv.kv.cache) are lock-free.
+
+Eviction costs O(victims), not O(table): the pool keeps, per tenant, a
+doubly-linked LRU list of the *leaf* entries (PUBLISHED, no live children:
+the only ones leaf-first eviction may take), links in an array of the KV
+region (u64 per hash slot; the 64-byte entry is full), heads in the KV
+header (cxlkv_format.h, INCOMPAT_KV_LRU).  The C writers (kv_insert,
+kv_set_state, kv_stamp, kv_remove; cxlkv/_core/src/lru.c) keep the lists
+as entries are published, gain or lose children, are touched and removed,
+all under the pool lock, with a dirty word around each edit: a holder that
+dies mid-edit leaves it set and the next holder rebuilds the lists from the
+table (also recount(), fsck --repair).
+
+Why an exact LRU list over leaves rather than CLOCK or segmented LRU: the
+victim order must stay leaf first and least recently used first, as the old
+whole-table order was (subtree's newest use); a list of leaves gives that
+directly - a parent joins its list when its last child goes, placed by its
+subtree's newest stamp - and a pick is a walk from the head(s) that costs
+the victims plus the pinned or kept leaves it passes.  CLOCK would need a
+hand sweeping the table (reference bits written on hits, or O(table) sweeps
+when most entries are interior), and readers must not write shared lines:
+they append to per-node touch rings, which the evictor applies (drain_rings:
+O(touches), each touched leaf moves to its list's tail).  One list per
+tenant makes quota eviction O(victims) too; a global eviction takes the
+oldest of the list heads.  Dropping a namespace (everything=True) stays a
+table scan: it is an operator command, not on a store's path.
 """
 from __future__ import annotations
 
@@ -28,6 +53,12 @@ _HDR = {f: L.field_offset(L.KVHdrStruct, f) for f, *_ in L.KVHdrStruct._fields_}
 #: free space (share of the data area) under which store evicts, and up to which
 LOW_WATERMARK = 0.05
 HIGH_WATERMARK = 0.10
+#: blocks a store evicts beyond what it needs when it must evict inline
+INLINE_SLACK = 64
+#: victims freed per pick (one round of evict(); the lock stays held across rounds)
+EVICT_BATCH = 1024
+#: slots the background tombstone purge looks at per call (bounded lock hold)
+PURGE_BUDGET = 8192
 
 
 class KVError(CxlkvError):
@@ -77,6 +108,11 @@ class Area:
         self.nslots = sb.hash_slots
         self.max_used = max(1, self.nslots * sb.hash_max_load_pct // 100)
         self.kv_off, kv_size = sb.regions["kv"]
+        if not sb.incompat & L.INCOMPAT_KV_LRU:
+            raise PoolIncompatible(
+                f"{pool.path} was formatted without the KV_LRU feature (the in-pool eviction "
+                "lists; by cxlkv 0.1 before it)",
+                hint="back up what it holds and re-format it with `cxlkv format --force`")
         self.geo = L.kv_geometry(sb.max_nodes, sb.hash_slots)
         self.hdr = self.kv_off
         self.m.invalidate(self.hdr, 64)
@@ -84,7 +120,7 @@ class Area:
         stored = L.KVHdrStruct.from_buffer_copy(self.m.read(self.hdr, L.KV_HDR_SIZE))
         if magic != L.KV_MAGIC or any(getattr(stored, f) != self.geo[f] for f in (
                 "max_namespaces", "max_tenants", "pins_per_node", "ring_per_node", "ns_off",
-                "tenant_off", "node_off", "node_stride")) or kv_size < self.geo["size"]:
+                "tenant_off", "node_off", "node_stride", "lru_off")) or kv_size < self.geo["size"]:
             raise KVError(f"{pool.path}: the KV header is corrupt (magic or geometry)",
                           hint="run `cxlkv fsck` on the pool")
         self.max_ns = self.geo["max_namespaces"]
@@ -95,6 +131,9 @@ class Area:
         pool.mapping.set_geometry(*A.geometry(pool))      # payload frees go through C
         # manager mode / emulation: flush what we write, invalidate what we read
         self.m.flush_meta = self.managed or self.m.noncoherent
+        self.links = self.kv_off + self.geo["lru_off"]
+        self.smallest = A.slot_size_for(pool, 1)
+        self.m.kv_lru_setup(self.table, self.nslots, self.hdr, self.links)
 
     # -- offsets ----------------------------------------------------------
     def ns_off(self, i: int) -> int:
@@ -210,8 +249,40 @@ class Area:
         """Evict unpinned published blocks, least recently used first and
         leaf first, until `need_bytes` of slots and `need_entries` entries are
         free again (or, with everything=True, all that match).  Entries in
-        `keep` (and so their ancestors) stay.  Returns (blocks, bytes)."""
+        `keep` (and so their ancestors) stay.  Returns (blocks, bytes).
+
+        Victims come from the leaf LRU lists (the tenant's, or the oldest
+        heads of all): O(victims + pinned or kept leaves passed), never a
+        scan.  `ns` (a namespace drop, with everything=True) scans."""
         self.drain_rings()
+        if everything or ns is not None:
+            return self._evict_scan(need_bytes, need_entries, tenant=tenant, ns=ns,
+                                    everything=everything, keep=keep)
+        kept = (np.unique(np.asarray(keep, dtype=np.uint64)) if keep is not None and len(keep)
+                else np.zeros(0, dtype=np.uint64))
+        who = 0xFFFF if tenant is None else int(tenant)
+        done_blocks = done_bytes = 0
+        while done_bytes < need_bytes or done_blocks < need_entries:
+            guard(self.pool)                # the lock may have been taken from a stalled node
+            want_n = max(0, need_entries - done_blocks)
+            want_b = max(0, need_bytes - done_bytes)
+            cap = min(EVICT_BATCH, max(1, want_n + -(-want_b // self.smallest)))
+            out = np.zeros(cap, dtype=np.uint64)
+            got = self.m.kv_lru_pick(who, want_n, want_b, self.smallest,
+                                     self.pinned().astype(np.uint64), kept, out)
+            if not got:
+                break
+            b, n, _blocked = self._evict_batch(out[:got])
+            done_blocks += b
+            done_bytes += n
+            if not b and not _blocked:
+                break
+        self.purge_tombstones()
+        return done_blocks, done_bytes
+
+    def _evict_scan(self, need_bytes: int, need_entries: int, *, tenant, ns, everything,
+                    keep) -> tuple[int, int]:
+        """evict() by a whole-table order (namespace drop: an operator command)."""
         done_blocks = done_bytes = 0
         for _round in range(4):             # a victim found pinned late blocks its ancestors
             if not (everything or done_bytes < need_bytes or done_blocks < need_entries):
@@ -289,13 +360,23 @@ class Area:
             anc = np.where(has, anc[a], -1)
         return dist
 
-    def _evict_batch(self, idx: np.ndarray, t: np.ndarray,
+    def _entry(self, i: int) -> np.void:
+        return np.frombuffer(self._read(self.entry_off(i), L.HASH_ENTRY_SIZE), dtype=ENTRY)[0]
+
+    def _slot_size(self, length: int) -> int:
+        return max(self.smallest, -(-length // 64) * 64) if length > 0 else 0
+
+    def _evict_batch(self, idx: np.ndarray, t: np.ndarray | None = None,
                      spill: bool = True) -> tuple[int, int, bool]:
-        """Evict `idx` (in eviction order).  Returns (blocks, bytes, blocked):
-        blocked when a victim turned out pinned (it and its ancestors stay).
-        With a spill store on this pool object (cxlkv.kv.spill) and spill
-        true, the payloads are copied out for it before the slots are freed."""
+        """Evict `idx` (in eviction order): the one place victims are freed.
+        Returns (blocks, bytes, blocked): blocked when a victim turned out
+        pinned (it and its ancestors stay).  `t`: a snapshot of the whole
+        table, or None to read just the victims' entries.  With a spill store
+        on this pool object (cxlkv.kv.spill) and spill true, the payloads are
+        copied out for it before the slots are freed."""
         m = self.m
+        if t is None:
+            t = {int(i): self._entry(int(i)) for i in idx}
         # the evictor records itself: a recovery finishes only its own node's
         # evictions (a fenced evictor's are its own quarantine's to finish)
         evictor = self.pool.node.owner_token if self.pool.node is not None else 0
@@ -305,10 +386,11 @@ class Area:
             # a reader pinned it in the meantime: it and every ancestor stay
             stay = set(int(i) for i in idx[pinned])
             for i in idx[pinned]:
-                p = int(t["parent"][i])
+                p = int(t[int(i)]["parent"])
                 while 0 < p <= self.nslots and p - 1 not in stay:
                     stay.add(p - 1)
-                    p = int(t["parent"][p - 1])
+                    p = int((t[p - 1] if isinstance(t, np.ndarray) else self._entry(p - 1))
+                            ["parent"])
             back = np.array([i for i in idx if int(i) in stay], dtype=np.uint64)
             m.kv_set_state(self.table, self.nslots, back, L.KV_EVICTING, L.KV_PUBLISHED, 0, 0)
             idx = np.array([i for i in idx if int(i) not in stay], dtype=np.uint64)
@@ -342,7 +424,7 @@ class Area:
                 sys.stderr.write(f"cxlkv: evicting entry {int(i)}: {err} (fsck will report it)\n")
             m.store64(rec, 0)
             m.flush(rec, 8)
-            ss = int(self.slot_sizes(np.array([e["length"]]))[0])
+            ss = self._slot_size(int(e["length"]))
             k = nsd.setdefault(int(e["ns"]), [0, 0])
             k[0] += 1
             k[1] += int(e["length"])
@@ -399,48 +481,37 @@ class Area:
             sp.put(key, d, data)
 
     def evict_on_path(self, key_lo: int, keep=None) -> int:
-        """Evict the least recently used evictable entry on the probe path of
+        """Evict the least recently used evictable leaf on the probe path of
         a key (from its home slot to the first EMPTY): the one eviction that
-        makes room for that key when tombstones fill the table."""
-        t = self.entries()
-        n = self.nslots
-        st = t["ctl"] & 0xFF
-        path = []
-        i = key_lo & (n - 1)
-        for _ in range(n):
-            if st[i] == L.KV_EMPTY:
-                break
-            path.append(i)
-            i = (i + 1) & (n - 1)
-        order = self._victims(t, None, None, keep)
-        on = order[np.isin(order, np.array(path, dtype=np.int64))]
-        if not len(on):
+        makes room for that key when tombstones fill the table.  O(path)."""
+        guard(self.pool)
+        kept = (np.unique(np.asarray(keep, dtype=np.uint64)) if keep is not None and len(keep)
+                else np.zeros(0, dtype=np.uint64))
+        v = self.m.kv_lru_path_victim(key_lo, self.pinned().astype(np.uint64), kept)
+        if v < 0:
             return 0
-        return self._evict_batch(on[:1].astype(np.uint64), t)[0]
+        return self._evict_batch(np.array([v], dtype=np.uint64))[0]
 
-    def purge_tombstones(self, force: bool = False) -> int:
+    def purge_tombstones(self, force: bool = False, key_lo: int | None = None) -> int:
         """Turn tombstones that no live entry's probe path crosses back into
-        EMPTY slots (pool lock held).  Safe for lock-free readers: a reader
-        looking for a present key never passes them."""
+        EMPTY slots (pool lock held), bounded per call: with `key_lo`, the
+        cluster holding that key's home slot; otherwise, once tombstones are
+        a sixteenth of the table (or with force), the clusters of the next
+        PURGE_BUDGET slots from a cursor kept in the KV header.  Safe for
+        lock-free readers: a reader looking for a present key never passes
+        them."""
         h = self.header()
-        if not force and h.tombstones < max(16, self.nslots // 16):
+        if key_lo is None and not force and h.tombstones < max(16, self.nslots // 16):
             return 0
-        t = self.entries()
-        st = t["ctl"] & 0xFF
-        n = self.nslots
-        live = np.flatnonzero((st != L.KV_EMPTY) & (st != L.KV_TOMBSTONE))
-        home = (t["key_lo"][live] & np.uint64(n - 1)).astype(np.int64)
-        end = np.where(live >= home, live, live + n)      # path home .. end-1 (wrapping)
-        cover = np.zeros(2 * n + 1, dtype=np.int64)
-        np.add.at(cover, home, 1)
-        np.add.at(cover, end, -1)
-        crossed = np.cumsum(cover)[:2 * n]
-        crossed = (crossed[:n] + crossed[n:]) > 0
-        free = np.flatnonzero((st == L.KV_TOMBSTONE) & ~crossed).astype(np.uint64)
-        if len(free):
-            self.m.kv_set_state(self.table, n, free, L.KV_TOMBSTONE, L.KV_EMPTY, 0, 0)
-            self.recount()
-        return len(free)
+        guard(self.pool)
+        if key_lo is not None:
+            return self.m.kv_purge(key_lo & (self.nslots - 1), 1)[1]
+        nxt, freed = self.m.kv_purge(h.purge_cursor % self.nslots, PURGE_BUDGET)
+        line = self.hdr + 128
+        self.m.invalidate(line, 64)                   # never write a stale copy back
+        self.m.store64(self.hdr + _HDR["purge_cursor"], nxt)
+        self.m.flush(line, 64)
+        return freed
 
     def slot_sizes(self, lengths: np.ndarray) -> np.ndarray:
         """A.slot_size_for over an array of payload lengths (0 stays 0)."""
@@ -549,6 +620,7 @@ class Area:
             if r.state == L.KV_REC_ACTIVE and (r.used != used[i] or r.blocks != blocks[i]):
                 r.used, r.blocks = int(used[i]), int(blocks[i])
                 self.write_record(self.tenant_off(i), r)
+        self.m.kv_lru_rebuild()                     # child counts may have changed
 
 
 def quarantine_report(pool, observer: N.Observer | None = None) -> dict:

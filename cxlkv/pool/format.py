@@ -165,7 +165,8 @@ def build_superblock(p: FormatParams, *, pool_uuid: uuidlib.UUID | None = None,
         uuid=pool_uuid or uuidlib.uuid4(),
         ctime_ns=time.time_ns() if ctime_ns is None else ctime_ns,
         tenant_secret=os.urandom(32) if secret is None else secret,
-        label=p.label, creator=creator or f"cxlkv {__version__}", seq=1, compat=L.COMPAT_KV)
+        label=p.label, creator=creator or f"cxlkv {__version__}", seq=1, compat=L.COMPAT_KV,
+        incompat=L.INCOMPAT_KV_LRU)
 
 
 Progress = Callable[[int, int], None]   # (bytes done, bytes total)
@@ -216,13 +217,15 @@ def format_mapping(m, p: FormatParams, *, zero_data: bool = True,
 
 def kv_initial_records(max_nodes: int, hash_slots: int) -> list[tuple[int, bytes]]:
     """(offset in the KV region, bytes) a fresh KV region holds besides zeros:
-    its header, and tenant record 0 (the unsalted tenant) active."""
+    its header (with the leaf LRU lists empty and the place of their link
+    array), and tenant record 0 (the unsalted tenant) active."""
     g = L.kv_geometry(max_nodes, hash_slots)
     h = L.KVHdrStruct()
     h.magic = L.KV_MAGIC
     for f in ("max_namespaces", "max_tenants", "pins_per_node", "ring_per_node", "ns_off",
               "tenant_off", "node_off", "node_stride"):
         setattr(h, f, g[f])
+    h.lru_off = g["lru_off"]
     t = L.KVTenantStruct()
     t.state = L.KV_REC_ACTIVE
     return [(0, bytes(h)), (g["tenant_off"], bytes(t))]

@@ -268,7 +268,9 @@ def _validate(s: L.SuperblockStruct, where: str) -> Superblock:
         "hash": s.hash_slots * L.HASH_ENTRY_SIZE,
     }
     if has_kv:
-        need["kv"] = L.kv_geometry(s.max_nodes, s.hash_slots)["size"]
+        g = L.kv_geometry(s.max_nodes, s.hash_slots)
+        # a pool without the LRU lists is refused by name where the KV area opens
+        need["kv"] = g["size"] if s.incompat & L.INCOMPAT_KV_LRU else g["lru_off"]
     for name, n in need.items():
         if regions[name][1] < n:
             raise bad(f"region {name} is {regions[name][1]} bytes, needs {n}")

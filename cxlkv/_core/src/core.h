@@ -46,6 +46,11 @@ typedef struct {
      * NodeFenced; in_guard keeps the guard's own writes from recursing */
     PyObject *guard;
     int in_guard;
+    /* leaf LRU lists of the KV area (kv_lru_setup, lru.c): hash table, its
+     * slots, the KV header and the link array; lru_bad: an inconsistency
+     * seen during the current call (the lists are rebuilt at its end) */
+    int lru_set, lru_bad;
+    uint64_t lru_table, lru_nslots, lru_hdr, lru_links;
 } Mapping;
 
 /* Has the write deadline passed (a copy must stop before the next block)? */
@@ -202,5 +207,26 @@ PyObject *Mapping_write_blocks(Mapping *m, PyObject *const *args, Py_ssize_t nar
 PyObject *Mapping_read_blocks(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *mod_kv_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *mod_kv_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
+/* lru.c: the leaf LRU lists, kept by the kv.c writers (pool lock held).
+ * lru_begin / lru_end bracket a call's edits (the dirty word; a rebuild
+ * when a dead holder left it set or the call found the lists corrupt):
+ * -1 with an exception set when a rebuild could not get memory.  lru_sync
+ * puts an entry on or off its list after its state, children or stamp
+ * changed: LRU_TAIL (just published), LRU_SORTED (by its stamp),
+ * LRU_RESTAMP (its stamp changed: moved). */
+#define LRU_TAIL     0
+#define LRU_SORTED   1
+#define LRU_RESTAMP  2
+int lru_on(const Mapping *m, uint64_t table, uint64_t nslots);
+int lru_begin(Mapping *m);
+int lru_end(Mapping *m);
+void lru_sync(Mapping *m, uint64_t idx, int where);
+PyObject *Mapping_kv_lru_setup(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_kv_lru_rebuild(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_kv_lru_pick(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_kv_lru_path_victim(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_kv_lru_check(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_kv_purge(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

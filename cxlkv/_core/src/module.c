@@ -25,7 +25,7 @@
 /* Bump when the Python-visible interface changes; cxlkv/_core/__init__.py
  * refuses to import a build with a different number (a stale build must fail
  * loudly, not strangely). */
-#define CXLKV_NATIVE_ABI 9
+#define CXLKV_NATIVE_ABI 10
 
 /* Copies at least this large release the GIL. */
 #define GIL_RELEASE_MIN (64 * 1024)
@@ -1034,6 +1034,12 @@ static PyMethodDef Mapping_methods[] = {
     FAST(kv_pin, "kv_pin(table, nslots, pins, npins, hint, idx, ctl, out) -> (pinned, hint, full)"),
     FAST(kv_unpin, "kv_unpin(pins, npins, records) -> cleared"),
     FAST(kv_touch, "kv_touch(head_off, ring_off, nring, idx) -> head"),
+    FAST(kv_lru_setup, "kv_lru_setup(table, nslots, kv_hdr, links): where the leaf LRU lists are; the kv_* writers keep them from then on"),
+    FAST(kv_lru_rebuild, "kv_lru_rebuild() -> leaves: relink every leaf from the table; pool lock held"),
+    FAST(kv_lru_pick, "kv_lru_pick(tenant, want_n, want_bytes, smallest, pinned, keep, out) -> n: victims, LRU leaf first; pool lock held"),
+    FAST(kv_lru_path_victim, "kv_lru_path_victim(key_lo, pinned, keep) -> idx | -1: LRU leaf on a key's probe path; pool lock held"),
+    FAST(kv_lru_check, "kv_lru_check() -> (problems, first_problem, on_lists, leaves)"),
+    FAST(kv_purge, "kv_purge(start, budget) -> (next_start, freed): bounded tombstone purge; pool lock held"),
     FAST(write_blocks, "write_blocks(offsets, src, block_bytes, nt=None) -> blocks written: block i of src to offsets[i]; flushed; stops before a block once write_deadline_ns passed"),
     FAST(read_blocks, "read_blocks(offsets, dst, block_bytes): offsets[i] to block i of dst"),
     FAST(flush, "flush(off, length): write back the cache lines of a range, then fence"),
