@@ -73,8 +73,8 @@ def test_newer_version_refused():
 
 
 def test_unknown_incompat_refused_and_ro_compat_read_only():
-    with pytest.raises(PoolIncompatible, match="incompatible features 0x4"):
-        decode(reencode(sb_bytes(), incompat=4))
+    with pytest.raises(PoolIncompatible, match="incompatible features 0x10000000000"):
+        decode(reencode(sb_bytes(), incompat=1 << 40))
     sb = decode(reencode(sb_bytes(), ro_compat=8, compat=L.COMPAT_KV | 16))
     assert sb.read_only_features == 8
 
@@ -106,6 +106,6 @@ def test_misplaced_region_is_corrupt():
 def test_an_incompatible_pool_names_the_cxlkv_it_needs():
     with pytest.raises(PoolIncompatible, match=r"formatted by cxlkv 9\.9\.9: use cxlkv 9\.9\.9 "
                                                r"or later"):
-        decode(reencode(sb_bytes(), incompat=4, creator=b"cxlkv 9.9.9"))
+        decode(reencode(sb_bytes(), incompat=1 << 40, creator=b"cxlkv 9.9.9"))
     with pytest.raises(PoolIncompatible, match="needs a newer cxlkv"):
-        decode(reencode(sb_bytes(), incompat=4, creator=b"someone else"))
+        decode(reencode(sb_bytes(), incompat=1 << 40, creator=b"someone else"))

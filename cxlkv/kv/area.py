@@ -53,6 +53,11 @@ _HDR = {f: L.field_offset(L.KVHdrStruct, f) for f, *_ in L.KVHdrStruct._fields_}
 #: free space (share of the data area) under which store evicts, and up to which
 LOW_WATERMARK = 0.05
 HIGH_WATERMARK = 0.10
+#: free space under which the node agent starts evicting (in the background, in
+#: batches of AGENT_BATCH blocks per lock hold, up to HIGH_WATERMARK), so that
+#: stores rarely reach LOW_WATERMARK and evict inline
+AGENT_WATERMARK = 0.075
+AGENT_BATCH = 256
 #: blocks a store evicts beyond what it needs when it must evict inline
 INLINE_SLACK = 64
 #: victims freed per pick (one round of evict(); the lock stays held across rounds)
@@ -245,11 +250,12 @@ class Area:
     # -- eviction (pool lock held) -------------------------------------------------
     def evict(self, need_bytes: int = 0, need_entries: int = 0, *, tenant: int | None = None,
               ns: int | None = None, everything: bool = False,
-              keep: np.ndarray | None = None) -> tuple[int, int]:
+              keep: np.ndarray | None = None, limit: int | None = None) -> tuple[int, int]:
         """Evict unpinned published blocks, least recently used first and
         leaf first, until `need_bytes` of slots and `need_entries` entries are
-        free again (or, with everything=True, all that match).  Entries in
-        `keep` (and so their ancestors) stay.  Returns (blocks, bytes).
+        free again (or, with everything=True, all that match), or `limit`
+        blocks were evicted.  Entries in `keep` (and so their ancestors)
+        stay.  Returns (blocks, bytes).
 
         Victims come from the leaf LRU lists (the tenant's, or the oldest
         heads of all): O(victims + pinned or kept leaves passed), never a
@@ -262,11 +268,14 @@ class Area:
                 else np.zeros(0, dtype=np.uint64))
         who = 0xFFFF if tenant is None else int(tenant)
         done_blocks = done_bytes = 0
-        while done_bytes < need_bytes or done_blocks < need_entries:
+        while ((done_bytes < need_bytes or done_blocks < need_entries)
+               and (limit is None or done_blocks < limit)):
             guard(self.pool)                # the lock may have been taken from a stalled node
             want_n = max(0, need_entries - done_blocks)
             want_b = max(0, need_bytes - done_bytes)
             cap = min(EVICT_BATCH, max(1, want_n + -(-want_b // self.smallest)))
+            if limit is not None:
+                cap = min(cap, limit - done_blocks)
             out = np.zeros(cap, dtype=np.uint64)
             got = self.m.kv_lru_pick(who, want_n, want_b, self.smallest,
                                      self.pinned().astype(np.uint64), kept, out)
@@ -492,12 +501,13 @@ class Area:
             return 0
         return self._evict_batch(np.array([v], dtype=np.uint64))[0]
 
-    def purge_tombstones(self, force: bool = False, key_lo: int | None = None) -> int:
+    def purge_tombstones(self, force: bool = False, key_lo: int | None = None,
+                         budget: int = PURGE_BUDGET) -> int:
         """Turn tombstones that no live entry's probe path crosses back into
         EMPTY slots (pool lock held), bounded per call: with `key_lo`, the
         cluster holding that key's home slot; otherwise, once tombstones are
         a sixteenth of the table (or with force), the clusters of the next
-        PURGE_BUDGET slots from a cursor kept in the KV header.  Safe for
+        `budget` slots from a cursor kept in the KV header.  Safe for
         lock-free readers: a reader looking for a present key never passes
         them."""
         h = self.header()
@@ -506,7 +516,7 @@ class Area:
         guard(self.pool)
         if key_lo is not None:
             return self.m.kv_purge(key_lo & (self.nslots - 1), 1)[1]
-        nxt, freed = self.m.kv_purge(h.purge_cursor % self.nslots, PURGE_BUDGET)
+        nxt, freed = self.m.kv_purge(h.purge_cursor % self.nslots, budget)
         line = self.hdr + 128
         self.m.invalidate(line, 64)                   # never write a stale copy back
         self.m.store64(self.hdr + _HDR["purge_cursor"], nxt)

@@ -1368,6 +1368,13 @@ mod_layout(PyObject *self, PyObject *Py_UNUSED(ignored))
     FIELD(f, cxlkv_kv_hdr, evictions);
     FIELD(f, cxlkv_kv_hdr, evicted_bytes);
     FIELD(f, cxlkv_kv_hdr, line1_pad);
+    FIELD(f, cxlkv_kv_hdr, lru_off);
+    FIELD(f, cxlkv_kv_hdr, lru_dirty);
+    FIELD(f, cxlkv_kv_hdr, lru_leaves);
+    FIELD(f, cxlkv_kv_hdr, lru_rebuilds);
+    FIELD(f, cxlkv_kv_hdr, purge_cursor);
+    FIELD(f, cxlkv_kv_hdr, line2_pad);
+    FIELD(f, cxlkv_kv_hdr, lru_lists);
     FIELD(f, cxlkv_kv_hdr, reserved);
     if (add_struct(out, "kv_hdr", sizeof(struct cxlkv_kv_hdr), f) < 0)
         goto fail;
@@ -1449,6 +1456,7 @@ mod_constants(PyObject *self, PyObject *Py_UNUSED(ignored))
         C(CHUNK_FREE), C(CHUNK_HEAD), C(CHUNK_TAIL), C(CHUNK_RELEASING), C(SLAB_MAX_SLOTS),
         C(HEAP_HAZARDS),
         C(FEATURE_COMPAT_KV), C(FEATURE_COMPAT_SUPP), C(FEATURE_INCOMPAT_SUPP),
+        C(FEATURE_INCOMPAT_KV_LRU), C(KV_LRU_LISTS),
         C(FEATURE_RO_COMPAT_SUPP),
         C(KV_EMPTY), C(KV_WRITING), C(KV_PENDING), C(KV_PUBLISHED), C(KV_EVICTING),
         C(KV_TOMBSTONE), C(KV_MAGIC), C(KV_HDR_SIZE), C(KV_NS_SIZE), C(KV_TENANT_SIZE),
