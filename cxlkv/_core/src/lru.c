@@ -543,8 +543,9 @@ Mapping_kv_lru_pick(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
                 bl = s;
             }
         }
-        uint64_t i;
+        uint64_t i, ki = bl;                        /* ki: its subtree's newest stamp */
         if (v.nh && (best < 0 || v.hk[0] < bl)) {
+            ki = v.hk[0];
             i = heap_pop(&v);                       /* a parent made a leaf by this pick */
         } else if (best < 0) {
             break;
@@ -570,8 +571,8 @@ Mapping_kv_lru_pick(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         uint64_t p1 = eload(m, i, E_PARENT) & LO32;
         if (p1 && p1 <= m->lru_nslots && ST(eload(m, p1 - 1, E_CTL)) == CXLKV_KV_PUBLISHED &&
             virt_child_gone(m, &v, p1 - 1)) {
-            uint64_t s = eload(m, p1 - 1, E_LRU), c = eload(m, i, E_LRU);
-            heap_push(&v, s > c ? s : c, p1 - 1);
+            uint64_t s = eload(m, p1 - 1, E_LRU);
+            heap_push(&v, s > ki ? s : ki, p1 - 1);
         }
     }
     if (lru_end(m) < 0)
