@@ -229,7 +229,7 @@ print("survived")
 '''
 
 
-@pytest.mark.parametrize("site", ["kv.lru:5", "kv.evict:3", "kv.lru:40"])
+@pytest.mark.parametrize("site", ["kv.lru:5", "kv.evict:3", "kv.lru:12", "kv.evict:50"])
 def test_kill9_mid_eviction_is_recovered(pool_path, site):
     make(pool_path, slots=1 << 12, size=16 * MiB)
     with cxlkv.open_pool(pool_path) as pool:

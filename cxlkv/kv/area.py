@@ -197,11 +197,13 @@ class Area:
         return np.frombuffer(self._read(self.stats_off(slot, 0), self.max_ns * STATS.itemsize),
                              dtype=STATS)
 
-    def pinned(self) -> np.ndarray:
+    def pinned(self, nodes=None) -> np.ndarray:
         """Entry indices pinned by attached (or attaching) nodes, and by fenced
-        ones: their pins are quarantined with them (views may still be open)."""
+        ones: their pins are quarantined with them (views may still be open).
+        `nodes`: the node table as read earlier (else it is read now: the
+        check after marking victims EVICTING must read it then)."""
         out = []
-        for n in N.read_nodes(self.pool):
+        for n in N.read_nodes(self.pool) if nodes is None else nodes:
             if n.state not in ("attached", "claimed", "fenced"):
                 continue
             p = np.frombuffer(self._read(self.pins_off(n.slot), self.npins * 8), dtype="<u8")
@@ -224,10 +226,11 @@ class Area:
         base = self.node_base(slot)
         self.m.zero(base, self.geo["node_stride"])
 
-    def drain_rings(self) -> None:
-        """Apply every node's recent touches to the entries' LRU stamps."""
+    def drain_rings(self, nodes=None) -> None:
+        """Apply every node's recent touches to the entries' LRU stamps (a
+        touched leaf moves to its list's tail): O(touches)."""
         now = stamp()
-        for n in N.read_nodes(self.pool):
+        for n in N.read_nodes(self.pool) if nodes is None else nodes:
             if n.state not in ("attached", "claimed"):
                 continue
             base = self.node_base(n.slot)
@@ -260,7 +263,8 @@ class Area:
         Victims come from the leaf LRU lists (the tenant's, or the oldest
         heads of all): O(victims + pinned or kept leaves passed), never a
         scan.  `ns` (a namespace drop, with everything=True) scans."""
-        self.drain_rings()
+        nodes = N.read_nodes(self.pool)
+        self.drain_rings(nodes)
         if everything or ns is not None:
             return self._evict_scan(need_bytes, need_entries, tenant=tenant, ns=ns,
                                     everything=everything, keep=keep)
@@ -278,7 +282,7 @@ class Area:
                 cap = min(cap, limit - done_blocks)
             out = np.zeros(cap, dtype=np.uint64)
             got = self.m.kv_lru_pick(who, want_n, want_b, self.smallest,
-                                     self.pinned().astype(np.uint64), kept, out)
+                                     self.pinned(nodes).astype(np.uint64), kept, out)
             if not got:
                 break
             b, n, _blocked = self._evict_batch(out[:got])
@@ -372,6 +376,19 @@ class Area:
     def _entry(self, i: int) -> np.void:
         return np.frombuffer(self._read(self.entry_off(i), L.HASH_ENTRY_SIZE), dtype=ENTRY)[0]
 
+    def _rows(self, idx: np.ndarray) -> np.ndarray:
+        """Copies of the entries `idx` (pool lock held: they do not change)."""
+        if self.m.flush_meta:                         # read through invalidated lines
+            return np.array([self._entry(int(i)) for i in idx], dtype=ENTRY)
+        v = self.m.view(self.table, self.nslots * L.HASH_ENTRY_SIZE)
+        try:
+            whole = np.frombuffer(v, dtype=ENTRY)
+            rows = whole[idx.astype(np.int64)]
+            del whole
+        finally:
+            v.release()
+        return rows
+
     def _slot_size(self, length: int) -> int:
         return max(self.smallest, -(-length // 64) * 64) if length > 0 else 0
 
@@ -385,7 +402,7 @@ class Area:
         copied out for it before the slots are freed."""
         m = self.m
         if t is None:
-            t = {int(i): self._entry(int(i)) for i in idx}
+            t = dict(zip(idx.tolist(), self._rows(idx)))
         # the evictor records itself: a recovery finishes only its own node's
         # evictions (a fenced evictor's are its own quarantine's to finish)
         evictor = self.pool.node.owner_token if self.pool.node is not None else 0
@@ -408,31 +425,15 @@ class Area:
             if sp is not None:
                 self._spill_out(sp, idx, t)
         rec = lock_entry_offset(self.pool, self.pool.node.slot) + _FREEING
+        # each victim in C, in order: the free recorded in our lock entry,
+        # marked begun on the slot, the entry removed, the slot freed, so
+        # that a crash anywhere is finished by recovery (kv_evict_free)
+        m.kv_evict_free(self.hdr, rec, np.zeros(1, dtype=np.uint64), idx)
         nsd: dict[int, list[int]] = {}
         ten: dict[int, list[int]] = {}
         total = 0
-        one = np.zeros(1, dtype=np.uint64)
-        from cxlkv._core import CRASH_ENABLED, crashpoint
         for i in idx:
             e = t[int(i)]
-            one[0] = int(e["payload"])
-            # the free is recorded, then marked begun on the slot, so that a
-            # crash anywhere from here on is finished by recovery
-            m.store64(rec, int(one[0]))
-            m.flush(rec, 8)
-            try:
-                m.slab_mark_freeing(one)
-            except ValueError as err:
-                sys.stderr.write(f"cxlkv: evicting entry {int(i)}: {err} (fsck will report it)\n")
-            m.kv_remove(self.table, self.nslots, self.hdr, int(i))
-            if CRASH_ENABLED:
-                crashpoint("kv.evict")
-            try:
-                m.slab_free(one, True, 0)
-            except ValueError as err:
-                sys.stderr.write(f"cxlkv: evicting entry {int(i)}: {err} (fsck will report it)\n")
-            m.store64(rec, 0)
-            m.flush(rec, 8)
             ss = self._slot_size(int(e["length"]))
             k = nsd.setdefault(int(e["ns"]), [0, 0])
             k[0] += 1

@@ -49,7 +49,7 @@ typedef struct {
     /* leaf LRU lists of the KV area (kv_lru_setup, lru.c): hash table, its
      * slots, the KV header and the link array; lru_bad: an inconsistency
      * seen during the current call (the lists are rebuilt at its end) */
-    int lru_set, lru_bad;
+    int lru_set, lru_bad, lru_depth;
     uint64_t lru_table, lru_nslots, lru_hdr, lru_links;
 } Mapping;
 
@@ -228,5 +228,9 @@ PyObject *Mapping_kv_lru_pick(Mapping *m, PyObject *const *args, Py_ssize_t narg
 PyObject *Mapping_kv_lru_path_victim(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_kv_lru_check(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_kv_purge(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_kv_evict_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+/* kv.c: kv_remove's work on a checked table, header and index */
+int kv_remove_at(Mapping *m, uint64_t table, uint64_t nslots, uint64_t hdr, uint64_t idx,
+                 uint64_t *parent_out);
 
 #endif

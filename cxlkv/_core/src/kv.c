@@ -587,7 +587,7 @@ PyObject *
 Mapping_kv_remove(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 {
     Table t;
-    uint64_t hdr, idx;
+    uint64_t hdr, idx, parent;
     if (nargs_check(nargs, 4, 4, "kv_remove") < 0 || table_args(m, args[0], args[1], &t) < 0 ||
         as_u64(args[2], &hdr, "hdr") < 0 || as_u64(args[3], &idx, "idx") < 0 ||
         check_writable(m, "kv_remove") < 0 ||
@@ -597,16 +597,30 @@ Mapping_kv_remove(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "kv_remove: entry out of range");
         return NULL;
     }
+    if (kv_remove_at(m, t.base, t.nslots, hdr, idx, &parent) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(parent);
+}
+
+/* kv_remove's work, for callers that checked the table (table_args), the
+ * header range and idx < nslots.  *parent_out: parent index + 1 (0 = none).
+ * 0, or -1 with an exception set. */
+int
+kv_remove_at(Mapping *m, uint64_t table, uint64_t nslots, uint64_t hdr, uint64_t idx,
+             uint64_t *parent_out)
+{
+    Table t = {table, nslots};
     uint64_t mask = t.nslots - 1, e = ent(&t, idx);
+    *parent_out = 0;
     meta_inval(m, e, CXLKV_HASH_ENTRY_SIZE);
     uint64_t c = pool_load64(m, e + E_CTL);
     if (ST(c) == CXLKV_KV_EMPTY || ST(c) == CXLKV_KV_TOMBSTONE)
-        return PyLong_FromLong(0);
+        return 0;
     uint64_t parent = pool_load64(m, e + E_PARENT) & 0xffffffffu;
     uint64_t used = pool_load64(m, e + E_LRU);
     int lr = lru_on(m, t.base, t.nslots);
     if (lr && lru_begin(m) < 0)
-        return NULL;
+        return -1;
     meta_inval(m, hdr + H_LIVE, 16);
     uint64_t live = pool_load64(m, hdr + H_LIVE), tomb = pool_load64(m, hdr + H_TOMB);
     uint64_t next = ent(&t, (idx + 1) & mask);
@@ -653,8 +667,9 @@ Mapping_kv_remove(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     if (lr && lru_end(m) < 0)
-        return NULL;
-    return PyLong_FromUnsignedLongLong(parent <= t.nslots ? parent : 0);
+        return -1;
+    *parent_out = parent <= t.nslots ? parent : 0;
+    return 0;
 }
 
 /* ------------------------------------------------------------------ pins and touches (node-owned) */

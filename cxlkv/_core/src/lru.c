@@ -153,6 +153,7 @@ unlink_entry(Mapping *m, uint64_t i, uint64_t t)
             m->lru_bad = 1;
         head = n;
     }
+    cxlkv_crashpoint("kv.lru");                 /* tests: a holder dies mid-edit */
     if (n) {
         uint64_t nw = link_get(m, n - 1);
         if ((nw & LO32) != i + 1)
@@ -319,27 +320,28 @@ rebuild(Mapping *m)
 int
 lru_begin(Mapping *m)
 {
-    if (!m->lru_set)
+    if (!m->lru_set || m->lru_depth++ > 0)         /* nested: the outer call's edit */
         return 0;
     m->lru_bad = 0;
     minval(m, m->lru_hdr + H_DIRTY, 8);
     uint64_t d = pool_load64(m, m->lru_hdr + H_DIRTY);
     pool_store64(m, m->lru_hdr + H_DIRTY, 1);
     mflush(m, m->lru_hdr + H_DIRTY, 8);
-    if (d)                                  /* a holder died mid-edit */
-        return rebuild(m);
+    if (d && rebuild(m) < 0) {              /* a holder died mid-edit */
+        m->lru_depth--;
+        return -1;
+    }
     return 0;
 }
 
 int
 lru_end(Mapping *m)
 {
-    if (!m->lru_set)
+    if (!m->lru_set || (m->lru_depth > 0 && --m->lru_depth > 0))
         return 0;
     int rc = 0;
     if (m->lru_bad)
         rc = rebuild(m);
-    cxlkv_crashpoint("kv.lru");
     if (rc == 0) {
         pool_store64(m, m->lru_hdr + H_DIRTY, 0);
         mflush(m, m->lru_hdr + H_DIRTY, 8);
@@ -757,4 +759,90 @@ Mapping_kv_lru_check(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     free(seen);
     return Py_BuildValue("(KsKK)", (unsigned long long)problems, first, (unsigned long long)on,
                          (unsigned long long)leaves);
+}
+
+/* kv_evict_free(hdr, rec_off, one, idx) -> (freed, errors)
+ * Free the victims `idx` (entries marked EVICTING by this evictor, pool lock
+ * held), in order, each crash-safe as recovery expects: the payload offset
+ * recorded in this node's lock entry (`rec_off`, its `freeing` word), the
+ * slot marked as being freed, the entry removed, the slot freed (zeroed),
+ * the record cleared.  `one` is a scratch uint64 array of one item.  A slot
+ * the allocator refuses (a corrupt or double free) is reported on stderr and
+ * counted in errors; its entry still goes (fsck reports the slot). */
+PyObject *
+Mapping_kv_evict_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t hdr, rec;
+    if (nargs_check(nargs, 4, 4, "kv_evict_free") < 0 || need_lru(m, "kv_evict_free") < 0 ||
+        as_u64(args[0], &hdr, "hdr") < 0 || as_u64(args[1], &rec, "rec_off") < 0 ||
+        check_writable(m, "kv_evict_free") < 0 ||
+        check_range(m, hdr, CXLKV_KV_HDR_SIZE, "kv header") < 0 ||
+        check_word(m, rec, "freeing record") < 0)
+        return NULL;
+    Py_buffer bo, bi;
+    if (get_offsets(args[2], &bo, 1) < 0)
+        return NULL;
+    if (get_offsets(args[3], &bi, 0) < 0) {
+        PyBuffer_Release(&bo);
+        return NULL;
+    }
+    PyObject *ret = NULL, *zero = PyLong_FromLong(0);
+    uint64_t n = (uint64_t)bi.len / 8, freed = 0, errors = 0, parent;
+    const uint64_t *ix = bi.buf;
+    uint64_t *one = bo.buf;
+    if (!zero)
+        goto done;
+    if (bo.len < 8) {
+        PyErr_SetString(PyExc_ValueError, "kv_evict_free: scratch array too small");
+        goto done;
+    }
+    if (lru_begin(m) < 0)
+        goto done;
+    for (uint64_t k = 0; k < n; k++) {
+        uint64_t i = ix[k];
+        if (i >= m->lru_nslots) {
+            PyErr_Format(PyExc_ValueError, "kv_evict_free: entry %llu out of range",
+                         (unsigned long long)i);
+            lru_end(m);
+            goto done;
+        }
+        uint64_t p = eload(m, i, offsetof(struct cxlkv_hash_entry, payload));
+        pool_store64(m, rec, p);
+        pool_flush(m, rec, 8);
+        one[0] = p;
+        PyObject *a1[1] = {args[2]}, *r = Mapping_slab_mark_freeing(m, a1, 1);
+        if (!r) {
+            PySys_WriteStderr("cxlkv: evicting entry %llu: mark freeing failed (fsck will report "
+                              "it)\n", (unsigned long long)i);
+            PyErr_Clear();
+            errors++;
+        }
+        Py_XDECREF(r);
+        if (kv_remove_at(m, m->lru_table, m->lru_nslots, hdr, i, &parent) < 0) {
+            lru_end(m);
+            goto done;
+        }
+        cxlkv_crashpoint("kv.evict");
+        PyObject *a3[3] = {args[2], Py_True, zero};
+        r = Mapping_slab_free(m, a3, 3);
+        if (!r) {
+            PySys_WriteStderr("cxlkv: evicting entry %llu: free failed (fsck will report "
+                              "it)\n", (unsigned long long)i);
+            PyErr_Clear();
+            errors++;
+        } else {
+            freed++;
+        }
+        Py_XDECREF(r);
+        pool_store64(m, rec, 0);
+        pool_flush(m, rec, 8);
+    }
+    if (lru_end(m) < 0)
+        goto done;
+    ret = Py_BuildValue("(KK)", (unsigned long long)freed, (unsigned long long)errors);
+done:
+    Py_XDECREF(zero);
+    PyBuffer_Release(&bo);
+    PyBuffer_Release(&bi);
+    return ret;
 }
