@@ -46,7 +46,11 @@ ENTRY = np.dtype([("ctl", "<u8"), ("key_lo", "<u8"), ("key_hi", "<u8"), ("payloa
                   ("children", "<u4"), ("owner", "<u8"), ("lru", "<u8")])
 assert ENTRY.itemsize == L.HASH_ENTRY_SIZE
 STATS = np.dtype([(n, "<u8") for n in L.KV_STAT_NAMES])
+TENANT = np.dtype([("salt", "V16"), ("state", "<u4"), ("reserved0", "<u4"), ("quota", "<u8"),
+                   ("used", "<u8"), ("blocks", "<u8"), ("rejected", "<u8"), ("reserved1", "<u8")])
+assert TENANT.itemsize == L.KV_TENANT_SIZE
 _FREEING = L.field_offset(L.LockEntryStruct, "freeing")
+_MGR_CONTROL = L.field_offset(L.NodeStruct, "mgr_control")
 _LRU = L.field_offset(L.HashEntryStruct, "lru")
 _HDR = {f: L.field_offset(L.KVHdrStruct, f) for f, *_ in L.KVHdrStruct._fields_}
 
@@ -197,16 +201,25 @@ class Area:
         return np.frombuffer(self._read(self.stats_off(slot, 0), self.max_ns * STATS.itemsize),
                              dtype=STATS)
 
-    def pinned(self, nodes=None) -> np.ndarray:
-        """Entry indices pinned by attached (or attaching) nodes, and by fenced
-        ones: their pins are quarantined with them (views may still be open).
-        `nodes`: the node table as read earlier (else it is read now: the
-        check after marking victims EVICTING must read it then)."""
+    def _slots(self, *states: int) -> list[int]:
+        """Node slots whose state is one of `states` (just the control words:
+        the lock manager's in sync mode manager, as state.nodes reads them)."""
+        base = self.pool.sb.regions["nodes"][0] + (_MGR_CONTROL if self.managed else 0)
         out = []
-        for n in N.read_nodes(self.pool) if nodes is None else nodes:
-            if n.state not in ("attached", "claimed", "fenced"):
-                continue
-            p = np.frombuffer(self._read(self.pins_off(n.slot), self.npins * 8), dtype="<u8")
+        for slot in range(self.pool.sb.max_nodes):
+            off = base + slot * L.NODE_SIZE
+            if self.m.flush_meta:
+                self.m.invalidate(off, 8)
+            if self.m.load64(off) & L.NODE_STATE_MASK in states:
+                out.append(slot)
+        return out
+
+    def pinned(self) -> np.ndarray:
+        """Entry indices pinned by attached (or attaching) nodes, and by fenced
+        ones: their pins are quarantined with them (views may still be open)."""
+        out = []
+        for slot in self._slots(L.NODE_ATTACHED, L.NODE_CLAIMED, L.NODE_FENCED):
+            p = np.frombuffer(self._read(self.pins_off(slot), self.npins * 8), dtype="<u8")
             out.append(p[p != 0] - 1)
         return np.unique(np.concatenate(out)) if out else np.zeros(0, dtype="<u8")
 
@@ -226,14 +239,12 @@ class Area:
         base = self.node_base(slot)
         self.m.zero(base, self.geo["node_stride"])
 
-    def drain_rings(self, nodes=None) -> None:
+    def drain_rings(self) -> None:
         """Apply every node's recent touches to the entries' LRU stamps (a
         touched leaf moves to its list's tail): O(touches)."""
         now = stamp()
-        for n in N.read_nodes(self.pool) if nodes is None else nodes:
-            if n.state not in ("attached", "claimed"):
-                continue
-            base = self.node_base(n.slot)
+        for slot in self._slots(L.NODE_ATTACHED, L.NODE_CLAIMED):
+            base = self.node_base(slot)
             raw = self._read(base, 128)
             head = int.from_bytes(raw[0:8], "little")
             drained = int.from_bytes(raw[64:72], "little")
@@ -241,7 +252,7 @@ class Area:
                 continue
             k = min(head - drained, self.nring) if head > drained else 0
             if k:
-                ring = np.frombuffer(self._read(self.ring_off(n.slot), self.nring * 8),
+                ring = np.frombuffer(self._read(self.ring_off(slot), self.nring * 8),
                                      dtype="<u8")
                 idx = np.unique(ring[np.arange(head - k, head) % self.nring])
                 idx = idx[(idx > 0) & (idx <= self.nslots)] - 1
@@ -263,8 +274,7 @@ class Area:
         Victims come from the leaf LRU lists (the tenant's, or the oldest
         heads of all): O(victims + pinned or kept leaves passed), never a
         scan.  `ns` (a namespace drop, with everything=True) scans."""
-        nodes = N.read_nodes(self.pool)
-        self.drain_rings(nodes)
+        self.drain_rings()
         if everything or ns is not None:
             return self._evict_scan(need_bytes, need_entries, tenant=tenant, ns=ns,
                                     everything=everything, keep=keep)
@@ -282,7 +292,7 @@ class Area:
                 cap = min(cap, limit - done_blocks)
             out = np.zeros(cap, dtype=np.uint64)
             got = self.m.kv_lru_pick(who, want_n, want_b, self.smallest,
-                                     self.pinned(nodes).astype(np.uint64), kept, out)
+                                     self.pinned().astype(np.uint64), kept, out)
             if not got:
                 break
             b, n, _blocked = self._evict_batch(out[:got])
@@ -401,8 +411,9 @@ class Area:
         on this pool object (cxlkv.kv.spill) and spill true, the payloads are
         copied out for it before the slots are freed."""
         m = self.m
+        rows = self._rows(idx) if t is None else t[idx.astype(np.int64)]
         if t is None:
-            t = dict(zip(idx.tolist(), self._rows(idx)))
+            t = dict(zip(idx.tolist(), rows))
         # the evictor records itself: a recovery finishes only its own node's
         # evictions (a fenced evictor's are its own quarantine's to finish)
         evictor = self.pool.node.owner_token if self.pool.node is not None else 0
@@ -417,9 +428,9 @@ class Area:
                     stay.add(p - 1)
                     p = int((t[p - 1] if isinstance(t, np.ndarray) else self._entry(p - 1))
                             ["parent"])
-            back = np.array([i for i in idx if int(i) in stay], dtype=np.uint64)
-            m.kv_set_state(self.table, self.nslots, back, L.KV_EVICTING, L.KV_PUBLISHED, 0, 0)
-            idx = np.array([i for i in idx if int(i) not in stay], dtype=np.uint64)
+            go = np.array([int(i) not in stay for i in idx], dtype=bool)
+            m.kv_set_state(self.table, self.nslots, idx[~go], L.KV_EVICTING, L.KV_PUBLISHED, 0, 0)
+            idx, rows = idx[go], rows[go]
         if spill and len(idx):
             sp = self.pool.__dict__.get("_kv_spill")
             if sp is not None:
@@ -429,19 +440,13 @@ class Area:
         # marked begun on the slot, the entry removed, the slot freed, so
         # that a crash anywhere is finished by recovery (kv_evict_free)
         m.kv_evict_free(self.hdr, rec, np.zeros(1, dtype=np.uint64), idx)
-        nsd: dict[int, list[int]] = {}
-        ten: dict[int, list[int]] = {}
-        total = 0
-        for i in idx:
-            e = t[int(i)]
-            ss = self._slot_size(int(e["length"]))
-            k = nsd.setdefault(int(e["ns"]), [0, 0])
-            k[0] += 1
-            k[1] += int(e["length"])
-            k = ten.setdefault(int(e["tenant"]), [0, 0])
-            k[0] += 1
-            k[1] += ss
-            total += ss
+        lengths = rows["length"].astype(np.int64)
+        sizes = self.slot_sizes(lengths)
+        nsd = {int(k): [int((rows["ns"] == k).sum()), int(lengths[rows["ns"] == k].sum())]
+               for k in np.unique(rows["ns"])}
+        ten = {int(k): [int((rows["tenant"] == k).sum()), int(sizes[rows["tenant"] == k].sum())]
+               for k in np.unique(rows["tenant"])}
+        total = int(sizes.sum())
         for i, (blocks, nbytes) in nsd.items():
             if i < self.max_ns:
                 r = self.ns_record(i)
@@ -531,7 +536,9 @@ class Area:
         return np.where(lengths > 0, np.maximum(smallest, -(-lengths // 64) * 64), 0)
 
     def used_bytes(self) -> int:
-        return sum(r.used for r in self.tenant_records() if r.state == L.KV_REC_ACTIVE)
+        raw = np.frombuffer(self._read(self.tenant_off(0), self.max_tenants * L.KV_TENANT_SIZE),
+                            dtype=TENANT)
+        return int(raw["used"][raw["state"] == L.KV_REC_ACTIVE].sum())
 
     def data_size(self) -> int:
         return self.pool.sb.regions["data"][1]
