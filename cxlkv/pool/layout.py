@@ -29,7 +29,6 @@ COMPAT_KV = 1               # the pool has a KV region
 COMPAT_SUPPORTED = COMPAT_KV
 INCOMPAT_KV_LRU = 1 << 0     # the KV region holds the leaf LRU lists (cxlkv_format.h)
 INCOMPAT_SUPPORTED = INCOMPAT_KV_LRU
-INCOMPAT_NAMES = {INCOMPAT_KV_LRU: "KV_LRU"}
 RO_COMPAT_SUPPORTED = 0
 
 # Regions; index = slot in superblock.regions.  POOL_ORDER is the order they

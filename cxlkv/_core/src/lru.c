@@ -767,8 +767,10 @@ Mapping_kv_lru_check(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
  * recorded in this node's lock entry (`rec_off`, its `freeing` word), the
  * slot marked as being freed, the entry removed, the slot freed (zeroed),
  * the record cleared.  `one` is a scratch uint64 array of one item.  A slot
- * the allocator refuses (a corrupt or double free) is reported on stderr and
- * counted in errors; its entry still goes (fsck reports the slot). */
+ * the allocator refuses (a corrupt or double free: ValueError) is reported
+ * on stderr and counted in errors; its entry still goes (fsck reports the
+ * slot).  Any other exception (a stalled node's guard raising NodeFenced
+ * before a victim's writes) stops the loop and propagates. */
 PyObject *
 Mapping_kv_evict_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -806,11 +808,21 @@ Mapping_kv_evict_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
             lru_end(m);
             goto done;
         }
+        /* a stalled node proves itself fresh (or raises NodeFenced) before
+         * each victim, as the per-victim writes from Python did */
+        if (check_writable(m, "kv_evict_free") < 0) {
+            lru_end(m);
+            goto done;
+        }
         uint64_t p = eload(m, i, offsetof(struct cxlkv_hash_entry, payload));
         pool_store64(m, rec, p);
         pool_flush(m, rec, 8);
         one[0] = p;
         PyObject *a1[1] = {args[2]}, *r = Mapping_slab_mark_freeing(m, a1, 1);
+        if (!r && !PyErr_ExceptionMatches(PyExc_ValueError)) {
+            lru_end(m);                         /* fenced: the record lets recovery finish */
+            goto done;
+        }
         if (!r) {
             PySys_WriteStderr("cxlkv: evicting entry %llu: mark freeing failed (fsck will report "
                               "it)\n", (unsigned long long)i);
@@ -825,6 +837,10 @@ Mapping_kv_evict_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         cxlkv_crashpoint("kv.evict");
         PyObject *a3[3] = {args[2], Py_True, zero};
         r = Mapping_slab_free(m, a3, 3);
+        if (!r && !PyErr_ExceptionMatches(PyExc_ValueError)) {
+            lru_end(m);
+            goto done;
+        }
         if (!r) {
             PySys_WriteStderr("cxlkv: evicting entry %llu: free failed (fsck will report "
                               "it)\n", (unsigned long long)i);
