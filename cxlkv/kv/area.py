@@ -436,9 +436,20 @@ class Area:
             if sp is not None:
                 self._spill_out(sp, idx, t)
         rec = lock_entry_offset(self.pool, self.pool.node.slot) + _FREEING
-        # each victim in C, in order: the free recorded in our lock entry,
-        # marked begun on the slot, the entry removed, the slot freed, so
-        # that a crash anywhere is finished by recovery (kv_evict_free)
+        # the frees are marked begun on the slots: from here a crash is
+        # finished by recovery (an EVICTING entry with a marked slot goes)
+        pays = np.ascontiguousarray(rows["payload"], dtype=np.uint64)
+        try:
+            m.slab_mark_freeing(pays)
+        except ValueError:
+            for k in range(len(idx)):                 # find and report the bad ones
+                try:
+                    m.slab_mark_freeing(pays[k:k + 1])
+                except ValueError as err:
+                    sys.stderr.write(f"cxlkv: evicting entry {int(idx[k])}: {err} "
+                                     "(fsck will report it)\n")
+        # then each victim in C, in order: the free recorded in our lock
+        # entry, the entry removed, the slot freed, the record cleared
         m.kv_evict_free(self.hdr, rec, np.zeros(1, dtype=np.uint64), idx)
         lengths = rows["length"].astype(np.int64)
         sizes = self.slot_sizes(lengths)

@@ -762,11 +762,11 @@ Mapping_kv_lru_check(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 }
 
 /* kv_evict_free(hdr, rec_off, one, idx) -> (freed, errors)
- * Free the victims `idx` (entries marked EVICTING by this evictor, pool lock
- * held), in order, each crash-safe as recovery expects: the payload offset
- * recorded in this node's lock entry (`rec_off`, its `freeing` word), the
- * slot marked as being freed, the entry removed, the slot freed (zeroed),
- * the record cleared.  `one` is a scratch uint64 array of one item.  A slot
+ * Free the victims `idx` (entries marked EVICTING by this evictor whose
+ * payload slots the caller marked as being freed - slab_mark_freeing - pool
+ * lock held), in order, each crash-safe as recovery expects: the payload
+ * offset recorded in this node's lock entry (`rec_off`, its `freeing`
+ * word), the entry removed, the slot freed (zeroed), the record cleared.  `one` is a scratch uint64 array of one item.  A slot
  * the allocator refuses (a corrupt or double free: ValueError) is reported
  * on stderr and counted in errors; its entry still goes (fsck reports the
  * slot).  Any other exception (a stalled node's guard raising NodeFenced
@@ -818,25 +818,12 @@ Mapping_kv_evict_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         pool_store64(m, rec, p);
         pool_flush(m, rec, 8);
         one[0] = p;
-        PyObject *a1[1] = {args[2]}, *r = Mapping_slab_mark_freeing(m, a1, 1);
-        if (!r && !PyErr_ExceptionMatches(PyExc_ValueError)) {
-            lru_end(m);                         /* fenced: the record lets recovery finish */
-            goto done;
-        }
-        if (!r) {
-            PySys_WriteStderr("cxlkv: evicting entry %llu: mark freeing failed (fsck will report "
-                              "it)\n", (unsigned long long)i);
-            PyErr_Clear();
-            errors++;
-        }
-        Py_XDECREF(r);
         if (kv_remove_at(m, m->lru_table, m->lru_nslots, hdr, i, &parent) < 0) {
             lru_end(m);
             goto done;
         }
         cxlkv_crashpoint("kv.evict");
-        PyObject *a3[3] = {args[2], Py_True, zero};
-        r = Mapping_slab_free(m, a3, 3);
+        PyObject *a3[3] = {args[2], Py_True, zero}, *r = Mapping_slab_free(m, a3, 3);
         if (!r && !PyErr_ExceptionMatches(PyExc_ValueError)) {
             lru_end(m);
             goto done;
