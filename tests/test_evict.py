@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import gzip
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 import cxlkv
@@ -20,9 +22,11 @@ from cxlkv.kv.area import Area
 from cxlkv.pool import layout as L
 from cxlkv.pool.admin import init_pool
 from cxlkv.pool.pool import Pool
+from cxlkv.state import nodes as N
 from cxlkv.state.fsck import check
 from cxlkv.state.repair import repair
 
+from conftest import wait_for
 from nodeproc import lock_manager
 
 MiB = 1 << 20
@@ -336,3 +340,60 @@ def test_bounded_purge_frees_uncrossed_tombstones_like_the_scan(pool_path):
         with pool.lock():
             assert a.purge_tombstones(force=True, budget=a.nslots) == 0   # nothing left to free
     fsck_clean(pool_path)
+
+
+PAUSER = r'''
+import sys, cxlkv
+from cxlkv.kv.area import Area
+pool = cxlkv.open_pool(sys.argv[1])
+kv = pool.kv(model="m", block_tokens=4, block_bytes=256)
+try:
+    with pool.lock():
+        Area(pool).evict(need_entries=int(sys.argv[2]))
+    print("evicted")
+except Exception as e:
+    print(type(e).__name__)
+'''
+
+
+@pytest.mark.parametrize("sync", ["cas", "manager"])
+def test_an_evictor_paused_mid_eviction_writes_no_list_after_it_was_fenced(pool_path, sync,
+                                                                          remote_env):
+    """The lock holder stops inside an eviction (before a list edit); another
+    node is granted the lock once it is fenced, evicts (rebuilding the lists
+    it left mid-edit); the paused one resumes, is stopped by its guard before
+    its next list write, and the lists stay exact."""
+    init_pool(pool_path, {"size": 16 * MiB, "chunk_size": 64 * 1024, "max_nodes": 8,
+                          "lease_ms": 300, "hash_slots": 1 << 12, "sync": sync})
+    mgr = lock_manager(pool_path) if sync == "manager" else None
+    try:
+        with cxlkv.open_pool(pool_path) as pool:
+            kv = pool.kv(model="m", block_tokens=4, block_bytes=BB)
+            store_forest(kv, 20, 3, np.random.default_rng(8))
+            p = subprocess.Popen([sys.executable, "-c", PAUSER, pool_path, "60"],
+                                 stdout=subprocess.PIPE, text=True,
+                                 env={**os.environ,
+                                      **remote_env(CXLKV_PAUSE_AT="kv.lru.sync:20")})
+            wait_for(lambda: psutil.Process(p.pid).status() == psutil.STATUS_STOPPED,
+                     what="the evictor to stop mid-eviction")
+            a = Area(pool)
+            with pool.lock(timeout=30):               # granted once the evictor is fenced
+                assert a.header().lru_dirty          # it stopped mid-edit
+                a.evict(need_entries=10)
+                lists_clean(pool)
+            os.kill(p.pid, signal.SIGCONT)
+            out, _ = p.communicate(timeout=60)
+            assert out.strip() in ("NodeFenced", "LockLost"), out
+            with pool.lock(timeout=30):
+                lists_clean(pool)
+                a.evict(need_entries=10)
+                lists_clean(pool)
+            wait_for(lambda: not [n for n in N.read_nodes(pool) if n.state == "fenced"],
+                     timeout=30, what="the evictor's quarantine to end")
+            with pool.lock(timeout=30):
+                lists_clean(pool)
+        fsck_clean(pool_path)
+    finally:
+        if mgr is not None:
+            mgr.terminate()
+            mgr.wait(30)

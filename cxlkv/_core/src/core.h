@@ -48,8 +48,9 @@ typedef struct {
     int in_guard;
     /* leaf LRU lists of the KV area (kv_lru_setup, lru.c): hash table, its
      * slots, the KV header and the link array; lru_bad: an inconsistency
-     * seen during the current call (the lists are rebuilt at its end) */
-    int lru_set, lru_bad, lru_depth;
+     * seen during the current call (the lists are rebuilt at its end);
+     * lru_fenced: the node's guard raised mid-call (nothing more is written) */
+    int lru_set, lru_bad, lru_depth, lru_fenced;
     uint64_t lru_table, lru_nslots, lru_hdr, lru_links;
 } Mapping;
 
@@ -221,7 +222,7 @@ PyObject *mod_kv_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 int lru_on(const Mapping *m, uint64_t table, uint64_t nslots);
 int lru_begin(Mapping *m);
 int lru_end(Mapping *m);
-void lru_sync(Mapping *m, uint64_t idx, int where);
+int lru_sync(Mapping *m, uint64_t idx, int where);    /* -1: fenced (exception set) */
 PyObject *Mapping_kv_lru_setup(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_kv_lru_rebuild(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_kv_lru_pick(Mapping *m, PyObject *const *args, Py_ssize_t nargs);

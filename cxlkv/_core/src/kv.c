@@ -443,8 +443,8 @@ Mapping_kv_insert(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         meta_flush(m, e, CXLKV_HASH_ENTRY_SIZE);
         if (parent) {
             set_children(m, &t, parent - 1, 1);
-            if (lr)
-                lru_sync(m, parent - 1, LRU_SORTED);      /* no longer a leaf */
+            if (lr && lru_sync(m, parent - 1, LRU_SORTED) < 0)   /* no longer a leaf */
+                goto done;                                /* fenced meanwhile */
         }
         live++;
         if (was_tomb)
@@ -527,8 +527,11 @@ Mapping_kv_set_state(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         __atomic_thread_fence(__ATOMIC_RELEASE);
         pool_store64(m, e + E_CTL, CTL(to, VER(c) + 1));
         meta_flush(m, e, CXLKV_HASH_ENTRY_SIZE);
-        if (lr)
-            lru_sync(m, ix[i], stamp ? LRU_TAIL : LRU_SORTED);
+        if (lr && lru_sync(m, ix[i], stamp ? LRU_TAIL : LRU_SORTED) < 0) {
+            lru_end(m);                                   /* fenced meanwhile */
+            PyBuffer_Release(&b);
+            return NULL;
+        }
         changed++;
     }
     __atomic_thread_fence(__ATOMIC_SEQ_CST);   /* evict: the state change before the pin scan */
@@ -569,8 +572,11 @@ Mapping_kv_stamp(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
             continue;
         pool_store64(m, e + E_LRU, stamp);
         meta_flush(m, e, CXLKV_HASH_ENTRY_SIZE);
-        if (lr)
-            lru_sync(m, ix[i], LRU_RESTAMP);            /* a leaf moves to its new place */
+        if (lr && lru_sync(m, ix[i], LRU_RESTAMP) < 0) {   /* a leaf moves to its place */
+            lru_end(m);
+            PyBuffer_Release(&b);
+            return NULL;
+        }
         done++;
     }
     PyBuffer_Release(&b);
@@ -650,8 +656,10 @@ kv_remove_at(Mapping *m, uint64_t table, uint64_t nslots, uint64_t hdr, uint64_t
     pool_store64(m, hdr + H_LIVE, live);
     pool_store64(m, hdr + H_TOMB, tomb);
     meta_flush(m, hdr + H_LIVE, 16);
-    if (lr)
-        lru_sync(m, idx, LRU_SORTED);                   /* off its list */
+    if (lr && lru_sync(m, idx, LRU_SORTED) < 0) {       /* off its list */
+        lru_end(m);
+        return -1;
+    }
     if (parent && parent <= t.nslots) {
         set_children(m, &t, parent - 1, -1);
         if (lr) {
@@ -663,7 +671,10 @@ kv_remove_at(Mapping *m, uint64_t table, uint64_t nslots, uint64_t hdr, uint64_t
                 pool_store64(m, pe + E_LRU, used);
                 meta_flush(m, pe, CXLKV_HASH_ENTRY_SIZE);
             }
-            lru_sync(m, parent - 1, LRU_SORTED);
+            if (lru_sync(m, parent - 1, LRU_SORTED) < 0) {
+                lru_end(m);
+                return -1;
+            }
         }
     }
     if (lr && lru_end(m) < 0)

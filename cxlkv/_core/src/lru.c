@@ -238,20 +238,29 @@ insert_sorted(Mapping *m, uint64_t i, uint64_t t, int at_tail)
     }
 }
 
-void
+int
 lru_sync(Mapping *m, uint64_t i, int where)
 {
     if (!m->lru_set || i >= m->lru_nslots)
-        return;
+        return 0;
+    cxlkv_crashpoint("kv.lru.sync");
+    /* a node stalled past its write deadline proves itself fresh before each
+     * edit (its guard beats, or raises NodeFenced: it writes nothing more,
+     * the dirty word stays set and the next holder rebuilds) */
+    if (m->lru_fenced || (write_deadline_passed(m) && check_writable(m, "kv lru") < 0)) {
+        m->lru_fenced = 1;
+        return -1;
+    }
     uint64_t t = tenant_of(m, i), l = list_get(m, t);
     int linked = link_get(m, i) != 0 || (l & LO32) == i + 1;
     int want = is_leaf(m, i);
     if (linked && (!want || where == LRU_RESTAMP))
         unlink_entry(m, i, t);
     else if (linked)
-        return;
+        return 0;
     if (want)
         insert_sorted(m, i, t, where == LRU_TAIL);
+    return 0;
 }
 
 /* ---------------------------------------------------------------- rebuild */
@@ -339,6 +348,10 @@ lru_end(Mapping *m)
 {
     if (!m->lru_set || (m->lru_depth > 0 && --m->lru_depth > 0))
         return 0;
+    if (m->lru_fenced) {                    /* stopped by its guard: no more writes */
+        m->lru_fenced = 0;
+        return 0;
+    }
     int rc = 0;
     if (m->lru_bad)
         rc = rebuild(m);
