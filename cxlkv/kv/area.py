@@ -281,9 +281,9 @@ class Area:
         kept = (np.unique(np.asarray(keep, dtype=np.uint64)) if keep is not None and len(keep)
                 else np.zeros(0, dtype=np.uint64))
         who = 0xFFFF if tenant is None else int(tenant)
-        done_blocks = done_bytes = 0
+        done_blocks = done_bytes = idle = 0
         while ((done_bytes < need_bytes or done_blocks < need_entries)
-               and (limit is None or done_blocks < limit)):
+               and (limit is None or done_blocks < limit) and idle < 8):
             guard(self.pool)                # the lock may have been taken from a stalled node
             want_n = max(0, need_entries - done_blocks)
             want_b = max(0, need_bytes - done_bytes)
@@ -295,11 +295,12 @@ class Area:
                                      self.pinned().astype(np.uint64), kept, out)
             if not got:
                 break
-            b, n, _blocked = self._evict_batch(out[:got])
+            b, n, blocked = self._evict_batch(out[:got])
             done_blocks += b
             done_bytes += n
-            if not b and not _blocked:
+            if not b and not blocked:
                 break
+            idle = 0 if b else idle + 1             # every victim pinned meanwhile: retry
         self.purge_tombstones()
         return done_blocks, done_bytes
 

@@ -535,17 +535,14 @@ Mapping_kv_lru_pick(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     if (lru_begin(m) < 0)
         goto done;
     uint64_t cur[CXLKV_KV_LRU_LISTS];
-    int lists[CXLKV_KV_LRU_LISTS], nl = 0;
+    int nl = 0;
     for (uint64_t t = 0; t < CXLKV_KV_LRU_LISTS; t++) {
         if (tenant < CXLKV_KV_LRU_LISTS && t != tenant)
             continue;
         uint64_t h = list_get(m, t) & LO32;
-        if (h && ok1(m, h)) {
-            cur[nl] = h;
-            lists[nl++] = (int)t;
-        }
+        if (h && ok1(m, h))
+            cur[nl++] = h;
     }
-    (void)lists;
     while (n < cap && !(n >= want_n && bytes >= want_b) && !m->lru_bad) {
         int best = -1;
         uint64_t bl = 0;
