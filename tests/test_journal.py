@@ -300,7 +300,7 @@ def test_a_pool_formatted_without_the_journal_is_refused_by_name(tmp_path):
     os.chmod(path, 0o660)
     with Pool.open(str(path)) as p:
         assert not p.sb.incompat & L.INCOMPAT_JOURNAL
-        with pytest.raises(PoolIncompatible, match="without the change journal"):
+        with pytest.raises(PoolIncompatible, match="without the feature JOURNAL"):
             J.JournalReader(p)
         assert J.report(p) is None
     mgr = lock_manager(str(path))                           # the golden pool is in manager mode
@@ -313,7 +313,7 @@ with cxlkv.open_pool({str(path)!r}) as pool:
     finally:
         mgr.terminate()
         mgr.wait(10)
-    assert r.returncode != 0 and "without the change journal" in r.stderr, r.stderr
+    assert r.returncode != 0 and "JOURNAL (the change journal)" in r.stderr, r.stderr
 
 
 # -- fsck ---------------------------------------------------------------------------------

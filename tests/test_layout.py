@@ -60,7 +60,10 @@ PINNED = {
         "pins_per_node": (16, 4), "ring_per_node": (20, 4), "ns_off": (24, 8),
         "tenant_off": (32, 8), "node_off": (40, 8), "node_stride": (48, 8),
         "line0_pad": (56, 8), "live": (64, 8), "tombstones": (72, 8), "evictions": (80, 8),
-        "evicted_bytes": (88, 8), "line1_pad": (96, 32), "reserved": (128, 3968),
+        "evicted_bytes": (88, 8), "line1_pad": (96, 32), "lru_off": (128, 8),
+        "lru_dirty": (136, 8), "lru_leaves": (144, 8), "lru_rebuilds": (152, 8),
+        "purge_cursor": (160, 8), "line2_pad": (168, 24), "lru_lists": (192, 2048),
+        "reserved": (2240, 1856),
     }),
     "kv_stats": (64, {
         "lookups": (0, 8), "hit_blocks": (8, 8), "miss_blocks": (16, 8),
@@ -135,6 +138,7 @@ def test_constants_agree():
         "HEAP_HAZARDS": L.HEAP_HAZARDS,
         "FEATURE_COMPAT_KV": L.COMPAT_KV, "FEATURE_COMPAT_SUPP": L.COMPAT_SUPPORTED,
         "FEATURE_INCOMPAT_SUPP": L.INCOMPAT_SUPPORTED,
+        "FEATURE_INCOMPAT_KV_LRU": L.INCOMPAT_KV_LRU, "KV_LRU_LISTS": L.KV_LRU_LISTS,
         "FEATURE_RO_COMPAT_SUPP": L.RO_COMPAT_SUPPORTED,
         "KV_EMPTY": L.KV_EMPTY, "KV_WRITING": L.KV_WRITING, "KV_PENDING": L.KV_PENDING,
         "KV_PUBLISHED": L.KV_PUBLISHED, "KV_EVICTING": L.KV_EVICTING,
@@ -175,5 +179,7 @@ def test_journal_geometry():
     assert g["hdr_off"] >= L.kv_geometry(8, 256)["size"] and g["ring_off"] == g["hdr_off"] + L.PAGE
     assert g["ring_stride"] == L.PAGE * 5 and g["end"] == g["ring_off"] + 8 * g["ring_stride"]
     assert L.journal_geometry(4, 1 << 20)["records_per_node"] == 16384
-    assert L.kv_region_size(8, 256, 0) == L.kv_geometry(8, 256)["size"]
+    # a pool of neither feature needs only the old areas; one with the LRU lists their links
+    assert L.kv_region_size(8, 256, 0) == L.kv_geometry(8, 256)["lru_off"]
+    assert L.kv_region_size(8, 256, L.INCOMPAT_KV_LRU) == L.kv_geometry(8, 256)["size"]
     assert L.kv_region_size(8, 256, L.INCOMPAT_JOURNAL) == g["end"]

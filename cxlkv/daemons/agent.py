@@ -10,10 +10,11 @@ It attaches to the pool as a node and then, until SIGTERM:
   register).  In sync mode manager the lock manager reaps instead;
   --with-lock-manager hosts one (standby unless none is active), so every
   host can carry it;
-* every tick (--interval): keeps free space in the data area at or above
-  the KV low watermark (5 %): below it, evicts unpinned KV blocks, least
-  recently used and leaf first, until 10 % is free - so stores do not
-  have to evict inline, and allocations outside the KV cache do not fail;
+* every tick (--interval): keeps free space in the data area above the
+  KV low watermark (5 %): below 7.5 % it evicts unpinned KV blocks, least
+  recently used and leaf first, until 10 % is free, 256 blocks per
+  pool-lock hold - so stores rarely have to evict inline, and allocations
+  outside the KV cache do not fail;
   times one pool-lock acquisition (the lock wait histogram); takes a
   snapshot of the pool for the metrics and /healthz (cxlkv.daemons.health),
   reading the usage figures once; the tick's lock waits give up as soon as
@@ -744,16 +745,24 @@ class Agent:
         self._attach()
 
     def _keep_watermark(self, u: dict) -> bool:
-        """Evict when free space is below the low watermark; True if it did."""
-        from cxlkv.kv.area import HIGH_WATERMARK, LOW_WATERMARK
+        """Evict when free space is below the agent's watermark, up to the
+        high one, AGENT_BATCH blocks per pool-lock hold (other nodes wait at
+        most one batch); True if it did."""
+        from cxlkv.kv.area import AGENT_BATCH, AGENT_WATERMARK, HIGH_WATERMARK
 
         size = u["data_bytes"]
         free = u["bytes"]["free"]
-        if self.area is None or free >= LOW_WATERMARK * size or not u["kv_evictable_bytes"]:
+        if self.area is None or free >= AGENT_WATERMARK * size or not u["kv_evictable_bytes"]:
             return False
         need = int(HIGH_WATERMARK * size) - free
-        with self._pool_lock():
-            blocks, nbytes = self.area.evict(need_bytes=need)
+        blocks = nbytes = 0
+        while nbytes < need and not self.stop_event.is_set():
+            with self._pool_lock():
+                b, n = self.area.evict(need_bytes=need - nbytes, limit=AGENT_BATCH)
+            blocks += b
+            nbytes += n
+            if not b:
+                break
         self.metrics.evicted_blocks.inc(blocks)
         self.metrics.evicted_bytes.inc(nbytes)
         self.event(logging.INFO, "evicted KV blocks to restore the free-space watermark",

@@ -1,6 +1,31 @@
 """The KV region and hash table of one pool: geometry, records, eviction and
 recovery.  Everything that writes entries or records here runs under the
 pool lock; readers (cxlkv.kv.cache) are lock-free.
+
+Eviction costs O(victims), not O(table): the pool keeps, per tenant, a
+doubly-linked LRU list of the *leaf* entries (PUBLISHED, no live children:
+the only ones leaf-first eviction may take), links in an array of the KV
+region (u64 per hash slot; the 64-byte entry is full), heads in the KV
+header (cxlkv_format.h, INCOMPAT_KV_LRU).  The C writers (kv_insert,
+kv_set_state, kv_stamp, kv_remove; cxlkv/_core/src/lru.c) keep the lists
+as entries are published, gain or lose children, are touched and removed,
+all under the pool lock, with a dirty word around each edit: a holder that
+dies mid-edit leaves it set and the next holder rebuilds the lists from the
+table (also recount(), fsck --repair).
+
+Why an exact LRU list over leaves rather than CLOCK or segmented LRU: the
+victim order must stay leaf first and least recently used first, as the old
+whole-table order was (subtree's newest use); a list of leaves gives that
+directly - a parent joins its list when its last child goes, placed by its
+subtree's newest stamp - and a pick is a walk from the head(s) that costs
+the victims plus the pinned or kept leaves it passes.  CLOCK would need a
+hand sweeping the table (reference bits written on hits, or O(table) sweeps
+when most entries are interior), and readers must not write shared lines:
+they append to per-node touch rings, which the evictor applies (drain_rings:
+O(touches), each touched leaf moves to its list's tail).  One list per
+tenant makes quota eviction O(victims) too; a global eviction takes the
+oldest of the list heads.  Dropping a namespace (everything=True) stays a
+table scan: it is an operator command, not on a store's path.
 """
 from __future__ import annotations
 
@@ -22,13 +47,28 @@ ENTRY = np.dtype([("ctl", "<u8"), ("key_lo", "<u8"), ("key_hi", "<u8"), ("payloa
                   ("children", "<u4"), ("owner", "<u8"), ("lru", "<u8")])
 assert ENTRY.itemsize == L.HASH_ENTRY_SIZE
 STATS = np.dtype([(n, "<u8") for n in L.KV_STAT_NAMES])
+TENANT = np.dtype([("salt", "V16"), ("state", "<u4"), ("reserved0", "<u4"), ("quota", "<u8"),
+                   ("used", "<u8"), ("blocks", "<u8"), ("rejected", "<u8"), ("reserved1", "<u8")])
+assert TENANT.itemsize == L.KV_TENANT_SIZE
 _FREEING = L.field_offset(L.LockEntryStruct, "freeing")
+_MGR_CONTROL = L.field_offset(L.NodeStruct, "mgr_control")
 _LRU = L.field_offset(L.HashEntryStruct, "lru")
 _HDR = {f: L.field_offset(L.KVHdrStruct, f) for f, *_ in L.KVHdrStruct._fields_}
 
 #: free space (share of the data area) under which store evicts, and up to which
 LOW_WATERMARK = 0.05
 HIGH_WATERMARK = 0.10
+#: free space under which the node agent starts evicting (in the background, in
+#: batches of AGENT_BATCH blocks per lock hold, up to HIGH_WATERMARK), so that
+#: stores rarely reach LOW_WATERMARK and evict inline
+AGENT_WATERMARK = 0.075
+AGENT_BATCH = 256
+#: blocks a store evicts beyond what it needs when it must evict inline
+INLINE_SLACK = 64
+#: victims freed per pick (one round of evict(); the lock stays held across rounds)
+EVICT_BATCH = 1024
+#: slots the background tombstone purge looks at per call (bounded lock hold)
+PURGE_BUDGET = 8192
 
 
 class KVError(CxlkvError):
@@ -78,6 +118,14 @@ class Area:
         self.nslots = sb.hash_slots
         self.max_used = max(1, self.nslots * sb.hash_max_load_pct // 100)
         self.kv_off, kv_size = sb.regions["kv"]
+        missing = L.missing_kv_features(sb.incompat)
+        if missing:
+            raise PoolIncompatible(
+                f"{pool.path} was formatted without the feature"
+                f"{'s' if len(missing) > 1 else ''} {' and '.join(missing)} (by cxlkv 0.1): "
+                "its KV cache cannot be used by this version", path=pool.path,
+                hint="snapshot its KV blocks with the cxlkv that formatted it, re-format "
+                     "with `cxlkv format --force`, then restore them")
         self.geo = L.kv_geometry(sb.max_nodes, sb.hash_slots)
         self.hdr = self.kv_off
         self.m.invalidate(self.hdr, 64)
@@ -85,7 +133,7 @@ class Area:
         stored = L.KVHdrStruct.from_buffer_copy(self.m.read(self.hdr, L.KV_HDR_SIZE))
         if magic != L.KV_MAGIC or any(getattr(stored, f) != self.geo[f] for f in (
                 "max_namespaces", "max_tenants", "pins_per_node", "ring_per_node", "ns_off",
-                "tenant_off", "node_off", "node_stride")) or kv_size < self.geo["size"]:
+                "tenant_off", "node_off", "node_stride", "lru_off")) or kv_size < self.geo["size"]:
             raise KVError(f"{pool.path}: the KV header is corrupt (magic or geometry)",
                           hint="run `cxlkv fsck` on the pool")
         self.max_ns = self.geo["max_namespaces"]
@@ -96,6 +144,9 @@ class Area:
         pool.mapping.set_geometry(*A.geometry(pool))      # payload frees go through C
         # manager mode / emulation: flush what we write, invalidate what we read
         self.m.flush_meta = self.managed or self.m.noncoherent
+        self.links = self.kv_off + self.geo["lru_off"]
+        self.smallest = A.slot_size_for(pool, 1)
+        self.m.kv_lru_setup(self.table, self.nslots, self.hdr, self.links)
         self.journal = J.Writer(pool)        # this node's change journal ring
 
     # -- offsets ----------------------------------------------------------
@@ -155,14 +206,25 @@ class Area:
         return np.frombuffer(self._read(self.stats_off(slot, 0), self.max_ns * STATS.itemsize),
                              dtype=STATS)
 
+    def _slots(self, *states: int) -> list[int]:
+        """Node slots whose state is one of `states` (just the control words:
+        the lock manager's in sync mode manager, as state.nodes reads them)."""
+        base = self.pool.sb.regions["nodes"][0] + (_MGR_CONTROL if self.managed else 0)
+        out = []
+        for slot in range(self.pool.sb.max_nodes):
+            off = base + slot * L.NODE_SIZE
+            if self.m.flush_meta:
+                self.m.invalidate(off, 8)
+            if self.m.load64(off) & L.NODE_STATE_MASK in states:
+                out.append(slot)
+        return out
+
     def pinned(self) -> np.ndarray:
         """Entry indices pinned by attached (or attaching) nodes, and by fenced
         ones: their pins are quarantined with them (views may still be open)."""
         out = []
-        for n in N.read_nodes(self.pool):
-            if n.state not in ("attached", "claimed", "fenced"):
-                continue
-            p = np.frombuffer(self._read(self.pins_off(n.slot), self.npins * 8), dtype="<u8")
+        for slot in self._slots(L.NODE_ATTACHED, L.NODE_CLAIMED, L.NODE_FENCED):
+            p = np.frombuffer(self._read(self.pins_off(slot), self.npins * 8), dtype="<u8")
             out.append(p[p != 0] - 1)
         return np.unique(np.concatenate(out)) if out else np.zeros(0, dtype="<u8")
 
@@ -183,12 +245,11 @@ class Area:
         self.m.zero(base, self.geo["node_stride"])
 
     def drain_rings(self) -> None:
-        """Apply every node's recent touches to the entries' LRU stamps."""
+        """Apply every node's recent touches to the entries' LRU stamps (a
+        touched leaf moves to its list's tail): O(touches)."""
         now = stamp()
-        for n in N.read_nodes(self.pool):
-            if n.state not in ("attached", "claimed"):
-                continue
-            base = self.node_base(n.slot)
+        for slot in self._slots(L.NODE_ATTACHED, L.NODE_CLAIMED):
+            base = self.node_base(slot)
             raw = self._read(base, 128)
             head = int.from_bytes(raw[0:8], "little")
             drained = int.from_bytes(raw[64:72], "little")
@@ -196,7 +257,7 @@ class Area:
                 continue
             k = min(head - drained, self.nring) if head > drained else 0
             if k:
-                ring = np.frombuffer(self._read(self.ring_off(n.slot), self.nring * 8),
+                ring = np.frombuffer(self._read(self.ring_off(slot), self.nring * 8),
                                      dtype="<u8")
                 idx = np.unique(ring[np.arange(head - k, head) % self.nring])
                 idx = idx[(idx > 0) & (idx <= self.nslots)] - 1
@@ -208,12 +269,49 @@ class Area:
     # -- eviction (pool lock held) -------------------------------------------------
     def evict(self, need_bytes: int = 0, need_entries: int = 0, *, tenant: int | None = None,
               ns: int | None = None, everything: bool = False,
-              keep: np.ndarray | None = None) -> tuple[int, int]:
+              keep: np.ndarray | None = None, limit: int | None = None) -> tuple[int, int]:
         """Evict unpinned published blocks, least recently used first and
         leaf first, until `need_bytes` of slots and `need_entries` entries are
-        free again (or, with everything=True, all that match).  Entries in
-        `keep` (and so their ancestors) stay.  Returns (blocks, bytes)."""
+        free again (or, with everything=True, all that match), or `limit`
+        blocks were evicted.  Entries in `keep` (and so their ancestors)
+        stay.  Returns (blocks, bytes).
+
+        Victims come from the leaf LRU lists (the tenant's, or the oldest
+        heads of all): O(victims + pinned or kept leaves passed), never a
+        scan.  `ns` (a namespace drop, with everything=True) scans."""
         self.drain_rings()
+        if everything or ns is not None:
+            return self._evict_scan(need_bytes, need_entries, tenant=tenant, ns=ns,
+                                    everything=everything, keep=keep)
+        kept = (np.unique(np.asarray(keep, dtype=np.uint64)) if keep is not None and len(keep)
+                else np.zeros(0, dtype=np.uint64))
+        who = 0xFFFF if tenant is None else int(tenant)
+        done_blocks = done_bytes = idle = 0
+        while ((done_bytes < need_bytes or done_blocks < need_entries)
+               and (limit is None or done_blocks < limit) and idle < 8):
+            guard(self.pool)                # the lock may have been taken from a stalled node
+            want_n = max(0, need_entries - done_blocks)
+            want_b = max(0, need_bytes - done_bytes)
+            cap = min(EVICT_BATCH, max(1, want_n + -(-want_b // self.smallest)))
+            if limit is not None:
+                cap = min(cap, limit - done_blocks)
+            out = np.zeros(cap, dtype=np.uint64)
+            got = self.m.kv_lru_pick(who, want_n, want_b, self.smallest,
+                                     self.pinned().astype(np.uint64), kept, out)
+            if not got:
+                break
+            b, n, blocked = self._evict_batch(out[:got])
+            done_blocks += b
+            done_bytes += n
+            if not b and not blocked:
+                break
+            idle = 0 if b else idle + 1             # every victim pinned meanwhile: retry
+        self.purge_tombstones()
+        return done_blocks, done_bytes
+
+    def _evict_scan(self, need_bytes: int, need_entries: int, *, tenant, ns, everything,
+                    keep) -> tuple[int, int]:
+        """evict() by a whole-table order (namespace drop: an operator command)."""
         done_blocks = done_bytes = 0
         for _round in range(4):             # a victim found pinned late blocks its ancestors
             if not (everything or done_bytes < need_bytes or done_blocks < need_entries):
@@ -291,13 +389,37 @@ class Area:
             anc = np.where(has, anc[a], -1)
         return dist
 
-    def _evict_batch(self, idx: np.ndarray, t: np.ndarray,
+    def _entry(self, i: int) -> np.void:
+        return np.frombuffer(self._read(self.entry_off(i), L.HASH_ENTRY_SIZE), dtype=ENTRY)[0]
+
+    def _rows(self, idx: np.ndarray) -> np.ndarray:
+        """Copies of the entries `idx` (pool lock held: they do not change)."""
+        if self.m.flush_meta:                         # read through invalidated lines
+            return np.array([self._entry(int(i)) for i in idx], dtype=ENTRY)
+        v = self.m.view(self.table, self.nslots * L.HASH_ENTRY_SIZE)
+        try:
+            whole = np.frombuffer(v, dtype=ENTRY)
+            rows = whole[idx.astype(np.int64)]
+            del whole
+        finally:
+            v.release()
+        return rows
+
+    def _slot_size(self, length: int) -> int:
+        return max(self.smallest, -(-length // 64) * 64) if length > 0 else 0
+
+    def _evict_batch(self, idx: np.ndarray, t: np.ndarray | None = None,
                      spill: bool = True) -> tuple[int, int, bool]:
-        """Evict `idx` (in eviction order).  Returns (blocks, bytes, blocked):
-        blocked when a victim turned out pinned (it and its ancestors stay).
-        With a spill store on this pool object (cxlkv.kv.spill) and spill
-        true, the payloads are copied out for it before the slots are freed."""
+        """Evict `idx` (in eviction order): the one place victims are freed.
+        Returns (blocks, bytes, blocked): blocked when a victim turned out
+        pinned (it and its ancestors stay).  `t`: a snapshot of the whole
+        table, or None to read just the victims' entries.  With a spill store
+        on this pool object (cxlkv.kv.spill) and spill true, the payloads are
+        copied out for it before the slots are freed."""
         m = self.m
+        rows = self._rows(idx) if t is None else t[idx.astype(np.int64)]
+        if t is None:
+            t = dict(zip(idx.tolist(), rows))
         # the evictor records itself: a recovery finishes only its own node's
         # evictions (a fenced evictor's are its own quarantine's to finish)
         evictor = self.pool.node.owner_token if self.pool.node is not None else 0
@@ -307,52 +429,42 @@ class Area:
             # a reader pinned it in the meantime: it and every ancestor stay
             stay = set(int(i) for i in idx[pinned])
             for i in idx[pinned]:
-                p = int(t["parent"][i])
+                p = int(t[int(i)]["parent"])
                 while 0 < p <= self.nslots and p - 1 not in stay:
                     stay.add(p - 1)
-                    p = int(t["parent"][p - 1])
-            back = np.array([i for i in idx if int(i) in stay], dtype=np.uint64)
-            m.kv_set_state(self.table, self.nslots, back, L.KV_EVICTING, L.KV_PUBLISHED, 0, 0)
-            idx = np.array([i for i in idx if int(i) not in stay], dtype=np.uint64)
+                    p = int((t[p - 1] if isinstance(t, np.ndarray) else self._entry(p - 1))
+                            ["parent"])
+            go = np.array([int(i) not in stay for i in idx], dtype=bool)
+            m.kv_set_state(self.table, self.nslots, idx[~go], L.KV_EVICTING, L.KV_PUBLISHED, 0, 0)
+            idx, rows = idx[go], rows[go]
         if spill and len(idx):
             sp = self.pool.__dict__.get("_kv_spill")
             if sp is not None:
                 self._spill_out(sp, idx, t)
         rec = lock_entry_offset(self.pool, self.pool.node.slot) + _FREEING
-        nsd: dict[int, list[int]] = {}
-        ten: dict[int, list[int]] = {}
-        total = 0
-        one = np.zeros(1, dtype=np.uint64)
-        from cxlkv._core import CRASH_ENABLED, crashpoint
-        for i in idx:
-            e = t[int(i)]
-            one[0] = int(e["payload"])
-            # the free is recorded, then marked begun on the slot, so that a
-            # crash anywhere from here on is finished by recovery
-            m.store64(rec, int(one[0]))
-            m.flush(rec, 8)
-            try:
-                m.slab_mark_freeing(one)
-            except ValueError as err:
-                sys.stderr.write(f"cxlkv: evicting entry {int(i)}: {err} (fsck will report it)\n")
-            self.journal.append(J.EVICTED, i)         # the free has begun: it goes
-            m.kv_remove(self.table, self.nslots, self.hdr, int(i))
-            if CRASH_ENABLED:
-                crashpoint("kv.evict")
-            try:
-                m.slab_free(one, True, 0)
-            except ValueError as err:
-                sys.stderr.write(f"cxlkv: evicting entry {int(i)}: {err} (fsck will report it)\n")
-            m.store64(rec, 0)
-            m.flush(rec, 8)
-            ss = int(self.slot_sizes(np.array([e["length"]]))[0])
-            k = nsd.setdefault(int(e["ns"]), [0, 0])
-            k[0] += 1
-            k[1] += int(e["length"])
-            k = ten.setdefault(int(e["tenant"]), [0, 0])
-            k[0] += 1
-            k[1] += ss
-            total += ss
+        # the frees are marked begun on the slots: from here a crash is
+        # finished by recovery (an EVICTING entry with a marked slot goes)
+        pays = np.ascontiguousarray(rows["payload"], dtype=np.uint64)
+        try:
+            m.slab_mark_freeing(pays)
+        except ValueError:
+            for k in range(len(idx)):                 # find and report the bad ones
+                try:
+                    m.slab_mark_freeing(pays[k:k + 1])
+                except ValueError as err:
+                    sys.stderr.write(f"cxlkv: evicting entry {int(idx[k])}: {err} "
+                                     "(fsck will report it)\n")
+        self.journal.append(J.EVICTED, idx)          # the frees have begun: they go
+        # then each victim in C, in order: the free recorded in our lock
+        # entry, the entry removed, the slot freed, the record cleared
+        m.kv_evict_free(self.hdr, rec, np.zeros(1, dtype=np.uint64), idx)
+        lengths = rows["length"].astype(np.int64)
+        sizes = self.slot_sizes(lengths)
+        nsd = {int(k): [int((rows["ns"] == k).sum()), int(lengths[rows["ns"] == k].sum())]
+               for k in np.unique(rows["ns"])}
+        ten = {int(k): [int((rows["tenant"] == k).sum()), int(sizes[rows["tenant"] == k].sum())]
+               for k in np.unique(rows["tenant"])}
+        total = int(sizes.sum())
         for i, (blocks, nbytes) in nsd.items():
             if i < self.max_ns:
                 r = self.ns_record(i)
@@ -402,48 +514,38 @@ class Area:
             sp.put(key, d, data)
 
     def evict_on_path(self, key_lo: int, keep=None) -> int:
-        """Evict the least recently used evictable entry on the probe path of
+        """Evict the least recently used evictable leaf on the probe path of
         a key (from its home slot to the first EMPTY): the one eviction that
-        makes room for that key when tombstones fill the table."""
-        t = self.entries()
-        n = self.nslots
-        st = t["ctl"] & 0xFF
-        path = []
-        i = key_lo & (n - 1)
-        for _ in range(n):
-            if st[i] == L.KV_EMPTY:
-                break
-            path.append(i)
-            i = (i + 1) & (n - 1)
-        order = self._victims(t, None, None, keep)
-        on = order[np.isin(order, np.array(path, dtype=np.int64))]
-        if not len(on):
+        makes room for that key when tombstones fill the table.  O(path)."""
+        guard(self.pool)
+        kept = (np.unique(np.asarray(keep, dtype=np.uint64)) if keep is not None and len(keep)
+                else np.zeros(0, dtype=np.uint64))
+        v = self.m.kv_lru_path_victim(key_lo, self.pinned().astype(np.uint64), kept)
+        if v < 0:
             return 0
-        return self._evict_batch(on[:1].astype(np.uint64), t)[0]
+        return self._evict_batch(np.array([v], dtype=np.uint64))[0]
 
-    def purge_tombstones(self, force: bool = False) -> int:
+    def purge_tombstones(self, force: bool = False, key_lo: int | None = None,
+                         budget: int = PURGE_BUDGET) -> int:
         """Turn tombstones that no live entry's probe path crosses back into
-        EMPTY slots (pool lock held).  Safe for lock-free readers: a reader
-        looking for a present key never passes them."""
+        EMPTY slots (pool lock held), bounded per call: with `key_lo`, the
+        cluster holding that key's home slot; otherwise, once tombstones are
+        a sixteenth of the table (or with force), the clusters of the next
+        `budget` slots from a cursor kept in the KV header.  Safe for
+        lock-free readers: a reader looking for a present key never passes
+        them."""
         h = self.header()
-        if not force and h.tombstones < max(16, self.nslots // 16):
+        if key_lo is None and not force and h.tombstones < max(16, self.nslots // 16):
             return 0
-        t = self.entries()
-        st = t["ctl"] & 0xFF
-        n = self.nslots
-        live = np.flatnonzero((st != L.KV_EMPTY) & (st != L.KV_TOMBSTONE))
-        home = (t["key_lo"][live] & np.uint64(n - 1)).astype(np.int64)
-        end = np.where(live >= home, live, live + n)      # path home .. end-1 (wrapping)
-        cover = np.zeros(2 * n + 1, dtype=np.int64)
-        np.add.at(cover, home, 1)
-        np.add.at(cover, end, -1)
-        crossed = np.cumsum(cover)[:2 * n]
-        crossed = (crossed[:n] + crossed[n:]) > 0
-        free = np.flatnonzero((st == L.KV_TOMBSTONE) & ~crossed).astype(np.uint64)
-        if len(free):
-            self.m.kv_set_state(self.table, n, free, L.KV_TOMBSTONE, L.KV_EMPTY, 0, 0)
-            self.recount()
-        return len(free)
+        guard(self.pool)
+        if key_lo is not None:
+            return self.m.kv_purge(key_lo & (self.nslots - 1), 1)[1]
+        nxt, freed = self.m.kv_purge(h.purge_cursor % self.nslots, budget)
+        line = self.hdr + 128
+        self.m.invalidate(line, 64)                   # never write a stale copy back
+        self.m.store64(self.hdr + _HDR["purge_cursor"], nxt)
+        self.m.flush(line, 64)
+        return freed
 
     def slot_sizes(self, lengths: np.ndarray) -> np.ndarray:
         """A.slot_size_for over an array of payload lengths (0 stays 0)."""
@@ -452,7 +554,9 @@ class Area:
         return np.where(lengths > 0, np.maximum(smallest, -(-lengths // 64) * 64), 0)
 
     def used_bytes(self) -> int:
-        return sum(r.used for r in self.tenant_records() if r.state == L.KV_REC_ACTIVE)
+        raw = np.frombuffer(self._read(self.tenant_off(0), self.max_tenants * L.KV_TENANT_SIZE),
+                            dtype=TENANT)
+        return int(raw["used"][raw["state"] == L.KV_REC_ACTIVE].sum())
 
     def data_size(self) -> int:
         return self.pool.sb.regions["data"][1]
@@ -552,6 +656,7 @@ class Area:
             if r.state == L.KV_REC_ACTIVE and (r.used != used[i] or r.blocks != blocks[i]):
                 r.used, r.blocks = int(used[i]), int(blocks[i])
                 self.write_record(self.tenant_off(i), r)
+        self.m.kv_lru_rebuild()                     # child counts may have changed
 
 
 def quarantine_report(pool, observer: N.Observer | None = None) -> dict:

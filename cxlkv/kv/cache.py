@@ -23,7 +23,7 @@ from cxlkv._core import CRASH_ENABLED, crashpoint
 from cxlkv.errors import UsageError
 from cxlkv.kv import journal as J
 from cxlkv.kv import keys as K
-from cxlkv.kv.area import (ENTRY, HIGH_WATERMARK, LOW_WATERMARK, STATS, Area, KVPoolFull, KVTableFull,
+from cxlkv.kv.area import (ENTRY, INLINE_SLACK, LOW_WATERMARK, STATS, Area, KVPoolFull, KVTableFull,
                            QuotaExceeded, TooManyPins, stamp)
 from cxlkv.pool import layout as L
 from cxlkv.state import alloc as A
@@ -320,8 +320,7 @@ class KVCache:
             except A.PoolFullError:
                 lk = self.pool.lock()
                 with contextlib.nullcontext() if lk.held_by_me() else lk:
-                    got = self.area.evict(need_bytes=count * self.slot_size
-                                          + int(LOW_WATERMARK * self.area.data_size()))[0]
+                    got = self.area.evict(need_bytes=(count + INLINE_SLACK) * self.slot_size)[0]
                 if not got and attempt:
                     break
         raise KVPoolFull(
@@ -406,9 +405,9 @@ class KVCache:
                         # needs, else evict on this key's probe path, else
                         # thin the table out (a sixteenth of it) so that
                         # clusters break up and their tombstones can go
-                        if a.purge_tombstones(force=True) or a.evict_on_path(
-                                int.from_bytes(keys[pos][:8].tobytes(), "little"),
-                                keep=slots[:pos]):
+                        key_lo = int.from_bytes(keys[pos][:8].tobytes(), "little")
+                        if a.purge_tombstones(key_lo=key_lo) or a.evict_on_path(
+                                key_lo, keep=slots[:pos]):
                             continue
                         if a.evict(need_entries=max(n - pos, a.nslots // 16),
                                    keep=slots[:pos])[0]:
@@ -507,7 +506,10 @@ class KVCache:
         size = a.data_size()
         free = size - a.used_bytes() - need
         if free < LOW_WATERMARK * size:
-            a.evict(need_bytes=int(HIGH_WATERMARK * size) - free, keep=keep)
+            # inline: back to the low watermark and a small batch more; the
+            # node agent evicts in the background up to the high watermark
+            a.evict(need_bytes=int(LOW_WATERMARK * size) - free + INLINE_SLACK * self.slot_size,
+                    keep=keep)
 
     def _abandon(self, slots: np.ndarray, pay: np.ndarray) -> None:
         """Undo reserved entries and payloads after an error (best effort; a

@@ -102,6 +102,11 @@ def check_kv(pool, rep, live: set[int]) -> None:
         if r.state == L.KV_REC_ACTIVE and r.used != ten_used[i]:
             rep.error("kv-counters", f"tenant {i}", f"counts {r.used} bytes used, the table "
                                                     f"holds {int(ten_used[i])}")
+    # the leaf LRU lists: every published leaf on exactly its tenant's list,
+    # nothing else on one, links in range and mutual, no cycle
+    problems, first, on_lists, _leaves = a.m.kv_lru_check()
+    if problems:
+        rep.error("kv-lru", "eviction lists", f"{problems} problem(s); the first: {first}")
     if h.live > a.max_used:
         rep.warn("kv-load", "hash table", f"{h.live} entries exceed the maximum load "
                                           f"({a.max_used})")
@@ -109,7 +114,7 @@ def check_kv(pool, rep, live: set[int]) -> None:
                        "published": int((st == L.KV_PUBLISHED).sum()),
                        "tombstones": int((st == L.KV_TOMBSTONE).sum()),
                        "namespaces": int(sum(r.state == L.KV_REC_ACTIVE for r in ns_recs)),
-                       "hash_slots": n}
+                       "hash_slots": n, "lru_leaves": int(on_lists)}
 
 
 def _dead_pin_slots(a, placeholders=frozenset()) -> list[int]:
@@ -165,6 +170,7 @@ def repair_kv(pool, rep, live: set[int]) -> None:
     m, n = a.m, a.nslots
     one = np.zeros(1, dtype=np.uint64)
     J.repair(pool, rep)
+    lru_problems, lru_first = m.kv_lru_check()[:2]
 
     def free_payload(off: int) -> bool:
         bits = A.slot_bits(pool, off)
@@ -286,8 +292,11 @@ def repair_kv(pool, rep, live: set[int]) -> None:
                 tt["parent"].tobytes() + tt["children"].tobytes())
 
     before = counters()
-    a.purge_tombstones(force=True)
-    a.recount()
+    a.purge_tombstones(force=True, budget=n)
+    a.recount()                              # rebuilds the LRU lists from the table too
+    if lru_problems:
+        rep.did("kv-lru", "eviction lists", f"rebuilt from the table ({lru_problems} "
+                                            f"problem(s); the first: {lru_first})")
     if counters()[1:] != before[1:] or a.header().live != before[0][0]:
         rep.did("kv-counters", "kv header", "live, child, namespace and tenant counters "
                                             "recomputed from the table")

@@ -79,8 +79,8 @@ def require(pool) -> None:
     """PoolIncompatible, by name, for a pool formatted without the journal."""
     if not has_journal(pool):
         raise PoolIncompatible(
-            f"{pool.path} was formatted without the change journal (by an earlier cxlkv): "
-            "its KV cache cannot be used by this version", path=pool.path,
+            f"{pool.path} was formatted without the feature JOURNAL (the change journal; "
+            "by cxlkv 0.1): its KV cache cannot be used by this version", path=pool.path,
             hint="snapshot its KV blocks with the cxlkv that formatted it, re-format with "
                  "`cxlkv format --force`, then restore them")
 

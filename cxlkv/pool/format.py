@@ -131,7 +131,7 @@ def compute_layout(p: FormatParams) -> Layout:
         "bitmap": _align((max_chunks + 63) // 64 * 8, 8),
         "heaps": p.max_nodes * L.HEAP_SIZE + max_chunks * L.CHUNK_DESC_SIZE,
         "hash": hash_slots * L.HASH_ENTRY_SIZE,
-        "kv": L.kv_region_size(p.max_nodes, hash_slots, L.INCOMPAT_JOURNAL),
+        "kv": L.kv_region_size(p.max_nodes, hash_slots, L.INCOMPAT_KV_LRU | L.INCOMPAT_JOURNAL),
     }
     off = L.SB_COPIES * L.SB_SIZE
     regions: dict[str, tuple[int, int]] = {}
@@ -166,7 +166,7 @@ def build_superblock(p: FormatParams, *, pool_uuid: uuidlib.UUID | None = None,
         ctime_ns=time.time_ns() if ctime_ns is None else ctime_ns,
         tenant_secret=os.urandom(32) if secret is None else secret,
         label=p.label, creator=creator or f"cxlkv {__version__}", seq=1, compat=L.COMPAT_KV,
-        incompat=L.INCOMPAT_JOURNAL)
+        incompat=L.INCOMPAT_KV_LRU | L.INCOMPAT_JOURNAL)
 
 
 Progress = Callable[[int, int], None]   # (bytes done, bytes total)
@@ -217,14 +217,16 @@ def format_mapping(m, p: FormatParams, *, zero_data: bool = True,
 
 def kv_initial_records(max_nodes: int, hash_slots: int) -> list[tuple[int, bytes]]:
     """(offset in the KV region, bytes) a fresh KV region holds besides zeros:
-    its header, tenant record 0 (the unsalted tenant) active, and the
-    change journal's header (its rings start empty: heads 0)."""
+    its header (with the leaf LRU lists empty and the place of their link
+    array), tenant record 0 (the unsalted tenant) active, and the change
+    journal's header (its rings start empty: heads 0)."""
     g = L.kv_geometry(max_nodes, hash_slots)
     h = L.KVHdrStruct()
     h.magic = L.KV_MAGIC
     for f in ("max_namespaces", "max_tenants", "pins_per_node", "ring_per_node", "ns_off",
               "tenant_off", "node_off", "node_stride"):
         setattr(h, f, g[f])
+    h.lru_off = g["lru_off"]
     t = L.KVTenantStruct()
     t.state = L.KV_REC_ACTIVE
     j = L.journal_geometry(max_nodes, hash_slots)

@@ -27,9 +27,18 @@ SYNC_CODES = {v: k for k, v in SYNC_NAMES.items()}
 # Feature bits this version understands.
 COMPAT_KV = 1               # the pool has a KV region
 COMPAT_SUPPORTED = COMPAT_KV
+INCOMPAT_KV_LRU = 1 << 0     # the KV region holds the leaf LRU lists (cxlkv_format.h)
 INCOMPAT_JOURNAL = 1 << 2    # the KV region ends with the change journal
-INCOMPAT_NAMES = {INCOMPAT_JOURNAL: "journal"}
-INCOMPAT_SUPPORTED = INCOMPAT_JOURNAL
+INCOMPAT_NAMES = {INCOMPAT_KV_LRU: "kv_lru", INCOMPAT_JOURNAL: "journal"}
+INCOMPAT_SUPPORTED = INCOMPAT_KV_LRU | INCOMPAT_JOURNAL
+#: features the KV cache needs, with what each is (pools of cxlkv 0.1 lack them)
+KV_REQUIRED = {INCOMPAT_KV_LRU: "KV_LRU (the in-pool eviction lists)",
+               INCOMPAT_JOURNAL: "JOURNAL (the change journal)"}
+
+
+def missing_kv_features(incompat: int) -> list[str]:
+    """The KV_REQUIRED features a pool's incompat mask lacks, by name."""
+    return [name for bit, name in KV_REQUIRED.items() if not incompat & bit]
 RO_COMPAT_SUPPORTED = 0
 
 # Regions; index = slot in superblock.regions.  POOL_ORDER is the order they
@@ -227,6 +236,7 @@ KV_HASH_SHA256_CBOR = 2
 KV_HASH_NAMES = {KV_HASH_XXH3_128: "xxh3_128", KV_HASH_SHA256_CBOR: "sha256_cbor"}
 KV_HASH_CODES = {v: k for k, v in KV_HASH_NAMES.items()}
 KV_NODE_HDR_SIZE = 128
+KV_LRU_LISTS = 256
 
 
 class HashEntryStruct(ctypes.LittleEndianStructure):
@@ -264,7 +274,14 @@ class KVHdrStruct(ctypes.LittleEndianStructure):
         ("evictions", c_uint64),
         ("evicted_bytes", c_uint64),
         ("line1_pad", c_uint8 * 32),
-        ("reserved", c_uint8 * 3968),
+        ("lru_off", c_uint64),
+        ("lru_dirty", c_uint64),
+        ("lru_leaves", c_uint64),
+        ("lru_rebuilds", c_uint64),
+        ("purge_cursor", c_uint64),
+        ("line2_pad", c_uint8 * 24),
+        ("lru_lists", c_uint64 * KV_LRU_LISTS),
+        ("reserved", c_uint8 * 1856),
     ]
 
 
@@ -406,11 +423,12 @@ def kv_geometry(max_nodes: int, hash_slots: int) -> dict[str, int]:
     pins_off = stats_off + KV_MAX_NAMESPACES * ctypes.sizeof(KVStatsStruct)
     ring_off = _align(pins_off + pins * 8, CACHELINE)
     stride = _align(ring_off + ring * 8, PAGE)
+    lru_off = _align(node_off + max_nodes * stride, PAGE)
     return {"max_namespaces": KV_MAX_NAMESPACES, "max_tenants": KV_MAX_TENANTS,
             "pins_per_node": pins, "ring_per_node": ring, "ns_off": ns_off,
             "tenant_off": tenant_off, "node_off": node_off, "node_stride": stride,
             "stats_off": stats_off, "pins_off": pins_off, "ring_off": ring_off,
-            "size": node_off + max_nodes * stride}
+            "lru_off": lru_off, "size": lru_off + hash_slots * 8}
 
 
 def journal_geometry(max_nodes: int, hash_slots: int) -> dict[str, int]:
@@ -427,8 +445,10 @@ def journal_geometry(max_nodes: int, hash_slots: int) -> dict[str, int]:
 
 
 def kv_region_size(max_nodes: int, hash_slots: int, incompat: int) -> int:
-    """Bytes the KV region needs: the KV areas, and the journal when the
-    pool has the JOURNAL feature."""
+    """Bytes the KV region needs: the KV areas (with the LRU link array when
+    the pool has KV_LRU), and the journal when it has JOURNAL."""
     if incompat & INCOMPAT_JOURNAL:
         return journal_geometry(max_nodes, hash_slots)["end"]
-    return kv_geometry(max_nodes, hash_slots)["size"]
+    g = kv_geometry(max_nodes, hash_slots)
+    # a pool without the LRU lists is refused by name where the KV area opens
+    return g["size"] if incompat & INCOMPAT_KV_LRU else g["lru_off"]

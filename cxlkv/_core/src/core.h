@@ -46,6 +46,12 @@ typedef struct {
      * NodeFenced; in_guard keeps the guard's own writes from recursing */
     PyObject *guard;
     int in_guard;
+    /* leaf LRU lists of the KV area (kv_lru_setup, lru.c): hash table, its
+     * slots, the KV header and the link array; lru_bad: an inconsistency
+     * seen during the current call (the lists are rebuilt at its end);
+     * lru_fenced: the node's guard raised mid-call (nothing more is written) */
+    int lru_set, lru_bad, lru_depth, lru_fenced;
+    uint64_t lru_table, lru_nslots, lru_hdr, lru_links;
 } Mapping;
 
 /* Has the write deadline passed (a copy must stop before the next block)? */
@@ -208,5 +214,29 @@ PyObject *mod_kv_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 /* lockmgr.c: sync mode manager */
 PyObject *Mapping_mgr_loop(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_mgr_wait(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+/* lru.c: the leaf LRU lists, kept by the kv.c writers (pool lock held).
+ * lru_begin / lru_end bracket a call's edits (the dirty word; a rebuild
+ * when a dead holder left it set or the call found the lists corrupt):
+ * -1 with an exception set when a rebuild could not get memory.  lru_sync
+ * puts an entry on or off its list after its state, children or stamp
+ * changed: LRU_TAIL (just published), LRU_SORTED (by its stamp),
+ * LRU_RESTAMP (its stamp changed: moved). */
+#define LRU_TAIL     0
+#define LRU_SORTED   1
+#define LRU_RESTAMP  2
+int lru_on(const Mapping *m, uint64_t table, uint64_t nslots);
+int lru_begin(Mapping *m);
+int lru_end(Mapping *m);
+int lru_sync(Mapping *m, uint64_t idx, int where);    /* -1: fenced (exception set) */
+PyObject *Mapping_kv_lru_setup(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_kv_lru_rebuild(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_kv_lru_pick(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_kv_lru_path_victim(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_kv_lru_check(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_kv_purge(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_kv_evict_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+/* kv.c: kv_remove's work on a checked table, header and index */
+int kv_remove_at(Mapping *m, uint64_t table, uint64_t nslots, uint64_t hdr, uint64_t idx,
+                 uint64_t *parent_out);
 
 #endif

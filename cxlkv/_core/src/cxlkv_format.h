@@ -31,8 +31,10 @@
  * open read-only; unknown compat -> ignore. */
 #define CXLKV_FEATURE_COMPAT_KV       1ull  /* the pool has a KV region (regions[6]) */
 #define CXLKV_FEATURE_COMPAT_SUPP     CXLKV_FEATURE_COMPAT_KV
+#define CXLKV_FEATURE_INCOMPAT_KV_LRU 1ull  /* the KV region holds the leaf LRU lists
+                                               (kv_hdr line 2, lru_lists, link array) */
 #define CXLKV_FEATURE_INCOMPAT_JOURNAL (1ull << 2) /* the KV region ends with the change journal */
-#define CXLKV_FEATURE_INCOMPAT_SUPP   CXLKV_FEATURE_INCOMPAT_JOURNAL
+#define CXLKV_FEATURE_INCOMPAT_SUPP   (CXLKV_FEATURE_INCOMPAT_KV_LRU | CXLKV_FEATURE_INCOMPAT_JOURNAL)
 #define CXLKV_FEATURE_RO_COMPAT_SUPP  0ull
 
 /* regions (superblock.regions[i]); in the pool they lie in the order
@@ -258,6 +260,7 @@ struct cxlkv_hash_entry {
 #define CXLKV_KV_TENANT_SIZE   64u
 #define CXLKV_KV_NS_NAME       128u
 #define CXLKV_KV_NSTATS        8u
+#define CXLKV_KV_LRU_LISTS     256u   /* one leaf LRU list per tenant record */
 
 /* namespace and tenant record states */
 #define CXLKV_KV_REC_FREE      0u
@@ -284,8 +287,26 @@ struct cxlkv_kv_hdr {
     uint64_t evictions;         /*   80 blocks evicted (all namespaces, ever) */
     uint64_t evicted_bytes;     /*   88 */
     uint8_t  line1_pad[32];     /*   96 */
-    uint8_t  reserved[3968];    /*  128 */
+    /* line 2: the leaf LRU lists (INCOMPAT_KV_LRU), written under the pool lock */
+    uint64_t lru_off;           /*  128 link array (u64 per hash slot), from the region start */
+    uint64_t lru_dirty;         /*  136 owner token of a lock holder editing the lists, 0 =
+                                          consistent; found set -> the lists are rebuilt */
+    uint64_t lru_leaves;        /*  144 entries on the lists */
+    uint64_t lru_rebuilds;      /*  152 rebuilds from the table (recovery, fsck, corruption) */
+    uint64_t purge_cursor;      /*  160 next slot the bounded tombstone purge looks at */
+    uint8_t  line2_pad[24];     /*  168 */
+    uint64_t lru_lists[CXLKV_KV_LRU_LISTS]; /* 192 per tenant: head + 1 | (tail + 1) << 32 */
+    uint8_t  reserved[1856];    /* 2240 */
 };
+
+/* Leaf LRU lists (INCOMPAT_KV_LRU).  Every PUBLISHED entry without live
+ * children (a leaf: the only kind eviction may take) is on exactly one
+ * doubly-linked list, that of its tenant, ordered by its lru stamp (head =
+ * least recently used); nothing else is on a list.  Links live in a separate
+ * array of the KV region (the hash entry is full): u64 per hash slot,
+ * prev + 1 | (next + 1) << 32, 0 = none.  Written only by the pool-lock
+ * holder, with lru_dirty set around each edit so that a holder's death
+ * mid-edit is seen and the lists rebuilt from the table. */
 
 /* Counters a node keeps per namespace (its own line; folded into the
  * namespace record, under the lock, when the node detaches or is reaped). */

@@ -340,7 +340,7 @@ Mapping_kv_insert(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     if (get_bytes(args[8], &k, 16, "kv_insert keys") < 0)
         return NULL;
     PyObject *ret = NULL;
-    int g = 0;
+    int g = 0, lr = 0;
     if (get_offsets(args[10], &pay, 0) < 0)
         goto done;
     g = 1;
@@ -357,6 +357,11 @@ Mapping_kv_insert(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     }
     const uint64_t *pv = pay.buf;
     uint64_t *idx_out = oi.buf, *st_out = os.buf, used = 0, i = 0, full = 0;
+    lr = lru_on(m, t.base, t.nslots);
+    if (lr && lru_begin(m) < 0) {
+        lr = 0;
+        goto done;
+    }
     uint64_t mask = t.nslots - 1;
     meta_inval(m, hdr + H_LIVE, 16);
     uint64_t live = pool_load64(m, hdr + H_LIVE), tomb = pool_load64(m, hdr + H_TOMB);
@@ -436,8 +441,11 @@ Mapping_kv_insert(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         __atomic_thread_fence(__ATOMIC_RELEASE);
         pool_store64(m, e + E_CTL, CTL(CXLKV_KV_PENDING, v + 1));
         meta_flush(m, e, CXLKV_HASH_ENTRY_SIZE);
-        if (parent)
+        if (parent) {
             set_children(m, &t, parent - 1, 1);
+            if (lr && lru_sync(m, parent - 1, LRU_SORTED) < 0)   /* no longer a leaf */
+                goto done;                                /* fenced meanwhile */
+        }
         live++;
         if (was_tomb)
             tomb--;
@@ -453,6 +461,8 @@ Mapping_kv_insert(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     ret = Py_BuildValue("(KKK)", (unsigned long long)i, (unsigned long long)used,
                         (unsigned long long)full);
 done:
+    if (lr && lru_end(m) < 0)
+        Py_CLEAR(ret);
     PyBuffer_Release(&k);
     if (g > 0)
         PyBuffer_Release(&pay);
@@ -491,10 +501,17 @@ Mapping_kv_set_state(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     const uint64_t *ix = b.buf;
     uint64_t n = (uint64_t)b.len / 8, changed = 0;
+    int lr = lru_on(m, t.base, t.nslots);
+    if (lr && lru_begin(m) < 0) {
+        PyBuffer_Release(&b);
+        return NULL;
+    }
     for (uint64_t i = 0; i < n; i++) {
         if (ix[i] >= t.nslots) {
             PyErr_Format(PyExc_ValueError, "kv_set_state: entry %llu out of range",
                          (unsigned long long)ix[i]);
+            if (lr)
+                lru_end(m);
             PyBuffer_Release(&b);
             return NULL;
         }
@@ -510,10 +527,17 @@ Mapping_kv_set_state(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         __atomic_thread_fence(__ATOMIC_RELEASE);
         pool_store64(m, e + E_CTL, CTL(to, VER(c) + 1));
         meta_flush(m, e, CXLKV_HASH_ENTRY_SIZE);
+        if (lr && lru_sync(m, ix[i], stamp ? LRU_TAIL : LRU_SORTED) < 0) {
+            lru_end(m);                                   /* fenced meanwhile */
+            PyBuffer_Release(&b);
+            return NULL;
+        }
         changed++;
     }
     __atomic_thread_fence(__ATOMIC_SEQ_CST);   /* evict: the state change before the pin scan */
     PyBuffer_Release(&b);
+    if (lr && lru_end(m) < 0)
+        return NULL;
     return PyLong_FromUnsignedLongLong(changed);
 }
 
@@ -534,6 +558,11 @@ Mapping_kv_stamp(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     const uint64_t *ix = b.buf;
     uint64_t n = (uint64_t)b.len / 8, done = 0;
+    int lr = lru_on(m, t.base, t.nslots);
+    if (lr && lru_begin(m) < 0) {
+        PyBuffer_Release(&b);
+        return NULL;
+    }
     for (uint64_t i = 0; i < n; i++) {
         if (ix[i] >= t.nslots)
             continue;
@@ -543,9 +572,16 @@ Mapping_kv_stamp(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
             continue;
         pool_store64(m, e + E_LRU, stamp);
         meta_flush(m, e, CXLKV_HASH_ENTRY_SIZE);
+        if (lr && lru_sync(m, ix[i], LRU_RESTAMP) < 0) {   /* a leaf moves to its place */
+            lru_end(m);
+            PyBuffer_Release(&b);
+            return NULL;
+        }
         done++;
     }
     PyBuffer_Release(&b);
+    if (lr && lru_end(m) < 0)
+        return NULL;
     return PyLong_FromUnsignedLongLong(done);
 }
 
@@ -557,7 +593,7 @@ PyObject *
 Mapping_kv_remove(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 {
     Table t;
-    uint64_t hdr, idx;
+    uint64_t hdr, idx, parent;
     if (nargs_check(nargs, 4, 4, "kv_remove") < 0 || table_args(m, args[0], args[1], &t) < 0 ||
         as_u64(args[2], &hdr, "hdr") < 0 || as_u64(args[3], &idx, "idx") < 0 ||
         check_writable(m, "kv_remove") < 0 ||
@@ -567,12 +603,30 @@ Mapping_kv_remove(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "kv_remove: entry out of range");
         return NULL;
     }
+    if (kv_remove_at(m, t.base, t.nslots, hdr, idx, &parent) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(parent);
+}
+
+/* kv_remove's work, for callers that checked the table (table_args), the
+ * header range and idx < nslots.  *parent_out: parent index + 1 (0 = none).
+ * 0, or -1 with an exception set. */
+int
+kv_remove_at(Mapping *m, uint64_t table, uint64_t nslots, uint64_t hdr, uint64_t idx,
+             uint64_t *parent_out)
+{
+    Table t = {table, nslots};
     uint64_t mask = t.nslots - 1, e = ent(&t, idx);
+    *parent_out = 0;
     meta_inval(m, e, CXLKV_HASH_ENTRY_SIZE);
     uint64_t c = pool_load64(m, e + E_CTL);
     if (ST(c) == CXLKV_KV_EMPTY || ST(c) == CXLKV_KV_TOMBSTONE)
-        return PyLong_FromLong(0);
+        return 0;
     uint64_t parent = pool_load64(m, e + E_PARENT) & 0xffffffffu;
+    uint64_t used = pool_load64(m, e + E_LRU);
+    int lr = lru_on(m, t.base, t.nslots);
+    if (lr && lru_begin(m) < 0)
+        return -1;
     meta_inval(m, hdr + H_LIVE, 16);
     uint64_t live = pool_load64(m, hdr + H_LIVE), tomb = pool_load64(m, hdr + H_TOMB);
     uint64_t next = ent(&t, (idx + 1) & mask);
@@ -602,9 +656,31 @@ Mapping_kv_remove(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     pool_store64(m, hdr + H_LIVE, live);
     pool_store64(m, hdr + H_TOMB, tomb);
     meta_flush(m, hdr + H_LIVE, 16);
-    if (parent && parent <= t.nslots)
+    if (lr && lru_sync(m, idx, LRU_SORTED) < 0) {       /* off its list */
+        lru_end(m);
+        return -1;
+    }
+    if (parent && parent <= t.nslots) {
         set_children(m, &t, parent - 1, -1);
-    return PyLong_FromUnsignedLongLong(parent <= t.nslots ? parent : 0);
+        if (lr) {
+            /* the parent's stamp is its subtree's newest use: if it became a
+             * leaf it is placed by that */
+            uint64_t pe = ent(&t, parent - 1);
+            meta_inval(m, pe, CXLKV_HASH_ENTRY_SIZE);
+            if (pool_load64(m, pe + E_LRU) < used) {
+                pool_store64(m, pe + E_LRU, used);
+                meta_flush(m, pe, CXLKV_HASH_ENTRY_SIZE);
+            }
+            if (lru_sync(m, parent - 1, LRU_SORTED) < 0) {
+                lru_end(m);
+                return -1;
+            }
+        }
+    }
+    if (lr && lru_end(m) < 0)
+        return -1;
+    *parent_out = parent <= t.nslots ? parent : 0;
+    return 0;
 }
 
 /* ------------------------------------------------------------------ pins and touches (node-owned) */

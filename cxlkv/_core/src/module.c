@@ -1037,6 +1037,13 @@ static PyMethodDef Mapping_methods[] = {
     FAST(kv_unpin, "kv_unpin(pins, npins, records) -> cleared"),
     FAST(kv_touch, "kv_touch(head_off, ring_off, nring, idx) -> head"),
     FAST(journal_append, "journal_append(hdr, ring, nrec, table, nslots, op, writer, now_us, idx, ns=0) -> head; pool lock held"),
+    FAST(kv_lru_setup, "kv_lru_setup(table, nslots, kv_hdr, links): where the leaf LRU lists are; the kv_* writers keep them from then on"),
+    FAST(kv_lru_rebuild, "kv_lru_rebuild() -> leaves: relink every leaf from the table; pool lock held"),
+    FAST(kv_lru_pick, "kv_lru_pick(tenant, want_n, want_bytes, smallest, pinned, keep, out) -> n: victims, LRU leaf first; pool lock held"),
+    FAST(kv_lru_path_victim, "kv_lru_path_victim(key_lo, pinned, keep) -> idx | -1: LRU leaf on a key's probe path; pool lock held"),
+    FAST(kv_lru_check, "kv_lru_check() -> (problems, first_problem, on_lists, leaves)"),
+    FAST(kv_purge, "kv_purge(start, budget) -> (next_start, freed): bounded tombstone purge; pool lock held"),
+    FAST(kv_evict_free, "kv_evict_free(hdr, rec_off, one, idx) -> (freed, errors): remove EVICTING victims and free their (marked) slots, one by one, crash-safe; pool lock held"),
     FAST(write_blocks, "write_blocks(offsets, src, block_bytes, nt=None) -> blocks written: block i of src to offsets[i]; flushed; stops before a block once write_deadline_ns passed"),
     FAST(read_blocks, "read_blocks(offsets, dst, block_bytes): offsets[i] to block i of dst"),
     FAST(flush, "flush(off, length): write back the cache lines of a range, then fence"),
@@ -1365,6 +1372,13 @@ mod_layout(PyObject *self, PyObject *Py_UNUSED(ignored))
     FIELD(f, cxlkv_kv_hdr, evictions);
     FIELD(f, cxlkv_kv_hdr, evicted_bytes);
     FIELD(f, cxlkv_kv_hdr, line1_pad);
+    FIELD(f, cxlkv_kv_hdr, lru_off);
+    FIELD(f, cxlkv_kv_hdr, lru_dirty);
+    FIELD(f, cxlkv_kv_hdr, lru_leaves);
+    FIELD(f, cxlkv_kv_hdr, lru_rebuilds);
+    FIELD(f, cxlkv_kv_hdr, purge_cursor);
+    FIELD(f, cxlkv_kv_hdr, line2_pad);
+    FIELD(f, cxlkv_kv_hdr, lru_lists);
     FIELD(f, cxlkv_kv_hdr, reserved);
     if (add_struct(out, "kv_hdr", sizeof(struct cxlkv_kv_hdr), f) < 0)
         goto fail;
@@ -1488,6 +1502,7 @@ mod_constants(PyObject *self, PyObject *Py_UNUSED(ignored))
         C(CHUNK_FREE), C(CHUNK_HEAD), C(CHUNK_TAIL), C(CHUNK_RELEASING), C(SLAB_MAX_SLOTS),
         C(HEAP_HAZARDS),
         C(FEATURE_COMPAT_KV), C(FEATURE_COMPAT_SUPP), C(FEATURE_INCOMPAT_SUPP),
+        C(FEATURE_INCOMPAT_KV_LRU), C(KV_LRU_LISTS),
         C(FEATURE_RO_COMPAT_SUPP),
         C(KV_EMPTY), C(KV_WRITING), C(KV_PENDING), C(KV_PUBLISHED), C(KV_EVICTING),
         C(KV_TOMBSTONE), C(KV_MAGIC), C(KV_HDR_SIZE), C(KV_NS_SIZE), C(KV_TENANT_SIZE),
