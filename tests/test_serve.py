@@ -548,7 +548,8 @@ def test_dead_lock_manager_thread_is_critical(agent, tmp_path):
     def crash(*args, **kw):
         raise RuntimeError("a bug in the manager")
 
-    a.manager.mgr.step = crash
+    a.manager.mgr.step = crash          # the Python loop's round
+    a.manager.mgr._c_step = crash       # the C loop's return to Python (at least every C_RETURN_EVERY_S)
     wait_for(lambda: not a.manager.alive(), what="the manager thread to die")
     a.tick()
     ok, line = a.healthz()
