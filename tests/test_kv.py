@@ -644,3 +644,28 @@ def test_load_into_from_a_start_block_follows_a_producer(kvpool):
         assert kv.load_into(toks, out, start=10) == 0
         with pytest.raises(UsageError):
             kv.load_into(toks, out, start=-1)
+
+
+def test_in_flight_finds_exactly_the_entries_left_part_way(kvpool):
+    # what recovery looks at: one pass over the ctl words, whatever the table holds
+    with cxlkv.open_pool(kvpool) as pool:
+        kv = pool.kv(model="m", block_tokens=16, block_bytes=BB)
+        toks = np.arange(16 * 8)
+        kv.store(toks, b"".join(pattern(kv, toks)))
+        a = kv.area
+        assert len(a.in_flight()) == 0
+        t = a.entries()
+        pub = np.flatnonzero((t["ctl"] & 0xFF) == L.KV_PUBLISHED).astype(np.uint64)
+        assert len(pub) == 8
+        picked = pub[[1, 4, 6]]
+        with pool.lock():
+            assert a.m.kv_set_state(a.table, a.nslots, picked, L.KV_PUBLISHED,
+                                    L.KV_EVICTING, 0, 0) == 3
+        got = a.in_flight()
+        assert sorted(got.tolist()) == sorted(picked.tolist())
+        out = np.zeros(1, dtype=np.uint64)              # a short buffer: all are counted
+        assert a.m.kv_in_flight(a.table, a.nslots, out) == 3 and out[0] in picked
+        with pool.lock():
+            a.m.kv_set_state(a.table, a.nslots, picked, L.KV_EVICTING, L.KV_PUBLISHED, 0, 0)
+        assert len(a.in_flight()) == 0
+    fsck_clean(kvpool)

@@ -562,31 +562,51 @@ class Area:
         return self.pool.sb.regions["data"][1]
 
     # -- recovery (pool lock held) ------------------------------------------------
+    def in_flight(self) -> np.ndarray:
+        """Indices of the entries left WRITING, PENDING or EVICTING (one C
+        pass over the ctl words: no copy of the table)."""
+        out = np.zeros(256, dtype=np.uint64)
+        n = self.m.kv_in_flight(self.table, self.nslots, out)
+        if n > len(out):
+            out = np.zeros(n, dtype=np.uint64)
+            n = min(n, self.m.kv_in_flight(self.table, self.nslots, out))
+        return out[:n]
+
     def recover(self, slot: int, epoch: int) -> None:
-        """Undo what a dead (or detaching) node left in the KV area."""
+        """Undo what a dead (or detaching) node left in the KV area.
+
+        Only the entries left part way are looked at (`in_flight`); the
+        derived counters are recomputed from the whole table (`recount`) when
+        the node died (it may have died inside a writer's C call), not when a
+        live node detaches with nothing part way: a clean detach costs one
+        pass over the ctl words, not two table copies and a rebuild."""
         m = self.m
         token = (slot + 1) | epoch << 16
-        t = self.entries()
-        st = t["ctl"] & 0xFF
+        idx = self.in_flight()
+        rows = np.zeros(len(idx), dtype=ENTRY)
+        for k, i in enumerate(idx):
+            rows[k] = np.frombuffer(self._read(self.entry_off(int(i)), L.HASH_ENTRY_SIZE),
+                                    dtype=ENTRY)[0]
+        st = rows["ctl"] & 0xFF
         one = np.zeros(1, dtype=np.uint64)
         # entries another node's recovery must leave alone: a fenced node's
         # half-written or half-evicted ones are its own quarantine's to finish
         others = {(n.slot + 1) | n.epoch << 16 for n in N.read_nodes(self.pool)
                   if n.state in ("attached", "fenced")} - {token}
-        mine = ~np.isin(t["owner"], list(others))
+        mine = ~np.isin(rows["owner"], list(others))
         # a lock holder died writing an entry: nothing refers to it yet (its
         # payload is an unpublished reservation the allocator reclaims)
-        for i in np.flatnonzero((st == L.KV_WRITING) & mine):
-            m.kv_remove(self.table, self.nslots, self.hdr, int(i))
+        for k in np.flatnonzero((st == L.KV_WRITING) & mine):
+            m.kv_remove(self.table, self.nslots, self.hdr, int(idx[k]))
         # blocks the node reserved and never published: mark the payload's
         # free begun, drop the entry, free - each step finishable after a crash
         guard(self.pool)
-        for i in np.flatnonzero((st == L.KV_PENDING) & (t["owner"] == token)):
-            one[0] = int(t["payload"][i])
+        for k in np.flatnonzero((st == L.KV_PENDING) & (rows["owner"] == token)):
+            one[0] = int(rows["payload"][k])
             bits = A.slot_bits(self.pool, int(one[0]))
             if bits is not None and bits[0]:
                 m.slab_mark_freeing(one)
-            m.kv_remove(self.table, self.nslots, self.hdr, int(i))
+            m.kv_remove(self.table, self.nslots, self.hdr, int(idx[k]))
             if bits is not None and bits[0]:
                 try:
                     m.slab_free(one, True, 0)
@@ -596,21 +616,24 @@ class Area:
         # marked) the entry goes and the free is finished; otherwise the block
         # is published again, untouched (only this node's evictions, or an
         # unknown evictor's)
-        for i in np.flatnonzero((st == L.KV_EVICTING) & mine):
-            one[0] = int(t["payload"][i])
+        for k in np.flatnonzero((st == L.KV_EVICTING) & mine):
+            one[0] = int(rows["payload"][k])
             bits = A.slot_bits(self.pool, int(one[0]))
             if bits is not None and bits[0] and bits[2]:
-                m.kv_remove(self.table, self.nslots, self.hdr, int(i))
+                m.kv_remove(self.table, self.nslots, self.hdr, int(idx[k]))
                 try:
                     m.slab_free(one, True, 0)
                 except ValueError:
                     pass
             else:
-                m.kv_set_state(self.table, self.nslots, np.array([i], dtype=np.uint64),
+                m.kv_set_state(self.table, self.nslots, idx[k:k + 1],
                                L.KV_EVICTING, L.KV_PUBLISHED, 0, 0)
         self.fold_stats(slot)
         self.clear_node(slot)
-        self.recount()
+        me = self.pool.node
+        detaching = me is not None and me.slot == slot and me.epoch == epoch
+        if len(idx) or not detaching:
+            self.recount()
 
     def fold_stats(self, slot: int) -> None:
         """Add a node's per-namespace counters into the namespace records."""

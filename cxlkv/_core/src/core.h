@@ -200,6 +200,7 @@ PyObject *Mapping_kv_insert(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 PyObject *Mapping_kv_publish(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_kv_set_state(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_kv_stamp(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_kv_in_flight(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_kv_remove(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_kv_pin(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_kv_unpin(Mapping *m, PyObject *const *args, Py_ssize_t nargs);

@@ -585,6 +585,36 @@ Mapping_kv_stamp(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromUnsignedLongLong(done);
 }
 
+/* kv_in_flight(table_off, nslots, out) -> found
+ * Indices of the entries a writer or evictor left part way (WRITING,
+ * PENDING, EVICTING): what recovery of a node must look at.  One pass over
+ * the ctl words, no copy of the table; the first len(out) indices go to out
+ * (a uint64 buffer), the return value counts all of them (call again with a
+ * larger out when it is bigger). */
+PyObject *
+Mapping_kv_in_flight(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    Table t;
+    if (nargs_check(nargs, 3, 3, "kv_in_flight") < 0 || table_args(m, args[0], args[1], &t) < 0)
+        return NULL;
+    Py_buffer b;
+    if (get_offsets(args[2], &b, 1) < 0)
+        return NULL;
+    uint64_t *out = b.buf, cap = (uint64_t)b.len / 8, found = 0;
+    for (uint64_t i = 0; i < t.nslots; i++) {
+        uint64_t e = ent(&t, i);
+        meta_inval(m, e, 8);
+        uint64_t st = ST(pool_load64(m, e + E_CTL));
+        if (st == CXLKV_KV_WRITING || st == CXLKV_KV_PENDING || st == CXLKV_KV_EVICTING) {
+            if (found < cap)
+                out[found] = i;
+            found++;
+        }
+    }
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLongLong(found);
+}
+
 /* kv_remove(table_off, nslots, hdr_off, idx) -> parent index + 1 (0 = none)
  * Delete an entry (any live state): it becomes a TOMBSTONE, or EMPTY when the
  * slot after it is EMPTY (then the tombstones just before it become EMPTY

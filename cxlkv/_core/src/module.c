@@ -1032,6 +1032,7 @@ static PyMethodDef Mapping_methods[] = {
     FAST(kv_insert, "kv_insert(table, nslots, hdr, max_used, ns, tenant, length, owner, keys, parent, payloads, out_idx, out_status) -> (processed, used, full); pool lock held"),
     FAST(kv_set_state, "kv_set_state(table, nslots, idx, from, to, owner, stamp, new_owner=0) -> changed; pool lock held"),
     FAST(kv_stamp, "kv_stamp(table, nslots, idx, stamp) -> stamped; pool lock held"),
+    FAST(kv_in_flight, "kv_in_flight(table, nslots, out) -> found: entries in WRITING, PENDING or EVICTING (first len(out) indices to out)"),
     FAST(kv_remove, "kv_remove(table, nslots, hdr, idx) -> parent + 1; pool lock held"),
     FAST(kv_pin, "kv_pin(table, nslots, pins, npins, hint, idx, ctl, out) -> (pinned, hint, full)"),
     FAST(kv_unpin, "kv_unpin(pins, npins, records) -> cleared"),
