@@ -46,6 +46,8 @@ typedef struct {
      * NodeFenced; in_guard keeps the guard's own writes from recursing */
     PyObject *guard;
     int in_guard;
+    /* slabs this process's frees emptied (slabs.c), NULL until the first */
+    struct slab_emptied *emptied;
 } Mapping;
 
 /* Has the write deadline passed (a copy must stop before the next block)? */
@@ -184,6 +186,17 @@ PyObject *Mapping_slab_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 PyObject *Mapping_slab_mark_freeing(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_slab_publish(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_set_geometry(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+/* Validate a slab head descriptor: NULL, or what is impossible about it. */
+const char *slab_geometry(Mapping *m, uint64_t head, uint64_t *slot_size, uint64_t *nslots,
+                          uint64_t *base);
+
+/* slabs.c */
+void slab_note_emptied(Mapping *m, uint64_t head, uint64_t nslots);
+void slab_emptied_free(Mapping *m);
+PyObject *Mapping_slab_take_emptied(Mapping *m, PyObject *ignored);
+PyObject *Mapping_chunk_find_run(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_slabs_release(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_slabs_set_owner(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 
 /* module.c: nt argument (None = by size) */
 int parse_nt(Mapping *m, PyObject *o, uint64_t len, int *nt);
