@@ -230,9 +230,9 @@ class Allocator:
         self.bitmap_off = pool.region("bitmap")[0]
         self.heaps_off = pool.region("heaps")[0]
         self._current: dict[int, int] = {}      # slot size -> head chunk of the slab in use
-        # slot size -> slabs this node made or adopted: a hint, each checked
-        # against its descriptor before use (process memory, under self._slow
-        # or the pool lock)
+        # slot size -> slabs of this node that may have room (made or adopted
+        # and not yet found full, or freed in since): a hint, each checked
+        # against its descriptor before use (process memory, pool lock)
         self._mine: dict[int, set[int]] = {}
         self._hint = 0                          # next fit: the chunk after the last slab made
         self._sweep_at = 0                      # where the next _sweep starts
@@ -420,22 +420,30 @@ class Allocator:
 
     def _reuse(self, d, ss: int) -> int:
         """A slab of this node's of size ss with room, other than the one in
-        use (pool lock).  self._mine is a hint: each candidate's descriptor is
-        checked, and slabs that are no longer ours (released, remade) drop
-        out.  `d` is unused (kept for callers of the old signature)."""
+        use, which the caller found full (pool lock).  self._mine holds the
+        slabs of ours that may have room: those made or adopted and not yet
+        found full, and those this process's frees freed a slot in since
+        (slab_take_emptied(True)); each is checked against its descriptor, and
+        those that are full or no longer ours drop out.  `d` is unused."""
+        raw, _ = self.m.slab_take_emptied(True)
+        if raw:
+            freed = np.unique(np.frombuffer(raw, dtype=np.uint64)).astype(np.int64)
+            rows = self._rows(freed)
+            ours = (((rows["control"] & 0xFF) == L.CHUNK_HEAD) & (rows["owner"] == self.token))
+            for h, size in zip(freed[ours].tolist(), rows["slot_size"][ours].tolist()):
+                self._mine.setdefault(int(size), set()).add(h)
         mine = self._mine.get(ss)
         if not mine:
             return -1
         cur = self._current.get(ss)
-        idx = np.fromiter((h for h in mine if h != cur), dtype=np.int64)
+        mine.discard(cur)
+        idx = np.fromiter(mine, dtype=np.int64, count=len(mine))
         if not len(idx):
             return -1
         rows = self._rows(idx)
-        ok = (((rows["control"] & 0xFF) == L.CHUNK_HEAD) & (rows["owner"] == self.token)
-              & (rows["slot_size"] == ss))
-        for h in idx[~ok]:
-            mine.discard(int(h))
-        room = ok & (used_slots(rows) < rows["nslots"])
+        room = (((rows["control"] & 0xFF) == L.CHUNK_HEAD) & (rows["owner"] == self.token)
+                & (rows["slot_size"] == ss) & (used_slots(rows) < rows["nslots"]))
+        mine.difference_update(idx[~room].tolist())
         hit = np.flatnonzero(room)
         return int(idx[hit[0]]) if len(hit) else -1
 
@@ -453,8 +461,9 @@ class Allocator:
 
     def _sweep(self, ss: int) -> int:
         """Look at the next SWEEP_CHUNKS descriptors (pool lock): release the
-        empty slabs there (any node's), and adopt an orphan of size ss with
-        room if there is one (-> its head, else -1).  A pool of at most
+        empty slabs there (any node's), note slabs of ours with room (other
+        nodes' frees made it), and adopt an orphan of size ss with room if
+        there is one (-> its head, else -1).  A pool of at most
         SWEEP_CHUNKS chunks is swept whole every call."""
         lo = self._sweep_at if self._sweep_at < self.nchunks else 0
         hi = min(self.nchunks, lo + SWEEP_CHUNKS)
@@ -467,8 +476,11 @@ class Allocator:
             heads = np.flatnonzero((d["control"] & 0xFF) == L.CHUNK_HEAD)
             used = used_slots(d, heads)
             empty = heads[used == 0] + lo
-            room = heads[(used > 0) & (used < d["nslots"][heads])
-                         & (d["owner"][heads] == 0) & (d["slot_size"][heads] == ss)] + lo
+            some = (used > 0) & (used < d["nslots"][heads])
+            room = heads[some & (d["owner"][heads] == 0) & (d["slot_size"][heads] == ss)] + lo
+            mine = some & (d["owner"][heads] == self.token)
+            for h, size in zip((heads[mine] + lo).tolist(), d["slot_size"][heads[mine]].tolist()):
+                self._mine.setdefault(int(size), set()).add(h)   # room others' frees made
         finally:
             del d, view
         self._release(empty)

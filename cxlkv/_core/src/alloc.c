@@ -375,8 +375,7 @@ Mapping_slab_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
             bit_clear(m, d + CD_DIRTY + w * 8, bit);
         if (m->flush_meta)
             pool_flush(m, d + CD_ALLOC + (owner ? w * 8 : 0), owner ? 8 : 192);
-        if (!(old & ~bit))          /* its word is empty: maybe the whole slab */
-            slab_note_emptied(m, head, CXLKV_SLAB_MAX_SLOTS);
+        slab_note_free(m, head, !(old & ~bit));   /* for release_empty and reuse */
     }
     Py_END_ALLOW_THREADS
     m->busy--;

@@ -191,9 +191,9 @@ const char *slab_geometry(Mapping *m, uint64_t head, uint64_t *slot_size, uint64
                           uint64_t *base);
 
 /* slabs.c */
-void slab_note_emptied(Mapping *m, uint64_t head, uint64_t nslots);
+void slab_note_free(Mapping *m, uint64_t head, int word_empty);
 void slab_emptied_free(Mapping *m);
-PyObject *Mapping_slab_take_emptied(Mapping *m, PyObject *ignored);
+PyObject *Mapping_slab_take_emptied(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_chunk_find_run(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_slabs_release(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_slabs_set_owner(Mapping *m, PyObject *const *args, Py_ssize_t nargs);

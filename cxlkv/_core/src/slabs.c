@@ -27,11 +27,16 @@
 #define EMPTIED_MAX  8192
 #define MAX_SPAN     64        /* the longest slab (alloc.py MAX_SLAB_CHUNKS) */
 
-struct slab_emptied {
-    pthread_mutex_t lock;      /* slab_free runs without the GIL */
+struct slab_record {
     uint64_t n;
     int overflow;
     uint64_t heads[EMPTIED_MAX];
+};
+
+struct slab_emptied {
+    pthread_mutex_t lock;      /* slab_free runs without the GIL */
+    uint64_t last_freed;       /* head+1 of the last slab put in `freed` (relaxed) */
+    struct slab_record emptied, freed;
 };
 
 static struct slab_emptied *
@@ -64,42 +69,64 @@ slab_emptied_free(Mapping *m)
     }
 }
 
-/* Called by slab_free (GIL released) after it cleared a slot's alloc bit that
- * was the last one set in its word: record the slab if every word is now 0. */
-void
-slab_note_emptied(Mapping *m, uint64_t head, uint64_t nslots)
+static void
+record_add(struct slab_record *r, uint64_t head)
 {
-    uint64_t d = m->desc_base + head * CXLKV_CHUNK_DESC_SIZE;
-    for (uint64_t w = 0; w * 64 < nslots; w++)
-        if (pool_load64(m, d + CD_ALLOC + w * 8))
-            return;
+    if (r->n && r->heads[r->n - 1] == head)
+        return;                 /* the same slab again */
+    if (r->n < EMPTIED_MAX)
+        r->heads[r->n++] = head;
+    else
+        r->overflow = 1;
+}
+
+/* Called by slab_free (GIL released) after it freed a slot of slab `head`;
+ * word_empty: the slot's alloc word is now 0 (the slab may be empty). */
+void
+slab_note_free(Mapping *m, uint64_t head, int word_empty)
+{
+    int empty = 0;
+    if (word_empty) {
+        uint64_t d = m->desc_base + head * CXLKV_CHUNK_DESC_SIZE;
+        empty = 1;
+        for (uint64_t w = 0; w < 8 && empty; w++)
+            empty = pool_load64(m, d + CD_ALLOC + w * 8) == 0;
+    }
     struct slab_emptied *e = emptied_get(m);
     if (!e)
         return;                 /* no memory: the sweep finds the slab */
+    if (!empty && __atomic_load_n(&e->last_freed, __ATOMIC_RELAXED) == head + 1)
+        return;                 /* a batch freeing one slab's slots: noted already */
     pthread_mutex_lock(&e->lock);
-    if (e->n && e->heads[e->n - 1] == head)
-        ;                       /* the same slab again */
-    else if (e->n < EMPTIED_MAX)
-        e->heads[e->n++] = head;
-    else
-        e->overflow = 1;
+    record_add(&e->freed, head);
+    __atomic_store_n(&e->last_freed, head + 1, __ATOMIC_RELAXED);
+    if (empty)
+        record_add(&e->emptied, head);
     pthread_mutex_unlock(&e->lock);
 }
 
-/* slab_take_emptied() -> (bytes of uint64 heads, overflowed): the slabs this
- * process's frees emptied since the last call (duplicates possible). */
+/* slab_take_emptied(freed=False) -> (bytes of uint64 heads, overflowed): the
+ * slabs this process's frees emptied (freed=True: freed a slot in) since the
+ * last such call; duplicates possible, and overflowed when some were lost. */
 PyObject *
-Mapping_slab_take_emptied(Mapping *m, PyObject *Py_UNUSED(ignored))
+Mapping_slab_take_emptied(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 {
+    int which = 0;
+    if (nargs_check(nargs, 0, 1, "slab_take_emptied") < 0 ||
+        (nargs && (which = PyObject_IsTrue(args[0])) < 0))
+        return NULL;
     struct slab_emptied *e = emptied_get(m);
     if (!e)
         return PyErr_NoMemory();
     pthread_mutex_lock(&e->lock);
-    PyObject *b = PyBytes_FromStringAndSize((const char *)e->heads, (Py_ssize_t)(e->n * 8));
-    int over = e->overflow;
+    struct slab_record *r = which ? &e->freed : &e->emptied;
+    PyObject *b = PyBytes_FromStringAndSize((const char *)r->heads, (Py_ssize_t)(r->n * 8));
+    int over = r->overflow;
     if (b) {
-        e->n = 0;
-        e->overflow = 0;
+        r->n = 0;
+        r->overflow = 0;
+        if (which)
+            __atomic_store_n(&e->last_freed, 0, __ATOMIC_RELAXED);
     }
     pthread_mutex_unlock(&e->lock);
     if (!b)
