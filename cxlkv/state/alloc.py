@@ -448,16 +448,7 @@ class Allocator:
         return int(idx[hit[0]]) if len(hit) else -1
 
     def _rows(self, idx: np.ndarray) -> np.ndarray:
-        """A copy of the descriptors at chunk indices idx (each invalidated first
-        where other hosts' writes need it)."""
-        if self.m.flush_meta:
-            for h in idx:
-                self.m.invalidate(self.desc_base + int(h) * L.CHUNK_DESC_SIZE, L.CHUNK_DESC_SIZE)
-        view = self.m.view(self.desc_base, self.nchunks * L.CHUNK_DESC_SIZE)
-        try:
-            return np.frombuffer(view, dtype=_DESC)[idx]
-        finally:
-            del view
+        return desc_rows(self.pool, idx)
 
     def _sweep(self, ss: int) -> int:
         """Look at the next SWEEP_CHUNKS descriptors (pool lock): release the
@@ -670,35 +661,57 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
                     pass                    # the free had got as far as the alloc bit
             m.store64(rec, 0)
             m.flush(rec, 8)
-        d = descriptors(pool)
-        try:
-            releasing = np.flatnonzero((d["control"] & 0xFF) == L.CHUNK_RELEASING)
-        finally:
-            del d
+        live = _live_tokens(pool)
+        releasing, mine, interrupted, dangling, leaked = census(pool, token, live)
         for head in releasing:                  # only a dead lock holder leaves these
-            release_slab(pool, int(head), resume=True)
-        d = descriptors(pool)
-        try:
-            mine = np.flatnonzero(((d["control"] & 0xFF) == L.CHUNK_HEAD) & (d["owner"] == token))
-            mine = mine[_geometry_ok_all(d, mine, nchunks, chunk)]   # corrupt: fsck's
-            rows = d[mine]                      # a copy: what the dead node left
-        finally:
-            del d
+            if not release_slab(pool, int(head), resume=True) and \
+                    m.load64(base + int(head) * L.CHUNK_DESC_SIZE + _F["owner"]) == token:
+                mine = np.append(mine, head)    # back to HEAD: slots remain
+        rows = desc_rows(pool, mine)            # a copy: what the dead node left
+        ok = _geometry_ok_all(rows, np.arange(len(mine)), nchunks - mine, chunk)
+        mine, rows = mine[ok], rows[ok]         # corrupt: left for fsck to report
         guard(pool)
         # unpublished, or published but being freed (dirty): not data any more
         gone = rows["alloc_bits"] & (~rows["pub_bits"] | rows["dirty_bits"])
         offs = _slot_offsets(rows, mine, gone, data_off, chunk)
         if len(offs):
             _free_slots(m, offs)
-        orphaned = mine.astype(np.uint64)
-        m.slabs_set_owner(orphaned, token, 0)
+        m.slabs_set_owner(mine.astype(np.uint64), token, 0)
         # refused while published slots remain; with them, what this process's
         # frees emptied (a detaching node's last frees in orphans, say)
         raw, _ = m.slab_take_emptied()
         _release_batch(pool, np.concatenate((mine.astype(np.uint64),
                                              np.frombuffer(raw, dtype=np.uint64))))
-        _finish_interrupted_frees(pool, live_owner=_live_tokens(pool))
-        _repair_dangling(pool)
+        _finish_interrupted_frees(pool, live, heads=interrupted)
+        _repair_dangling(pool, dangling=dangling, leaked=leaked)
+
+
+def census(pool, token: int = 0, live=()) -> tuple[np.ndarray, ...]:
+    """(releasing, mine, interrupted, dangling, leaked) chunk indices from one
+    pass over the descriptor table in C (Mapping.slab_census): RELEASING
+    heads; HEADs owned by `token`; HEADs owned by no token in `live` with a
+    slot both allocated and dirty; TAILs in no head's span; bitmap bits over
+    FREE descriptors.  Pool lock held (or no node attached)."""
+    m = pool.mapping
+    m.set_geometry(*geometry(pool))
+    raw = m.slab_census(pool.region("bitmap")[0], token,
+                        np.array(sorted(live), dtype=np.uint64))
+    return tuple(np.frombuffer(b, dtype=np.uint64).astype(np.int64) for b in raw)
+
+
+def desc_rows(pool, idx: np.ndarray) -> np.ndarray:
+    """A copy of the descriptors at chunk indices idx, each invalidated first
+    where other hosts' writes need it (manager mode, non-coherent memory)."""
+    _, _, n, base = geometry(pool)
+    m = pool.mapping
+    if m.flush_meta or m.noncoherent:
+        for h in idx:
+            m.invalidate(base + int(h) * L.CHUNK_DESC_SIZE, L.CHUNK_DESC_SIZE)
+    view = m.view(base, n * L.CHUNK_DESC_SIZE)
+    try:
+        return np.frombuffer(view, dtype=_DESC)[np.asarray(idx, dtype=np.int64)]
+    finally:
+        del view
 
 
 def _free_slots(m, offsets) -> None:
@@ -714,14 +727,19 @@ def _free_slots(m, offsets) -> None:
             done += int(re.search(r"\(item (\d+)\)", str(e)).group(1)) + 1
 
 
-def _geometry_ok_all(d: np.ndarray, idx: np.ndarray, nchunks: int, chunk: int) -> np.ndarray:
-    """_geometry_ok for the descriptors at idx, vectorised (a bool mask)."""
+def _geometry_ok_all(d: np.ndarray, idx: np.ndarray, nchunks, chunk: int) -> np.ndarray:
+    """_geometry_ok for the descriptors d[idx], vectorised (a bool mask);
+    nchunks: the chunks from each one's index to the end of the pool (an
+    int, minus idx, or an array)."""
     ss = d["slot_size"][idx].astype(np.uint64)
     ns = d["nslots"][idx].astype(np.uint64)
     nc = d["nchunks"][idx].astype(np.uint64)
+    room = np.asarray(nchunks, dtype=np.int64)
+    if room.ndim == 0:
+        room = int(room) - np.asarray(idx, dtype=np.int64)
     with np.errstate(over="ignore"):
         return ((ss > 0) & (ss % 64 == 0) & (ns > 0) & (ns <= L.SLAB_MAX_SLOTS) & (nc > 0)
-                & (nc <= nchunks - idx.astype(np.uint64))
+                & (nc <= room.astype(np.uint64))
                 & (ss <= nc * np.uint64(chunk) // np.maximum(ns, np.uint64(1))))
 
 
@@ -765,22 +783,19 @@ def _live_tokens(pool) -> set[int]:
             if n.state in ("attached", "fenced")}
 
 
-def _finish_interrupted_frees(pool, live_owner: set[int]) -> None:
+def _finish_interrupted_frees(pool, live_owner: set[int], heads=None) -> None:
     """Allocated slots with their dirty bit set are frees a dead node began;
     finish them - in slabs no live node owns (a live owner frees its own
     slots without the lock, and its own recovery finishes them) - and return
-    empty ones of those slabs to the bitmap.  Caller holds the pool lock."""
-    data_off, chunk, nchunks, base = geometry(pool)
-    d = descriptors(pool)
-    try:
-        kind = d["control"] & 0xFF
-        heads = np.flatnonzero((kind == L.CHUNK_HEAD)
-                               & ~np.isin(d["owner"], np.array(sorted(live_owner),
-                                                               dtype=np.uint64)))
-        heads = heads[_geometry_ok_all(d, heads, nchunks, chunk)]   # corrupt: fsck's
-        rows = d[heads]
-    finally:
-        del d
+    empty ones of those slabs to the bitmap.  Caller holds the pool lock.
+    heads: the candidates (census()'s `interrupted`), else found here."""
+    data_off, chunk, nchunks, _ = geometry(pool)
+    if heads is None:
+        heads = census(pool, 0, live_owner)[2]
+    rows = desc_rows(pool, heads)
+    ok = ((rows["control"] & 0xFF) == L.CHUNK_HEAD) & \
+        _geometry_ok_all(rows, np.arange(len(heads)), nchunks - heads, chunk)
+    heads, rows = heads[ok], rows[ok]           # corrupt: left for fsck to report
     hit = rows["alloc_bits"] & rows["dirty_bits"]
     has = hit.any(axis=1)
     heads, rows, hit = heads[has], rows[has], hit[has]
@@ -791,33 +806,26 @@ def _finish_interrupted_frees(pool, live_owner: set[int]) -> None:
     _release_batch(pool, empty)
 
 
-def _repair_dangling(pool) -> None:
+def _repair_dangling(pool, dangling=None, leaked=None) -> None:
     """Tails whose head does not cover them, and bitmap bits with no slab
     behind them, left by a node that died making or releasing a slab.
-    Caller holds the pool lock (so no slab is being made right now)."""
+    Caller holds the pool lock (so no slab is being made right now).
+    dangling, leaked: census()'s, else found here."""
     _, _, nchunks, base = geometry(pool)
     m = pool.mapping
-    d = descriptors(pool)
-    try:
-        kind = (d["control"] & 0xFF).copy()
-        span = head_spans(d, releasing=False)
-    finally:
-        del d
-    for i in np.flatnonzero((kind == L.CHUNK_TAIL) & ~span):
+    if dangling is None:
+        _, _, _, dangling, leaked = census(pool)
+    for i in dangling:
         m.store64(base + int(i) * L.CHUNK_DESC_SIZE, L.CHUNK_FREE)
         m.flush(base + int(i) * L.CHUNK_DESC_SIZE, 8)
-    _reclaim_leaked_chunks(pool)
+    for i in leaked:
+        set_bits(pool, int(i), 1, False)
 
 
 def _reclaim_leaked_chunks(pool) -> int:
     """Bitmap bits with no slab behind them (a crash between the two steps of a
     release) go back to the free pool.  Caller holds the pool lock."""
-    d = descriptors(pool)
-    try:
-        bits = bitmap(pool)
-        leaked = np.flatnonzero(bits & ((d["control"] & 0xFF) == L.CHUNK_FREE))
-    finally:
-        del d
+    leaked = census(pool)[4]
     for i in leaked:
         set_bits(pool, int(i), 1, False)
     return len(leaked)

@@ -197,6 +197,7 @@ PyObject *Mapping_slab_take_emptied(Mapping *m, PyObject *const *args, Py_ssize_
 PyObject *Mapping_chunk_find_run(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_slabs_release(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_slabs_set_owner(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_slab_census(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 
 /* module.c: nt argument (None = by size) */
 int parse_nt(Mapping *m, PyObject *o, uint64_t len, int *nt);

@@ -436,3 +436,123 @@ Mapping_slabs_set_owner(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     PyBuffer_Release(&in);
     return PyLong_FromUnsignedLongLong(done);
 }
+
+struct grow {
+    uint64_t *v;
+    size_t n, cap;
+};
+
+static int
+grow_push(struct grow *g, uint64_t x)
+{
+    if (g->n == g->cap) {
+        size_t cap = g->cap ? g->cap * 2 : 256;
+        uint64_t *v = realloc(g->v, cap * sizeof *v);
+        if (!v)
+            return -1;
+        g->v = v;
+        g->cap = cap;
+    }
+    g->v[g->n++] = x;
+    return 0;
+}
+
+/* slab_census(bitmap_off, token, live) -> (releasing, mine, interrupted,
+ * dangling, leaked), each bytes of uint64 chunk indices, from one pass over
+ * the descriptor table (recovery's view of it; pool lock held):
+ *   releasing    heads left RELEASING (a release a dead lock holder began)
+ *   mine         HEADs owned by `token`
+ *   interrupted  HEADs owned by no token in `live` (a uint64 buffer) with a
+ *                slot both allocated and dirty (a free someone began)
+ *   dangling     TAILs in no HEAD's or RELEASING head's span
+ *   leaked       chunks with their bitmap bit set and a FREE descriptor */
+PyObject *
+Mapping_slab_census(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t bm, token;
+    if (nargs_check(nargs, 3, 3, "slab_census") < 0 || check_open(m) < 0 ||
+        as_u64(args[0], &bm, "bitmap_off") < 0 || as_u64(args[1], &token, "token") < 0)
+        return NULL;
+    if (!m->geo_set) {
+        PyErr_SetString(PyExc_RuntimeError, "slab_census: allocator geometry not set");
+        return NULL;
+    }
+    if (check_word(m, bm, "slab_census bitmap") < 0 ||
+        check_range(m, bm, (m->nchunks + 63) / 64 * 8, "slab_census bitmap") < 0)
+        return NULL;
+    Py_buffer lb;
+    if (get_offsets(args[2], &lb, 0) < 0)
+        return NULL;
+    const uint64_t *live = lb.buf;
+    size_t nlive = (size_t)lb.len / 8;
+    struct grow g[5] = {{0}};
+    int oom = 0;
+    m->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    uint64_t cover = 0, word = 0;
+    for (uint64_t i = 0; i < m->nchunks && !oom; i++) {
+        uint64_t d = m->desc_base + i * CXLKV_CHUNK_DESC_SIZE;
+        if (i % 64 == 0) {
+            if (m->flush_meta)
+                pool_invalidate(m, bm + i / 64 * 8, 8);
+            word = pool_load64(m, bm + i / 64 * 8);
+        }
+        if (m->flush_meta)
+            pool_invalidate(m, d, 64);
+        uint64_t ctl = pool_load64(m, d + CD_CONTROL), kind = ctl & 0xff;
+        if (kind == CXLKV_CHUNK_HEAD || kind == CXLKV_CHUNK_RELEASING) {
+            uint64_t k = pool_load64(m, d + CD_NCHUNKS);
+            if (k < 1)
+                k = 1;
+            if (k > m->nchunks - i)
+                k = m->nchunks - i;
+            if (i + k > cover)
+                cover = i + k;
+        }
+        if (kind == CXLKV_CHUNK_RELEASING) {
+            oom |= grow_push(&g[0], i);
+        } else if (kind == CXLKV_CHUNK_HEAD) {
+            uint64_t owner = pool_load64(m, d + CD_OWNER);
+            if (owner == token)
+                oom |= grow_push(&g[1], i);
+            int is_live = 0;
+            for (size_t j = 0; j < nlive && !is_live; j++)
+                is_live = live[j] == owner;
+            if (!is_live) {
+                if (m->flush_meta)
+                    pool_invalidate(m, d + CD_ALLOC, 192);
+                uint64_t hit = 0;
+                for (uint64_t w = 0; w < 8; w++)
+                    hit |= pool_load64(m, d + CD_ALLOC + w * 8) &
+                           pool_load64(m, d + CD_DIRTY + w * 8);
+                if (hit)
+                    oom |= grow_push(&g[2], i);
+            }
+        } else if (kind == CXLKV_CHUNK_TAIL) {
+            if (i >= cover)
+                oom |= grow_push(&g[3], i);
+        } else if (kind == CXLKV_CHUNK_FREE && (word >> (i % 64) & 1)) {
+            oom |= grow_push(&g[4], i);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    m->busy--;
+    PyBuffer_Release(&lb);
+    PyObject *out = NULL;
+    if (oom) {
+        PyErr_NoMemory();
+    } else {
+        out = PyTuple_New(5);
+        for (int j = 0; out && j < 5; j++) {
+            PyObject *b = PyBytes_FromStringAndSize((const char *)g[j].v,
+                                                    (Py_ssize_t)(g[j].n * 8));
+            if (!b)
+                Py_CLEAR(out);
+            else
+                PyTuple_SET_ITEM(out, j, b);
+        }
+    }
+    for (int j = 0; j < 5; j++)
+        free(g[j].v);
+    return out;
+}
