@@ -746,15 +746,23 @@ def _geometry_ok_all(d: np.ndarray, idx: np.ndarray, nchunks, chunk: int) -> np.
 def _slot_offsets(rows: np.ndarray, heads: np.ndarray, bits: np.ndarray,
                   data_off: int, chunk: int) -> np.ndarray:
     """Pool offsets of the slots whose bit is set in `bits` (8 words per slab,
-    rows[i] the descriptor of slab heads[i]), slots past nslots ignored."""
-    if not len(heads):
-        return np.empty(0, dtype=np.uint64)
-    flat = np.unpackbits(np.ascontiguousarray(bits, dtype="<u8").view(np.uint8)
-                         .reshape(len(heads), 64), axis=1, bitorder="little").astype(bool)
-    flat &= np.arange(L.SLAB_MAX_SLOTS)[None, :] < rows["nslots"].astype(np.int64)[:, None]
-    r, i = np.nonzero(flat)
-    return (np.uint64(data_off) + heads[r].astype(np.uint64) * np.uint64(chunk)
-            + i.astype(np.uint64) * rows["slot_size"][r].astype(np.uint64))
+    rows[i] the descriptor of slab heads[i]), slots past nslots ignored.
+    Work in proportion to the slabs with a bit set in each word."""
+    out = []
+    for w in range(bits.shape[1] if len(heads) else 0):
+        col = np.ascontiguousarray(bits[:, w], dtype="<u8")
+        r = np.flatnonzero(col)
+        if not len(r):
+            continue
+        b = np.unpackbits(col[r].view(np.uint8).reshape(len(r), 8), axis=1, bitorder="little")
+        rr, i = np.nonzero(b)
+        r = r[rr]
+        slot = (i + 64 * w).astype(np.uint64)
+        keep = slot < rows["nslots"][r]
+        r, slot = r[keep], slot[keep]
+        out.append(np.uint64(data_off) + heads[r].astype(np.uint64) * np.uint64(chunk)
+                   + slot * rows["slot_size"][r].astype(np.uint64))
+    return np.concatenate(out) if out else np.empty(0, dtype=np.uint64)
 
 
 def _release_batch(pool, heads) -> int:
