@@ -98,10 +98,12 @@ def recovery_ms(path: str, slabs: int) -> tuple[float, float, int]:
     child.kill()
     child.wait()
     with Pool.open(path) as p:                     # no node of ours: nobody reaps meanwhile
+        data_off, chunk, _, _ = A.geometry(p)
+        for h in heads.tolist():    # as a long-running reaper's mapping: pages mapped writable
+            p.mapping.write(data_off + h * chunk, b"R" * chunk)
         t = time.perf_counter()
         A._recover_allocations(p, slot, epoch)
         took = (time.perf_counter() - t) * 1e3
-        data_off, chunk, _, _ = A.geometry(p)
         t = time.perf_counter()
         for h in heads.tolist():                   # the same bytes zeroed again
             p.mapping.zero(data_off + h * chunk, chunk)

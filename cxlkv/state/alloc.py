@@ -32,6 +32,23 @@ set; a released slab's descriptors are cleared before its bits are.  So a
 crash leaves at worst descriptors without bits (an owned slab recovery
 releases) or bits without descriptors (a leak recovery reclaims).
 
+Costs that do not grow with the pool (pool lock held for all of them):
+making a slab searches the chunk bitmap in C (chunk_find_run: next fit from
+where this process made its last slab, full bitmap words skipped 64 chunks
+at a time, then the k descriptors of the run and the 64 before it checked -
+a dead node's half-made slab has a head and no bits), so the descriptor
+table is never read whole; the bitmap itself is the free-chunk index, and
+nothing is added on media.  Room in this node's slabs comes from a process
+hint (slabs made or adopted and not yet found full, and those this
+process's frees freed a slot in: slab_free records them), checked against
+the descriptors.  release_empty() releases only the slabs this process's
+frees emptied since its last call.  What no process here saw - another
+node's slabs emptied by its own frees, orphans with room - is found by a
+sweep of at most SWEEP_CHUNKS descriptors per pass (cursor going round the
+table), run only when no free run is left.  Recovery makes one pass over
+the descriptors in C (slab_census) and then works on the slabs concerned
+in batches (slabs_release, slabs_set_owner, slab_free).
+
 Descriptors that cannot be right raise MetadataCorrupt (naming
 `cxlkv fsck --repair`) before anything is written.
 """
@@ -188,7 +205,8 @@ def slab_shape(chunk: int, slot: int, max_chunks: int) -> tuple[int, int]:
 
 def head_spans(d: np.ndarray, releasing: bool = True) -> np.ndarray:
     """Chunks covered by a slab head's run (made, half made or - releasing=True -
-    being released)."""
+    being released).  A full-table computation: the reference chunk_find_run
+    is tested against, not used on any allocation path."""
     n = len(d)
     kind = d["control"] & 0xFF
     heads = np.flatnonzero((kind == L.CHUNK_HEAD) | (releasing & (kind == L.CHUNK_RELEASING)))
@@ -201,7 +219,8 @@ def head_spans(d: np.ndarray, releasing: bool = True) -> np.ndarray:
 
 
 def _find_run(free: np.ndarray, k: int) -> int:
-    """Index of the first run of k True values, or -1."""
+    """Index of the first run of k True values, or -1 (the full-scan reference
+    of chunk_find_run, for tests)."""
     if k == 1:
         idx = np.flatnonzero(free)
         return int(idx[0]) if len(idx) else -1
@@ -427,7 +446,8 @@ class Allocator:
         those that are full or no longer ours drop out.  `d` is unused."""
         raw, _ = self.m.slab_take_emptied(True)
         if raw:
-            freed = np.unique(np.frombuffer(raw, dtype=np.uint64)).astype(np.int64)
+            freed = np.array(sorted(set(np.frombuffer(raw, dtype=np.uint64).tolist())),
+                             dtype=np.int64)
             rows = self._rows(freed)
             ours = (((rows["control"] & 0xFF) == L.CHUNK_HEAD) & (rows["owner"] == self.token))
             for h, size in zip(freed[ours].tolist(), rows["slot_size"][ours].tolist()):
@@ -517,7 +537,7 @@ class Allocator:
         Costs what was freed, not the pool's size (slab_free records the slabs
         it empties); if that record overflowed, a sweep stands in."""
         raw, overflow = self.m.slab_take_emptied()
-        heads = np.unique(np.frombuffer(raw, dtype=np.uint64))
+        heads = np.frombuffer(raw, dtype=np.uint64)    # repeats: released once, then refused
         n = self._release(heads)
         if overflow:
             self._sweep(0)
