@@ -480,7 +480,8 @@ class Allocator:
         hi = min(self.nchunks, lo + SWEEP_CHUNKS)
         self._sweep_at = hi
         base = self.desc_base + lo * L.CHUNK_DESC_SIZE
-        self.m.invalidate(base, (hi - lo) * L.CHUNK_DESC_SIZE)
+        if self.m.flush_meta:
+            self.m.invalidate(base, (hi - lo) * L.CHUNK_DESC_SIZE)
         view = self.m.view(base, (hi - lo) * L.CHUNK_DESC_SIZE)
         try:
             d = np.frombuffer(view, dtype=_DESC)
