@@ -135,6 +135,8 @@ def used_slots(d: np.ndarray, idx: np.ndarray | None = None) -> np.ndarray:
     """Allocated slots per descriptor (popcount of its alloc bitmap), for all
     descriptors or only those at `idx` (cheaper on big pools)."""
     words = d["alloc_bits"] if idx is None else d["alloc_bits"][idx]
+    if hasattr(np, "bitwise_count"):                     # numpy >= 2
+        return np.bitwise_count(words).sum(axis=1, dtype=np.int64)
     bits = np.ascontiguousarray(words).view(np.uint8).reshape(len(words), 64)
     return np.unpackbits(bits, axis=1).sum(axis=1)
 
