@@ -554,12 +554,17 @@ class Allocator:
         if not len(heads):
             return 0
         arr = np.array(heads, dtype=np.uint64)
-        self.pool.node.guard()
+        gone: set[int] = set()
         try:
-            n = self.m.slabs_release(arr, self.bitmap_off, self.heaps_off, self.pool.sb.max_nodes)
+            while len(arr):
+                self.pool.node.guard()           # stops here once fenced
+                n, seen = self.m.slabs_release(arr, self.bitmap_off, self.heaps_off,
+                                               self.pool.sb.max_nodes)
+                gone.update(arr[:n].tolist())
+                arr = arr[seen:].copy()
         except MetadataCorrupt as e:
             raise self._corrupt(e) from None
-        gone = {int(h) for h in arr[:n]}
+        n = len(gone)
         for ss, h in list(self._current.items()):
             if h in gone:
                 del self._current[ss]
@@ -796,9 +801,11 @@ def _release_batch(pool, heads) -> int:
     bitmap_off, heaps_off = pool.region("bitmap")[0], pool.region("heaps")[0]
     done = 0
     while len(arr):
+        guard(pool)                              # stops here once fenced
         try:
-            done += m.slabs_release(arr, bitmap_off, heaps_off, pool.sb.max_nodes)
-            break
+            n, seen = m.slabs_release(arr, bitmap_off, heaps_off, pool.sb.max_nodes)
+            done += n
+            arr = arr[seen:].copy()
         except MetadataCorrupt as e:
             found = re.search(r"chunk (\d+): .*\((\d+) slabs released", str(e))
             bad, before = int(found.group(1)), int(found.group(2))

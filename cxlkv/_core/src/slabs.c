@@ -346,9 +346,11 @@ release_one(Mapping *m, uint64_t bm, uint64_t heaps, uint64_t max_nodes, uint64_
     return 1;
 }
 
-/* slabs_release(heads, bitmap_off, heaps_off, max_nodes) -> released
+/* slabs_release(heads, bitmap_off, heaps_off, max_nodes) -> (released, looked_at)
  * Releases the empty slabs among `heads` (a writable uint64 buffer; the
- * released ones are moved to its front, in order).  Raises
+ * released ones are moved to its front, in order).  Stops before a slab once
+ * the write deadline has passed (looked_at < len(heads)): the caller proves
+ * its node fresh (guard) and calls again with the rest.  Raises
  * cxlkv_CorruptError at a slab of impossible geometry (the ones before it
  * are done and moved to the front; nothing of the bad one is written). */
 PyObject *
@@ -371,10 +373,12 @@ Mapping_slabs_release(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     Py_buffer in;
     if (get_offsets(args[0], &in, 1) < 0)
         return NULL;
-    uint64_t *heads = in.buf, n = (uint64_t)in.len / 8, done = 0, bad = UINT64_MAX;
+    uint64_t *heads = in.buf, n = (uint64_t)in.len / 8, done = 0, bad = UINT64_MAX, i;
     m->busy++;
     Py_BEGIN_ALLOW_THREADS
-    for (uint64_t i = 0; i < n; i++) {
+    for (i = 0; i < n; i++) {
+        if (write_deadline_passed(m))
+            break;
         uint64_t head = heads[i];
         if (head >= m->nchunks)
             continue;
@@ -395,7 +399,7 @@ Mapping_slabs_release(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
                      (unsigned long long)done);
         return NULL;
     }
-    return PyLong_FromUnsignedLongLong(done);
+    return Py_BuildValue("(KK)", (unsigned long long)done, (unsigned long long)i);
 }
 
 /* slabs_set_owner(heads, expect, owner) -> changed
