@@ -282,6 +282,10 @@ hazard_on(Mapping *m, uint64_t heaps, uint64_t max_nodes, uint64_t head, uint64_
 static void
 bitmap_clear(Mapping *m, uint64_t bm, uint64_t i)
 {
+    /* non-coherent: the atomic works on this process's copy of the line, and
+     * the flush writes the whole line back - it must be fresh */
+    if (m->flush_meta)
+        pool_invalidate(m, bm + i / 64 * 8, 8);
     pool_and64(m, bm + i / 64 * 8, ~(1ull << (i % 64)));
     pool_flush(m, bm + i / 64 * 8, 8);
 }
