@@ -333,3 +333,59 @@ def test_recovery_of_10k_slabs_is_batched(pool_path):
         c = slab_census(p)
     assert c == {"heads": n // 2, "orphans": n // 2, "used": n // 2, "bits": n // 2}
     assert took < 1.0, took
+
+
+def test_a_release_keeps_bits_another_node_set_in_the_same_bitmap_line(mode_pool, monkeypatch):
+    """Node A's copy of a bitmap line goes stale when B makes a slab next to
+    A's; A's release of its own slab must not write that stale line back
+    (non-coherent memory: found by `cxlkv stress`)."""
+    monkeypatch.setenv("CXLKV_NC_EVICT_EVERY", "0")        # no lucky evictions
+    with cxlkv.open_pool(mode_pool) as a, cxlkv.open_pool(mode_pool) as b:
+        x = a.alloc(64 * 1024)
+        a.free(x)                                           # emptied: A's to release
+        y = b.alloc(64 * 1024)                              # the next chunk, same line
+        data_off, chunk, _, _ = A.geometry(a)
+        assert (y - data_off) // chunk == (x - data_off) // chunk + 1
+        with a.lock():
+            assert a.allocator.release_empty() == 1
+        with Pool.open(mode_pool, writable=False) as p:
+            assert A.bitmap(p)[(y - data_off) // chunk]
+            assert not A.bitmap(p)[(x - data_off) // chunk]
+        b.free(y)
+
+
+def test_the_census_matches_the_numpy_computation(small_chunks):
+    """slab_census (one C pass) against the full-table numpy reading of the
+    same states: a RELEASING head, a dangling tail, a leaked bit, a slab with
+    an interrupted free, slabs of a given owner."""
+    with cxlkv.open_pool(small_chunks) as p:
+        offs = p.alloc_batch(100 * 1024, 6)
+        p.publish(offs[:4])
+        m = p.mapping
+        data_off, chunk, n, base = A.geometry(p)
+        with p.lock():
+            m.slab_mark_freeing(offs[:1])                   # a free begun: dirty + allocated
+            m.store64(base + 300 * L.CHUNK_DESC_SIZE, L.CHUNK_TAIL | 299 << 8)   # dangling
+            A.set_bits(p, 310, 1, True)                     # leaked
+            h = (int(offs[5]) - data_off) // chunk
+            m.store64(base + h * L.CHUNK_DESC_SIZE, L.CHUNK_RELEASING)
+            got = A.census(p, p.node.owner_token, [0])      # 0 live: our slabs are candidates
+            d = A.descriptors(p)
+            try:
+                kind = d["control"] & 0xFF
+                heads = np.flatnonzero(kind == L.CHUNK_HEAD)
+                hit = (d["alloc_bits"][heads] & d["dirty_bits"][heads]).any(axis=1)
+                want = (np.flatnonzero(kind == L.CHUNK_RELEASING),
+                        heads[d["owner"][heads] == p.node.owner_token],
+                        heads[hit & (d["owner"][heads] != 0)],
+                        np.flatnonzero((kind == L.CHUNK_TAIL) & ~A.head_spans(d)),
+                        np.flatnonzero(A.bitmap(p) & (kind == L.CHUNK_FREE)))
+            finally:
+                del d
+            for g, w in zip(got, want):
+                assert g.tolist() == w.tolist()
+            assert [len(x) for x in got] == [1, 1, 1, 1, 1]   # 100 KiB slots: 2 slabs
+            m.store64(base + h * L.CHUNK_DESC_SIZE, L.CHUNK_HEAD)
+            A._repair_dangling(p)
+            assert [len(x) for x in A.census(p)[3:]] == [0, 0]
+        p.free_batch(offs)
