@@ -690,7 +690,7 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
             m.store64(rec, 0)
             m.flush(rec, 8)
         live = _live_tokens(pool)
-        releasing, mine, interrupted, dangling, leaked = census(pool, token, live)
+        releasing, mine, interrupted, dangling, leaked, empty = census(pool, token, live)
         for head in releasing:                  # only a dead lock holder leaves these
             if not release_slab(pool, int(head), resume=True) and \
                     m.load64(base + int(head) * L.CHUNK_DESC_SIZE + _F["owner"]) == token:
@@ -706,20 +706,24 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
             _free_slots(m, offs)
         m.slabs_set_owner(mine.astype(np.uint64), token, 0)
         # refused while published slots remain; with them, what this process's
-        # frees emptied (a detaching node's last frees in orphans, say)
+        # frees emptied (a detaching node's last frees in orphans, say), and
+        # every empty slab no live node owns (orphans emptied by nodes that
+        # died before releasing them: nobody else would, short of a sweep)
         raw, _ = m.slab_take_emptied()
         _release_batch(pool, np.concatenate((mine.astype(np.uint64),
-                                             np.frombuffer(raw, dtype=np.uint64))))
+                                             np.frombuffer(raw, dtype=np.uint64),
+                                             empty.astype(np.uint64))))
         _finish_interrupted_frees(pool, live, heads=interrupted)
         _repair_dangling(pool, dangling=dangling, leaked=leaked)
 
 
 def census(pool, token: int = 0, live=()) -> tuple[np.ndarray, ...]:
-    """(releasing, mine, interrupted, dangling, leaked) chunk indices from one
-    pass over the descriptor table in C (Mapping.slab_census): RELEASING
-    heads; HEADs owned by `token`; HEADs owned by no token in `live` with a
-    slot both allocated and dirty; TAILs in no head's span; bitmap bits over
-    FREE descriptors.  Pool lock held (or no node attached)."""
+    """(releasing, mine, interrupted, dangling, leaked, empty) chunk indices
+    from one pass over the descriptor table in C (Mapping.slab_census):
+    RELEASING heads; HEADs owned by `token`; HEADs owned by no token in
+    `live` with a slot both allocated and dirty; TAILs in no head's span;
+    bitmap bits over FREE descriptors; HEADs owned by no token in `live` with
+    no slot allocated.  Pool lock held (or no node attached)."""
     m = pool.mapping
     m.set_geometry(*geometry(pool))
     raw = m.slab_census(pool.region("bitmap")[0], token,
@@ -852,7 +856,7 @@ def _repair_dangling(pool, dangling=None, leaked=None) -> None:
     _, _, nchunks, base = geometry(pool)
     m = pool.mapping
     if dangling is None:
-        _, _, _, dangling, leaked = census(pool)
+        _, _, _, dangling, leaked, _ = census(pool)
     for i in dangling:
         m.store64(base + int(i) * L.CHUNK_DESC_SIZE, L.CHUNK_FREE)
         m.flush(base + int(i) * L.CHUNK_DESC_SIZE, 8)

@@ -466,14 +466,16 @@ grow_push(struct grow *g, uint64_t x)
 }
 
 /* slab_census(bitmap_off, token, live) -> (releasing, mine, interrupted,
- * dangling, leaked), each bytes of uint64 chunk indices, from one pass over
- * the descriptor table (recovery's view of it; pool lock held):
+ * dangling, leaked, empty), each bytes of uint64 chunk indices, from one
+ * pass over the descriptor table (recovery's view of it; pool lock held):
  *   releasing    heads left RELEASING (a release a dead lock holder began)
  *   mine         HEADs owned by `token`
  *   interrupted  HEADs owned by no token in `live` (a uint64 buffer) with a
  *                slot both allocated and dirty (a free someone began)
  *   dangling     TAILs in no HEAD's or RELEASING head's span
- *   leaked       chunks with their bitmap bit set and a FREE descriptor */
+ *   leaked       chunks with their bitmap bit set and a FREE descriptor
+ *   empty        HEADs owned by no token in `live` with no slot allocated
+ *                (orphans, or a dead node's, that nobody will free into) */
 PyObject *
 Mapping_slab_census(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -493,7 +495,7 @@ Mapping_slab_census(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     const uint64_t *live = lb.buf;
     size_t nlive = (size_t)lb.len / 8;
-    struct grow g[5] = {{0}};
+    struct grow g[6] = {{0}};
     int oom = 0;
     m->busy++;
     Py_BEGIN_ALLOW_THREADS
@@ -529,12 +531,16 @@ Mapping_slab_census(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
             if (!is_live) {
                 if (m->flush_meta)
                     pool_invalidate(m, d + CD_ALLOC, 192);
-                uint64_t hit = 0;
-                for (uint64_t w = 0; w < 8; w++)
-                    hit |= pool_load64(m, d + CD_ALLOC + w * 8) &
-                           pool_load64(m, d + CD_DIRTY + w * 8);
+                uint64_t hit = 0, used = 0;
+                for (uint64_t w = 0; w < 8; w++) {
+                    uint64_t a = pool_load64(m, d + CD_ALLOC + w * 8);
+                    used |= a;
+                    hit |= a & pool_load64(m, d + CD_DIRTY + w * 8);
+                }
                 if (hit)
                     oom |= grow_push(&g[2], i);
+                if (!used)
+                    oom |= grow_push(&g[5], i);
             }
         } else if (kind == CXLKV_CHUNK_TAIL) {
             if (i >= cover)
@@ -550,8 +556,8 @@ Mapping_slab_census(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     if (oom) {
         PyErr_NoMemory();
     } else {
-        out = PyTuple_New(5);
-        for (int j = 0; out && j < 5; j++) {
+        out = PyTuple_New(6);
+        for (int j = 0; out && j < 6; j++) {
             PyObject *b = PyBytes_FromStringAndSize((const char *)g[j].v,
                                                     (Py_ssize_t)(g[j].n * 8));
             if (!b)
@@ -560,7 +566,7 @@ Mapping_slab_census(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
                 PyTuple_SET_ITEM(out, j, b);
         }
     }
-    for (int j = 0; j < 5; j++)
+    for (int j = 0; j < 6; j++)
         free(g[j].v);
     return out;
 }
