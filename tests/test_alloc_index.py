@@ -413,3 +413,21 @@ def test_orphans_emptied_by_a_node_that_died_are_released_by_the_next_recovery(s
     with cxlkv.open_pool(small_chunks) as p:                          # reaps B
         assert slab_census(p) == {"heads": 0, "orphans": 0, "used": 0, "bits": 0}
         assert fsck.check(p).clean
+
+
+def test_the_sweep_finds_slabs_others_emptied_a_window_at_a_time(small_chunks, monkeypatch):
+    """A full pool whose slabs another process emptied (its record, not
+    ours): each slab-making attempt that finds no free run sweeps one window
+    of descriptors, releasing the empty slabs there and no more."""
+    monkeypatch.setattr(A, "SWEEP_CHUNKS", 64)
+    with cxlkv.open_pool(small_chunks) as a, cxlkv.open_pool(small_chunks) as b:
+        offs = fill_with_chunk_slabs(a)
+        b.free_batch(offs)                                  # foreign frees: b's record
+        before = slab_census(a)["heads"]
+        got = [a.alloc(128 * 1024) for _ in range(3)]       # 2-chunk slabs
+        released = before - slab_census(a)["heads"] + 3
+        assert 4 <= released <= 64 * 2                      # one or two windows, not all
+        a.free_batch(got)
+        with b.lock():
+            b.allocator.release_empty()                     # b releases the rest it emptied
+        assert slab_census(a)["heads"] <= 3
