@@ -32,12 +32,30 @@ set; a released slab's descriptors are cleared before its bits are.  So a
 crash leaves at worst descriptors without bits (an owned slab recovery
 releases) or bits without descriptors (a leak recovery reclaims).
 
+Costs that do not grow with the pool (pool lock held for all of them):
+making a slab searches the chunk bitmap in C (chunk_find_run: next fit from
+where this process made its last slab, full bitmap words skipped 64 chunks
+at a time, then the k descriptors of the run and the 64 before it checked -
+a dead node's half-made slab has a head and no bits), so the descriptor
+table is never read whole; the bitmap itself is the free-chunk index, and
+nothing is added on media.  Room in this node's slabs comes from a process
+hint (slabs made or adopted and not yet found full, and those this
+process's frees freed a slot in: slab_free records them), checked against
+the descriptors.  release_empty() releases only the slabs this process's
+frees emptied since its last call.  What no process here saw - another
+node's slabs emptied by its own frees, orphans with room - is found by a
+sweep of at most SWEEP_CHUNKS descriptors per pass (cursor going round the
+table), run only when no free run is left.  Recovery makes one pass over
+the descriptors in C (slab_census) and then works on the slabs concerned
+in batches (slabs_release, slabs_set_owner, slab_free).
+
 Descriptors that cannot be right raise MetadataCorrupt (naming
 `cxlkv fsck --repair`) before anything is written.
 """
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 
 import numpy as np
@@ -56,7 +74,8 @@ assert _DESC.itemsize == L.CHUNK_DESC_SIZE
 
 _F = {name: L.field_offset(L.ChunkStruct, name) for name, *_ in L.ChunkStruct._fields_}
 _FREEING = L.field_offset(L.LockEntryStruct, "freeing")
-MAX_SLAB_CHUNKS = 64
+MAX_SLAB_CHUNKS = 64          # slabs.c MAX_SPAN
+SWEEP_CHUNKS = 16384          # descriptors one _sweep looks at
 
 
 class PoolFullError(RefusedError):
@@ -116,6 +135,8 @@ def used_slots(d: np.ndarray, idx: np.ndarray | None = None) -> np.ndarray:
     """Allocated slots per descriptor (popcount of its alloc bitmap), for all
     descriptors or only those at `idx` (cheaper on big pools)."""
     words = d["alloc_bits"] if idx is None else d["alloc_bits"][idx]
+    if hasattr(np, "bitwise_count"):                     # numpy >= 2
+        return np.bitwise_count(words).sum(axis=1, dtype=np.int64)
     bits = np.ascontiguousarray(words).view(np.uint8).reshape(len(words), 64)
     return np.unpackbits(bits, axis=1).sum(axis=1)
 
@@ -184,11 +205,13 @@ def slab_shape(chunk: int, slot: int, max_chunks: int) -> tuple[int, int]:
     return best[1], best[2]
 
 
-def head_spans(d: np.ndarray) -> np.ndarray:
-    """Chunks covered by a slab head's run (made, half made or being released)."""
+def head_spans(d: np.ndarray, releasing: bool = True) -> np.ndarray:
+    """Chunks covered by a slab head's run (made, half made or - releasing=True -
+    being released).  A full-table computation: the reference chunk_find_run
+    is tested against, not used on any allocation path."""
     n = len(d)
     kind = d["control"] & 0xFF
-    heads = np.flatnonzero((kind == L.CHUNK_HEAD) | (kind == L.CHUNK_RELEASING))
+    heads = np.flatnonzero((kind == L.CHUNK_HEAD) | (releasing & (kind == L.CHUNK_RELEASING)))
     cover = np.zeros(n + 1, dtype=np.int64)
     if len(heads):
         k = np.clip(d["nchunks"][heads].astype(np.int64), 1, None)
@@ -198,7 +221,8 @@ def head_spans(d: np.ndarray) -> np.ndarray:
 
 
 def _find_run(free: np.ndarray, k: int) -> int:
-    """Index of the first run of k True values, or -1."""
+    """Index of the first run of k True values, or -1 (the full-scan reference
+    of chunk_find_run, for tests)."""
     if k == 1:
         idx = np.flatnonzero(free)
         return int(idx[0]) if len(idx) else -1
@@ -224,7 +248,15 @@ class Allocator:
         self.token = pool.node.owner_token
         # cas mode: this node's hazard words (manager mode allocates under the lock)
         self.heap = 0 if self.managed else heap_offset(pool, pool.node.slot)
+        self.bitmap_off = pool.region("bitmap")[0]
+        self.heaps_off = pool.region("heaps")[0]
         self._current: dict[int, int] = {}      # slot size -> head chunk of the slab in use
+        # slot size -> slabs of this node that may have room (made or adopted
+        # and not yet found full, or freed in since): a hint, each checked
+        # against its descriptor before use (process memory, pool lock)
+        self._mine: dict[int, set[int]] = {}
+        self._hint = 0                          # next fit: the chunk after the last slab made
+        self._sweep_at = 0                      # where the next _sweep starts
         self._spare: dict[int, list[int]] = {}  # slot size -> slabs made ahead for a batch
         self._slow = threading.Lock()
         self._tls = threading.local()           # per-thread scratch (_scratch)
@@ -368,31 +400,38 @@ class Allocator:
             raise AllocError(str(e)) from None
 
     # -- slow path (pool lock) ---------------------------------------------------
+    # Nothing here reads the whole descriptor table: a new slab's chunks come
+    # from the bitmap through chunk_find_run (C, next fit from a hint, full
+    # bitmap words skipped 64 chunks at a time), room in slabs of this node
+    # from self._mine (checked against their descriptors), empty slabs from
+    # what this process's frees emptied (slab_take_emptied), and everything
+    # else - other nodes' empty slabs, orphans to adopt - from a sweep of at
+    # most SWEEP_CHUNKS descriptors per call whose cursor goes round the table.
     def _find_slab(self, ss: int, want: int = 1) -> int:
         """A slab with room for slots of size ss (pool lock).  For a batch
         needing `want` more slots, the further slabs it will need are made in
-        the same pass and kept for it (one descriptor scan, one lock hold)."""
+        the same lock hold and kept for it."""
         self.pool.node.guard()
         with self._locked():
-            d = descriptors(self.pool)
-            try:
-                head = self._reuse(d, ss)
+            head = self._reuse(None, ss)
+            if head < 0:
+                head = self._new_slab(None, ss)
+            if head < 0 and self.release_empty():
+                head = self._new_slab(None, ss)
+            if head < 0:
+                head = self._sweep(ss)
                 if head < 0:
-                    head = self._new_slab(d, ss)
-                if head < 0 and self._release_empty(d):
-                    head = self._new_slab(d, ss)
-                if head >= 0 and want > 1:
-                    per = int(d["nslots"][head])
-                    more = []
-                    for _ in range(min(64, -(-want // max(1, per)) - 1)):
-                        h = self._new_slab(d, ss)
-                        if h < 0:
-                            break
-                        more.append(h)
-                    if more:
-                        self._spare.setdefault(ss, []).extend(reversed(more))
-            finally:
-                del d
+                    head = self._new_slab(None, ss)
+            if head >= 0 and want > 1:
+                per = self.m.load64(self.desc_base + head * L.CHUNK_DESC_SIZE + _F["nslots"])
+                more = []
+                for _ in range(min(64, -(-want // max(1, per)) - 1)):
+                    h = self._new_slab(None, ss)
+                    if h < 0:
+                        break
+                    more.append(h)
+                if more:
+                    self._spare.setdefault(ss, []).extend(reversed(more))
         if head < 0:
             raise PoolFullError(
                 f"{self.pool.path}: pool full: no room for a {ss}-byte slot "
@@ -400,28 +439,77 @@ class Allocator:
                 path=self.pool.path, hint="free or evict blocks, or use a larger pool")
         return head
 
-    def _reuse(self, d: np.ndarray, ss: int) -> int:
-        """A slab of this size with room: ours first, else adopt an orphan."""
-        kind = d["control"] & 0xFF
-        same = np.flatnonzero((kind == L.CHUNK_HEAD) & (d["slot_size"] == ss))
-        same = same[used_slots(d, same) < d["nslots"][same]]
-        for owner in (self.token, 0):
-            for head in same[d["owner"][same] == owner]:
-                head = int(head)
-                if head in self._current.values() and owner == self.token:
-                    continue
-                off = self.desc_base + head * L.CHUNK_DESC_SIZE + _F["owner"]
-                if owner == 0 and self.m.cas64(off, 0, self.token) != 0:
-                    continue
-                return head
+    def _reuse(self, d, ss: int) -> int:
+        """A slab of this node's of size ss with room, other than the one in
+        use, which the caller found full (pool lock).  self._mine holds the
+        slabs of ours that may have room: those made or adopted and not yet
+        found full, and those this process's frees freed a slot in since
+        (slab_take_emptied(True)); each is checked against its descriptor, and
+        those that are full or no longer ours drop out.  `d` is unused."""
+        raw, _ = self.m.slab_take_emptied(True)
+        if raw:
+            freed = np.array(sorted(set(np.frombuffer(raw, dtype=np.uint64).tolist())),
+                             dtype=np.int64)
+            rows = self._rows(freed)
+            ours = (((rows["control"] & 0xFF) == L.CHUNK_HEAD) & (rows["owner"] == self.token))
+            for h, size in zip(freed[ours].tolist(), rows["slot_size"][ours].tolist()):
+                self._mine.setdefault(int(size), set()).add(h)
+        mine = self._mine.get(ss)
+        if not mine:
+            return -1
+        cur = self._current.get(ss)
+        mine.discard(cur)
+        idx = np.fromiter(mine, dtype=np.int64, count=len(mine))
+        if not len(idx):
+            return -1
+        rows = self._rows(idx)
+        room = (((rows["control"] & 0xFF) == L.CHUNK_HEAD) & (rows["owner"] == self.token)
+                & (rows["slot_size"] == ss) & (used_slots(rows) < rows["nslots"]))
+        mine.difference_update(idx[~room].tolist())
+        hit = np.flatnonzero(room)
+        return int(idx[hit[0]]) if len(hit) else -1
+
+    def _rows(self, idx: np.ndarray) -> np.ndarray:
+        return desc_rows(self.pool, idx)
+
+    def _sweep(self, ss: int) -> int:
+        """Look at the next SWEEP_CHUNKS descriptors (pool lock): release the
+        empty slabs there (any node's), note slabs of ours with room (other
+        nodes' frees made it), and adopt an orphan of size ss with room if
+        there is one (-> its head, else -1).  A pool of at most
+        SWEEP_CHUNKS chunks is swept whole every call."""
+        lo = self._sweep_at if self._sweep_at < self.nchunks else 0
+        hi = min(self.nchunks, lo + SWEEP_CHUNKS)
+        self._sweep_at = hi
+        base = self.desc_base + lo * L.CHUNK_DESC_SIZE
+        if self.m.flush_meta:
+            self.m.invalidate(base, (hi - lo) * L.CHUNK_DESC_SIZE)
+        view = self.m.view(base, (hi - lo) * L.CHUNK_DESC_SIZE)
+        try:
+            d = np.frombuffer(view, dtype=_DESC)
+            heads = np.flatnonzero((d["control"] & 0xFF) == L.CHUNK_HEAD)
+            used = used_slots(d, heads)
+            empty = heads[used == 0] + lo
+            some = (used > 0) & (used < d["nslots"][heads])
+            room = heads[some & (d["owner"][heads] == 0) & (d["slot_size"][heads] == ss)] + lo
+            mine = some & (d["owner"][heads] == self.token)
+            for h, size in zip((heads[mine] + lo).tolist(), d["slot_size"][heads[mine]].tolist()):
+                self._mine.setdefault(int(size), set()).add(h)   # room others' frees made
+        finally:
+            del d, view
+        self._release(empty)
+        for h in room:
+            one = np.array([h], dtype=np.uint64)
+            if self.m.slabs_set_owner(one, 0, self.token):
+                self._mine.setdefault(ss, set()).add(int(h))
+                return int(h)
         return -1
 
-    def _new_slab(self, d: np.ndarray, ss: int) -> int:
+    def _new_slab(self, d, ss: int) -> int:
+        """Make a slab of size ss in the first free run of chunks from the
+        next-fit hint (pool lock); -1 when there is none.  `d` is unused."""
         k, nslots = slab_shape(self.chunk, ss, self.nchunks)
-        # free = not in the bitmap, no descriptor, and inside no head's span
-        # (a slab a dead node was making has its head, but not yet its tails)
-        free = ~bitmap(self.pool) & ((d["control"] & 0xFF) == L.CHUNK_FREE) & ~head_spans(d)
-        head = _find_run(free, k)
+        head = self.m.chunk_find_run(self.bitmap_off, k, self._hint)
         if head < 0:
             return -1
         m, base = self.m, self.desc_base
@@ -441,35 +529,48 @@ class Allocator:
         m.flush(h, k * L.CHUNK_DESC_SIZE)
         crashpoint("slab.tails")
         set_bits(self.pool, head, k, True)
+        self._hint = head + k if head + k < self.nchunks else 0
+        self._mine.setdefault(ss, set()).add(head)
         return head
 
     def release_empty(self) -> int:
-        """Return every empty slab to the bitmap (pool lock held): after an
-        evictor freed slots in other nodes' slabs, their chunks serve any size."""
-        d = descriptors(self.pool)
+        """Return to the bitmap the slabs this process's frees emptied since
+        the last call (pool lock held) - whichever node owns them: after an
+        evictor freed slots in other nodes' slabs, their chunks serve any size.
+        Costs what was freed, not the pool's size (slab_free records the slabs
+        it empties); if that record overflowed, a sweep stands in."""
+        raw, overflow = self.m.slab_take_emptied()
+        heads = np.frombuffer(raw, dtype=np.uint64)    # repeats: released once, then refused
+        n = self._release(heads)
+        if overflow:
+            self._sweep(0)
+        return n
+
+    def _release(self, heads: np.ndarray) -> int:
+        """Release the empty slabs among `heads` (release_slab's protocol, in
+        C; pool lock held): any node's, and safe for a slab another thread or
+        node is allocating from (the RELEASING/hazard check makes exactly one
+        of them back off)."""
+        if not len(heads):
+            return 0
+        arr = np.array(heads, dtype=np.uint64)
+        gone: set[int] = set()
         try:
-            return self._release_empty(d)
-        finally:
-            del d
-
-    def _release_empty(self, d: np.ndarray) -> int:
-        """Return empty slabs - any node's - to the bitmap.
-
-        Safe for a slab another thread or node is allocating from:
-        release_slab's RELEASING/bit check (allocators set their bit, then
-        check the head) makes exactly one of them back off."""
-        kind = d["control"] & 0xFF
-        cand = np.flatnonzero(kind == L.CHUNK_HEAD)
-        cand = cand[used_slots(d, cand) == 0]
-        released = 0
-        for head in cand:
-            head = int(head)
-            if release_slab(self.pool, head):
-                released += 1
-                for ss, h in list(self._current.items()):
-                    if h == head:
-                        del self._current[ss]
-        return released
+            while len(arr):
+                self.pool.node.guard()           # stops here once fenced
+                n, seen = self.m.slabs_release(arr, self.bitmap_off, self.heaps_off,
+                                               self.pool.sb.max_nodes)
+                gone.update(arr[:n].tolist())
+                arr = arr[seen:].copy()
+        except MetadataCorrupt as e:
+            raise self._corrupt(e) from None
+        n = len(gone)
+        for ss, h in list(self._current.items()):
+            if h in gone:
+                del self._current[ss]
+        for s in self._mine.values():
+            s.difference_update(gone)
+        return n
 
 
 def set_bits(pool, first: int, count: int, value: bool) -> None:
@@ -588,50 +689,133 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
                     pass                    # the free had got as far as the alloc bit
             m.store64(rec, 0)
             m.flush(rec, 8)
-        d = descriptors(pool)
-        try:
-            kind = d["control"] & 0xFF
-            mine = np.flatnonzero(((kind == L.CHUNK_HEAD) | (kind == L.CHUNK_RELEASING))
-                                  & (d["owner"] == token))
-            releasing = np.flatnonzero(kind == L.CHUNK_RELEASING)
-            for head in releasing:          # only a dead lock holder leaves these
-                release_slab(pool, int(head), resume=True)
-            for head in mine:
-                guard(pool)
-                head = int(head)
-                h = base + head * L.CHUNK_DESC_SIZE
-                if m.load64(h) & 0xFF != L.CHUNK_HEAD:
-                    continue
-                if not _geometry_ok(d[head], head, nchunks, chunk):
-                    continue                    # corrupt: left for fsck to report
-                ss, ns = int(d["slot_size"][head]), int(d["nslots"][head])
-                alloc = [int(x) for x in d["alloc_bits"][head]]
-                pub = [int(x) for x in d["pub_bits"][head]]
-                dirty = [int(x) for x in d["dirty_bits"][head]]
-                # unpublished, or published but being freed (dirty): not data any more
-                gone = [alloc[w] & (~pub[w] | dirty[w]) for w in range(8)]
-                reserved = [i for i in range(ns) if (gone[i // 64] >> (i % 64)) & 1]
-                if reserved:
-                    _free_slots(m, [data_off + head * chunk + i * ss for i in reserved])
-                m.store64(h + _F["owner"], 0)
-                m.flush(h, 64)
-                release_slab(pool, head)        # refused while published slots remain
-        finally:
-            del d
-        _finish_interrupted_frees(pool, live_owner=_live_tokens(pool))
-        _repair_dangling(pool)
+        live = _live_tokens(pool)
+        releasing, mine, interrupted, dangling, leaked, empty = census(pool, token, live)
+        for head in releasing:                  # only a dead lock holder leaves these
+            if not release_slab(pool, int(head), resume=True) and \
+                    m.load64(base + int(head) * L.CHUNK_DESC_SIZE + _F["owner"]) == token:
+                mine = np.append(mine, head)    # back to HEAD: slots remain
+        rows = desc_rows(pool, mine)            # a copy: what the dead node left
+        ok = _geometry_ok_all(rows, np.arange(len(mine)), nchunks - mine, chunk)
+        mine, rows = mine[ok], rows[ok]         # corrupt: left for fsck to report
+        guard(pool)
+        # unpublished, or published but being freed (dirty): not data any more
+        gone = rows["alloc_bits"] & (~rows["pub_bits"] | rows["dirty_bits"])
+        offs = _slot_offsets(rows, mine, gone, data_off, chunk)
+        if len(offs):
+            _free_slots(m, offs)
+        m.slabs_set_owner(mine.astype(np.uint64), token, 0)
+        # refused while published slots remain; with them, what this process's
+        # frees emptied (a detaching node's last frees in orphans, say), and
+        # every empty slab no live node owns (orphans emptied by nodes that
+        # died before releasing them: nobody else would, short of a sweep)
+        raw, _ = m.slab_take_emptied()
+        _release_batch(pool, np.concatenate((mine.astype(np.uint64),
+                                             np.frombuffer(raw, dtype=np.uint64),
+                                             empty.astype(np.uint64))))
+        _finish_interrupted_frees(pool, live, heads=interrupted)
+        _repair_dangling(pool, dangling=dangling, leaked=leaked)
 
 
-def _free_slots(m, offsets: list[int]) -> None:
+def census(pool, token: int = 0, live=()) -> tuple[np.ndarray, ...]:
+    """(releasing, mine, interrupted, dangling, leaked, empty) chunk indices
+    from one pass over the descriptor table in C (Mapping.slab_census):
+    RELEASING heads; HEADs owned by `token`; HEADs owned by no token in
+    `live` with a slot both allocated and dirty; TAILs in no head's span;
+    bitmap bits over FREE descriptors; HEADs owned by no token in `live` with
+    no slot allocated.  Pool lock held (or no node attached)."""
+    m = pool.mapping
+    m.set_geometry(*geometry(pool))
+    raw = m.slab_census(pool.region("bitmap")[0], token,
+                        np.array(sorted(live), dtype=np.uint64))
+    return tuple(np.frombuffer(b, dtype=np.uint64).astype(np.int64) for b in raw)
+
+
+def desc_rows(pool, idx: np.ndarray) -> np.ndarray:
+    """A copy of the descriptors at chunk indices idx, each invalidated first
+    where other hosts' writes need it (manager mode, non-coherent memory)."""
+    _, _, n, base = geometry(pool)
+    m = pool.mapping
+    if m.flush_meta or m.noncoherent:
+        for h in idx:
+            m.invalidate(base + int(h) * L.CHUNK_DESC_SIZE, L.CHUNK_DESC_SIZE)
+    view = m.view(base, n * L.CHUNK_DESC_SIZE)
+    try:
+        return np.frombuffer(view, dtype=_DESC)[np.asarray(idx, dtype=np.int64)]
+    finally:
+        del view
+
+
+def _free_slots(m, offsets) -> None:
     """Free slots, zeroed, for recovery (pool lock held): a slot whose
     descriptors are corrupt stays for fsck to report, the others go."""
-    arr = np.array(offsets, dtype=np.uint64)
-    try:
-        m.slab_free(arr, True, 0)
-    except MetadataCorrupt:
-        for i in range(len(arr)):              # one by one past the bad one
-            with contextlib.suppress(ValueError):
-                m.slab_free(arr[i:i + 1], True, 0)
+    arr = np.ascontiguousarray(offsets, dtype=np.uint64)
+    done = 0
+    while done < len(arr):
+        try:
+            done += m.slab_free(arr[done:], True, 0)
+        except (MetadataCorrupt, ValueError) as e:
+            # slab_free names the bad one's place in what it was given: skip it
+            done += int(re.search(r"\(item (\d+)\)", str(e)).group(1)) + 1
+
+
+def _geometry_ok_all(d: np.ndarray, idx: np.ndarray, nchunks, chunk: int) -> np.ndarray:
+    """_geometry_ok for the descriptors d[idx], vectorised (a bool mask);
+    nchunks: the chunks from each one's index to the end of the pool (an
+    int, minus idx, or an array)."""
+    ss = d["slot_size"][idx].astype(np.uint64)
+    ns = d["nslots"][idx].astype(np.uint64)
+    nc = d["nchunks"][idx].astype(np.uint64)
+    room = np.asarray(nchunks, dtype=np.int64)
+    if room.ndim == 0:
+        room = int(room) - np.asarray(idx, dtype=np.int64)
+    with np.errstate(over="ignore"):
+        return ((ss > 0) & (ss % 64 == 0) & (ns > 0) & (ns <= L.SLAB_MAX_SLOTS) & (nc > 0)
+                & (nc <= room.astype(np.uint64))
+                & (ss <= nc * np.uint64(chunk) // np.maximum(ns, np.uint64(1))))
+
+
+def _slot_offsets(rows: np.ndarray, heads: np.ndarray, bits: np.ndarray,
+                  data_off: int, chunk: int) -> np.ndarray:
+    """Pool offsets of the slots whose bit is set in `bits` (8 words per slab,
+    rows[i] the descriptor of slab heads[i]), slots past nslots ignored.
+    Work in proportion to the slabs with a bit set in each word."""
+    out = []
+    for w in range(bits.shape[1] if len(heads) else 0):
+        col = np.ascontiguousarray(bits[:, w], dtype="<u8")
+        r = np.flatnonzero(col)
+        if not len(r):
+            continue
+        b = np.unpackbits(col[r].view(np.uint8).reshape(len(r), 8), axis=1, bitorder="little")
+        rr, i = np.nonzero(b)
+        r = r[rr]
+        slot = (i + 64 * w).astype(np.uint64)
+        keep = slot < rows["nslots"][r]
+        r, slot = r[keep], slot[keep]
+        out.append(np.uint64(data_off) + heads[r].astype(np.uint64) * np.uint64(chunk)
+                   + slot * rows["slot_size"][r].astype(np.uint64))
+    return np.concatenate(out) if out else np.empty(0, dtype=np.uint64)
+
+
+def _release_batch(pool, heads) -> int:
+    """Release the empty slabs among `heads` (pool lock held; release_slab's
+    protocol, in C).  A slab of impossible geometry is skipped (fsck's)."""
+    m = pool.mapping
+    arr = np.array(heads, dtype=np.uint64)
+    bitmap_off, heaps_off = pool.region("bitmap")[0], pool.region("heaps")[0]
+    done = 0
+    while len(arr):
+        guard(pool)                              # stops here once fenced
+        try:
+            n, seen = m.slabs_release(arr, bitmap_off, heaps_off, pool.sb.max_nodes)
+            done += n
+            arr = arr[seen:].copy()
+        except MetadataCorrupt as e:
+            found = re.search(r"chunk (\d+): .*\((\d+) slabs released", str(e))
+            bad, before = int(found.group(1)), int(found.group(2))
+            done += before
+            arr = arr[np.flatnonzero(arr == bad)[0] + 1:].copy()
+    return done
 
 
 def _live_tokens(pool) -> set[int]:
@@ -641,67 +825,49 @@ def _live_tokens(pool) -> set[int]:
             if n.state in ("attached", "fenced")}
 
 
-def _finish_interrupted_frees(pool, live_owner: set[int]) -> None:
+def _finish_interrupted_frees(pool, live_owner: set[int], heads=None) -> None:
     """Allocated slots with their dirty bit set are frees a dead node began;
     finish them - in slabs no live node owns (a live owner frees its own
     slots without the lock, and its own recovery finishes them) - and return
-    empty ones of those slabs to the bitmap.  Caller holds the pool lock."""
-    data_off, chunk, nchunks, base = geometry(pool)
-    d = descriptors(pool)
-    try:
-        kind = d["control"] & 0xFF
-        heads = [int(h) for h in np.flatnonzero(kind == L.CHUNK_HEAD)
-                 if int(d["owner"][h]) not in live_owner]
-        todo, empty = [], []
-        for h in heads:
-            if not _geometry_ok(d[h], h, nchunks, chunk):
-                continue                        # corrupt: left for fsck to report
-            ss, ns = int(d["slot_size"][h]), int(d["nslots"][h])
-            a = [int(x) for x in d["alloc_bits"][h]]
-            dirty = [int(x) for x in d["dirty_bits"][h]]
-            hit = [i for i in range(ns) if (a[i // 64] & dirty[i // 64]) >> (i % 64) & 1]
-            todo += [data_off + h * chunk + i * ss for i in hit]
-            if sum(x.bit_count() for x in a) == len(hit):
-                empty.append(h)
-    finally:
-        del d
-    if todo:
+    empty ones of those slabs to the bitmap.  Caller holds the pool lock.
+    heads: the candidates (census()'s `interrupted`), else found here."""
+    data_off, chunk, nchunks, _ = geometry(pool)
+    if heads is None:
+        heads = census(pool, 0, live_owner)[2]
+    rows = desc_rows(pool, heads)
+    ok = ((rows["control"] & 0xFF) == L.CHUNK_HEAD) & \
+        _geometry_ok_all(rows, np.arange(len(heads)), nchunks - heads, chunk)
+    heads, rows = heads[ok], rows[ok]           # corrupt: left for fsck to report
+    hit = rows["alloc_bits"] & rows["dirty_bits"]
+    has = hit.any(axis=1)
+    heads, rows, hit = heads[has], rows[has], hit[has]
+    todo = _slot_offsets(rows, heads, hit, data_off, chunk)
+    empty = heads[(rows["alloc_bits"] == hit).all(axis=1)]
+    if len(todo):
         _free_slots(pool.mapping, todo)
-    for h in empty:
-        release_slab(pool, h)
+    _release_batch(pool, empty)
 
 
-def _repair_dangling(pool) -> None:
+def _repair_dangling(pool, dangling=None, leaked=None) -> None:
     """Tails whose head does not cover them, and bitmap bits with no slab
     behind them, left by a node that died making or releasing a slab.
-    Caller holds the pool lock (so no slab is being made right now)."""
+    Caller holds the pool lock (so no slab is being made right now).
+    dangling, leaked: census()'s, else found here."""
     _, _, nchunks, base = geometry(pool)
     m = pool.mapping
-    d = descriptors(pool)
-    try:
-        kind = (d["control"] & 0xFF).copy()
-        heads = np.flatnonzero(kind == L.CHUNK_HEAD)
-        span = np.zeros(nchunks, dtype=bool)
-        for h in heads:
-            k = int(d["nchunks"][h])
-            span[int(h):min(nchunks, int(h) + max(k, 1))] = True
-    finally:
-        del d
-    for i in np.flatnonzero((kind == L.CHUNK_TAIL) & ~span):
+    if dangling is None:
+        _, _, _, dangling, leaked, _ = census(pool)
+    for i in dangling:
         m.store64(base + int(i) * L.CHUNK_DESC_SIZE, L.CHUNK_FREE)
         m.flush(base + int(i) * L.CHUNK_DESC_SIZE, 8)
-    _reclaim_leaked_chunks(pool)
+    for i in leaked:
+        set_bits(pool, int(i), 1, False)
 
 
 def _reclaim_leaked_chunks(pool) -> int:
     """Bitmap bits with no slab behind them (a crash between the two steps of a
     release) go back to the free pool.  Caller holds the pool lock."""
-    d = descriptors(pool)
-    try:
-        bits = bitmap(pool)
-        leaked = np.flatnonzero(bits & ((d["control"] & 0xFF) == L.CHUNK_FREE))
-    finally:
-        del d
+    leaked = census(pool)[4]
     for i in leaked:
         set_bits(pool, int(i), 1, False)
     return len(leaked)

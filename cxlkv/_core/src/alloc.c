@@ -77,7 +77,7 @@ Mapping_set_geometry(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 }
 
 /* Validate a slab head descriptor; fills slot size, slot count and base. */
-static const char *
+const char *
 slab_geometry(Mapping *m, uint64_t head, uint64_t *slot_size, uint64_t *nslots,
               uint64_t *base)
 {
@@ -375,6 +375,7 @@ Mapping_slab_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
             bit_clear(m, d + CD_DIRTY + w * 8, bit);
         if (m->flush_meta)
             pool_flush(m, d + CD_ALLOC + (owner ? w * 8 : 0), owner ? 8 : 192);
+        slab_note_free(m, head, !(old & ~bit));   /* for release_empty and reuse */
     }
     Py_END_ALLOW_THREADS
     m->busy--;

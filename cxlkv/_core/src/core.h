@@ -52,6 +52,8 @@ typedef struct {
      * lru_fenced: the node's guard raised mid-call (nothing more is written) */
     int lru_set, lru_bad, lru_depth, lru_fenced;
     uint64_t lru_table, lru_nslots, lru_hdr, lru_links;
+    /* slabs this process's frees emptied (slabs.c), NULL until the first */
+    struct slab_emptied *emptied;
 } Mapping;
 
 /* Has the write deadline passed (a copy must stop before the next block)? */
@@ -190,6 +192,18 @@ PyObject *Mapping_slab_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 PyObject *Mapping_slab_mark_freeing(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_slab_publish(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_set_geometry(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+/* Validate a slab head descriptor: NULL, or what is impossible about it. */
+const char *slab_geometry(Mapping *m, uint64_t head, uint64_t *slot_size, uint64_t *nslots,
+                          uint64_t *base);
+
+/* slabs.c */
+void slab_note_free(Mapping *m, uint64_t head, int word_empty);
+void slab_emptied_free(Mapping *m);
+PyObject *Mapping_slab_take_emptied(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_chunk_find_run(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_slabs_release(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_slabs_set_owner(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_slab_census(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 
 /* module.c: nt argument (None = by size) */
 int parse_nt(Mapping *m, PyObject *o, uint64_t len, int *nt);

@@ -181,6 +181,7 @@ static void
 Mapping_dealloc(Mapping *m)
 {
     Py_CLEAR(m->guard);
+    slab_emptied_free(m);
     mapping_release(m);
     Py_TYPE(m)->tp_free((PyObject *)m);
 }
@@ -1028,6 +1029,11 @@ static PyMethodDef Mapping_methods[] = {
     FAST(slab_free, "slab_free(offsets, zero, owner) -> freed (stops at a slab owner does not own; owner 0 = any); raises ValueError at the first bad offset (MetadataCorrupt, also a ValueError, for a corrupt descriptor)"),
     FAST(slab_mark_freeing, "slab_mark_freeing(offsets) -> marked: set the dirty bit of allocated slots (a free has begun)"),
     FAST(slab_publish, "slab_publish(offsets) -> published"),
+    FAST(chunk_find_run, "chunk_find_run(bitmap_off, k, hint) -> first of k free chunks (bitmap clear, descriptor FREE, in no head's span) from hint, wrapping once; -1 if none"),
+    FAST(slabs_release, "slabs_release(heads, bitmap_off, heaps_off, max_nodes) -> (released, looked_at): release_slab's protocol for each empty slab (released ones moved to the front of heads); stops early once the write deadline has passed"),
+    FAST(slabs_set_owner, "slabs_set_owner(heads, expect, owner) -> changed (moved to the front of heads): CAS the owner of HEAD slabs"),
+    FAST(slab_census, "slab_census(bitmap_off, token, live) -> (releasing, mine, interrupted, dangling, leaked, empty): bytes of uint64 chunk indices from one pass over the descriptors (recovery)"),
+    FAST(slab_take_emptied, "slab_take_emptied(freed=False) -> (bytes of uint64 heads, overflowed): slabs this process's frees emptied (freed=True: freed a slot in) since the last such call"),
     FAST(kv_lookup, "kv_lookup(table, nslots, ns, keys, out_idx, out_ctl, out_payload, out_len, stop_at_miss) -> found"),
     FAST(kv_insert, "kv_insert(table, nslots, hdr, max_used, ns, tenant, length, owner, keys, parent, payloads, out_idx, out_status) -> (processed, used, full); pool lock held"),
     FAST(kv_set_state, "kv_set_state(table, nslots, idx, from, to, owner, stamp, new_owner=0) -> changed; pool lock held"),
