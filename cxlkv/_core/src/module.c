@@ -25,7 +25,7 @@
 /* Bump when the Python-visible interface changes; cxlkv/_core/__init__.py
  * refuses to import a build with a different number (a stale build must fail
  * loudly, not strangely). */
-#define CXLKV_NATIVE_ABI 9
+#define CXLKV_NATIVE_ABI 10
 
 /* Copies at least this large release the GIL. */
 #define GIL_RELEASE_MIN (64 * 1024)
@@ -1021,6 +1021,8 @@ static PyMethodDef Mapping_methods[] = {
     FAST(ticket_acquire, "ticket_acquire(hdr, entry, token, epoch, spins, control_off, control) -> ticket if acquired | (ticket, serving) | None if fenced"),
     FAST(ticket_wait, "ticket_wait(hdr, entry, ticket, token, spins, control_off, control) -> (acquired, serving) | None if fenced; GIL released"),
     FAST(ticket_release, "ticket_release(hdr, entry, ticket, token, control_off, control) -> bool: False if it was not ours or the node was fenced (nothing written)"),
+    FAST(hostlock_acquire, "hostlock_acquire(off, mine, spins, wait_ns, since_ns) -> 0 when the host lock is ours, else the holder's word after up to wait_ns; GIL released while waiting (hostlock.c)"),
+    FAST(hostlock_release, "hostlock_release(off, mine) -> bool: False if the word no longer names mine (taken over; nothing written)"),
     FAST(set_geometry, "set_geometry(data_off, chunk_size, nchunks, desc_base): allocator geometry"),
     FAST(slab_alloc, "slab_alloc(head, owner, out, count, zero, slot_size=0, heap=0) -> allocated | -1 (not our active slab of that size) | -2 (no hazard word free: call again holding the pool lock, heap=0)"),
     FAST(slab_free, "slab_free(offsets, zero, owner) -> freed (stops at a slab owner does not own; owner 0 = any); raises ValueError at the first bad offset (MetadataCorrupt, also a ValueError, for a corrupt descriptor)"),
