@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import secrets
 import time
 
 from cxlkv._core import Mapping
@@ -251,7 +252,7 @@ def _header(pool) -> bytes:
 def _create(path: str, pool, size: int) -> int:
     """Write a complete file under a temporary name, then link it into place
     (someone else's link first: use theirs).  Returns an open fd."""
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, MODE)
     try:
         os.fchmod(fd, MODE)                     # not narrowed by the umask
