@@ -63,6 +63,7 @@ RECORDS = 128
 RECORD_SIZE = 64
 HOLDER = 0xFFFFFFFF0000FFFF
 WAITERS = 1 << 31
+HANDOFF = 1 << 30
 SPINS = 200
 MODE = 0o660
 _M32 = 0xFFFFFFFF
@@ -100,6 +101,7 @@ class HostLock:
                                              f"{node.observer.pidns}.lock")
         self._mm = _open(self.path, pool)
         self.m = Mapping.from_buffer(self._mm)
+        self.m.host_memory()                    # coherent, even under CXLKV_NONCOHERENT=1
         self.mine = word_of(node.slot, node.epoch)
         lease = pool.sb.lease_ms / 1000.0
         #: how long a waiter sleeps before it judges an unchanged holder
@@ -155,6 +157,9 @@ class HostLock:
                 return True
             self.node.check()                   # NodeFenced: stop waiting
             if deadline is not None and time.monotonic() >= deadline:
+                # handed to us (reserved) as we give up: free it for the others
+                if word & HOLDER == 0 and word & HANDOFF:
+                    self.m.cas64(WORD, word, 0)
                 return False
             word = self.fast_acquire(WORD, self.mine, SPINS, self._wait_ns(deadline), since)
             if word == 0:

@@ -1,8 +1,12 @@
 """The pool lock, `pool.lock()`.
 
-cas mode (coherent memory): a ticket lock in the lock area.  Two tiers as in
-TraCT: a host-local (process) lock lets one thread per node compete, then the
-node takes a ticket.  Each node records the ticket it holds or waits for in
+Two tiers as in TraCT.  Tier 1: a process-local threading.Lock (one thread
+per node), then the host-local lock (state.hostlock: a futex word in host
+memory, one process per host); only its holder goes on to tier 2, the pool
+lock proper, so contention in the pool is bounded by hosts, not processes.
+Tier 2 alone makes the mutual exclusion; tier 1 only thins the crowd.
+
+cas mode (coherent memory): tier 2 is a ticket lock in the lock area.  Each node records the ticket it holds or waits for in
 its own lock entry, so waiters can tell a live holder from a dead one:
 
 * the holder (or the waiter whose turn it is) is alive as long as its node
@@ -443,7 +447,8 @@ class PoolLock:
 class ManagerLock:
     """The pool lock in sync mode `manager` (TraCT's two tiers).
 
-    Tier 1: a process-local lock, so one thread per node competes.  Tier 2:
+    Tier 1: a process-local lock, then the host-local lock (state.hostlock),
+    so one thread per host competes.  Tier 2:
     the node raises a request in its own lock-entry line (store + flush) and
     polls the line the lock manager writes (invalidate + load) until the
     request is granted; release is one more store + flush.  No cross-host

@@ -204,6 +204,7 @@ PyObject *mod_kv_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *mod_kv_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* hostlock.c */
+PyObject *Mapping_host_memory(Mapping *m, PyObject *ignored);
 PyObject *Mapping_hostlock_acquire(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_hostlock_release(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 

@@ -89,8 +89,8 @@ hl_args(Mapping *m, PyObject *const *args, uint64_t *off, uint64_t *mine, const 
         check_word(m, *off, name) < 0 || check_writable(m, name) < 0)
         return -1;
     if (m->nc) {
-        PyErr_Format(PyExc_ValueError, "%s: the host lock lives in host memory; this mapping "
-                     "is under the non-coherence emulation", name);
+        PyErr_Format(PyExc_ValueError, "%s: the host lock lives in host memory; call "
+                     "host_memory() on its mapping first", name);
         return -1;
     }
     if ((*mine & ~HL_HOLDER) || !(*mine & HL_SLOT)) {
@@ -137,6 +137,21 @@ hl_wait(uint64_t *w, uint64_t mine, uint64_t spins, int64_t until, int64_t since
         futex_wait(w, (uint32_t)want, until - now);
         waited = 1;
     }
+}
+
+/* host_memory(): this mapping is host memory (a host lock file), coherent
+ * whatever CXLKV_NONCOHERENT says: drop its emulated cache.  Call it right
+ * after mapping, before any access. */
+PyObject *
+Mapping_host_memory(Mapping *m, PyObject *Py_UNUSED(ignored))
+{
+    if (check_open(m) < 0)
+        return NULL;
+    if (m->nc) {
+        nc_destroy(m->nc);
+        m->nc = NULL;
+    }
+    Py_RETURN_NONE;
 }
 
 /* hostlock_acquire(off, mine, spins, wait_ns, since_ns) -> 0 when the lock

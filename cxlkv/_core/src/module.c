@@ -1048,6 +1048,8 @@ static PyMethodDef Mapping_methods[] = {
     {"from_buffer", (PyCFunction)Mapping_from_buffer, METH_O | METH_CLASS,
      "from_buffer(obj) -> Mapping over an existing buffer (formatting without files, tests)"},
     {"close", (PyCFunction)Mapping_close, METH_NOARGS, "unmap; refused while views are alive"},
+    {"host_memory", (PyCFunction)Mapping_host_memory, METH_NOARGS,
+     "this mapping is host memory (the host lock file): never under the non-coherence emulation"},
     {"set_guard", (PyCFunction)Mapping_set_guard, METH_O,
      "set_guard(fn or None): called (GIL held) before any write once write_deadline_ns has "
      "passed; it proves the writer fresh or raises"},
