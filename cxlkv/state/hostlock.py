@@ -229,7 +229,7 @@ def _open(path: str, pool) -> mmap.mmap:
         except FileExistsError:
             pass
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
         fd = _create(path, pool, size)
     try:
@@ -268,7 +268,7 @@ def _create(path: str, pool, size: int) -> int:
             os.link(tmp, path)
         except FileExistsError:
             os.close(fd)
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
     except BaseException:
         os.close(fd)
         raise
