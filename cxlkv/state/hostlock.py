@@ -22,7 +22,7 @@ writes it, no pool lock involved):
 
 Waiters spin briefly, then sleep in FUTEX_WAIT; the lock barges (a running
 process gets a free word at once), so a preempted waiter stalls nobody, and
-a waiter that has waited 1 ms asks for a hand-off, so nobody starves.
+a waiter that has waited 4 ms asks for a hand-off, so nobody starves.
 
 Dead and stalled holders.  A waiter whose timed wait ends with the same
 holder judges it and takes the lock over by CAS on the word it saw when

@@ -41,7 +41,7 @@
 #define HL_WAITERS  (1ull << 31)
 #define HL_HOLDER   0xFFFFFFFF0000FFFFull
 /* a waiter that has waited this long asks for a hand-off */
-#define STARVE_NS   1000000ll
+#define STARVE_NS   4000000ll
 
 static inline int64_t
 mono_ns(void)
