@@ -141,6 +141,8 @@ def _isolated(monkeypatch, tmp_path_factory):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setattr(admin, "DEFAULT_POOL_PATH",
                         str(tmp_path_factory.mktemp("default") / "cxlkv-default.pool"))
+    # host-local lock files of this test's pools (children inherit it)
+    monkeypatch.setenv("CXLKV_HOSTLOCK_DIR", str(tmp_path_factory.mktemp("hostlock")))
     yield
 
 

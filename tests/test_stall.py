@@ -398,14 +398,23 @@ def test_hash_table_inserts_stop_at_the_write_deadline(small_pool):
 
 # -- review regressions -------------------------------------------------------------------
 
-def test_a_fenced_waiter_never_takes_the_pool_lock(pool_path):
+def test_a_fenced_waiter_never_takes_the_pool_lock(pool_path, monkeypatch, tmp_path):
     """F waits for the lock and is fenced meanwhile: when its turn comes it
     must not take the lock (its turn is skipped), and the lock goes on."""
     import threading
 
+    from cxlkv.state.stress import make_host_root
+
     init_pool(pool_path, {"size": 16 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8,
                           "lease_ms": 10_000})
-    h, f, w = (cxlkv.open_pool(pool_path, heartbeat=False) for _ in range(3))
+    # three nodes as three hosts: f waits for its ticket, not behind h in
+    # their host's lock (tests/test_hostlock.py has a fenced host-lock waiter)
+    nodes = []
+    for _ in range(3):
+        monkeypatch.setenv("CXLKV_PROCFS_ROOT", make_host_root(tmp_path)[0])
+        nodes.append(cxlkv.open_pool(pool_path, heartbeat=False))
+    monkeypatch.delenv("CXLKV_PROCFS_ROOT")
+    h, f, w = nodes
     try:
         lk = h.lock()
         lk.acquire()

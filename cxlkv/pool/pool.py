@@ -4,11 +4,15 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import threading
 import traceback
 
 from cxlkv.errors import PoolTruncated
 from cxlkv.pool import device, layout as L, superblock
 from cxlkv.pool.superblock import Superblock
+
+#: makes the first pool.lock() of a pool once, when threads race to it
+_LOCK_INIT = threading.Lock()
 
 
 def read_superblocks(m) -> tuple[bytes, bytes]:
@@ -108,7 +112,9 @@ class Pool:
         if self._lock is None:
             from cxlkv.state.locks import ManagerLock, PoolLock
 
-            self._lock = (ManagerLock if self.sb.sync == "manager" else PoolLock)(self)
+            with _LOCK_INIT:        # two threads' first calls: one lock object, not two
+                if self._lock is None:
+                    self._lock = (ManagerLock if self.sb.sync == "manager" else PoolLock)(self)
         if timeout is None:
             return self._lock
         return _TimedLock(self._lock, timeout)

@@ -1,8 +1,12 @@
 """The pool lock, `pool.lock()`.
 
-cas mode (coherent memory): a ticket lock in the lock area.  Two tiers as in
-TraCT: a host-local (process) lock lets one thread per node compete, then the
-node takes a ticket.  Each node records the ticket it holds or waits for in
+Two tiers as in TraCT.  Tier 1: a process-local threading.Lock (one thread
+per node), then the host-local lock (state.hostlock: a futex word in host
+memory, one process per host); only its holder goes on to tier 2, the pool
+lock proper, so contention in the pool is bounded by hosts, not processes.
+Tier 2 alone makes the mutual exclusion; tier 1 only thins the crowd.
+
+cas mode (coherent memory): tier 2 is a ticket lock in the lock area.  Each node records the ticket it holds or waits for in
 its own lock entry, so waiters can tell a live holder from a dead one:
 
 * the holder (or the waiter whose turn it is) is alive as long as its node
@@ -31,6 +35,7 @@ raise LockLost when the lock was taken from it - never silence.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from threading import get_ident
@@ -40,7 +45,10 @@ import numpy as np
 from cxlkv._core import CRASH_ENABLED, crashpoint
 from cxlkv.errors import CxlkvError, PoolCorrupt
 from cxlkv.pool import layout as L
+from cxlkv.state import hostlock as H
 from cxlkv.state import nodes as N
+
+log = logging.getLogger(__name__)
 
 SPINS = 4000
 BACKOFF_MAX = 0.001
@@ -65,16 +73,52 @@ _OWNER = L.field_offset(L.LockHdrStruct, "owner")
 _NEXT = L.field_offset(L.LockHdrStruct, "next_ticket")
 
 
-def _take_local(local: threading.Lock, path: str, timeout: float | None) -> float | None:
-    """Tier 1, the process-local lock; returns the deadline for tier 2."""
+def _take_local(local: threading.Lock, host: H.HostLock | None, path: str,
+                timeout: float | None) -> float | None:
+    """Tier 1: the process-local lock, then this host's lock (state.hostlock)
+    when there is one; returns the deadline for tier 2.  On any failure
+    neither is left held."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     if timeout is None:
         local.acquire()
-        return None
-    deadline = time.monotonic() + timeout
-    if not local.acquire(timeout=timeout):
+    elif not local.acquire(timeout=timeout):
         raise LockTimeout(f"{path}: timed out waiting for the pool lock "
                           "(held by another thread of this process)")
+    if host is None:
+        return deadline
+    try:
+        got = host.acquire(deadline)
+    except BaseException:
+        local.release()
+        raise
+    if not got:
+        local.release()
+        raise LockTimeout(f"{path}: timed out waiting for the pool lock: this host's lock "
+                          f"({host.path}) is held by {host.describe()}")
     return deadline
+
+
+def _leave_local(local: threading.Lock, host: H.HostLock | None) -> None:
+    """Leave tier 1: this host's lock (a no-op when it was taken over from
+    us - our node was fenced, and the pool lock's release says so), then the
+    process-local lock."""
+    try:
+        if host is not None:
+            host.release()
+    finally:
+        local.release()
+
+
+def _host_lock(pool) -> H.HostLock | None:
+    """This node's host lock, or None (tier 1 is then process-local only)
+    when the host lock file cannot be used - the pool lock stays correct,
+    the processes of this host just all compete for it."""
+    try:
+        return H.HostLock(pool, pool.node)
+    except (OSError, CxlkvError) as e:
+        log.warning("cxlkv: %s: no host-local lock tier (%s); every process of this host "
+                    "competes for the pool lock", pool.path, e)
+        return None
 
 
 def _granted() -> None:
@@ -250,7 +294,13 @@ class PoolLock:
         if node is None:
             raise CxlkvError("pool.lock() needs an attached node: use cxlkv.open_pool()")
         self.pool = pool
-        self._local = threading.Lock()          # tier 1: one thread per node
+        self._local = threading.Lock()          # tier 1: one thread per node ...
+        self._host = _host_lock(pool)           # ... then one process per host
+        # the host lock's hot path, straight to C (None: no host tier)
+        self._hl_acq = self._host.fast_acquire if self._host else None
+        self._hl_rel = self._host.fast_release if self._host else None
+        self._hl_mine = self._host.mine if self._host else 0
+        self._hl_wait = self._host._check_ns if self._host else 0
         self._hdr, _ = lock_offsets(pool)
         # fixed while attached: the hot path passes them straight to C
         self._entry = entry_offset(pool, node.slot)
@@ -267,9 +317,12 @@ class PoolLock:
     def acquire(self, timeout: float | None = None) -> "PoolLock":
         if timeout is None:                  # the hot path: no helper call
             self._local.acquire()
+            if self._hl_acq is not None and self._hl_acq(H.WORD, self._hl_mine, H.SPINS,
+                                                         self._hl_wait, 0):
+                self._wait_host()
             deadline = None
         else:
-            deadline = _take_local(self._local, self.pool.path, timeout)
+            deadline = _take_local(self._local, self._host, self.pool.path, timeout)
         # held (or waited for): in flight for the fencing acknowledgement
         # (Attachment._in_flight) until release - set before the lock is ours
         self._holder = get_ident()
@@ -285,11 +338,19 @@ class PoolLock:
             _granted()
         except BaseException:
             self._holder = 0
-            self._local.release()
+            _leave_local(self._local, self._host)
             if self.pool.node.fenced:
                 self.pool.node.acknowledge_if_idle()
             raise
         return self
+
+    def _wait_host(self) -> None:
+        """The host lock's slow path (waits for ever; see hostlock.HostLock)."""
+        try:
+            self._host.wait(None, self._hl_wait)
+        except BaseException:
+            self._local.release()
+            raise
 
     def guard(self) -> None:
         """Inside `with pool.lock():` - raise LockLost unless this node still
@@ -373,7 +434,11 @@ class PoolLock:
             ok = False
         finally:
             self._holder = 0
-            self._local.release()
+            try:
+                if self._hl_rel is not None:
+                    self._hl_rel(H.WORD, self._hl_mine)     # False: taken over (we were fenced)
+            finally:
+                self._local.release()
         if not ok:
             node.acknowledge_if_idle()
             raise self._lost()
@@ -387,7 +452,8 @@ class PoolLock:
 class ManagerLock:
     """The pool lock in sync mode `manager` (TraCT's two tiers).
 
-    Tier 1: a process-local lock, so one thread per node competes.  Tier 2:
+    Tier 1: a process-local lock, then the host-local lock (state.hostlock),
+    so one thread per host competes.  Tier 2:
     the node raises a request in its own lock-entry line (store + flush) and
     polls the line the lock manager writes (invalidate + load) until the
     request is granted; release is one more store + flush.  No cross-host
@@ -406,12 +472,14 @@ class ManagerLock:
         self.m.invalidate(self.e, L.LOCK_ENTRY_SIZE)
         self.seq = max(self.m.load64(self.e + o) for o in (P.E_REQ, P.E_RELEASE, P.E_GRANT,
                                                             P.E_REVOKE))
-        self._local = threading.Lock()
+        self._local = threading.Lock()          # tier 1: one thread per node ...
+        self._host = _host_lock(pool)           # ... then one process per host
         self._holder = 0
 
     def acquire(self, timeout: float | None = None) -> "ManagerLock":
         P, m, e = self.P, self.m, self.e
-        _take_local(self._local, self.pool.path, timeout)
+        deadline = _take_local(self._local, self._host, self.pool.path, timeout)
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             node = self.pool.node
             node.check()
@@ -456,7 +524,7 @@ class ManagerLock:
             _granted()
         except BaseException:
             self._holder = 0
-            self._local.release()
+            _leave_local(self._local, self._host)
             if self.pool.node.fenced:
                 self.pool.node.acknowledge_if_idle()
             raise
@@ -501,7 +569,7 @@ class ManagerLock:
                 lost = True
         finally:
             self._holder = 0
-            self._local.release()
+            _leave_local(self._local, self._host)
         if lost:
             node.acknowledge_if_idle()
             raise self._lost()

@@ -253,5 +253,9 @@ PyObject *Mapping_kv_evict_free(Mapping *m, PyObject *const *args, Py_ssize_t na
 /* kv.c: kv_remove's work on a checked table, header and index */
 int kv_remove_at(Mapping *m, uint64_t table, uint64_t nslots, uint64_t hdr, uint64_t idx,
                  uint64_t *parent_out);
+/* hostlock.c */
+PyObject *Mapping_host_memory(Mapping *m, PyObject *ignored);
+PyObject *Mapping_hostlock_acquire(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_hostlock_release(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

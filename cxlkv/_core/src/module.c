@@ -1024,6 +1024,8 @@ static PyMethodDef Mapping_methods[] = {
     FAST(ticket_release, "ticket_release(hdr, entry, ticket, token, control_off, control) -> bool: False if it was not ours or the node was fenced (nothing written)"),
     FAST(mgr_loop, "mgr_loop(lock_hdr, nodes, max_nodes, state, table, boot_id, superblocks) -> reason: the lock manager's scan / grant / heartbeat loop until Python is needed (0 heartbeat or return time due, 1 slots, 2 guard, 3 step down, 4 Python step); GIL released"),
     FAST(mgr_wait, "mgr_wait(entry, req, spin_ns, sleep_max_ns, until_ns) -> 1 granted | 2 revoked | 0 until_ns passed; GIL released"),
+    FAST(hostlock_acquire, "hostlock_acquire(off, mine, spins, wait_ns, since_ns) -> 0 when the host lock is ours, else the holder's word after up to wait_ns; GIL released while waiting (hostlock.c)"),
+    FAST(hostlock_release, "hostlock_release(off, mine) -> bool: False if the word no longer names mine (taken over; nothing written)"),
     FAST(set_geometry, "set_geometry(data_off, chunk_size, nchunks, desc_base): allocator geometry"),
     FAST(slab_alloc, "slab_alloc(head, owner, out, count, zero, slot_size=0, heap=0) -> allocated | -1 (not our active slab of that size) | -2 (no hazard word free: call again holding the pool lock, heap=0)"),
     FAST(slab_free, "slab_free(offsets, zero, owner) -> freed (stops at a slab owner does not own; owner 0 = any); raises ValueError at the first bad offset (MetadataCorrupt, also a ValueError, for a corrupt descriptor)"),
@@ -1063,6 +1065,8 @@ static PyMethodDef Mapping_methods[] = {
     {"from_buffer", (PyCFunction)Mapping_from_buffer, METH_O | METH_CLASS,
      "from_buffer(obj) -> Mapping over an existing buffer (formatting without files, tests)"},
     {"close", (PyCFunction)Mapping_close, METH_NOARGS, "unmap; refused while views are alive"},
+    {"host_memory", (PyCFunction)Mapping_host_memory, METH_NOARGS,
+     "this mapping is host memory (the host lock file): never under the non-coherence emulation"},
     {"set_guard", (PyCFunction)Mapping_set_guard, METH_O,
      "set_guard(fn or None): called (GIL held) before any write once write_deadline_ns has "
      "passed; it proves the writer fresh or raises"},
