@@ -290,8 +290,10 @@ def test_manager_mode_spills_another_nodes_blocks_fresh(pool_path, tmp_path, mon
         for off in pay:                              # A caches the old payload lines
             assert pa.mapping.read(int(off), 4096)[:1] == b"0"
         kb.drop()
+        pb.close()                                   # a new node searches for room from
+        pb = cxlkv.open_pool(pool_path)              # the start: it reuses the freed slots
         kb = pb.kv(**a)
-        kb.store(t, pattern(kb, t))                  # new content, maybe the same slots
+        kb.store(t, pattern(kb, t))                  # new content in the same slots
         reused = set(int(x) for x in kb._lookup(kb._keys(t))[3]) & set(int(x) for x in pay)
         with pa.lock():
             from cxlkv.kv.area import Area
