@@ -397,3 +397,46 @@ def test_an_evictor_paused_mid_eviction_writes_no_list_after_it_was_fenced(pool_
         if mgr is not None:
             mgr.terminate()
             mgr.wait(30)
+
+
+@pytest.mark.parametrize("sync", ["cas", "manager"])
+def test_frees_a_paused_evictor_began_are_left_to_its_own_recovery(pool_path, sync, remote_env):
+    """An evictor stops (SIGSTOP) after marking its victims' slots; it is
+    fenced, and meanwhile the node that owns those slabs detaches cleanly -
+    its recovery finishes interrupted frees in its slabs, but not those
+    whose entries still say EVICTING.  When the evictor's quarantine ends its
+    own recovery removes them: no block is ever served from a freed slot."""
+    init_pool(pool_path, {"size": 16 * MiB, "chunk_size": 64 * 1024, "max_nodes": 8,
+                          "lease_ms": 300, "hash_slots": 1 << 12, "sync": sync})
+    mgr = lock_manager(pool_path) if sync == "manager" else None
+    seqs = [[s * 1000 + j for j in range(4)] for s in range(20)]
+    try:
+        with cxlkv.open_pool(pool_path) as watcher:     # attached throughout: it reaps
+            owner = cxlkv.open_pool(pool_path)
+            kv = owner.kv(model="m", block_tokens=4, block_bytes=BB)
+            for s in seqs:
+                kv.store(s, bytes([s[0] // 1000 + 1]) * BB)
+            p = subprocess.Popen([sys.executable, "-c", PAUSER, pool_path, "5"],
+                                 stdout=subprocess.PIPE, text=True,
+                                 env={**os.environ, **remote_env(CXLKV_PAUSE_AT="kv.evict:1")})
+            wait_for(lambda: psutil.Process(p.pid).status() == psutil.STATUS_STOPPED,
+                     what="the evictor to stop inside its frees")
+            owner.close()                          # takes the lock once the evictor is fenced
+            os.kill(p.pid, signal.SIGCONT)
+            out, _ = p.communicate(timeout=60)
+            assert out.strip() in ("NodeFenced", "LockLost"), out
+            wait_for(lambda: not [n for n in N.read_nodes(watcher) if n.state == "fenced"],
+                     timeout=30, what="the evictor's quarantine to end")
+            kv = watcher.kv(model="m", block_tokens=4, block_bytes=BB)
+            kept = 0
+            for s in seqs:
+                if kv.match(s):
+                    kept += 1
+                    with kv.load(s) as views:
+                        assert bytes(views[0]) == bytes([s[0] // 1000 + 1]) * BB, s
+            assert kept <= len(seqs) - 1                # at least the first victim went
+        fsck_clean(pool_path)
+    finally:
+        if mgr is not None:
+            mgr.terminate()
+            mgr.wait(30)

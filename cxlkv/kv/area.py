@@ -625,6 +625,10 @@ class Area:
                     m.slab_free(one, True, 0)
                 except ValueError:
                     pass
+            elif bits is None or not bits[0]:
+                # the slot is free already (the free was finished elsewhere):
+                # the eviction had been committed - never publish a free slot
+                m.kv_remove(self.table, self.nslots, self.hdr, int(idx[k]))
             else:
                 m.kv_set_state(self.table, self.nslots, idx[k:k + 1],
                                L.KV_EVICTING, L.KV_PUBLISHED, 0, 0)
@@ -680,6 +684,26 @@ class Area:
                 r.used, r.blocks = int(used[i]), int(blocks[i])
                 self.write_record(self.tenant_off(i), r)
         self.m.kv_lru_rebuild()                     # child counts may have changed
+
+
+@A.register_in_use
+def _evicting_payloads(pool) -> np.ndarray:
+    """Payloads of entries still EVICTING: their frees may have begun (the
+    slots marked), but only their evictor's KV recovery may finish them
+    (alloc recovery leaves them; see alloc._in_use_hooks)."""
+    if not pool.sb.compat & L.COMPAT_KV or L.missing_kv_features(pool.sb.incompat):
+        return np.zeros(0, dtype=np.uint64)
+    try:
+        area = Area(pool)
+    except CxlkvError:
+        return np.zeros(0, dtype=np.uint64)
+    idx = area.in_flight()
+    pays = []
+    for i in idx:
+        e = np.frombuffer(area._read(area.entry_off(int(i)), L.HASH_ENTRY_SIZE), dtype=ENTRY)[0]
+        if int(e["ctl"]) & 0xFF == L.KV_EVICTING:
+            pays.append(int(e["payload"]))
+    return np.array(pays, dtype=np.uint64)
 
 
 def quarantine_report(pool, observer: N.Observer | None = None) -> dict:

@@ -702,6 +702,9 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
         # unpublished, or published but being freed (dirty): not data any more
         gone = rows["alloc_bits"] & (~rows["pub_bits"] | rows["dirty_bits"])
         offs = _slot_offsets(rows, mine, gone, data_off, chunk)
+        held = _held_elsewhere(pool)
+        if len(held) and len(offs):
+            offs = offs[~np.isin(offs, held)]       # another evictor's, still EVICTING
         if len(offs):
             _free_slots(m, offs)
         m.slabs_set_owner(mine.astype(np.uint64), token, 0)
@@ -744,6 +747,26 @@ def desc_rows(pool, idx: np.ndarray) -> np.ndarray:
         return np.frombuffer(view, dtype=_DESC)[np.asarray(idx, dtype=np.int64)]
     finally:
         del view
+
+
+#: callables (pool) -> payload offsets that recovery must not free although
+#: their slots are marked: frees an evictor began whose entries still say
+#: EVICTING (cxlkv.kv.area registers one).  Finishing such a free is the KV
+#: recovery of that evictor's node (it removes the entry first); freed here,
+#: a slot could be handed out again under an entry that goes back to PUBLISHED.
+_in_use_hooks: list = []
+
+
+def register_in_use(fn):
+    """Register a (pool) -> offsets callable (see _in_use_hooks).  A decorator."""
+    if fn not in _in_use_hooks:
+        _in_use_hooks.append(fn)
+    return fn
+
+
+def _held_elsewhere(pool) -> np.ndarray:
+    got = [np.asarray(fn(pool), dtype=np.uint64) for fn in _in_use_hooks]
+    return np.concatenate(got) if got else np.zeros(0, dtype=np.uint64)
 
 
 def _free_slots(m, offsets) -> None:
@@ -843,9 +866,12 @@ def _finish_interrupted_frees(pool, live_owner: set[int], heads=None) -> None:
     heads, rows, hit = heads[has], rows[has], hit[has]
     todo = _slot_offsets(rows, heads, hit, data_off, chunk)
     empty = heads[(rows["alloc_bits"] == hit).all(axis=1)]
+    held = _held_elsewhere(pool)
+    if len(held) and len(todo):
+        todo = todo[~np.isin(todo, held)]           # their evictor's recovery finishes them
     if len(todo):
         _free_slots(pool.mapping, todo)
-    _release_batch(pool, empty)
+    _release_batch(pool, empty)                     # refused while a slot stays allocated
 
 
 def _repair_dangling(pool, dangling=None, leaked=None) -> None:
