@@ -440,3 +440,54 @@ def test_frees_a_paused_evictor_began_are_left_to_its_own_recovery(pool_path, sy
         if mgr is not None:
             mgr.terminate()
             mgr.wait(30)
+
+
+RESUMER = r'''
+import sys, cxlkv
+from cxlkv.kv.area import Area
+pool = cxlkv.open_pool(sys.argv[1])
+pool.kv(model="m", block_tokens=4, block_bytes=256)
+try:
+    with pool.lock():
+        Area(pool).evict(need_entries=5)
+    print("evicted")
+except Exception as e:
+    print(type(e).__name__)
+'''
+
+
+def test_an_evictor_resumed_inside_a_list_edit_neither_rebuilds_nor_clears_the_lists(
+        pool_path, remote_env):
+    """Stopped after an edit's freshness check (the fifth unlink) and fenced:
+    when it resumes while another node holds the lock with the lists marked
+    dirty, the end of its call writes nothing - no rebuild, no clearing of
+    the holder's dirty word."""
+    init_pool(pool_path, {"size": 16 * MiB, "chunk_size": 64 * 1024, "max_nodes": 8,
+                          "lease_ms": 300, "hash_slots": 1 << 12, "sync": "cas"})
+    with cxlkv.open_pool(pool_path) as pool:
+        kv = pool.kv(model="m", block_tokens=4, block_bytes=BB)
+        for s in range(60):                                   # 60 independent leaves
+            kv.store([s * 1000 + j for j in range(4)], b"\1" * BB)
+        a = Area(pool)
+        with pool.lock():
+            a.drain_rings()                  # so the evictor's own drain edits nothing
+        p = subprocess.Popen([sys.executable, "-c", RESUMER, pool_path], stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, **remote_env(CXLKV_PAUSE_AT="kv.lru:5")})
+        wait_for(lambda: psutil.Process(p.pid).status() == psutil.STATUS_STOPPED,
+                 what="the evictor to stop inside a list edit")
+        with pool.lock(timeout=30):                           # granted once it is fenced
+            a.evict(need_entries=10)
+            lists_clean(pool)
+        with pool.lock(timeout=30):
+            a.set_hdr(lru_dirty=1)                            # as if mid-edit
+            rebuilds = a.header().lru_rebuilds
+            os.kill(p.pid, signal.SIGCONT)
+            out, _ = p.communicate(timeout=60)
+            h = a.header()
+            assert (h.lru_dirty, h.lru_rebuilds) == (1, rebuilds)
+            assert out.strip() in ("NodeFenced", "LockLost"), out
+            a.m.kv_lru_rebuild()             # what a holder finding the word set does
+            lists_clean(pool)
+        wait_for(lambda: not [n for n in N.read_nodes(pool) if n.state == "fenced"],
+                 timeout=30, what="the evictor's quarantine to end")
+    fsck_clean(pool_path)

@@ -352,6 +352,12 @@ lru_end(Mapping *m)
         m->lru_fenced = 0;
         return 0;
     }
+    /* an error path (exception set): leave dirty set, the next holder
+     * rebuilds.  Otherwise the rebuild and the clearing are writes like any
+     * other: a node stopped inside an edit and fenced meanwhile must not make
+     * them when it resumes (the lock is someone else's by then) */
+    if (PyErr_Occurred() || check_writable(m, "kv lru lists") < 0)
+        return PyErr_Occurred() ? -1 : 0;
     int rc = 0;
     if (m->lru_bad)
         rc = rebuild(m);
