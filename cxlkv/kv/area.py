@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import sys
 import time
+import weakref
 
 import numpy as np
 
@@ -69,6 +70,11 @@ INLINE_SLACK = 64
 EVICT_BATCH = 1024
 #: slots the background tombstone purge looks at per call (bounded lock hold)
 PURGE_BUDGET = 8192
+
+
+#: pools whose KV counters an interrupted eviction may have left behind the
+#: table (their freed entries not yet subtracted): recounted at detach
+_COUNTS_SUSPECT: "weakref.WeakSet" = weakref.WeakSet()
 
 
 class KVError(CxlkvError):
@@ -457,6 +463,10 @@ class Area:
         self.journal.append(J.EVICTED, idx)          # the frees have begun: they go
         # then each victim in C, in order: the free recorded in our lock
         # entry, the entry removed, the slot freed, the record cleared
+        # from the frees to the counters: an exception in between (SIGINT,
+        # MemoryError) leaves the counters to a recount, which this node's
+        # own detach then makes (see recover)
+        _COUNTS_SUSPECT.add(self.pool)
         m.kv_evict_free(self.hdr, rec, np.zeros(1, dtype=np.uint64), idx)
         lengths = rows["length"].astype(np.int64)
         sizes = self.slot_sizes(lengths)
@@ -483,6 +493,7 @@ class Area:
             self.set_hdr(evictions=h.evictions + len(idx),
                          evicted_bytes=h.evicted_bytes + sum(v[1] for v in nsd.values()))
             self.pool.allocator.release_empty()
+        _COUNTS_SUSPECT.discard(self.pool)
         return len(idx), total, bool(pinned.any())
 
     def _spill_out(self, sp, idx: np.ndarray, t: np.ndarray) -> None:
@@ -636,8 +647,9 @@ class Area:
         self.clear_node(slot)
         me = self.pool.node
         detaching = me is not None and me.slot == slot and me.epoch == epoch
-        if len(idx) or not detaching:
+        if len(idx) or not detaching or self.pool in _COUNTS_SUSPECT:
             self.recount()
+            _COUNTS_SUSPECT.discard(self.pool)
 
     def fold_stats(self, slot: int) -> None:
         """Add a node's per-namespace counters into the namespace records."""
