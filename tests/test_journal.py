@@ -291,6 +291,37 @@ def test_a_fenced_node_cannot_append_after_it_resumes(pool_path, remote_env):
         w.close()
 
 
+def test_a_node_stalled_taking_sequence_numbers_never_rolls_them_back(pool_path, remote_env):
+    """Stopped between reading next_seq and writing it back, fenced, resumed
+    after another node appended: the shared counter keeps the other node's
+    value (cas mode: the write is a compare-and-swap), the stalled node is
+    told and its ring does not move."""
+    init_pool(pool_path, {"size": 8 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8,
+                          "lease_ms": 300, "grace_ms": 900})
+    with cxlkv.open_pool(pool_path) as pool:
+        f = Follower(pool)
+        f.poll()
+        w = NodeProc(env=remote_env(CXLKV_PAUSE_AT="journal.seq:2"))
+        w.attach(pool_path)
+        w.call(op="kv_open", args=KV_ARGS)
+        assert w.call(op="kv_store", tokens=toks(1, 2))["stored"] == 2
+        w.send(op="kv_store", tokens=toks(2, 2))            # stops in its append, lock held
+        wait_for(lambda: psutil.Process(w.p.pid).status() == psutil.STATUS_STOPPED,
+                 what="the node to stop taking sequence numbers")
+        wait_for(lambda: N.read_slot(pool, w.slot).state == "fenced", what="the fence")
+        kv = pool.kv(**KV_ARGS)
+        kv.store(toks(3, 3), bytes(3 * BB))                 # the lock was passed on
+        nxt = f.reader.geo.next_seq()
+        os.kill(w.p.pid, signal.SIGCONT)
+        r = w.reply()
+        assert r.get("error") in ("NodeFenced", "LockLost"), r
+        assert f.reader.geo.next_seq() == nxt               # not rolled back
+        assert pool.mapping.load64(f.reader.geo.ring_off(w.slot)) == 2
+        ch = f.poll()
+        assert not ch.resync and f.ops[J.STORED] == 5
+        w.close()
+
+
 # -- old pools ----------------------------------------------------------------------------
 def test_a_pool_formatted_without_the_journal_is_refused_by_name(tmp_path):
     raw = gzip.decompress((Path(__file__).parent / "golden" / "pool-v1-4m-0.1.img.gz")

@@ -125,12 +125,21 @@ Mapping_journal_append(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     }
     /* the sequence numbers first: a crash from here on leaves a gap */
     inval(m, hdr + H_NEXT_SEQ, 8);
-    uint64_t seq = pool_load64(m, hdr + H_NEXT_SEQ);
-    if (seq == 0)
-        seq = 1;
-    pool_store64(m, hdr + H_NEXT_SEQ, seq + n);
-    if (m->flush_meta)
+    uint64_t seen = pool_load64(m, hdr + H_NEXT_SEQ), seq = seen ? seen : 1;
+    cxlkv_crashpoint("journal.seq");        /* tests: a stall between load and store */
+    if (m->flush_meta) {                    /* no cross-host atomics: a plain store */
+        pool_store64(m, hdr + H_NEXT_SEQ, seq + n);
         pool_flush(m, hdr + H_NEXT_SEQ, 8);
+    } else if (pool_cas64(m, hdr + H_NEXT_SEQ, seen, seq + n) != seen) {
+        /* moved since the load: another node holds the lock now (this one
+         * stalled in between and was fenced) - never roll it back */
+        PyBuffer_Release(&b);
+        if (check_writable(m, "journal_append") < 0)
+            return NULL;
+        PyErr_SetString(PyExc_RuntimeError,
+                        "journal_append: next_seq moved while this node held the pool lock");
+        return NULL;
+    }
     inval(m, ring, 64);
     uint64_t head = pool_load64(m, ring + R_HEAD);
     uint64_t recs = ring + 64;
