@@ -43,9 +43,9 @@ typedef struct {
     Py_ssize_t sections;
     /* the attached node's guard (set_guard): called before a write once the
      * write deadline has passed - it proves the node fresh (beats) or raises
-     * NodeFenced; in_guard keeps the guard's own writes from recursing */
+     * NodeFenced (a thread-local flag in module.c keeps the guard's own
+     * writes from recursing) */
     PyObject *guard;
-    int in_guard;
     /* leaf LRU lists of the KV area (kv_lru_setup, lru.c): hash table, its
      * slots, the KV header and the link array; lru_bad: an inconsistency
      * seen during the current call (the lists are rebuilt at its end);

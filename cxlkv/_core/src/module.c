@@ -84,6 +84,11 @@ check_word(const Mapping *m, uint64_t off, const char *what)
     return 0;
 }
 
+/* set while this thread runs a guard: the guard's own writes must not
+ * recurse into it; other threads still check (the guard is Python and may
+ * let them run meanwhile) */
+static _Thread_local int in_guard;
+
 int
 check_writable(Mapping *m, const char *what)
 {
@@ -94,10 +99,10 @@ check_writable(Mapping *m, const char *what)
     /* every write primitive passes here (GIL held): once the attached node's
      * freshness ran out - it was stalled, or fenced (deadline 1) - its guard
      * proves it fresh again or raises, before anything is written */
-    if (m->guard && !m->in_guard && write_deadline_passed(m)) {
-        m->in_guard = 1;
+    if (m->guard && !in_guard && write_deadline_passed(m)) {
+        in_guard = 1;
         PyObject *r = PyObject_CallNoArgs(m->guard);
-        m->in_guard = 0;
+        in_guard = 0;
         if (!r)
             return -1;
         Py_DECREF(r);
