@@ -280,6 +280,7 @@ def test_scale_bench_at_tiny_sizes_reports_every_figure(monkeypatch, tmp_path):
     best = max(pr["1"]["lock_ops_per_s"], pr["2"]["lock_ops_per_s"])
     assert res["lock_ops_4_vs_best12"] == pr["4"]["lock_ops_per_s"] / best
     assert res["manager_clients"] == 4 and res["manager_rtt_p50_us"] == pr["4"]["manager_rtt_p50_us"]
+    assert res["manager_cooldown_cpu_pct"] >= 0 and res["manager_idle_cpu_pct"] >= 0
     assert res["attach_size"] == 64 * MiB and res["attach_warm_ms"] > 0
     assert res["attach_uncached_ms"] > 0 and res["detach_ms"] > 0
     assert res["recovery_slabs"] == 40 and res["recovered"] is True

@@ -91,6 +91,8 @@ def render(app: Application, res: dict) -> None:
         t.add_row(f"manager rtt us, {res.get('manager_clients')} clients",
                   _c(res["manager_rtt_p50_us"], res["manager_rtt_p99_us"]),
                   "", "", target("manager_rtt_p50_us"))
+        t.add_row("manager CPU %, first 1.5 s after a grant",
+                  _f(res.get("manager_cooldown_cpu_pct")), "", "", "")
         t.add_row("idle manager CPU %", _f(res.get("manager_idle_cpu_pct")), "", "",
                   target("manager_idle_cpu_pct"))
     if "attach_size" in res:
