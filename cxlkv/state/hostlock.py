@@ -16,11 +16,14 @@ writes it, no pool lock involved):
 
     0       header: magic, version, max_nodes, pool uuid   (written once, at creation)
     64      the lock word (hostlock.c): holder slot + 1, WAITERS, HANDOFF, holder epoch
+    72      the spinner word: the deadline of the one waiter spinning (0: none)
     128     one record per node slot: epoch, pid, process start time (ns), written
             by the node of that slot (seqlock: epoch 0 while it changes) before it
             first takes the lock
 
-Waiters spin briefly, then sleep in FUTEX_WAIT; the lock barges (a running
+Waiters spin briefly, then sleep in FUTEX_WAIT - except one, which spins up
+to 150 us more (the lock then goes to a running process, not to a sleeper
+still to be scheduled); the lock barges (a running
 process gets a free word at once), so a preempted waiter stalls nobody, and
 a waiter that has waited 4 ms asks for a hand-off, so nobody starves.
 

@@ -3,7 +3,8 @@
  * lock word in a small per-host file (host memory, never the pool), so that
  * at most one process per host competes for the pool lock.
  *
- * Word (64 bits, little-endian, 8-byte aligned; the futex is its low half):
+ * Word (64 bits, little-endian, 8-byte aligned; the futex is its low half;
+ * the next word is the spinner's: see SPIN_LONG_NS):
  *   bits  0-15  holder's node slot + 1 (0: no holder)
  *   bit   30    HANDOFF: a waiter starves - the next release hands the lock
  *               to a sleeping waiter instead of letting anyone barge in
@@ -42,6 +43,12 @@
 #define HL_HOLDER   0xFFFFFFFF0000FFFFull
 /* a waiter that has waited this long asks for a hand-off */
 #define STARVE_NS   4000000ll
+/* the one waiter allowed to keep spinning (the spinner word, right after the
+ * lock word: the deadline of its spin, 0 = none) spins this long before it
+ * sleeps too: when the holder releases, the lock goes to a running process
+ * at once instead of waiting for a woken sleeper to be scheduled, while the
+ * others sleep (so a host with more processes than cores does not burn them) */
+#define SPIN_LONG_NS 150000ll
 
 static inline int64_t
 mono_ns(void)
@@ -86,7 +93,8 @@ static int
 hl_args(Mapping *m, PyObject *const *args, uint64_t *off, uint64_t *mine, const char *name)
 {
     if (as_u64(args[0], off, "offset") < 0 || as_u64(args[1], mine, "holder word") < 0 ||
-        check_word(m, *off, name) < 0 || check_writable(m, name) < 0)
+        check_word(m, *off, name) < 0 || check_word(m, *off + 8, name) < 0 ||
+        check_writable(m, name) < 0)
         return -1;
     if (m->nc) {
         PyErr_Format(PyExc_ValueError, "%s: the host lock lives in host memory; call "
@@ -114,6 +122,33 @@ hl_wait(uint64_t *w, uint64_t mine, uint64_t spins, int64_t until, int64_t since
             return 0;
         relax();
         cur = __atomic_load_n(w, __ATOMIC_RELAXED);
+    }
+    /* become the spinner if there is none (or its spin is long over: a
+     * spinner that died leaves a deadline that passes by itself) */
+    uint64_t *spinner = w + 1;
+    int64_t t0 = mono_ns();
+    uint64_t seen = __atomic_load_n(spinner, __ATOMIC_RELAXED);
+    uint64_t end = (uint64_t)(t0 + SPIN_LONG_NS);
+    if (!(cur & HL_HANDOFF) && (seen == 0 || (int64_t)seen < t0) &&
+        __atomic_compare_exchange_n(spinner, &seen, end, 0, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_RELAXED)) {
+        int got = 0;
+        for (uint64_t i = 1;; i++) {
+            cur = __atomic_load_n(w, __ATOMIC_RELAXED);
+            if (cur & HL_HANDOFF)
+                break;
+            if (!(cur & HL_HOLDER) && cas(w, &cur, mine | (cur & HL_WAITERS))) {
+                got = 1;
+                break;
+            }
+            relax();
+            if (!(i & 63) && mono_ns() >= (int64_t)end)
+                break;
+        }
+        uint64_t e = end;                       /* unless a successor took it over */
+        __atomic_compare_exchange_n(spinner, &e, 0, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED);
+        if (got)
+            return 0;
     }
     for (;;) {
         cur = __atomic_load_n(w, __ATOMIC_ACQUIRE);
