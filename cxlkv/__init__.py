@@ -14,7 +14,7 @@ Public API (integrations and users rely only on these names):
     cxlkv.KVPoolFull, cxlkv.KVTableFull, cxlkv.QuotaExceeded, cxlkv.TooManyPins
                                     what store and load refuse with
 """
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from cxlkv.errors import CxlkvError  # noqa: E402
 
