@@ -248,3 +248,22 @@ def lock_manager(path: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CXLKV_N")}
     return subprocess.Popen([sys.executable, "-m", "cxlkv", "lock-manager", "--pool", path],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+class Manager:
+    """`cxlkv lock-manager` in a child process, its log lines read from stderr."""
+
+    def __init__(self, path, *args, env=None):
+        import os
+
+        self.p = subprocess.Popen([sys.executable, "-m", "cxlkv", "lock-manager", "--pool",
+                                   path, *args], stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, **(env or {})})
+
+    def line(self) -> str:
+        return self.p.stderr.readline()
+
+    def stop(self):
+        if self.p.poll() is None:
+            self.p.terminate()
+            self.p.wait(10)

@@ -27,7 +27,7 @@ from cxlkv.state import nodes as N
 from cxlkv.state import protocol as P
 
 from conftest import wait_for
-from nodeproc import NodeProc, lock_turn_gaps
+from nodeproc import Manager, NodeProc, lock_turn_gaps
 
 LEASE_MS = 1000
 NC = {"CXLKV_NONCOHERENT": "1", "CXLKV_NC_PRELOAD": "1"}
@@ -50,21 +50,6 @@ def mpool(pool_path):
     init_pool(pool_path, {"size": 16 << 20, "chunk_size": 1 << 20, "max_nodes": 8,
                           "sync": "manager", "lease_ms": LEASE_MS})
     return pool_path
-
-
-class Manager:
-    def __init__(self, path, *args, env=None):
-        self.p = subprocess.Popen([sys.executable, "-m", "cxlkv", "lock-manager", "--pool",
-                                   path, *args], stderr=subprocess.PIPE, text=True,
-                                  env={**os.environ, **(env or {})})
-
-    def line(self) -> str:
-        return self.p.stderr.readline()
-
-    def stop(self):
-        if self.p.poll() is None:
-            self.p.terminate()
-            self.p.wait(10)
 
 
 @pytest.fixture

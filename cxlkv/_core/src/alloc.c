@@ -17,15 +17,6 @@
  */
 #include "core.h"
 
-#define CD_CONTROL   offsetof(struct cxlkv_chunk, control)
-#define CD_OWNER     offsetof(struct cxlkv_chunk, owner)
-#define CD_SLOT      offsetof(struct cxlkv_chunk, slot_size)
-#define CD_NSLOTS    offsetof(struct cxlkv_chunk, nslots)
-#define CD_NCHUNKS   offsetof(struct cxlkv_chunk, nchunks)
-#define CD_ALLOC     offsetof(struct cxlkv_chunk, alloc_bits)
-#define CD_PUB       offsetof(struct cxlkv_chunk, pub_bits)
-#define CD_DIRTY     offsetof(struct cxlkv_chunk, dirty_bits)
-#define HEAP_HAZARD  offsetof(struct cxlkv_heap, hazard)
 
 static inline void
 bit_set(Mapping *m, uint64_t word_off, uint64_t bit)
