@@ -9,8 +9,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np

@@ -3,8 +3,6 @@ without cross-host atomics - also under the non-coherence emulation."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 
 import pytest
