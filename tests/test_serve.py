@@ -18,6 +18,7 @@ import uuid
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import cxlkv
 from cxlkv.pool import layout as L
 from cxlkv.pool.admin import init_pool
 from cxlkv.pool.pool import Pool
@@ -330,7 +331,7 @@ def test_metrics_after_a_known_workload(spool, serve):
         assert sum(sample(m, "cxlkv_pool_bytes", state=st) for st in
                    ("free", "kv_evictable", "kv_unevictable", "other")) == data
         assert sample(m, "cxlkv_nodes", state="free") == 6
-        assert sample(m, "cxlkv_nodes_by_version", sw_version="cxlkv 0.1.0",
+        assert sample(m, "cxlkv_nodes_by_version", sw_version=f"cxlkv {cxlkv.__version__}",
                       format_version="1") == 2
         assert sample(m, "cxlkv_lock_wait_seconds_count") >= 1
         assert sample(m, "cxlkv_reaps_total") == 0
