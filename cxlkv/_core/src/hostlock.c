@@ -169,7 +169,12 @@ hl_wait(uint64_t *w, uint64_t mine, uint64_t spins, int64_t until, int64_t since
             continue;
         if (now >= until)
             return want;
-        futex_wait(w, (uint32_t)want, until - now);
+        /* wake up when this wait turns into starving, to ask for the hand-off
+         * then, not at the end of the caller's slice */
+        int64_t nap = until - now, starve_in = STARVE_NS - (now - since);
+        if (!(want & HL_HANDOFF) && starve_in > 0 && starve_in < nap)
+            nap = starve_in;
+        futex_wait(w, (uint32_t)want, nap);
         waited = 1;
     }
 }
