@@ -49,9 +49,12 @@ def data_word(path) -> int:
         return p.region("data")[0]
 
 
-def run_incr(path, env, op="incr_nc", n=300, procs=4):
+def run_incr(path, env, op="incr_nc", n=300, procs=4, hosts=None):
+    """`procs` nodes each add 1 to a pool word `n` times under the lock;
+    hosts: a remote_env, to make each node a host of its own (else they are
+    processes of this host, behind its host-local lock)."""
     off = data_word(path)
-    nodes = [NodeProc(env) for _ in range(procs)]
+    nodes = [NodeProc({**env, **(hosts() if hosts else {})}) for _ in range(procs)]
     try:
         for q in nodes:
             q.attach(path)
@@ -79,25 +82,27 @@ def test_mutual_exclusion_under_the_noncoherence_emulation(mpool, manager):
     assert total == 1200
 
 
-def test_a_forgotten_flush_is_caught(mpool, manager):
+def test_a_forgotten_flush_is_caught(mpool, manager, remote_env):
     """The same workload with its flush and invalidate left out (op "incr")
     loses updates under the emulation: proof that the test above would catch
-    a missing flush."""
+    a missing flush (nodes as hosts of their own, as below)."""
     manager(env=NC)
     env = {**NC, "CXLKV_NC_EVICT_EVERY": "0"}
-    replies, total = run_incr(mpool, env, op="incr", n=100)
+    replies, total = run_incr(mpool, env, op="incr", n=100, hosts=remote_env)
     assert replies == [{"done": 100}] * 4
     assert total < 400
 
 
-def test_a_forgotten_invalidate_is_caught(mpool, manager):
+def test_a_forgotten_invalidate_is_caught(mpool, manager, remote_env):
     """The right workload (op "incr_nc": invalidate before reading the counter,
     flush after writing it) with every 3rd invalidate of each node made a
     no-op (CXLKV_NC_DROP_INVALIDATE) reads stale counters and loses updates:
-    proof that the emulation catches a missing invalidate."""
+    proof that the emulation catches a missing invalidate.  The nodes are
+    hosts of their own (caches are per host), so the manager's turns
+    alternate between them rather than a host lock's."""
     manager(env=NC)
     env = {**NC, "CXLKV_NC_EVICT_EVERY": "0", "CXLKV_NC_DROP_INVALIDATE": "3"}
-    replies, total = run_incr(mpool, env, n=100)
+    replies, total = run_incr(mpool, env, n=100, hosts=remote_env)
     assert replies == [{"done": 100}] * 4
     assert total < 400
 
