@@ -203,13 +203,16 @@ class NodeProc:
         self.p.wait(30)
 
 
-def lock_turn_gaps(path: str, nodes: int = 4, n: int = 150, hold: float = 0.001) -> list[int]:
+def lock_turn_gaps(path: str, nodes: int = 4, n: int = 150, hold: float = 0.001,
+                   hosts=None) -> list[int]:
     """Run `nodes` processes that keep taking the pool lock (each holding it
     `hold` seconds) and return, for the stretch where all of them contend, how
-    many turns passed between two turns of the same node."""
+    many turns passed between two turns of the same node.  hosts: a
+    remote_env, to make each process a host of its own (the pool lock's
+    order then); without it they share this host's host-local lock."""
     from cxlkv.pool.pool import Pool
 
-    procs = [NodeProc() for _ in range(nodes)]
+    procs = [NodeProc(hosts() if hosts else None) for _ in range(nodes)]
     with Pool.open(path) as p:
         go = p.region("data")[0]
         ctr, log = go + 64, go + 128
