@@ -270,3 +270,21 @@ class Manager:
         if self.p.poll() is None:
             self.p.terminate()
             self.p.wait(10)
+
+
+def incr_together(path: str, offset: int, n: int, procs: int = 4, op: str = "incr",
+                  env=None) -> list[dict]:
+    """`procs` node processes each add 1 to the pool word at `offset` `n`
+    times under the pool lock (op "incr", or "incr_nc" with the non-coherent
+    discipline), all at once; returns their replies.  env: a dict, or a
+    callable giving each process its own (e.g. a remote_env: hosts apart)."""
+    nodes = [NodeProc(env() if callable(env) else env) for _ in range(procs)]
+    try:
+        for q in nodes:
+            q.attach(path)
+        for q in nodes:
+            q.send(op=op, offset=offset, n=n)
+        return [q.reply() for q in nodes]
+    finally:
+        for q in nodes:
+            q.close()

@@ -20,7 +20,7 @@ from cxlkv.state import locks as K
 from cxlkv.state import nodes as N
 
 from conftest import fake_node, wait_for
-from nodeproc import NodeProc, lock_manager
+from nodeproc import NodeProc, incr_together, lock_manager
 
 LEASE_MS = 300
 
@@ -65,16 +65,7 @@ def host_files() -> list[str]:
 
 def test_mutual_exclusion_of_processes_sharing_the_host_lock(rack):
     off = data_word(rack) + 64
-    procs = [NodeProc() for _ in range(4)]
-    try:
-        for p in procs:
-            p.attach(rack)
-        for p in procs:
-            p.send(op="incr", offset=off, n=1500)
-        assert [p.reply() for p in procs] == [{"done": 1500}] * 4
-    finally:
-        for p in procs:
-            p.close()
+    assert incr_together(rack, off, 1500) == [{"done": 1500}] * 4
     with Pool.open(rack) as pool:
         assert pool.mapping.load64(off) == 4 * 1500
     assert len(host_files()) == 1                   # one host: one lock file

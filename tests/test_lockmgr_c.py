@@ -25,7 +25,7 @@ from cxlkv.state import nodes as N
 from cxlkv.state import protocol as P
 
 from conftest import wait_for
-from nodeproc import Manager, NodeProc, lock_turn_gaps
+from nodeproc import Manager, NodeProc, incr_together, lock_turn_gaps
 
 LEASE_MS = 1000
 NC = {"CXLKV_NONCOHERENT": "1", "CXLKV_NC_PRELOAD": "1"}
@@ -165,16 +165,8 @@ def test_mutual_exclusion_and_grants_in_turn(mpool, manager, mode):
     manager()
     env = _env(mode)
     off = _data_word(mpool)
-    nodes = [NodeProc(env) for _ in range(5)]
-    try:
-        for q in nodes:
-            q.attach(mpool)
-        for q in nodes:
-            q.send(op="incr_nc", offset=off, n=300)
-        assert [q.reply() for q in nodes] == [{"done": 300}] * 5
-    finally:
-        for q in nodes:
-            q.close()
+    assert incr_together(mpool, off, 300, procs=5, op="incr_nc", env=env) == \
+        [{"done": 300}] * 5
     with Pool.open(mpool) as p:
         p.mapping.invalidate(off, 8)
         assert p.mapping.load64(off) == 1500

@@ -14,7 +14,7 @@ from cxlkv.state import locks as K
 from cxlkv.state import nodes as N
 
 from conftest import fake_node
-from nodeproc import NodeProc, lock_turn_gaps
+from nodeproc import NodeProc, incr_together, lock_turn_gaps
 
 LEASE_MS = 300
 
@@ -33,17 +33,7 @@ def data_word(path) -> int:
 
 def test_mutual_exclusion_four_processes(lease_pool):
     off = data_word(lease_pool)
-    procs = [NodeProc() for _ in range(4)]
-    try:
-        for p in procs:
-            p.attach(lease_pool)
-        for p in procs:
-            p.send(op="incr", offset=off, n=3000)
-        for p in procs:
-            assert p.reply() == {"done": 3000}
-    finally:
-        for p in procs:
-            p.close()
+    assert incr_together(lease_pool, off, 3000) == [{"done": 3000}] * 4
     with Pool.open(lease_pool) as pool:
         assert pool.mapping.load64(off) == 4 * 3000
         hdr, _ = K.lock_offsets(pool)
@@ -138,16 +128,7 @@ def test_lock_needs_an_attached_node(lease_pool):
 def test_no_waiter_starves(lease_pool):
     """A ticket lock serves in order: every process gets its share."""
     off = data_word(lease_pool) + 64
-    procs = [NodeProc() for _ in range(5)]
-    try:
-        for p in procs:
-            p.attach(lease_pool)
-        for p in procs:
-            p.send(op="incr", offset=off, n=500)
-        assert [p.reply() for p in procs] == [{"done": 500}] * 5
-    finally:
-        for p in procs:
-            p.close()
+    assert incr_together(lease_pool, off, 500, procs=5) == [{"done": 500}] * 5
 
 
 def test_zombie_holder_is_dead(lease_pool):

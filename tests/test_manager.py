@@ -13,7 +13,7 @@ from cxlkv.pool.pool import Pool
 from cxlkv.state import nodes as N
 from cxlkv.state import protocol as P
 
-from nodeproc import Manager, NodeProc, lock_turn_gaps
+from nodeproc import Manager, NodeProc, incr_together, lock_turn_gaps
 
 LEASE_MS = 400
 # every line cached from the start (CXLKV_NC_PRELOAD): a read never preceded by an
@@ -54,16 +54,8 @@ def run_incr(path, env, op="incr_nc", n=300, procs=4, hosts=None):
     hosts: a remote_env, to make each node a host of its own (else they are
     processes of this host, behind its host-local lock)."""
     off = data_word(path)
-    nodes = [NodeProc({**env, **(hosts() if hosts else {})}) for _ in range(procs)]
-    try:
-        for q in nodes:
-            q.attach(path)
-        for q in nodes:
-            q.send(op=op, offset=off, n=n)
-        replies = [q.reply() for q in nodes]
-    finally:
-        for q in nodes:
-            q.close()
+    replies = incr_together(path, off, n, procs, op,
+                            (lambda: {**env, **hosts()}) if hosts else env)
     with Pool.open(path) as p:
         p.mapping.invalidate(off, 8)
         return replies, p.mapping.load64(off)
