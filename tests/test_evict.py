@@ -342,6 +342,40 @@ def test_bounded_purge_frees_uncrossed_tombstones_like_the_scan(pool_path):
     fsck_clean(pool_path)
 
 
+def test_the_purge_after_an_eviction_is_in_proportion_to_its_victims(pool_path):
+    """The tombstone sweep an eviction runs looks at PURGE_PER_VICTIM slots
+    per victim (at least PURGE_MIN), not PURGE_BUDGET: a small eviction of a
+    large table holds the lock for a small sweep; sweeps keep going round."""
+    from cxlkv.kv.area import PURGE_BUDGET, PURGE_MIN, PURGE_PER_VICTIM
+
+    make(pool_path, slots=1 << 13, size=64 * MiB)
+    with cxlkv.open_pool(pool_path) as pool:
+        kv = pool.kv(model="m", block_tokens=4, block_bytes=BB)
+        a = Area(pool)
+        s = 0
+        while a.header().live < a.max_used:
+            kv.store([s, s + 1, s + 2, s + 3], b"\7" * BB)
+            s += 1
+        with pool.lock():
+            a.evict(need_entries=a.max_used // 2)   # tombstones past the sweep's threshold
+            assert a.header().tombstones >= a.nslots // 16
+            steps = []
+            for victims in (1, 10, 100):
+                c0 = a.header().purge_cursor
+                assert a.evict(need_entries=victims)[0] == victims
+                steps.append((a.header().purge_cursor - c0) % a.nslots)
+            t = a.entries()
+        # the sweep stops at the end of the cluster its budget ends in
+        used = np.concatenate([(t["ctl"] & 0xFF) != L.KV_EMPTY] * 2).astype(np.int8)
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], used, [0]])))
+        longest = int((edges[1::2] - edges[::2]).max())
+        want = [max(PURGE_MIN, PURGE_PER_VICTIM * v) for v in (1, 10, 100)]
+        for got, budget in zip(steps, want):
+            assert budget <= got <= budget + longest
+        assert max(steps) < PURGE_BUDGET
+    fsck_clean(pool_path)
+
+
 PAUSER = r'''
 import sys, cxlkv
 from cxlkv.kv.area import Area

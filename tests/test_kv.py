@@ -546,6 +546,32 @@ def test_tombstones_do_not_eat_the_table(pool_path):
     _check_clean(pool_path)
 
 
+def test_a_store_into_a_full_table_evicts_a_batch_for_the_stores_after_it(pool_path):
+    """Inline eviction for room in the table frees more entries than the
+    store needs, so that the next stores insert without evicting (the pool
+    lock is not taken for an eviction by every store of a full cache)."""
+    init_pool(pool_path, {"size": 64 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8,
+                          "hash_slots": 1024, "hash_max_load_pct": 60})
+    with cxlkv.open_pool(pool_path) as pool:
+        kv = pool.kv(model="m", block_tokens=4, block_bytes=BB)
+        a = Area(pool)
+        s = 0
+        while a.header().live < a.max_used:
+            kv.store([s] * 4, bytes(BB))
+            s += 1
+        before = a.header().evictions
+        kv.store([s] * 4, bytes(BB))                 # the table is full: evicts
+        batch = a.header().evictions - before
+        assert batch > 1
+        quiet = 0
+        while a.header().evictions == before + batch:
+            s += 1
+            kv.store([s] * 4, bytes(BB))
+            quiet += a.header().evictions == before + batch
+        assert quiet == batch - 1                   # the batch made room for exactly these
+    _check_clean(pool_path)
+
+
 def test_counters_of_two_handles_on_one_namespace_add_up(kvpool):
     with cxlkv.open_pool(kvpool) as pool:
         k1 = pool.kv(model="m", block_tokens=4, block_bytes=BB)

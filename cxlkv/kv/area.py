@@ -70,6 +70,10 @@ INLINE_SLACK = 64
 EVICT_BATCH = 1024
 #: slots the background tombstone purge looks at per call (bounded lock hold)
 PURGE_BUDGET = 8192
+#: ... and after an eviction, per victim (at least PURGE_MIN): the sweep keeps
+#: pace with the tombstones evictions leave, at a cost in proportion to them
+PURGE_PER_VICTIM = 16
+PURGE_MIN = 256
 
 
 #: pools whose KV counters an interrupted eviction may have left behind the
@@ -214,15 +218,23 @@ class Area:
 
     def _slots(self, *states: int) -> list[int]:
         """Node slots whose state is one of `states` (just the control words:
-        the lock manager's in sync mode manager, as state.nodes reads them)."""
+        the lock manager's in sync mode manager, as state.nodes reads them),
+        read in one pass over the node table."""
         base = self.pool.sb.regions["nodes"][0] + (_MGR_CONTROL if self.managed else 0)
-        out = []
-        for slot in range(self.pool.sb.max_nodes):
-            off = base + slot * L.NODE_SIZE
-            if self.m.flush_meta:
-                self.m.invalidate(off, 8)
-            if self.m.load64(off) & L.NODE_STATE_MASK in states:
-                out.append(slot)
+        n, step = self.pool.sb.max_nodes, L.NODE_SIZE // 8
+        span = (n - 1) * L.NODE_SIZE + 8
+        if self.m.flush_meta:
+            self.m.invalidate(base, span)
+        v = self.m.view(base, span)
+        try:
+            words = np.frombuffer(v, dtype="<u8")[::step] & L.NODE_STATE_MASK
+            hit = words == states[0]
+            for st in states[1:]:
+                hit |= words == st
+            out = np.flatnonzero(hit).tolist()
+            del words
+        finally:
+            v.release()
         return out
 
     def pinned(self) -> np.ndarray:
@@ -312,7 +324,8 @@ class Area:
             if not b and not blocked:
                 break
             idle = 0 if b else idle + 1             # every victim pinned meanwhile: retry
-        self.purge_tombstones()
+        self.purge_tombstones(budget=min(PURGE_BUDGET,
+                                         max(PURGE_MIN, PURGE_PER_VICTIM * done_blocks)))
         return done_blocks, done_bytes
 
     def _evict_scan(self, need_bytes: int, need_entries: int, *, tenant, ns, everything,
@@ -564,9 +577,15 @@ class Area:
         smallest = A.slot_size_for(self.pool, 1)
         return np.where(lengths > 0, np.maximum(smallest, -(-lengths // 64) * 64), 0)
 
-    def used_bytes(self) -> int:
-        raw = np.frombuffer(self._read(self.tenant_off(0), self.max_tenants * L.KV_TENANT_SIZE),
-                            dtype=TENANT)
+    def tenants(self) -> np.ndarray:
+        """A copy of every tenant record (shape (max_tenants,) of TENANT), one read."""
+        return np.frombuffer(self._read(self.tenant_off(0), self.max_tenants * L.KV_TENANT_SIZE),
+                             dtype=TENANT)
+
+    def used_bytes(self, tenants: np.ndarray | None = None) -> int:
+        """Bytes of slots the active tenants hold (from `tenants`, a copy
+        tenants() made under the same lock hold, or read now)."""
+        raw = self.tenants() if tenants is None else tenants
         return int(raw["used"][raw["state"] == L.KV_REC_ACTIVE].sum())
 
     def data_size(self) -> int:

@@ -31,6 +31,8 @@ from cxlkv.state.nodes import NodeFenced
 
 MIN_BLOCK_BYTES = 64
 MAX_BLOCK_BYTES = 1 << 31
+#: each counter's word in a STATS record
+_STAT_WORD = {name: i for i, name in enumerate(STATS.names)}
 
 
 class KVCache:
@@ -235,7 +237,8 @@ class KVCache:
         if key not in shared:
             st = np.zeros(1, dtype=STATS)
             st[0] = self.area.node_stats(self.pool.node.slot)[self.ns]
-            shared[key] = (threading.Lock(), st)
+            # one word per counter, in STATS order: scalar adds, no field lookups
+            shared[key] = (threading.Lock(), st.view("<u8"))
         return shared[key]
 
     def _count(self, **delta) -> None:
@@ -247,11 +250,11 @@ class KVCache:
         except NodeFenced:
             return
         try:
-            mu, st = self._counters()
+            mu, words = self._counters()
             with mu:
                 for k, v in delta.items():
-                    st[k] += v
-                self.m.write(self._stats_off, st.tobytes())
+                    words[_STAT_WORD[k]] += v
+                self.m.write(self._stats_off, words)
         finally:
             node.leave()
 
@@ -384,8 +387,11 @@ class KVCache:
                 self._check_tenant()
                 self._make_room(n - lead, keep=lead_idx[:lead])
                 parent = 0
+                proven = True                   # by the guard() just above
                 while pos < n:
-                    node.guard()
+                    if not proven:
+                        node.guard()
+                    proven = False
                     done, used, full = m.kv_insert(
                         a.table, a.nslots, a.hdr, a.max_used, self.ns, self.tenant,
                         self.block_bytes, token, keys[pos:], parent, pay[used_total:],
@@ -414,7 +420,12 @@ class KVCache:
                             a.purge_tombstones(force=True)
                             continue
                     if full:
-                        if not a.evict(need_entries=max(1, n - pos), keep=slots[:pos])[0]:
+                        # a batch more than this store needs (as for bytes;
+                        # at most a sixteenth of the table): the stores after
+                        # it find room without evicting
+                        more = min(INLINE_SLACK, a.max_used // 16)
+                        if not a.evict(need_entries=max(1, n - pos) + more,
+                                       keep=slots[:pos])[0]:
                             raise KVTableFull(
                                 f"{self.pool.path}: the KV hash table is full "
                                 f"({a.max_used} of {a.nslots} entries, the format's maximum "
@@ -485,6 +496,22 @@ class KVCache:
         """Quota and low watermark, before reserving `blocks` (lock held)."""
         a = self.area
         need = blocks * self.slot_size
+        recs = a.tenants()
+        if recs[self.tenant]["quota"]:
+            self._within_quota(blocks, need, keep)
+            recs = a.tenants()
+        size = a.data_size()
+        free = size - a.used_bytes(recs) - need
+        if free < LOW_WATERMARK * size:
+            # inline: back to the low watermark and a small batch more; the
+            # node agent evicts in the background up to the high watermark
+            a.evict(need_bytes=int(LOW_WATERMARK * size) - free + INLINE_SLACK * self.slot_size,
+                    keep=keep)
+
+    def _within_quota(self, blocks: int, need: int, keep) -> None:
+        """Evict this tenant's blocks until `blocks` more (`need` bytes) fit
+        its quota, or QuotaExceeded (lock held)."""
+        a = self.area
         t = a.tenant_record(self.tenant)
         if t.quota and need > t.quota:
             t.rejected += 1
@@ -503,13 +530,6 @@ class KVCache:
                     f"{self.pool.path}: tenant quota of {t.quota} bytes would be exceeded "
                     f"({t.used} in use, {need} more asked for; the rest is pinned)",
                     path=self.pool.path, hint="raise the quota (pool.kv(..., quota=N))")
-        size = a.data_size()
-        free = size - a.used_bytes() - need
-        if free < LOW_WATERMARK * size:
-            # inline: back to the low watermark and a small batch more; the
-            # node agent evicts in the background up to the high watermark
-            a.evict(need_bytes=int(LOW_WATERMARK * size) - free + INLINE_SLACK * self.slot_size,
-                    keep=keep)
 
     def _abandon(self, slots: np.ndarray, pay: np.ndarray) -> None:
         """Undo reserved entries and payloads after an error (best effort; a
