@@ -30,8 +30,8 @@ import cxlkv
 from cxlkv import benchmarks as B
 from cxlkv._core import Mapping
 from cxlkv.pool.format import FormatParams, format_mapping
-from cxlkv.pool.admin import init_pool
-from cxlkv.pool.pool import Pool
+from cxlkv.ops.init import init_pool
+from cxlkv.api import Pool
 from cxlkv.state import alloc as A
 from cxlkv.state import nodes as N
 

@@ -25,7 +25,7 @@ import numpy as np
 
 import cxlkv
 from cxlkv.kv.area import Area
-from cxlkv.pool.admin import init_pool
+from cxlkv.ops.init import init_pool
 from cxlkv.pool.format import FormatParams, compute_layout
 
 BB = 256

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 import cxlkv
-from cxlkv.pool.admin import init_pool
+from cxlkv.ops.init import init_pool
 
 MiB = 1 << 20
 

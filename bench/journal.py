@@ -28,8 +28,8 @@ import numpy as np
 
 import cxlkv
 from cxlkv.kv import journal as J
-from cxlkv.pool.admin import init_pool
-from cxlkv.pool.pool import Pool
+from cxlkv.ops.init import init_pool
+from cxlkv.api import Pool
 
 MiB = 1 << 20
 BB = 4096

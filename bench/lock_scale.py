@@ -25,7 +25,7 @@ import tempfile
 import time
 
 import cxlkv
-from cxlkv.pool.admin import init_pool
+from cxlkv.ops.init import init_pool
 
 MiB = 1 << 20
 BLOCK = 16 * 1024

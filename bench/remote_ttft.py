@@ -4,7 +4,7 @@ comes from the remote tier (another rack pushed it) vs recomputing it.
 Two pools stand in for two racks and a real Redis Cluster (3 masters on
 loopback ports, from the Debian redis-server package; or --nodes for one you
 run).  Rack A computes the prompt's KV once, stores it in its pool and
-pushes it (cxlkv.kv.remote.Pusher, as `cxlkv serve` does).  Then, interleaved
+pushes it (cxlkv.kv.tiers.remote.Pusher, as `cxlkv serve` does).  Then, interleaved
 run by run:
 
   recompute    a full prefill of the prompt -> first token
@@ -34,7 +34,7 @@ def measure(contexts, runs, threads, nodes=None, progress=None) -> dict:
 
     import cxlkv
     from cxlkv.integrations import transformers as hf
-    from cxlkv.kv import remote as KR
+    from cxlkv.kv.tiers import remote as KR
     from cxlkv.kv.cache import drop_namespace
     from cxlkv.remote import RemoteClient, RemoteConfig
 

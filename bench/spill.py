@@ -19,9 +19,9 @@ import time
 import numpy as np
 
 import cxlkv
-from cxlkv.kv import spill as SP
+from cxlkv.kv.tiers import spill as SP
 from cxlkv.kv.cache import KVCache
-from cxlkv.pool.admin import init_pool
+from cxlkv.ops.init import init_pool
 
 MiB = 1 << 20
 BB = 256 * 1024
@@ -135,7 +135,7 @@ def spill_throughput(d, pool_path, nbytes):
 
 OWNER = """
 import sys
-from cxlkv.kv import spill
+from cxlkv.kv.tiers import spill
 st = spill.SpillStore(sys.argv[1], int(sys.argv[2]), mode="owner")
 print("owner", flush=True)
 sys.stdin.read()

@@ -14,21 +14,20 @@ Public API (integrations and users rely only on these names):
     cxlkv.KVPoolFull, cxlkv.KVTableFull, cxlkv.QuotaExceeded, cxlkv.TooManyPins
                                     what store and load refuse with
 """
-__version__ = "0.2.0"
-
-from cxlkv.errors import CxlkvError  # noqa: E402
+from cxlkv.errors import CxlkvError
+from cxlkv.version import __version__
 
 
 def __getattr__(name):
     # Lazy: importing cxlkv must not need the C core (e.g. for --help).
     if name in ("Pool", "open_pool"):
-        from cxlkv.pool import pool
+        from cxlkv import api
 
-        return getattr(pool, name)
+        return getattr(api, name)
     if name in ("format_pool", "init_pool", "create_pool_file"):
-        from cxlkv.pool import admin
+        from cxlkv.ops import init
 
-        return getattr(admin, name)
+        return getattr(init, name)
     if name == "KVCache":
         from cxlkv.kv.cache import KVCache
 

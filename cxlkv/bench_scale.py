@@ -51,10 +51,11 @@ import psutil
 
 import cxlkv
 from cxlkv.benchmarks import _meets, _scratch_dir
-from cxlkv.daemons.lockmgr import C_IDLE_AFTER_S, ensure_manager
+from cxlkv.daemons.lockmgr import C_IDLE_AFTER_S
+from cxlkv.ops.lockmgr import ensure_manager
 from cxlkv.errors import CxlkvError
 from cxlkv.kv.cache import drop_namespace, kv_report
-from cxlkv.pool.admin import init_pool
+from cxlkv.ops.init import init_pool
 from cxlkv.state.nodes import read_nodes
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30

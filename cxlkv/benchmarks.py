@@ -750,13 +750,13 @@ def run(progress: Callable[[str], None] = lambda s: None, quick: bool = False,
     existing pool, in a namespace of their own dropped after; refuses
     (BenchRefused) when the pool lacks room for them without evicting."""
     import cxlkv
-    from cxlkv.pool.admin import init_pool
+    from cxlkv.ops.init import init_pool
     from cxlkv.state.trace import run_trace
 
     out: dict = {"version": cxlkv.__version__, "notes": {}}
     total = 8 * MiB if quick else 64 * MiB
     reps = 2 if quick else 5
-    from cxlkv.daemons.lockmgr import ensure_manager
+    from cxlkv.ops.lockmgr import ensure_manager
 
     stop_manager = None
     if pool_path is not None:               # refuse before anything else runs
@@ -838,7 +838,7 @@ def run(progress: Callable[[str], None] = lambda s: None, quick: bool = False,
 def _kv_scenarios(progress, d: str, quick: bool, pool_path: str | None, total: int,
                   reps: int, notes: dict) -> dict:
     import cxlkv
-    from cxlkv.pool.admin import init_pool
+    from cxlkv.ops.init import init_pool
 
     out: dict = {}
     if pool_path is None:

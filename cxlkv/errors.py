@@ -104,6 +104,12 @@ class LiveNodesError(RefusedError):
         return d
 
 
+class PoolReadOnly(RefusedError, PermissionError):
+    """A write to a pool that is open read-only (also a PermissionError)."""
+
+    kind = "read-only"
+
+
 class PoolNotFound(CxlkvError):
     exit_code = EXIT_NOT_FOUND
     kind = "not-found"

@@ -39,7 +39,7 @@ def consumer(path: str, q) -> None:
 
 def main(path: str) -> int:
     from cxlkv.pool import layout as L
-    from cxlkv.pool.pool import Pool
+    from cxlkv.api import Pool
 
     with Pool.open(path, writable=False) as p:
         has_kv = bool(p.sb.compat & L.COMPAT_KV)

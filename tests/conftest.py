@@ -56,7 +56,7 @@ def pool_path(tmp_path):
 def kvpool(pool_path):
     """A formatted 32 MiB pool for KV tests (short lease); returns its path.
     Modules that need another geometry define their own."""
-    from cxlkv.pool.admin import init_pool
+    from cxlkv.ops.init import init_pool
 
     init_pool(pool_path, {"size": 32 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8,
                           "lease_ms": 300})
@@ -66,7 +66,7 @@ def kvpool(pool_path):
 @pytest.fixture
 def small_pool(pool_path):
     """A formatted small pool file; returns its path."""
-    from cxlkv.pool.admin import init_pool
+    from cxlkv.ops.init import init_pool
 
     init_pool(pool_path, SMALL)
     return pool_path
@@ -116,7 +116,7 @@ def local_pidns() -> int:
 def fake_node(path: str, slot: int, *, pid: int, start_time_ns: int, boot_id: str,
               hostname: str = "testhost", heartbeat: int = 1, state: int = L.NODE_ATTACHED):
     """Write a node-table slot as an attached node would (test helper)."""
-    from cxlkv.pool.pool import Pool
+    from cxlkv.api import Pool
 
     with Pool.open(path, force=True) as pool:
         off, _ = pool.region("nodes")
@@ -134,7 +134,7 @@ def fake_node(path: str, slot: int, *, pid: int, start_time_ns: int, boot_id: st
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch, tmp_path_factory):
     """No test sees the caller's environment or the machine's default pool."""
-    from cxlkv.pool import admin
+    from cxlkv.ops import init as admin
 
     for k in ("CXLKV_SYSFS_ROOT", "CXLKV_PROCFS_ROOT", "CXLKV_DEV_ROOT", "CXLKV_FLUSH",
               "CXLKV_POOL"):
@@ -185,7 +185,7 @@ def remote_env(tmp_path):
     """make() -> environment that makes a child process look like another
     host: a procfs root of its own with its own boot id, so every other node
     judges its liveness by heartbeat, as it judges a remote host."""
-    from cxlkv.state.stress import make_host_root
+    from cxlkv.ops.stress import make_host_root
 
     def make(**extra) -> dict:
         return {"CXLKV_PROCFS_ROOT": make_host_root(tmp_path)[0], **extra}

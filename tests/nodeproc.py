@@ -210,7 +210,7 @@ def lock_turn_gaps(path: str, nodes: int = 4, n: int = 150, hold: float = 0.001,
     many turns passed between two turns of the same node.  hosts: a
     remote_env, to make each process a host of its own (the pool lock's
     order then); without it they share this host's host-local lock."""
-    from cxlkv.pool.pool import Pool
+    from cxlkv.api import Pool
 
     procs = [NodeProc(hosts() if hosts else None) for _ in range(nodes)]
     with Pool.open(path) as p:

@@ -6,8 +6,8 @@ import pytest
 
 import cxlkv
 from cxlkv.pool import layout as L
-from cxlkv.pool.admin import init_pool
-from cxlkv.pool.pool import Pool
+from cxlkv.ops.init import init_pool
+from cxlkv.api import Pool
 from cxlkv.state import alloc as A
 from cxlkv.state import nodes as N
 
@@ -218,7 +218,7 @@ def test_nodes_free_each_others_slots(apool):
         for p in procs:
             p.close()
     with Pool.open(apool) as pool:
-        from cxlkv.state.fsck import check
+        from cxlkv.ops.fsck import check
 
         rep = check(pool)
         assert rep.clean and rep.stats["allocator"]["chunks_used"] == 0
@@ -335,7 +335,7 @@ def test_a_node_killed_mid_allocation_has_its_hazard_dropped_by_recovery(apool):
     with cxlkv.open_pool(apool) as pool:                 # reaps the dead node
         assert all(pool.mapping.load64(A.heap_offset(pool, s) + 8 * i) == 0
                    for s in range(pool.sb.max_nodes) for i in range(8))
-        from cxlkv.state.fsck import check
+        from cxlkv.ops.fsck import check
 
         rep = check(pool)
         assert rep.clean, [f.to_json() for f in rep.errors]
@@ -353,9 +353,9 @@ def crowded_pool(pool_path):
 def test_stress_on_a_crowded_pool_finds_nothing(crowded_pool, nodes, seed):
     """Workers allocate, publish, verify and free in a pool that is full most
     of the time (releases racing lock-free allocation in other nodes' slabs)."""
-    from cxlkv.pool.pool import Pool as P
-    from cxlkv.state import stress
-    from cxlkv.state.fsck import check
+    from cxlkv.api import Pool as P
+    from cxlkv.ops import stress
+    from cxlkv.ops.fsck import check
 
     res = stress.run(stress.Options(pool=crowded_pool, nodes=nodes, ops=5000, seed=seed,
                                     mix={"alloc": 40, "free": 30, "verify": 20, "lock": 10}))
@@ -381,8 +381,8 @@ CORRUPT = {
                                     if (op, how) != ("alloc", "tail")])  # reads its head only
 def test_a_corrupt_descriptor_fails_fast_naming_fsck_repair(apool, op, how):
     from cxlkv.errors import CxlkvError, MetadataCorrupt
-    from cxlkv.state.fsck import check
-    from cxlkv.state.repair import repair
+    from cxlkv.ops.fsck import check
+    from cxlkv.ops.repair import repair
 
     size = 3 * MiB if how == "tail" else 4096
     with cxlkv.open_pool(apool) as pool:

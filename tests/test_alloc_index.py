@@ -16,10 +16,10 @@ import pytest
 
 import cxlkv
 from cxlkv.pool import layout as L
-from cxlkv.pool.admin import init_pool
-from cxlkv.pool.pool import Pool
+from cxlkv.ops.init import init_pool
+from cxlkv.api import Pool
 from cxlkv.state import alloc as A
-from cxlkv.state import fsck
+from cxlkv.ops import fsck
 from cxlkv.state import nodes as N
 
 from conftest import MiB, wait_for

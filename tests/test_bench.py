@@ -12,10 +12,10 @@ import pytest
 
 import cxlkv
 from cxlkv import benchmarks
-from cxlkv.daemons.lockmgr import ensure_manager
+from cxlkv.ops.lockmgr import ensure_manager
 from cxlkv.errors import EXIT_REFUSED
 from cxlkv.kv.cache import kv_report
-from cxlkv.pool.admin import init_pool
+from cxlkv.ops.init import init_pool
 
 MiB = 1 << 20
 

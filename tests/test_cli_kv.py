@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import cxlkv
-from cxlkv.pool.admin import init_pool
+from cxlkv.ops.init import init_pool
 
 from nodeproc import NodeProc
 

@@ -9,7 +9,7 @@ import pytest
 
 from cxlkv import errors as E
 from cxlkv.pool import layout as L
-from cxlkv.pool.pool import Pool
+from cxlkv.api import Pool
 from cxlkv.state.nodes import local_boot_id
 
 from conftest import SMALL, fake_node, mode_of, patch_bytes, rewrite_superblock
@@ -29,7 +29,7 @@ def assert_clean_error(r, code, *words):
 # -- init ---------------------------------------------------------------------
 
 def test_init_default_path_then_inspect(cli, tmp_path, monkeypatch):
-    from cxlkv.pool import admin
+    from cxlkv.ops import init as admin
 
     default = str(tmp_path / "shm" / "cxlkv-default.pool")
     os.mkdir(tmp_path / "shm")
@@ -372,7 +372,7 @@ def test_device_with_wrong_alignment(cli, fake_dax):
 @pytest.mark.parametrize("size,words", [("3M", "not a multiple of the device alignment"),
                                         ("128M", "larger than")])
 def test_device_size_checked_before_mapping(cli, fake_dax, monkeypatch, size, words):
-    from cxlkv.pool import admin
+    from cxlkv.ops import init as admin
 
     dev, geometry = fake_dax
     geometry(64 << 20, 2 << 20)
@@ -558,7 +558,7 @@ def test_concurrent_inits_make_one_pool(tmp_path):
 
 
 def test_inspect_defaults_to_the_init_pool(cli, tmp_path, monkeypatch):
-    from cxlkv.pool import admin
+    from cxlkv.ops import init as admin
 
     default = str(tmp_path / "cxlkv-default.pool")
     monkeypatch.setattr(admin, "DEFAULT_POOL_PATH", default)
@@ -593,7 +593,7 @@ def test_format_refuses_while_a_lock_manager_runs(cli, pool_path):
     import subprocess
     import sys
 
-    from cxlkv.pool.admin import init_pool
+    from cxlkv.ops.init import init_pool
 
     init_pool(pool_path, {**SMALL, "sync": "manager", "lease_ms": 300})
     mgr = subprocess.Popen([sys.executable, "-m", "cxlkv", "lock-manager", "--pool", pool_path],

@@ -13,10 +13,10 @@ import xxhash
 
 import cxlkv
 from cxlkv.pool import layout as L
-from cxlkv.pool.admin import init_pool
-from cxlkv.pool.pool import Pool
+from cxlkv.ops.init import init_pool
+from cxlkv.api import Pool
 from cxlkv.state import alloc as A
-from cxlkv.state.fsck import check
+from cxlkv.ops.fsck import check
 
 MiB = 1 << 20
 MAGIC = b"CRASHTST"

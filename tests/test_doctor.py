@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cxlkv.host import discovery as D
-from cxlkv.host import doctor as Dr
+from cxlkv.ops import doctor as Dr
 from cxlkv.host import tools as T
 from cxlkv.host.replay import ReplayRunner
 
@@ -343,8 +343,8 @@ def test_live_node_heartbeats(host, small_pool, monkeypatch):
 
 
 def test_lock_manager(host, tmp_path):
-    from cxlkv.daemons.lockmgr import ensure_manager
-    from cxlkv.pool.admin import init_pool
+    from cxlkv.ops.lockmgr import ensure_manager
+    from cxlkv.ops.init import init_pool
 
     path = str(tmp_path / "mgr.pool")
     init_pool(path, {"size": 8 << 20, "chunk_size": 64 << 10, "max_nodes": 8,

@@ -20,11 +20,11 @@ import cxlkv
 from cxlkv.errors import PoolIncompatible
 from cxlkv.kv.area import Area
 from cxlkv.pool import layout as L
-from cxlkv.pool.admin import init_pool
-from cxlkv.pool.pool import Pool
+from cxlkv.ops.init import init_pool
+from cxlkv.api import Pool
 from cxlkv.state import nodes as N
-from cxlkv.state.fsck import check
-from cxlkv.state.repair import repair
+from cxlkv.ops.fsck import check
+from cxlkv.ops.repair import repair
 
 from conftest import wait_for
 from nodeproc import lock_manager

@@ -7,8 +7,8 @@ import pytest
 
 import cxlkv
 from cxlkv.pool import layout as L
-from cxlkv.pool.admin import init_pool
-from cxlkv.pool.pool import Pool
+from cxlkv.ops.init import init_pool
+from cxlkv.api import Pool
 from cxlkv.state import alloc as A
 from cxlkv.state import locks as K
 from cxlkv.state import nodes as N
@@ -126,7 +126,7 @@ def test_operational_error_is_8(cli, tmp_path):
 def test_tickets_of_gone_nodes_are_reported(small_pool):
     """cas mode: tickets taken by nodes that are gone stall the next lock a
     lease each; fsck says so (and fsck --repair resets them)."""
-    from cxlkv.state.fsck import check
+    from cxlkv.ops.fsck import check
 
     with Pool.open(small_pool) as p:
         hdr, _ = K.lock_offsets(p)

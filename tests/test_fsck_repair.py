@@ -12,8 +12,8 @@ import pytest
 
 import cxlkv
 from cxlkv.pool import layout as L
-from cxlkv.pool.admin import init_pool
-from cxlkv.pool.pool import Pool
+from cxlkv.ops.init import init_pool
+from cxlkv.api import Pool
 from cxlkv.state import alloc as A
 from cxlkv.state import locks as K
 from cxlkv.state import nodes as N
@@ -346,7 +346,7 @@ def test_node_attaching_while_liveness_is_watched_is_never_fenced(kv_pool):
     """A node attaching while repair watches another host's node (up to a
     lease) is not in the judged set: the offline repair stops (operational
     error naming it) before touching anything, and the node keeps working."""
-    from cxlkv.state import repair as R
+    from cxlkv.ops import repair as R
 
     _remote_node(kv_pool)
     q = NodeProc()
@@ -388,7 +388,7 @@ def test_node_attaching_while_liveness_is_watched_is_never_fenced(kv_pool):
 def test_offline_repair_blocks_attaches_while_it_runs(cli, kv_pool, monkeypatch):
     """While an offline repair works, a process that tries to attach finds the
     node table full; afterwards it attaches normally and nothing is left."""
-    from cxlkv.state import repair as R
+    from cxlkv.ops import repair as R
 
     damage(kv_pool, lambda p: A.set_bits(p, p.sb.nchunks - 1, 1, True))
     q = NodeProc()
@@ -414,7 +414,7 @@ def test_offline_repair_blocks_attaches_while_it_runs(cli, kv_pool, monkeypatch)
 
 def test_undecided_nodes_count_as_alive(kv_pool):
     """A node still not judged when the watch ends is never treated as dead."""
-    from cxlkv.state import repair as R
+    from cxlkv.ops import repair as R
 
     _remote_node(kv_pool)
     ticks = iter([0.0, 0.0, 0.1, 0.1] + [100.0] * 10)

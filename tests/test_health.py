@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from cxlkv.pool import layout as L
-from cxlkv.pool.admin import init_pool
-from cxlkv.pool.pool import Pool
+from cxlkv.ops.init import init_pool
+from cxlkv.api import Pool
 
 from conftest import fake_node, patch_bytes, rewrite_superblock
 from nodeproc import NodeProc
@@ -218,7 +218,7 @@ def test_default_timeout_judges_a_dead_node_of_another_host(cli, pool_path):
         cli_health.DEFAULT_TIMEOUT = old
     assert time.monotonic() - t0 < 4.0           # judge_timeout(1.5) = 3 s at most
     assert (code, st) == (1, "WARNING") and "dead node" in text and "node 3" in text, text
-    from cxlkv.daemons import health as H
+    from cxlkv.ops import health as H
 
     assert H.judge_timeout(10.0) == 14.0         # the default lease: 10 s is too short
 
@@ -226,7 +226,7 @@ def test_default_timeout_judges_a_dead_node_of_another_host(cli, pool_path):
 def test_slow_device_tools_do_not_hide_the_pool_verdict(cli, pool_path, monkeypatch):
     """Device tools that take longer than the time left make the device
     unknown, not the whole answer: the pool's own verdict stands, in time."""
-    from cxlkv.daemons import health as H
+    from cxlkv.ops import health as H
     from cxlkv.host import numa
 
     init_pool(pool_path, {"size": 16 * MiB, "chunk_size": BLOCK, "max_nodes": 8,
@@ -253,7 +253,7 @@ def test_slow_device_tools_do_not_hide_the_pool_verdict(cli, pool_path, monkeypa
 
 def test_device_health_bounds_all_tools_together(monkeypatch):
     """device_health's timeout is one budget for all the tools."""
-    from cxlkv.daemons import health as H
+    from cxlkv.ops import health as H
     from cxlkv.host import discovery as D
     from cxlkv.host import numa
 
@@ -284,7 +284,7 @@ def test_corrupt_kv_header_is_critical(cli, hpool):
 
 def test_internal_errors_are_unknown(cli, hpool, monkeypatch):
     """Whatever goes wrong inside, a plugin exits 0-3: UNKNOWN."""
-    from cxlkv.daemons import health as H
+    from cxlkv.ops import health as H
 
     def boom(*a, **kw):
         raise RuntimeError("a bug")
@@ -295,7 +295,7 @@ def test_internal_errors_are_unknown(cli, hpool, monkeypatch):
 
 
 def test_device_temperature_thresholds(cli, hpool, monkeypatch):
-    from cxlkv.daemons import health as H
+    from cxlkv.ops import health as H
 
     hot = {"device": "dax0.0", "memdevs": [{"memdev": "mem0", "temperature_c": 78,
                                             "alarms": []}],
@@ -311,7 +311,7 @@ def test_device_temperature_thresholds(cli, hpool, monkeypatch):
 def test_device_health_from_the_captured_guest(tmp_path, monkeypatch):
     """A DAX pool's memdevs, read through the tool seam (output of a real
     guest): QEMU's device reports no health, so the temperature is unknown."""
-    from cxlkv.daemons import health as H
+    from cxlkv.ops import health as H
     from cxlkv.host import numa, tools
     from cxlkv.host.replay import ReplayRunner
 

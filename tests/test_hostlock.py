@@ -13,8 +13,8 @@ import time
 import pytest
 
 import cxlkv
-from cxlkv.pool.admin import init_pool
-from cxlkv.pool.pool import Pool
+from cxlkv.ops.init import init_pool
+from cxlkv.api import Pool
 from cxlkv.state import hostlock as H
 from cxlkv.state import locks as K
 from cxlkv.state import nodes as N

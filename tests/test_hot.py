@@ -1,4 +1,4 @@
-"""The host DRAM hot tier (cxlkv.kv.hot): loads served from local copies,
+"""The host DRAM hot tier (cxlkv.kv.tiers.hot): loads served from local copies,
 and a copy never outlives the pool entry it was read from."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 
 import cxlkv
 from cxlkv.errors import UsageError
-from cxlkv.kv import hot as H
-from cxlkv.pool.admin import init_pool
+from cxlkv.kv.tiers import hot as H
+from cxlkv.ops.init import init_pool
 
 from nodeproc import NodeProc
 

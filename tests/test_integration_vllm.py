@@ -539,7 +539,7 @@ def test_a_prefix_from_another_rack_through_the_remote_tier(model_dir, tmp_path)
     Redis Cluster; rack B's instance (another pool, extra config `remote`)
     matches them through the cluster and loads them bit for bit."""
     import cxlkv
-    from cxlkv.kv import remote as KR
+    from cxlkv.kv.tiers import remote as KR
     from cxlkv.remote import RemoteClient, RemoteConfig
     from cxlkv.remote.testcluster import TestCluster, skip_reason
 

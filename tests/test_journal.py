@@ -21,9 +21,9 @@ from cxlkv.errors import PoolIncompatible
 from cxlkv.kv import journal as J
 from cxlkv.kv.area import Area
 from cxlkv.pool import layout as L
-from cxlkv.pool.admin import init_pool
-from cxlkv.pool.pool import Pool
-from cxlkv.state import fsck
+from cxlkv.ops.init import init_pool
+from cxlkv.api import Pool
+from cxlkv.ops import fsck
 from cxlkv.state import nodes as N
 
 from conftest import MiB, wait_for
@@ -349,7 +349,7 @@ with cxlkv.open_pool({str(path)!r}) as pool:
 
 # -- fsck ---------------------------------------------------------------------------------
 def test_fsck_reports_and_repairs_a_damaged_journal_header(pool_path):
-    from cxlkv.state import repair as R
+    from cxlkv.ops import repair as R
 
     init_pool(pool_path, {"size": 8 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8})
     with cxlkv.open_pool(pool_path) as pool:

@@ -16,9 +16,9 @@ import cxlkv
 from cxlkv.errors import UsageError
 from cxlkv.kv.area import Area, KVPoolFull, QuotaExceeded
 from cxlkv.pool import layout as L
-from cxlkv.pool.admin import init_pool
-from cxlkv.pool.pool import Pool
-from cxlkv.state.fsck import check
+from cxlkv.ops.init import init_pool
+from cxlkv.api import Pool
+from cxlkv.ops.fsck import check
 
 from nodeproc import NodeProc, lock_manager
 

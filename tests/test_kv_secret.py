@@ -7,7 +7,7 @@ import os
 import stat
 
 import cxlkv
-from cxlkv.pool.admin import init_pool
+from cxlkv.ops.init import init_pool
 
 MiB = 1 << 20
 

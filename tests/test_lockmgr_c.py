@@ -18,8 +18,8 @@ import pytest
 import cxlkv
 from cxlkv.daemons import lockmgr as LM
 from cxlkv.pool import layout as L
-from cxlkv.pool.admin import init_pool
-from cxlkv.pool.pool import Pool
+from cxlkv.ops.init import init_pool
+from cxlkv.api import Pool
 from cxlkv.state import locks as K
 from cxlkv.state import nodes as N
 from cxlkv.state import protocol as P
@@ -94,7 +94,7 @@ def _write_state(pool, nodes, ents) -> None:
         m.store64(off + P.N_CLAIM, 7 if state != L.NODE_FREE else 0)
         m.flush(off, L.NODE_SIZE)
     for slot, (e_epoch, req, rel, grant, revoke, g_epoch) in enumerate(ents):
-        off = P.entry(pool, slot)
+        off = P.entry_offset(pool, slot)
         for field, v in ((P.E_EPOCH, e_epoch), (P.E_REQ, req), (P.E_RELEASE, rel),
                          (P.E_GRANT, grant), (P.E_REVOKE, revoke), (P.E_GRANT_EPOCH, g_epoch)):
             m.store64(off + field, v)
@@ -102,7 +102,7 @@ def _write_state(pool, nodes, ents) -> None:
 
 
 def _lock_lines(pool) -> bytes:
-    first = P.entry(pool, 0)
+    first = P.entry_offset(pool, 0)
     pool.mapping.invalidate(first, pool.sb.max_nodes * L.LOCK_ENTRY_SIZE)
     return pool.mapping.read(first, pool.sb.max_nodes * L.LOCK_ENTRY_SIZE)
 
@@ -229,7 +229,7 @@ def test_a_release_of_another_epoch_is_not_a_release(mpool, manager, mode):
     h.attach(mpool)
     assert h.call(op="lock") == {"locked": True}
     with Pool.open(mpool) as p:
-        m, e = p.mapping, P.entry(p, h.slot)
+        m, e = p.mapping, P.entry_offset(p, h.slot)
         m.invalidate(e, L.LOCK_ENTRY_SIZE)
         grant = m.load64(e + P.E_GRANT)
         m.store64(e + P.E_EPOCH, h.epoch + 1)            # another epoch ...
@@ -326,8 +326,8 @@ def test_mgr_loop_and_mgr_wait_refuse_bad_arguments(mpool):
         with pytest.raises(PoolRangeError):
             m.mgr_wait(m.size, 1, 0, 1000, 0)
         with pytest.raises(PoolRangeError):
-            m.mgr_wait(P.entry(pool, 0) + 8, 1, 0, 1000, 0)
-        e = P.entry(pool, 0)
+            m.mgr_wait(P.entry_offset(pool, 0) + 8, 1, 0, 1000, 0)
+        e = P.entry_offset(pool, 0)
         assert m.mgr_wait(e, 1, 0, 1000, 0) == 0                  # not granted: time is up
         m.store64(e + P.E_REVOKE, 1)
         assert m.mgr_wait(e, 1, 0, 1000, 0) == 2                  # revoked

@@ -8,8 +8,8 @@ import pytest
 
 import cxlkv
 from cxlkv.pool import layout as L
-from cxlkv.pool.admin import init_pool
-from cxlkv.pool.pool import Pool
+from cxlkv.ops.init import init_pool
+from cxlkv.api import Pool
 from cxlkv.state import locks as K
 from cxlkv.state import nodes as N
 

@@ -8,8 +8,8 @@ import time
 import pytest
 
 import cxlkv
-from cxlkv.pool.admin import init_pool
-from cxlkv.pool.pool import Pool
+from cxlkv.ops.init import init_pool
+from cxlkv.api import Pool
 from cxlkv.state import nodes as N
 from cxlkv.state import protocol as P
 
@@ -141,7 +141,7 @@ def test_dead_holder_is_revoked_and_recovered(mpool, manager):
         while N.read_slot(pool, holder.slot).state != "free" and time.monotonic() < deadline:
             time.sleep(0.01)
         assert N.read_slot(pool, holder.slot).state == "free"
-    from cxlkv.state.fsck import check
+    from cxlkv.ops.fsck import check
     with Pool.open(mpool) as p:
         rep = check(p)
         assert rep.clean, [f.to_json() for f in rep.errors]
@@ -200,7 +200,7 @@ def test_detach_without_a_manager_leaves_recovery_to_the_next(mpool, manager):
         while N.read_slot(p, node.slot).state != "free" and time.monotonic() < deadline:
             time.sleep(0.02)
         assert N.read_slot(p, node.slot).state == "free"
-        from cxlkv.state.fsck import check
+        from cxlkv.ops.fsck import check
         rep = check(p)
         assert rep.clean and rep.stats["allocator"]["slots_allocated"] == 0
 
@@ -218,7 +218,7 @@ def test_managers_step_down_when_the_pool_is_reformatted(mpool, manager, monkeyp
     """A pool reformatted under its lock managers (as the runbook once let
     happen): the active one and a standby notice the new superblock and exit
     with a clear error instead of writing old-geometry words into it."""
-    from cxlkv.pool import admin
+    from cxlkv.ops import init as admin
 
     active = manager()
     standby = manager("--standby", wait=False)

@@ -11,8 +11,8 @@ import pytest
 import cxlkv
 from cxlkv.errors import LiveNodesError
 from cxlkv.pool import layout as L
-from cxlkv.pool.admin import format_pool
-from cxlkv.pool.pool import Pool
+from cxlkv.ops.init import format_pool
+from cxlkv.api import Pool
 from cxlkv.state import nodes as N
 
 from conftest import fake_node
@@ -85,7 +85,7 @@ def test_read_nodes_decodes_as_read_slot_does(small_pool):
 
 
 def test_epoch_bumps_on_every_attach(pool_path):
-    from cxlkv.pool.admin import init_pool
+    from cxlkv.ops.init import init_pool
 
     init_pool(pool_path, {"size": 8 << 20, "chunk_size": 64 << 10, "max_nodes": 1})
     epochs = []
@@ -124,7 +124,7 @@ def test_four_processes_get_distinct_slots_and_are_live(small_pool):
 
 
 def test_full_table_then_a_dead_node_is_reaped_on_attach(pool_path):
-    from cxlkv.pool.admin import init_pool
+    from cxlkv.ops.init import init_pool
 
     init_pool(pool_path, {"size": 8 << 20, "chunk_size": 64 << 10, "max_nodes": 2})
     a, b = Child(pool_path), Child(pool_path)

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 import cxlkv
 from cxlkv import _core
-from cxlkv.pool.admin import init_pool
+from cxlkv.ops.init import init_pool
 
 SIZE = 1 << 20
 

@@ -113,7 +113,7 @@ def test_apply_then_apply_again_changes_nothing(cli, machine):
     assert doc["ran"][1]["undo"] == "ndctl destroy-namespace -f namespace0.0"
     dev = m.dev / "dax0.0"
     assert oct(os.stat(dev).st_mode & 0o777) == "0o660"
-    from cxlkv.pool.pool import Pool
+    from cxlkv.api import Pool
 
     with Pool.open(str(dev), writable=False) as p:
         assert p.sb.sync == "manager"

@@ -13,8 +13,8 @@ import pytest
 
 import cxlkv
 from cxlkv.errors import UsageError
-from cxlkv.kv import remote as KR
-from cxlkv.pool.admin import init_pool
+from cxlkv.kv.tiers import remote as KR
+from cxlkv.ops.init import init_pool
 from cxlkv.remote import RemoteClient, RemoteConfig
 from cxlkv.remote.testcluster import TestCluster, skip_reason
 
@@ -317,7 +317,7 @@ def test_serving_processes_export_remote_and_hot_metrics(tmp_path, cluster):
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from cxlkv.kv import hot
+    from cxlkv.kv.tiers import hot
 
     a, b = mkpool(tmp_path / "a.pool"), mkpool(tmp_path / "b.pool")
     cfg = RemoteConfig(nodes=tuple(cluster.addrs), prefix=f"t6-{time.monotonic_ns()}:")

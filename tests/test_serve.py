@@ -20,10 +20,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import cxlkv
 from cxlkv.pool import layout as L
-from cxlkv.pool.admin import init_pool
-from cxlkv.pool.pool import Pool
+from cxlkv.ops.init import init_pool
+from cxlkv.api import Pool
 from cxlkv.state import nodes as N
-from cxlkv.state.fsck import check
+from cxlkv.ops.fsck import check
 
 from nodeproc import NodeProc
 
@@ -575,7 +575,7 @@ def test_healthz_503_when_the_snapshot_is_stale(agent):
 
 def test_tick_reads_usage_once(agent, monkeypatch):
     """usage() reads the descriptors and the whole hash table: once per tick."""
-    from cxlkv.daemons import health as H
+    from cxlkv.ops import health as H
 
     a = agent()
     calls = []
@@ -591,7 +591,7 @@ def test_slow_device_tools_never_delay_a_tick(agent, monkeypatch):
     leaves the ticks (and /healthz) going."""
     import threading
 
-    from cxlkv.daemons import health as H
+    from cxlkv.ops import health as H
     from cxlkv.host import numa
 
     release = threading.Event()
@@ -654,7 +654,7 @@ def _evicted(s, since=0):
 
 def test_agent_spills_its_evictions_and_a_reader_promotes_them(spool, serve, tmp_path):
     import cxlkv
-    from cxlkv.kv import spill as SP
+    from cxlkv.kv.tiers import spill as SP
 
     d = tmp_path / "spill"
     s = serve(spool, "--spill-dir", str(d), "--spill-bytes", "64M")
@@ -759,7 +759,7 @@ def test_agent_spill_metrics_and_a_failing_disk(spool, serve, tmp_path):
 
 
 def test_spill_dir_owned_by_another_process_is_refused(cli, spool, tmp_path):
-    from cxlkv.kv import spill as SP
+    from cxlkv.kv.tiers import spill as SP
 
     st = SP.SpillStore(tmp_path / "s", MiB)              # this process owns it
     try:

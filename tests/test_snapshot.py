@@ -15,9 +15,9 @@ from cxlkv.cli import COMMANDS
 from cxlkv.kv import snapshot as S
 from cxlkv.kv.area import Area
 from cxlkv.pool import layout as L
-from cxlkv.pool.admin import init_pool
-from cxlkv.pool.pool import Pool
-from cxlkv.state.fsck import check
+from cxlkv.ops.init import init_pool
+from cxlkv.api import Pool
+from cxlkv.ops.fsck import check
 
 from nodeproc import NodeProc, lock_manager
 
@@ -104,7 +104,7 @@ def store_chains(path, n, args=ARGS, gap=0.0):
 # -- snapshot while serving -----------------------------------------------------------------
 def _published(path) -> int:
     from cxlkv.kv.area import Area
-    from cxlkv.pool.pool import Pool
+    from cxlkv.api import Pool
 
     with Pool.open(path, writable=False) as p:
         return Area(p).header().live

@@ -1,4 +1,4 @@
-"""The NVMe spill tier (cxlkv.kv.spill): evicted blocks go to a bounded
+"""The NVMe spill tier (cxlkv.kv.tiers.spill): evicted blocks go to a bounded
 directory and come back bit-exact; corrupt and truncated files are misses
 and are removed; a full or failing disk or a full queue drops, never an
 error; the store's own size limit and LRU."""
@@ -12,11 +12,11 @@ import pytest
 
 import cxlkv
 from cxlkv.errors import UsageError
-from cxlkv.kv import spill as SP
+from cxlkv.kv.tiers import spill as SP
 from cxlkv.kv.cache import KVCache
-from cxlkv.pool.admin import init_pool
-from cxlkv.pool.pool import Pool
-from cxlkv.state.fsck import check
+from cxlkv.ops.init import init_pool
+from cxlkv.api import Pool
+from cxlkv.ops.fsck import check
 
 MiB = 1 << 20
 BB = 64 * 1024
@@ -316,7 +316,7 @@ def test_manager_mode_spills_another_nodes_blocks_fresh(pool_path, tmp_path, mon
 
 def test_pool_kv_passes_the_spill_options(tmp_path):
     import cxlkv
-    from cxlkv.kv import spill as S
+    from cxlkv.kv.tiers import spill as S
 
     path = str(tmp_path / "p.pool")
     cxlkv.init_pool(path, {"size": 8 << 20, "chunk_size": 256 * 1024, "max_nodes": 4})

@@ -20,9 +20,9 @@ import pytest
 import cxlkv
 from cxlkv.errors import PoolCorrupt
 from cxlkv.pool import layout as L
-from cxlkv.pool.admin import init_pool
-from cxlkv.pool.pool import Pool
-from cxlkv.state import fsck
+from cxlkv.ops.init import init_pool
+from cxlkv.api import Pool
+from cxlkv.ops import fsck
 from cxlkv.state import locks as K
 from cxlkv.state import nodes as N
 
@@ -403,7 +403,7 @@ def test_a_fenced_waiter_never_takes_the_pool_lock(pool_path, monkeypatch, tmp_p
     must not take the lock (its turn is skipped), and the lock goes on."""
     import threading
 
-    from cxlkv.state.stress import make_host_root
+    from cxlkv.ops.stress import make_host_root
 
     init_pool(pool_path, {"size": 16 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8,
                           "lease_ms": 10_000})

@@ -1,15 +1,13 @@
 """`cxlkv stress`: clean runs, runs with kill -9, and proof that its checks can fail."""
 from __future__ import annotations
 
-import sys
-import types
 
 import pytest
 
 import cxlkv
 from cxlkv import errors as E
-from cxlkv.pool.admin import init_pool
-from cxlkv.state import stress
+from cxlkv.ops.init import init_pool
+from cxlkv.ops import lockmgr, stress
 
 MiB = 1 << 20
 
@@ -21,8 +19,8 @@ def spool(pool_path):
 
 
 def assert_empty(path):
-    from cxlkv.pool.pool import Pool
-    from cxlkv.state.fsck import check
+    from cxlkv.api import Pool
+    from cxlkv.ops.fsck import check
 
     with Pool.open(path, writable=False) as p:
         rep = check(p)
@@ -160,19 +158,10 @@ def manager_pool(pool_path):
     return pool_path
 
 
-def test_manager_pool_without_lock_manager(cli, manager_pool, monkeypatch):
-    monkeypatch.setitem(sys.modules, "cxlkv.daemons.lockmgr", None)     # a build without it
-    r = cli("stress", "--pool", manager_pool, "--seconds", "1", "--json")
-    assert r.code == 5, r.err
-    assert "needs the lock manager" in r.json()["error"]["message"]
-
-
 def test_manager_pool_gets_a_manager_for_the_run(cli, manager_pool, monkeypatch):
     stopped = []
-    lockmgr = types.ModuleType("cxlkv.daemons.lockmgr")
-    lockmgr.ensure_manager = lambda path: (True, lambda: stopped.append(path))
-    monkeypatch.setitem(sys.modules, "cxlkv.daemons", types.ModuleType("cxlkv.daemons"))
-    monkeypatch.setitem(sys.modules, "cxlkv.daemons.lockmgr", lockmgr)
+    monkeypatch.setattr(lockmgr, "ensure_manager",
+                        lambda path: (True, lambda: stopped.append(path)))
 
     def refuse(self, opts, sync):
         raise E.RefusedError("no attaching in this test")
@@ -373,7 +362,7 @@ def test_watchdog_names_a_stuck_worker(spool):
     import threading
     import time
 
-    from cxlkv.pool.pool import Pool
+    from cxlkv.api import Pool
     from cxlkv.state import nodes
 
     stopped = []

@@ -6,7 +6,7 @@ from rich.table import Table
 from cxlkv import bench_scale
 from cxlkv.cli.app import Application
 from cxlkv.errors import UsageError
-from cxlkv.pool.format import parse_size
+from cxlkv.util.sizes import parse_size
 
 
 def _ints(text: str, what: str) -> tuple[int, ...]:

@@ -31,7 +31,7 @@ def doctor_cmd(app: Application, pool, as_json):
     manager running in sync mode manager.  Each check passes, warns or fails
     with a remedy; nothing is changed.
     """
-    from cxlkv.host import doctor
+    from cxlkv.ops import doctor
 
     if pool == "":
         raise UsageError("empty path given to --pool")

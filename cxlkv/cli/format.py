@@ -59,7 +59,7 @@ def format_options(f):
 
 def given_params(size, sync, chunk_size, max_nodes, lease, grace, hash_slots, hash_max_load,
                  label) -> dict:
-    from cxlkv.pool.format import parse_size
+    from cxlkv.util.sizes import parse_size
 
     given = {}
     if size is not None:
@@ -85,7 +85,7 @@ def given_params(size, sync, chunk_size, max_nodes, lease, grace, hash_slots, ha
 
 def run_format(app: Application, fn, path: str, given: dict, *, force: bool, group, **kw):
     """Call init_pool / format_pool with a progress bar; return the result."""
-    from cxlkv.pool.format import human_size
+    from cxlkv.util.sizes import human_size
 
     state = {}
 
@@ -112,7 +112,7 @@ def run_format(app: Application, fn, path: str, given: dict, *, force: bool, gro
 
 
 def render_result(app: Application, res, next_steps: bool) -> None:
-    from cxlkv.pool.format import human_size
+    from cxlkv.util.sizes import human_size
 
     for w in res.warnings:
         app.warn(w)
@@ -153,7 +153,7 @@ def format_cmd(app: Application, pool, size, sync, chunk_size, max_nodes, lease,
     cxlkv-lock-manager@ on every host first).  Formatting zeroes the whole
     pool, so no previous contents survive.
     """
-    from cxlkv.pool.admin import format_pool
+    from cxlkv.ops.init import format_pool
 
     given = given_params(size, sync, chunk_size, max_nodes, lease, grace, hash_slots,
                          hash_max_load, label)

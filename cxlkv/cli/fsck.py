@@ -68,8 +68,8 @@ def fsck_cmd(app: Application, pool, repair, force, as_json):
     """
     if repair:
         return _repair(app, pool, force)
-    from cxlkv.pool.pool import Pool
-    from cxlkv.state.fsck import check
+    from cxlkv.api import Pool
+    from cxlkv.ops.fsck import check
 
     try:
         with Pool.open(pool, writable=False, force=force) as p:
@@ -104,7 +104,7 @@ def _summary(app: Application, pool: str, rep) -> None:
 
 
 def _repair(app: Application, pool: str, force: bool) -> int:
-    from cxlkv.state.repair import repair
+    from cxlkv.ops.repair import repair
 
     def notice(count, seconds):
         app.info(f"{app.command}: watching {count} node(s) of other hosts for up to "

@@ -76,7 +76,7 @@ def health_cmd(app: Application, pool, warn_used, crit_used, warn_temp, crit_tem
     unknown and the pool's verdict stands.  Any failure is UNKNOWN (3):
     the exit status is always 0-3.
     """
-    from cxlkv.daemons import health as H
+    from cxlkv.ops import health as H
 
     if warn_used > crit_used or warn_temp > crit_temp:
         raise HealthUsage("a warning threshold is above its critical one "
@@ -101,9 +101,9 @@ def check_pool(path: str, th, start: float, limits: dict, derive: bool = False):
     the limit, in all, and is reported unknown when it has not answered by
     then (the pool's verdict stands).  With `derive` the time limit grows to
     what judging a node of another host takes (H.judge_timeout of the lease)."""
-    from cxlkv.daemons import health as H
+    from cxlkv.ops import health as H
     from cxlkv.host import numa
-    from cxlkv.pool.pool import Pool
+    from cxlkv.api import Pool
     from cxlkv.state import nodes as N
 
     try:
@@ -151,7 +151,7 @@ def run_checks(path: str, th, timeout: float | None):
     (whatever it is blocked on: a hung device, a tool that does not return)
     or failed.  timeout None: DEFAULT_TIMEOUT, or longer when the pool's
     lease needs it (see check_pool)."""
-    from cxlkv.daemons import health as H
+    from cxlkv.ops import health as H
 
     start = time.monotonic()
     limits = {"timeout": DEFAULT_TIMEOUT if timeout is None else timeout}
@@ -181,7 +181,7 @@ def run_checks(path: str, th, timeout: float | None):
 
 def internal_failure(path: str, e: BaseException):
     """A check that failed in an unforeseen way: UNKNOWN (3), never another code."""
-    from cxlkv.daemons import health as H
+    from cxlkv.ops import health as H
 
     h = H.Health(path)
     what = e.message if isinstance(e, CxlkvError) else f"internal error: {type(e).__name__}: {e}"

@@ -33,7 +33,7 @@ def init_cmd(app: Application, pool, device, size, sync, chunk_size, max_nodes, 
     nothing and exits 0.  Different parameters, a damaged pool or foreign data
     are refused unless --force; live nodes are refused even with --force.
     """
-    from cxlkv.pool.admin import DEFAULT_POOL_PATH, init_pool
+    from cxlkv.ops.init import DEFAULT_POOL_PATH, init_pool
 
     if pool == "" or device == "":
         raise UsageError("empty path given to --pool or --device")

@@ -38,7 +38,7 @@ def inspect_cmd(app: Application, pool, force, watch, as_json):
     Pool: superblock, features, sync mode, region layout, usage, KV cache and
     nodes.  Read-only: the pool is mapped read-only and nothing is written.
     """
-    from cxlkv.pool.admin import DEFAULT_POOL_PATH
+    from cxlkv.ops.init import DEFAULT_POOL_PATH
 
     if pool == "":
         raise UsageError("empty path given to --pool")
@@ -64,7 +64,7 @@ def inspect_cmd(app: Application, pool, force, watch, as_json):
 def gather(pool, force):
     from cxlkv.host.discovery import discover
 
-    from cxlkv.host.doctor import host_mode
+    from cxlkv.ops.doctor import host_mode
 
     host = discover()
     host["cxl_mode"] = host_mode(host)      # seed 001: devdax pool vs kernel tiering
@@ -76,8 +76,8 @@ def pool_report_of(pool, force) -> dict:
     from cxlkv.kv.area import quarantine_report
     from cxlkv.kv.cache import kv_report
     from cxlkv.pool import layout as L
-    from cxlkv.pool.pool import Pool
-    from cxlkv.pool.report import pool_report
+    from cxlkv.api import Pool
+    from cxlkv.ops.report import pool_report
 
     with Pool.open(pool, writable=False, force=force) as p:
         rep = pool_report(p)
@@ -132,7 +132,7 @@ def ranges(nums) -> str:
 
 
 def _size(n) -> str:
-    from cxlkv.pool.format import human_size
+    from cxlkv.util.sizes import human_size
 
     if not isinstance(n, int) or n < 0:
         return "-"
@@ -262,7 +262,7 @@ def render_host(app: Application, h: dict) -> None:
         app.out.print("CXL memory online as system RAM on node(s) "
                       f"{ranges(h['cxl_memory_nodes'])}")
     if h.get("cxl_mode"):
-        from cxlkv.host.doctor import MODE_GUIDANCE
+        from cxlkv.ops.doctor import MODE_GUIDANCE
 
         app.out.print(f"CXL mode: {h['cxl_mode']} - {MODE_GUIDANCE[h['cxl_mode']]}")
 
@@ -270,7 +270,7 @@ def render_host(app: Application, h: dict) -> None:
 # -- pool rendering ----------------------------------------------------------
 
 def render(app: Application, rep: dict) -> None:
-    from cxlkv.pool.format import human_size
+    from cxlkv.util.sizes import human_size
 
     sb, use, t = rep["superblock"], rep["usage"], rep["target"]
     created = datetime.datetime.fromtimestamp(sb["created_ns"] / 1e9, datetime.timezone.utc)

@@ -5,7 +5,7 @@ import click
 from rich.table import Table
 
 from cxlkv.cli.app import Application, exit_codes_epilog, json_option, pass_app, pool_option
-from cxlkv.pool.format import human_size
+from cxlkv.util.sizes import human_size
 
 
 @click.group("kv", epilog=exit_codes_epilog())
@@ -25,7 +25,7 @@ namespace_option = click.option("--namespace", "-n", "namespace", metavar="NAME"
 
 
 def _open_ro(pool, force):
-    from cxlkv.pool.pool import Pool
+    from cxlkv.api import Pool
 
     return Pool.open(pool, writable=False, force=force)
 

@@ -47,7 +47,7 @@ def target_options(f):
 
 
 def make_options(mode, memdevs, decoder, align, group, sync, no_format, region=None):
-    from cxlkv.host.provision import Options
+    from cxlkv.ops.provision import Options
 
     o = Options(mode=mode, memdevs=list(memdevs), decoder=decoder, region=region, align=align,
                 group=group, sync=sync, format=not no_format)
@@ -77,7 +77,7 @@ def plan_cmd(app: Application, mode, memdevs, decoder, align, group, sync, no_fo
              region, as_json):
     """Print the steps apply (or teardown) would run; change nothing."""
     from cxlkv.host import discovery as D
-    from cxlkv.host import provision as P
+    from cxlkv.ops import provision as P
 
     opts = make_options(mode, memdevs, decoder, align, group, sync, no_format, region)
     plan = (P.plan_teardown if teardown else P.plan_apply)(D.discover(), opts)
@@ -110,7 +110,7 @@ def apply_cmd(app: Application, mode, memdevs, decoder, align, group, sync, no_f
     failure stops the run with the tool's message, the state left behind and
     the commands that undo the steps already done.
     """
-    from cxlkv.host import provision as P
+    from cxlkv.ops import provision as P
 
     opts = make_options(mode, memdevs, decoder, align, group, sync, no_format)
     return run(app, P.plan_apply, opts, yes)
@@ -128,7 +128,7 @@ def teardown_cmd(app: Application, region, memdevs, yes, as_json):
 
     Refuses while anything uses the memory.  The data stays on the media.
     """
-    from cxlkv.host import provision as P
+    from cxlkv.ops import provision as P
 
     opts = P.Options(memdevs=list(memdevs), region=region)
     return run(app, P.plan_teardown, opts, yes)
@@ -136,7 +136,7 @@ def teardown_cmd(app: Application, region, memdevs, yes, as_json):
 
 def run(app: Application, planner, opts, yes: bool) -> int:
     from cxlkv.host import discovery as D
-    from cxlkv.host import provision as P
+    from cxlkv.ops import provision as P
 
     plan = planner(D.discover(), opts)
     if not plan.todo:

@@ -94,7 +94,7 @@ def status_cmd(app: Application, config, nodes, username, password_file, tls, tl
 
 
 def render(app: Application, rep: dict) -> None:
-    from cxlkv.pool.format import human_size
+    from cxlkv.util.sizes import human_size
 
     out = app.out.print
     if not rep["reachable"]:

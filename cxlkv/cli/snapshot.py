@@ -6,7 +6,7 @@ import click
 
 from cxlkv import errors as E
 from cxlkv.cli.app import Application, exit_codes_epilog, json_option, pass_app, pool_option
-from cxlkv.pool.format import human_size
+from cxlkv.util.sizes import human_size
 
 force_option = click.option("--force", is_flag=True,
                             help="Open a world-readable or world-writable pool.")

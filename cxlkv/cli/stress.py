@@ -18,7 +18,7 @@ STRESS_CODES = ((0, "all checks passed"),
 
 def parse_mix(text: str) -> dict[str, int]:
     """'alloc=40,free=30' -> weights of every op (the ones left out weigh 0)."""
-    from cxlkv.state.stress import OPS
+    from cxlkv.ops.stress import OPS
 
     mix = dict.fromkeys(OPS, 0)
     for part in text.split(","):
@@ -94,7 +94,7 @@ def stress_cmd(app: Application, pool, nodes, seconds, ops, kill_rate, pause_rat
     Workers inherit the environment: with CXLKV_NONCOHERENT=1 they see the
     pool as non-coherent memory.
     """
-    from cxlkv.state import stress
+    from cxlkv.ops import stress
 
     if (seconds is None) == (ops is None):
         raise E.UsageError("give either --seconds or --ops")

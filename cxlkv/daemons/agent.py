@@ -16,10 +16,10 @@ It attaches to the pool as a node and then, until SIGTERM:
   pool-lock hold - so stores rarely have to evict inline, and allocations
   outside the KV cache do not fail;
   times one pool-lock acquisition (the lock wait histogram); takes a
-  snapshot of the pool for the metrics and /healthz (cxlkv.daemons.health),
+  snapshot of the pool for the metrics and /healthz (cxlkv.ops.health),
   reading the usage figures once; the tick's lock waits give up as soon as
   the agent is asked to stop;
-* with --spill-dir, owns the host's spill store (cxlkv.kv.spill): the
+* with --spill-dir, owns the host's spill store (cxlkv.kv.tiers.spill): the
   blocks its watermark evictions take out of the pool are written there by
   the store's background writers instead of being dropped, and serving
   processes of the host that enable the same directory attach to it as
@@ -28,7 +28,7 @@ It attaches to the pool as a node and then, until SIGTERM:
   logger and its counters are in the metrics;
 * with --remote-push (and a cluster: the [remote] table of --config, or
   --remote-nodes), pushes published blocks of those namespaces to the
-  remote tier (cxlkv.kv.remote.Pusher, in a thread of its own, every
+  remote tier (cxlkv.kv.tiers.remote.Pusher, in a thread of its own, every
   --remote-push-interval): version-checked copies, queued on the client's
   bounded queue, sent by its writer; a full queue or a down cluster drops
   them, counted in the metrics and logged once, and /healthz says WARNING
@@ -66,9 +66,25 @@ import threading
 import time
 from dataclasses import dataclass, fields
 
+from cxlkv.api import Pool
+from cxlkv.daemons.lockmgr import LockManager, ManagerExists
+from cxlkv.daemons.metrics import AgentMetrics, MetricsServer, parse_addr
 from cxlkv.errors import CxlkvError, RefusedError, UsageError
+from cxlkv.host import numa
+from cxlkv.kv.area import AGENT_BATCH, AGENT_WATERMARK, HIGH_WATERMARK, Area
+from cxlkv.kv.cache import kv_report
+from cxlkv.kv.tiers import spill as SP
+from cxlkv.kv.tiers.remote import POLICIES, Pusher
+from cxlkv.kv.tiers.spill import QUEUE_BYTES
+from cxlkv.ops import health as H
+from cxlkv.ops.health import ManagerWatch, Thresholds
+from cxlkv.pool import layout as L
+from cxlkv.remote import RemoteClient, RemoteConfig
+from cxlkv.state import locks as K
 from cxlkv.state import nodes as N
-from cxlkv.tomlfile import read_toml
+from cxlkv.state.locks import LockTimeout, describe_owner
+from cxlkv.util.sizes import parse_size
+from cxlkv.util.toml import read_toml
 
 DEVICE_REFRESH_S = 60.0
 #: the device tools (cxl, ndctl, daxctl) together, per refresh
@@ -117,8 +133,6 @@ def load_config(path: str) -> dict:
     for key, value in doc.items():
         name = key.replace("-", "_")
         if name == "remote":
-            from cxlkv.remote import RemoteConfig
-
             if not isinstance(value, dict):
                 raise UsageError(f"--config {path}: remote must be a [remote] table")
             RemoteConfig.from_dict(value, where=f"--config {path}: [remote]")   # checked now
@@ -151,8 +165,6 @@ def load_config(path: str) -> dict:
 def _remote_args(cfg: AgentConfig):
     """The RemoteConfig of --remote-push, or None; UsageErrors for what does
     not fit together."""
-    from cxlkv.kv.remote import POLICIES
-    from cxlkv.remote import RemoteConfig
 
     if cfg.remote_push_policy not in POLICIES:
         raise UsageError(f"--remote-push-policy must be one of {', '.join(POLICIES)}")
@@ -173,8 +185,6 @@ def _remote_args(cfg: AgentConfig):
 def _spill_args(cfg: AgentConfig) -> tuple[str, int, int] | None:
     """(directory, size limit, queue bound) from --spill-*, or None; a
     UsageError for a size that does not parse or an incomplete set."""
-    from cxlkv.kv.spill import QUEUE_BYTES
-    from cxlkv.pool.format import parse_size
 
     if not cfg.spill_dir:
         if cfg.spill_bytes is not None or cfg.spill_queue_bytes is not None:
@@ -278,8 +288,6 @@ class ManagerThread:
         self.agent.event(logging.INFO, f"lock manager: {msg}")
 
     def start(self) -> None:
-        from cxlkv.daemons.lockmgr import LockManager
-
         self.mgr = LockManager(self.path, standby=True, log=self._log)   # refuses cas pools
         _AGENTS[id(self.mgr.pool)] = self.agent
         self.thread.start()
@@ -300,8 +308,6 @@ class ManagerThread:
         return self.thread.is_alive()
 
     def _loop(self) -> None:
-        from cxlkv.daemons.lockmgr import LockManager, ManagerExists
-
         while not self.stopping:
             try:
                 self.mgr.run()
@@ -339,9 +345,6 @@ class ManagerThread:
 
 class Agent:
     def __init__(self, cfg: AgentConfig, log: logging.Logger | None = None):
-        from cxlkv.daemons.health import Thresholds
-        from cxlkv.daemons.metrics import AgentMetrics
-
         if not cfg.pool:
             raise UsageError("no pool given (--pool PATH, CXLKV_POOL or `pool` in --config)")
         if cfg.interval <= 0:
@@ -351,8 +354,6 @@ class Agent:
         if cfg.stop_timeout <= 0:
             raise UsageError("--stop-timeout must be positive")
         if cfg.metrics_addr:
-            from cxlkv.daemons.metrics import parse_addr
-
             parse_addr(cfg.metrics_addr)                # a usage error before attaching
         self.spill_args = _spill_args(cfg)
         self.spill = None                           # the spill store this agent owns
@@ -393,8 +394,6 @@ class Agent:
 
     # -- start / stop ----------------------------------------------------------------
     def start(self) -> None:
-        from cxlkv.pool.pool import Pool
-
         cfg = self.cfg
         with Pool.open(cfg.pool, writable=False, force=cfg.force) as p:
             sync, lease_ms = p.sb.sync, p.sb.lease_ms
@@ -411,8 +410,6 @@ class Agent:
             self._attach()
             self._start_pusher()
             if cfg.metrics_addr:
-                from cxlkv.daemons.metrics import MetricsServer
-
                 self.server = MetricsServer(cfg.metrics_addr, self.metrics, self.healthz)
                 self.server.start()
                 self.event(logging.INFO, f"metrics on {self.server.url}/metrics",
@@ -427,9 +424,6 @@ class Agent:
         sd_notify("READY=1\nSTATUS=attached")
 
     def _attach(self) -> None:
-        from cxlkv.daemons.health import ManagerWatch
-        from cxlkv.pool.pool import Pool
-
         cfg = self.cfg
         pool = Pool.open(cfg.pool, writable=True, force=cfg.force)
         _AGENTS[id(pool)] = self
@@ -448,19 +442,12 @@ class Agent:
         self.observer = N.Observer(pool)
         self.mgr_watch = ManagerWatch(pool) if pool.sb.sync == "manager" else None
         self.area = None
-        from cxlkv.pool import layout as L
 
         if pool.sb.compat & L.COMPAT_KV:
-            from cxlkv.kv.area import Area
-
             self.area = Area(pool)
         if self.spill is not None:
-            from cxlkv.kv import spill as SP
-
             SP.use(pool, self.spill)                # the watermark's evictions spill
         if self.remote is not None and self.area is not None:
-            from cxlkv.kv.remote import Pusher
-
             self.pusher = Pusher(pool, self.remote, self.cfg.remote_push,
                                  self.cfg.remote_push_policy,
                                  lock_timeout=max(1.0, 2 * pool.sb.lease_ms / 1000.0),
@@ -477,7 +464,6 @@ class Agent:
         exit 1, while another process owns the directory)."""
         if self.spill_args is None:
             return
-        from cxlkv.kv import spill as SP
 
         path, size, qbytes = self.spill_args
         self.spill = SP.SpillStore(path, size, queue_bytes=qbytes, mode="owner", logger=self.log)
@@ -493,7 +479,6 @@ class Agent:
                 self.event(logging.INFO, "remote tier configured without --remote-push: "
                                          "this agent pushes nothing")
             return
-        from cxlkv.remote import RemoteClient
 
         self.remote = RemoteClient(self.remote_args, logger=self.log)
         self.event(logging.INFO, "remote tier", nodes=",".join(self.remote_args.nodes),
@@ -608,8 +593,6 @@ class Agent:
         self.detach_abandoned = True
         holder = "another node"
         try:
-            from cxlkv.state.locks import describe_owner
-
             if pool.sb.sync == "cas":
                 holder = describe_owner(pool)
         except Exception:                       # noqa: BLE001 - only for the message
@@ -673,8 +656,6 @@ class Agent:
 
     # -- the device, in a thread of its own ---------------------------------------------
     def _start_device_watch(self) -> None:
-        from cxlkv.host import numa
-
         try:
             self._dax = numa.dax_of(self.cfg.pool)
         except Exception:                          # noqa: BLE001 - then: no device figures
@@ -686,8 +667,6 @@ class Agent:
         self._device_thread.start()
 
     def _device_loop(self) -> None:
-        from cxlkv.daemons import health as H
-
         while not self.stop_event.is_set():
             try:
                 self.device = H.device_health(self.cfg.pool, timeout=DEVICE_TIMEOUT_S)
@@ -699,8 +678,6 @@ class Agent:
 
     # -- one round ------------------------------------------------------------------
     def tick(self) -> None:
-        from cxlkv.daemons import health as H
-
         self.metrics.ticks.inc()
         try:
             self._check_fenced()
@@ -748,7 +725,6 @@ class Agent:
         """Evict when free space is below the agent's watermark, up to the
         high one, AGENT_BATCH blocks per pool-lock hold (other nodes wait at
         most one batch); True if it did."""
-        from cxlkv.kv.area import AGENT_BATCH, AGENT_WATERMARK, HIGH_WATERMARK
 
         size = u["data_bytes"]
         free = u["bytes"]["free"]
@@ -783,7 +759,6 @@ class Agent:
         is taken only once the queue has passed that one: taking it earlier
         would overwrite the entry and leave a ticket nobody claims, which
         costs every waiter a lease."""
-        from cxlkv.state.locks import LockTimeout
 
         lock = self.pool.lock()
         t0 = time.monotonic()
@@ -818,8 +793,6 @@ class Agent:
         ticket queue to pass the ticket this node last gave up.  True when
         there is none, or it has passed; always True in sync mode manager
         (a withdrawn request leaves nothing behind)."""
-        from cxlkv.pool import layout as L
-        from cxlkv.state import locks as K
 
         pool = pool or self.pool
         if pool.sb.sync != "cas" or pool.node is None or pool.node.slot < 0:
@@ -848,9 +821,6 @@ class Agent:
             pass
 
     def _snapshot(self, u: dict | None = None) -> dict:
-        from cxlkv.daemons import health as H
-        from cxlkv.pool import layout as L
-
         pool = self.pool
         h = H.evaluate(pool, self.th, observer=self.observer, manager=self.mgr_watch,
                        deadline=None, device=self.device, figures=u)
@@ -865,8 +835,6 @@ class Agent:
         nodes["versions"] = vers
         kv = None
         if pool.sb.compat & L.COMPAT_KV and not h.data["usage"].get("kv_error"):
-            from cxlkv.kv.cache import kv_report
-
             kv = kv_report(pool)
         return {"usage": h.data["usage"], "kv": kv, "nodes": nodes, "health": h,
                 "quarantine": h.data["quarantine"],
@@ -876,7 +844,6 @@ class Agent:
     def _agent_checks(self, h, ok: bool = True) -> None:
         """The agent's own state: its node fenced, or one of its threads
         (heartbeat, reaper, the hosted lock manager) dead -> CRITICAL."""
-        from cxlkv.daemons import health as H
 
         pool = self.pool
         node = pool.node if pool is not None else None
@@ -914,8 +881,6 @@ class Agent:
         return max(3 * self.cfg.interval, lease)
 
     def healthz(self) -> tuple[bool, str]:
-        from cxlkv.daemons import health as H
-
         snap = self.snapshot
         h = snap.get("health")
         if h is None:

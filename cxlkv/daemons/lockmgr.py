@@ -48,15 +48,16 @@ import secrets
 import signal
 import socket
 import sys
-import threading
 import time
 import uuid as uuidlib
 
 import numpy as np
 
+from cxlkv.api import Pool
 from cxlkv.errors import CxlkvError, RefusedError
 from cxlkv.pool import layout as L
-from cxlkv.pool.pool import Pool
+from cxlkv.pool import superblock as S
+from cxlkv.pool.image import read_superblocks
 from cxlkv.state import nodes as N
 from cxlkv.state import protocol as P
 
@@ -145,8 +146,6 @@ class LockManager:
     def check_superblock(self) -> None:
         """Raise PoolReformatted (and never write again) when neither superblock
         copy is the one this manager opened: same uuid and geometry."""
-        from cxlkv.pool import superblock as S
-        from cxlkv.pool.pool import read_superblocks
 
         if self.reformatted:
             raise PoolReformatted(f"{self.path} was reformatted under this lock manager",
@@ -470,40 +469,6 @@ class LockManager:
             self.m.store64(self.hdr + P.MGR_TOKEN, 0)   # hand over at once, not after a lease
             self.m.flush(self.hdr + P.MGR_TOKEN, 8)
         self.pool.close()
-
-
-def manager_running(path: str) -> bool:
-    """Is a lock manager heartbeating for this pool (watched for up to a lease)?"""
-    with Pool.open(path, writable=False) as pool:
-        return P.manager_alive(pool)
-
-
-def ensure_manager(path: str):
-    """Start a lock manager for a run when none is active.
-
-    Returns (started, stop): stop() ends the one started here (no-op otherwise)."""
-    if manager_running(path):
-        return False, lambda: None
-    import subprocess
-
-    proc = subprocess.Popen([sys.executable, "-m", "cxlkv.daemons.lockmgr", path],
-                            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    line = proc.stderr.readline()
-    if "active" not in line:
-        proc.kill()
-        raise CxlkvError(f"could not start a lock manager for {path}: {line.strip()}")
-    # keep reading what it logs (a line or two per reap): a full pipe would stall it
-    threading.Thread(target=proc.stderr.read, name="cxlkv-lock-manager-log",
-                     daemon=True).start()
-
-    def stop():
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except Exception:  # noqa: BLE001
-            proc.kill()
-
-    return True, stop
 
 
 def serve(mgr: LockManager) -> None:

@@ -7,7 +7,7 @@ GET /healthz   200 when the pool and the agent are healthy (OK or WARNING),
 Pool-wide figures (bytes by state, KV counters per namespace, nodes by
 state) come from the agent's last snapshot, taken every tick; counters of
 what this agent did (reaps, evictions, lock waits) are its own; with
---spill-dir, the spill store's (cxlkv_spill_*, cxlkv.kv.spill.Collector)
+--spill-dir, the spill store's (cxlkv_spill_*, cxlkv.kv.tiers.spill.Collector)
 are read from the store at each scrape.
 """
 from __future__ import annotations
@@ -21,43 +21,8 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from cxlkv.errors import RefusedError, UsageError
-
-
-class StatsCollector:
-    """A prometheus_client collector over an object's stats() dict, read at
-    each scrape (the spill store, the remote client, the hot tier).
-
-    source: the object, or a callable returning it (None: no samples).
-    counters / gauges: (metric name, stats key or a function of the dict,
-    help); labelled: (metric name, help, label, [(label value, key), ...]),
-    exported as counters.  Names get `prefix`_ in front."""
-
-    def __init__(self, prefix: str, source, counters=(), gauges=(), labelled=()):
-        self.prefix = prefix
-        self._source = source if callable(source) else (lambda: source)
-        self.counters, self.gauges, self.labelled = counters, gauges, labelled
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        obj = self._source()
-        if obj is None:
-            return
-        s = obj.stats()
-
-        def get(key):
-            return key(s) if callable(key) else s.get(key) or 0
-
-        for name, key, help_ in self.counters:
-            yield CounterMetricFamily(f"{self.prefix}_{name}", help_, value=get(key))
-        for name, help_, label, pairs in self.labelled:
-            fam = CounterMetricFamily(f"{self.prefix}_{name}", help_, labels=[label])
-            for value, key in pairs:
-                fam.add_metric([value], get(key))
-            yield fam
-        for name, key, help_ in self.gauges:
-            yield GaugeMetricFamily(f"{self.prefix}_{name}", help_, value=get(key))
+from cxlkv.kv.tiers.spill import Collector
+from cxlkv.remote.metrics import Collector as RemoteCollector
 
 #: lock waits: 1 us (uncontended cas) .. 10 s (a lock manager failing over)
 LOCK_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0)
@@ -83,8 +48,6 @@ class AgentMetrics:
                                    "and its evictions).", buckets=LOCK_BUCKETS, registry=r)
         self.ticks = Counter("cxlkv_agent_ticks", "Maintenance rounds run.", registry=r)
         r.register(_Snapshot(agent))
-        from cxlkv.kv.spill import Collector
-        from cxlkv.remote.metrics import Collector as RemoteCollector
 
         r.register(Collector(lambda: agent.spill))
         r.register(RemoteCollector(lambda: agent.remote))

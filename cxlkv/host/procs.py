@@ -4,7 +4,7 @@ costs ~15 ms, several times what attaching to a pool costs).
 
 Always the host's real procfs at PROCFS_PATH (like psutil.PROCFS_PATH), not
 $CXLKV_PROCFS_ROOT: a test that makes a process look like another host
-(cxlkv.state.stress.make_host_root) changes its boot id, not which processes
+(cxlkv.ops.stress.make_host_root) changes its boot id, not which processes
 exist.  Tests point PROCFS_PATH elsewhere (monkeypatch) when they need to.
 """
 from __future__ import annotations

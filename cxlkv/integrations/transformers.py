@@ -15,7 +15,6 @@ Block payload
 -------------
 A block holds `block_tokens` consecutive tokens of every layer, as one
 C-contiguous array in the model's dtype, native (little-endian) byte order:
-
     [layers][2: K then V][kv_heads][block_tokens][head_dim]
 
 so block_bytes = layers x 2 x kv_heads x block_tokens x head_dim x itemsize
@@ -50,6 +49,7 @@ are refused (UsageError); batches must be of one sequence.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import warnings
 
@@ -387,7 +387,6 @@ def cache_prefix(cache, n_tokens: int):
 def cache_kwarg(model) -> str:
     """The name of the forward/generate argument that takes a cache in this
     transformers version: "cache" (recent releases) or "past_key_values"."""
-    import inspect
 
     try:
         params = inspect.signature(model.forward).parameters

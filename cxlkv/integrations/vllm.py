@@ -78,8 +78,10 @@ try:
 except ImportError as e:                                  # pragma: no cover - needs vLLM
     raise ImportError(f"cxlkv.integrations.vllm needs vLLM (import failed: {e})") from e
 
-import cxlkv
+from cxlkv import api
 from cxlkv.errors import CxlkvError, UsageError
+from cxlkv.kv.tiers import remote
+from cxlkv.remote import RemoteConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -156,8 +158,6 @@ class CxlkvConnector(KVConnectorBase_V1):
         self._namespace_override = extra.get("namespace")
         self._remote = None
         if extra.get("remote"):
-            from cxlkv.remote import RemoteConfig
-
             self._remote = RemoteConfig.from_toml(str(extra["remote"]))   # bad: an error now
         self._remote_budget = extra.get("remote_budget_s")
         ktc = self._kv_transfer_config
@@ -217,10 +217,8 @@ class CxlkvConnector(KVConnectorBase_V1):
 
     def _open_pool(self):
         if self._pool is None:
-            pool = cxlkv.open_pool(self._pool_path)
+            pool = api.open_pool(self._pool_path)
             if self._remote is not None:
-                from cxlkv.kv import remote
-
                 remote.enable(pool, self._remote)
             self._pool = pool
         return self._pool
@@ -484,8 +482,6 @@ class CxlkvConnector(KVConnectorBase_V1):
         if self._pool is not None:
             pool, self._pool = self._pool, None
             if self._remote is not None:
-                from cxlkv.kv import remote
-
                 remote.disable(pool)
             pool.close()
 

@@ -433,7 +433,7 @@ class Area:
         Returns (blocks, bytes, blocked): blocked when a victim turned out
         pinned (it and its ancestors stay).  `t`: a snapshot of the whole
         table, or None to read just the victims' entries.  With a spill store
-        on this pool object (cxlkv.kv.spill) and spill true, the payloads are
+        on this pool object (cxlkv.kv.tiers.spill) and spill true, the payloads are
         copied out for it before the slots are freed."""
         m = self.m
         rows = self._rows(idx) if t is None else t[idx.astype(np.int64)]
@@ -774,7 +774,7 @@ def quarantine_report(pool, observer: N.Observer | None = None) -> dict:
             "bytes": sum(x["reserved_bytes"] + x["pinned_bytes"] for x in nodes)}
 
 
-@N.register_recovery(order=15)
+@N.register_recovery(order=15, part="kv")
 def _recover_kv(pool, slot: int, epoch: int) -> None:
     if not pool.sb.compat & L.COMPAT_KV:
         return

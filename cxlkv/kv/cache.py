@@ -15,18 +15,22 @@ remote_read) stores them, as any store does.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import sys
 import threading
 
 import numpy as np
 
-from cxlkv._core import CRASH_ENABLED, crashpoint
+from cxlkv import errors as E
+from cxlkv._core import CRASH_ENABLED, crashpoint, gather
 from cxlkv.errors import UsageError
 from cxlkv.kv import journal as J
 from cxlkv.kv import keys as K
-from cxlkv.kv.area import (ENTRY, INLINE_SLACK, LOW_WATERMARK, STATS, Area, KVPoolFull, KVTableFull,
-                           QuotaExceeded, TooManyPins, stamp)
+from cxlkv.kv.area import (ENTRY, INLINE_SLACK, LOW_WATERMARK, STATS, Area, KVPoolFull,
+                           KVTableFull, QuotaExceeded, TooManyPins, stamp)
 from cxlkv.pool import layout as L
 from cxlkv.state import alloc as A
+from cxlkv.state import nodes as N
 from cxlkv.state.nodes import NodeFenced
 
 MIN_BLOCK_BYTES = 64
@@ -89,22 +93,25 @@ class KVCache:
             self.ns = self._open_namespace(name, quota)
             self.tenant = self._open_tenant(quota)
         self._stats_off = self.area.stats_off(slot, self.ns)
+        # a tier's module is loaded when the tier is enabled: the KV cache
+        # alone does not pull in asyncio, Redis or Prometheus (architecture
+        # test: the one import inside a function outside cli/)
         if spill_dir is not None:
-            from cxlkv.kv import spill as SP
+            from cxlkv.kv.tiers import spill as SP
 
             SP.enable(pool, spill_dir, spill_bytes)
         if hot_bytes is not None:
-            from cxlkv.kv import hot as H
+            from cxlkv.kv.tiers import hot as H
 
             H.enable(pool, hot_bytes)
         self._remote = None
         if remote_read:
-            from cxlkv.kv import remote as R
+            from cxlkv.kv.tiers import remote as R
 
             self._remote = R.client_of(pool)
             if self._remote is None:
                 raise UsageError("remote_read needs the pool's remote tier",
-                                 hint="cxlkv.kv.remote.enable(pool, RemoteConfig(...)) first")
+                                 hint="cxlkv.kv.tiers.remote.enable(pool, RemoteConfig(...)) first")
             self._remote_budget = (R.DEFAULT_BUDGET_S if remote_budget_s is None
                                    else float(remote_budget_s))
             self._remote.register_namespace(self._digest, self.name)
@@ -545,8 +552,6 @@ class KVCache:
             if len(pay):
                 self.pool.free_batch(pay, zero=True)
         except Exception as e:                        # pragma: no cover - recovery redoes it
-            import sys
-
             sys.stderr.write(f"cxlkv: could not undo a failed store in {self.pool.path} ({e}); "
                              "the reservations are reclaimed when this node detaches\n")
 
@@ -766,7 +771,6 @@ def _leading(blocks: list) -> list:
 def _copy_mixed(m, pay: np.ndarray, got: list, dst: memoryview, bb: int) -> None:
     """Copy n blocks into dst: the DRAM copies where `got` has one (one C
     call), runs of the others out of the pool (one C call a run)."""
-    from cxlkv._core import gather
 
     n, j = len(got), 0
     gather(got, dst, bb)
@@ -906,7 +910,6 @@ class Loaded:
 def namespace_stats(area: Area, i: int) -> dict:
     r = area.ns_record(i)
     totals = {f: getattr(r.stats, f) for f in L.KV_STAT_NAMES}
-    from cxlkv.state import nodes as N
 
     for n in N.read_nodes(area.pool):
         if n.state in ("attached", "claimed", "fenced"):
@@ -979,7 +982,6 @@ def drop_namespace(pool, name: str) -> dict:
 
 def secret_fingerprint(secret: bytes) -> str:
     """A short public name of a tenant secret (compare racks without showing it)."""
-    import hashlib
 
     return hashlib.sha256(b"cxlkv-secret-fp\0" + bytes(secret)).hexdigest()[:16]
 
@@ -991,8 +993,6 @@ def set_tenant_secret(pool, secret: bytes, *, why: str = "") -> bool:
     Refused while another node is attached (its open KV handles hold salts
     derived under the old secret) or while salted tenants hold blocks (they
     would become unreachable)."""
-    from cxlkv import errors as E
-    from cxlkv.state import nodes as N
 
     secret = bytes(secret)
     if len(secret) != 32:

@@ -1,18 +1,18 @@
 """Consistency check of the KV region and hash table (part of `cxlkv fsck`),
-and its repair (`cxlkv fsck --repair`, called by cxlkv.state.repair)."""
+and its repair (`cxlkv fsck --repair`, called by cxlkv.ops.repair)."""
 from __future__ import annotations
 
 import numpy as np
 
 from cxlkv.errors import CxlkvError
 from cxlkv.kv import journal as J
+from cxlkv.kv.area import Area
 from cxlkv.pool import layout as L
 from cxlkv.state import alloc as A
+from cxlkv.state import nodes as N
 
 
 def check_kv(pool, rep, live: set[int]) -> None:
-    from cxlkv.kv.area import Area
-
     if not pool.sb.compat & L.COMPAT_KV:
         rep.stats["kv"] = {"present": False}
         return
@@ -121,7 +121,6 @@ def _dead_pin_slots(a, placeholders=frozenset()) -> list[int]:
     """Node slots that are not attached (or attaching) but still pin blocks.
     `placeholders`: slots an offline repair holds to block attaches (free
     slots, as far as pins go)."""
-    from cxlkv.state import nodes as N
 
     out = []
     for n in N.read_nodes(a.pool, include_free=True):
@@ -153,13 +152,12 @@ def _slot_size(pool, off: int) -> int:
 
 def repair_kv(pool, rep, live: set[int]) -> None:
     """Repair the KV structures (offline, or under the pool lock).  `rep` is a
-    cxlkv.state.repair.Repair: each fix is recorded with rep.did(code, where, message).
+    cxlkv.ops.repair.Repair: each fix is recorded with rep.did(code, where, message).
 
     Undoes what dead nodes left (entries half written, half evicted, reserved),
     drops inconsistent entries (freeing their payload when it is an allocated
     slot no other entry uses), clears dead nodes' pins and recomputes every
     counter.  A corrupt KV header is left (fsck keeps reporting it: re-format)."""
-    from cxlkv.kv.area import Area
 
     if not pool.sb.compat & L.COMPAT_KV:
         return

@@ -50,7 +50,9 @@ import xxhash
 
 from cxlkv import errors as E
 from cxlkv.kv import journal as J
-from cxlkv.kv.area import Area, stamp
+from cxlkv.kv.area import ENTRY, Area, stamp
+from cxlkv.kv.cache import set_tenant_secret
+from cxlkv.kv.keys import namespace_digest
 from cxlkv.pool import layout as L
 from cxlkv.state import alloc as A
 from cxlkv.state import nodes as N
@@ -119,8 +121,6 @@ def _ctl(area: Area, idx: np.ndarray) -> np.ndarray:
 
 
 def _entries_at(area: Area, idx: np.ndarray):
-    from cxlkv.kv.area import ENTRY
-
     out = np.empty(len(idx), dtype=ENTRY)
     for j, i in enumerate(idx):
         out[j] = np.frombuffer(area._read(area.entry_off(int(i)), L.HASH_ENTRY_SIZE),
@@ -408,7 +408,6 @@ def restore_order(idx: np.ndarray) -> np.ndarray:
 # -- restore ------------------------------------------------------------------------------
 def _ns_index(area: Area, ns: dict) -> int:
     """The target's record for a snapshot namespace, made if needed (lock held)."""
-    from cxlkv.kv.keys import namespace_digest
 
     name = ns["name"].encode("utf-8")
     kind = L.KV_HASH_CODES.get(ns["hash"])
@@ -476,7 +475,6 @@ def _prepare_target(pool, area: Area, doc: dict) -> bool:
     salted = any(t["salt"] != "00" * 16 for t in doc["tenants"])
     if not salted or bytes(pool.sb.tenant_secret) == secret:
         return False
-    from cxlkv.kv.cache import set_tenant_secret
 
     return set_tenant_secret(pool, secret,
                              why="the snapshot's tenants were keyed under another pool "

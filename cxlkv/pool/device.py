@@ -15,6 +15,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from cxlkv._core import Mapping
 from cxlkv.errors import DeviceError, PoolNotFound, UnsafePermissions
 from cxlkv.host import sysfs
 
@@ -125,7 +126,6 @@ def check_mapping_size(t: Target, length: int) -> None:
 def map_target(t: Target, *, writable: bool = True, length: int | None = None,
                populate: bool = False):
     """mmap the target MAP_SHARED; returns a cxlkv._core.Mapping."""
-    from cxlkv._core import Mapping
 
     length = t.size if length is None else length
     check_mapping_size(t, length)

@@ -14,12 +14,12 @@ import uuid as uuidlib
 from dataclasses import dataclass
 from typing import Callable
 
-from cxlkv import __version__
+from cxlkv.version import __version__
+from cxlkv._core import Mapping
 from cxlkv.errors import UsageError
 from cxlkv.pool import layout as L
 from cxlkv.pool.superblock import MAX_GRACE_MS, Superblock
-
-KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+from cxlkv.util.sizes import GiB, KiB, MiB, human_size
 
 DEFAULT_SIZE = 1 * GiB
 DEFAULT_CHUNK = 2 * MiB
@@ -29,30 +29,6 @@ DEFAULT_HASH_LOAD_PCT = 90
 #: one hash slot per this many pool bytes unless --hash-slots says otherwise
 HASH_BYTES_PER_SLOT = 16 * KiB
 MIN_HASH_SLOTS = 1024
-
-_SUFFIX = {"": 1, "b": 1, "k": KiB, "kb": KiB, "kib": KiB, "m": MiB, "mb": MiB, "mib": MiB,
-           "g": GiB, "gb": GiB, "gib": GiB, "t": TiB, "tb": TiB, "tib": TiB}
-
-
-def parse_size(text: str | int, what: str = "size") -> int:
-    """'1G', '512MiB', '4096' -> bytes (binary units)."""
-    if isinstance(text, int):
-        return text
-    s = str(text).strip().lower().replace("_", "")
-    num = s.rstrip("kmgtib")
-    unit = s[len(num):]
-    if not num.isdigit() or unit not in _SUFFIX:
-        raise UsageError(f"invalid {what} {text!r}: use bytes or a K/M/G/T suffix (e.g. 2M, 1G)")
-    return int(num) * _SUFFIX[unit]
-
-
-def human_size(n: int) -> str:
-    for unit, div in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= div and n % (div // 1024 or 1) == 0:
-            v = n / div
-            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
-    return f"{n} B"
-
 
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
@@ -238,7 +214,6 @@ def kv_initial_records(max_nodes: int, hash_slots: int) -> list[tuple[int, bytes
 
 def format_buffer(buf, p: FormatParams, **kw) -> Superblock:
     """Format a writable buffer (bytearray, numpy array, mmap) in place."""
-    from cxlkv._core import Mapping
 
     with Mapping.from_buffer(buf) as m:
         return format_mapping(m, p, **kw)

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import re
 import uuid as uuidlib
 from dataclasses import dataclass, field
 
 import xxhash
 
-from cxlkv.errors import (CxlkvError, NotFormatted, PoolCorrupt, PoolIncompatible,
-                          PoolInvalid, PoolTruncated, WrongMagic)
+from cxlkv.version import __version__
+from cxlkv.errors import (CxlkvError, NotFormatted, PoolCorrupt, PoolIncompatible, PoolInvalid,
+                          PoolTruncated, WrongMagic)
 from cxlkv.pool import layout as L
 
 _CSUM_OFF = L.field_offset(L.SuperblockStruct, "checksum")
@@ -190,7 +192,6 @@ def _needs(s: L.SuperblockStruct) -> str:
     trusted once the checksum holds) when that is newer than this one, else
     (an older or unparsable creator: it cannot be what is missing) at least a
     newer one."""
-    from cxlkv import __version__
 
     creator = s.creator.split(b"\0", 1)[0].decode("utf-8", "replace")
     made_by = creator.split()[1] if creator.startswith("cxlkv ") and len(creator.split()) > 1 \
@@ -214,7 +215,6 @@ def _version_key(text: str):
             return Version(text)
         except InvalidVersion:
             return None
-    import re
 
     m = re.match(r"(\d+(?:\.\d+)*)", text)
     return tuple(int(x) for x in m.group(1).split(".")) if m else None

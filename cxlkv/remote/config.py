@@ -22,7 +22,8 @@ import os
 from dataclasses import dataclass, field, fields, replace
 
 from cxlkv.errors import UsageError
-from cxlkv.tomlfile import read_toml
+from cxlkv.util.sizes import parse_size
+from cxlkv.util.toml import read_toml
 
 MiB = 1 << 20
 
@@ -50,8 +51,6 @@ def parse_node(text, where: str = "nodes") -> tuple[str, int]:
 
 
 def _size(value, what: str) -> int:
-    from cxlkv.pool.format import parse_size
-
     if isinstance(value, bool):
         raise UsageError(f"{what} must be a byte count, not {value!r}")
     n = parse_size(value, what) if isinstance(value, (str, int)) else None

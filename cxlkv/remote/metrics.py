@@ -1,10 +1,10 @@
 """Prometheus metrics of a RemoteClient (prometheus-client): register
 ``Collector(client)`` in a serving process's registry, or
-``cxlkv.kv.remote.collector(pool)`` for the pool's remote tier; the node
+``cxlkv.kv.tiers.remote.collector(pool)`` for the pool's remote tier; the node
 agent registers one for the client its write-behind uses."""
 from __future__ import annotations
 
-from cxlkv.daemons.metrics import StatsCollector
+from cxlkv.util.stats import StatsCollector
 
 #: counters of RemoteClient.stats() exported as cxlkv_remote_<name>_total
 COUNTERS = (

@@ -17,6 +17,14 @@ from __future__ import annotations
 import asyncio
 import time
 
+import redis.exceptions as X
+from redis._parsers.helpers import parse_info
+from redis.asyncio.cluster import ClusterNode, PipelineCommand, RedisCluster
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+from redis.exceptions import SlotNotCoveredError
+from redis.retry import Retry
+
 from cxlkv.remote.config import RemoteConfig
 from cxlkv.remote.tier import Batch, RemoteError, RemoteTier, RemoteUnavailable
 
@@ -40,8 +48,6 @@ def client_kwargs(cfg: RemoteConfig) -> dict:
 
 
 def _conn_errors():
-    import redis.exceptions as X
-
     return (X.ConnectionError, X.TimeoutError, X.ClusterDownError, X.SlotNotCoveredError,
             X.MasterDownError, X.AuthenticationError, X.RedisClusterException, OSError,
             asyncio.TimeoutError)
@@ -74,9 +80,6 @@ class RedisClusterTier(RemoteTier):
         async with self._connecting:
             if self._rc is not None:
                 return self._rc
-            from redis.asyncio.cluster import ClusterNode, RedisCluster
-            from redis.backoff import NoBackoff
-            from redis.retry import Retry
 
             rc = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self.cfg.endpoints()],
                               require_full_coverage=False, retry=Retry(NoBackoff(), 1),
@@ -123,10 +126,6 @@ class RedisClusterTier(RemoteTier):
         return self._finish(results, convert, acked, wait_replicas)
 
     async def _run_nodes(self, rc, cmds, wait_replicas, wait_timeout_s):
-        from redis.asyncio.cluster import PipelineCommand
-        from redis.crc import key_slot
-        from redis.exceptions import SlotNotCoveredError
-
         nm = rc.nodes_manager
         results: list = [None] * len(cmds)
         groups: dict[str, tuple] = {}
@@ -208,7 +207,6 @@ class RedisClusterTier(RemoteTier):
         """Retry MOVED / ASK / TRYAGAIN answers through the cluster client
         (it follows them and fixes its slot table); note connection errors.
         Returns the positions retried."""
-        import redis.exceptions as X
 
         redo = [i for i, r in enumerate(results)
                 if isinstance(r, (X.MovedError, X.AskError, X.TryAgainError))]
@@ -287,8 +285,6 @@ class RedisClusterTier(RemoteTier):
         async def one(node):
             info = await node.execute_command("INFO", "memory")
             if isinstance(info, (bytes, str)):
-                from redis._parsers.helpers import parse_info
-
                 info = parse_info(info.decode() if isinstance(info, bytes) else info)
             return int(info.get("used_memory", 0))
 

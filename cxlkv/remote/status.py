@@ -12,7 +12,13 @@ from __future__ import annotations
 import re
 import time
 
+import redis
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+from redis.retry import Retry
+
 from cxlkv.remote.config import RemoteConfig, parse_node
+from cxlkv.remote.redis_cluster import client_kwargs
 
 SLOTS = 16384
 #: keys per SCAN step (and per STRLEN pipeline)
@@ -65,8 +71,6 @@ def _parse_info(raw) -> dict:
 
 class _Conns:
     def __init__(self, cfg: RemoteConfig):
-        from cxlkv.remote.redis_cluster import client_kwargs
-
         self.cfg = cfg
         self.kw = client_kwargs(cfg)
         self.open: dict[str, object] = {}
@@ -74,10 +78,6 @@ class _Conns:
     def get(self, addr: str):
         c = self.open.get(addr)
         if c is None:
-            import redis
-            from redis.backoff import NoBackoff
-            from redis.retry import Retry
-
             host, port = parse_node(addr)
             # one try: a node that does not answer is down, now
             c = redis.Redis(host=host, port=port, retry=Retry(NoBackoff(), 0), **self.kw)
@@ -222,7 +222,6 @@ def _scan(c, pattern: str, block, per_ns: dict) -> int:
 def _names(cfg: RemoteConfig, conns: _Conns, view: list[dict]) -> dict[str, str]:
     """digest8 -> namespace name, from the `<prefix>ns` hash (on the master
     serving its slot); {} when it cannot be read."""
-    from redis.crc import key_slot
 
     hk = f"{cfg.prefix}ns".encode()
     slot = key_slot(hk)

@@ -659,7 +659,7 @@ def _geometry_ok(desc, i: int, nchunks: int, chunk: int) -> bool:
                 and i + nc <= nchunks and ns * ss <= nc * chunk)
 
 
-@N.register_recovery(order=20)
+@N.register_recovery(order=20, part="alloc")
 def _recover_allocations(pool, slot: int, epoch: int) -> None:
     """What a dead node left in the allocator, under the pool lock:
     its hazard words are dropped, its unpublished slots freed (zeroed), its

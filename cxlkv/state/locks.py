@@ -47,6 +47,8 @@ from cxlkv.errors import CxlkvError, PoolCorrupt
 from cxlkv.pool import layout as L
 from cxlkv.state import hostlock as H
 from cxlkv.state import nodes as N
+from cxlkv.state import protocol as P
+from cxlkv.state.protocol import entry_offset, lock_offsets, read_entries
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +64,6 @@ MGR_WAIT_SLICE_S = 0.1
 #: them; a larger gap is a corrupt word
 MAX_QUEUE = 1 << 20
 
-_ENTRY_DTYPE = np.dtype([("state", "<u8"), ("ticket", "<u8"), ("epoch", "<u8"),
-                         ("req_seq", "<u8"), ("release_seq", "<u8"), ("freeing", "<u8"),
-                         ("pad0", "V16"),
-                         ("grant_seq", "<u8"), ("revoke_seq", "<u8"), ("grant_epoch", "<u8"),
-                         ("pad1", "V40")])
-assert _ENTRY_DTYPE.itemsize == L.LOCK_ENTRY_SIZE
 _SERVING = L.field_offset(L.LockHdrStruct, "now_serving")
 _OWNER = L.field_offset(L.LockHdrStruct, "owner")
 _NEXT = L.field_offset(L.LockHdrStruct, "next_ticket")
@@ -187,21 +183,7 @@ def held_lock(pool, slot: int):
         yield
 
 
-def lock_offsets(pool) -> tuple[int, int]:
-    """(header offset, first entry offset) of the lock area."""
-    off, _ = pool.region("locks")
-    return off, off + L.LOCK_HDR_SIZE
-
-
-def entry_offset(pool, slot: int) -> int:
-    return lock_offsets(pool)[1] + slot * L.LOCK_ENTRY_SIZE
-
-
-def read_entries(pool) -> np.ndarray:
-    _, first = lock_offsets(pool)
-    n = pool.sb.max_nodes * L.LOCK_ENTRY_SIZE
-    pool.mapping.invalidate(first, n)
-    return np.frombuffer(pool.mapping.read(first, n), dtype=_ENTRY_DTYPE)
+N.register_held_lock(held_lock)
 
 
 def _holder_alive(pool, slot: int, epoch: int, observer: N.Observer | None) -> bool:
@@ -255,7 +237,7 @@ def skip_dead_ticket(pool, serving: int, unclaimed_for: float,
     return m.cas64(hdr + _SERVING, serving, serving + 1) == serving
 
 
-@N.register_recovery(order=10, at_fence=True)
+@N.register_recovery(order=10, at_fence=True, part="locks")
 def _recover_lock_entry(pool, slot: int, epoch: int) -> None:
     """A dead node's lock entry: pass its turn on if it is up, else mark its
     ticket abandoned so the waiters skip it when it comes up."""
@@ -461,14 +443,12 @@ class ManagerLock:
     """
 
     def __init__(self, pool):
-        from cxlkv.state import protocol as P
-
         node = pool.node
         if node is None:
             raise CxlkvError("pool.lock() needs an attached node: use cxlkv.open_pool()")
         self.pool, self.P = pool, P
         self.m = pool.mapping
-        self.e = P.entry(pool, node.slot)
+        self.e = P.entry_offset(pool, node.slot)
         self.m.invalidate(self.e, L.LOCK_ENTRY_SIZE)
         self.seq = max(self.m.load64(self.e + o) for o in (P.E_REQ, P.E_RELEASE, P.E_GRANT,
                                                             P.E_REVOKE))

@@ -49,10 +49,11 @@ import uuid as uuidlib
 from dataclasses import dataclass, field
 from typing import Callable
 
-from cxlkv import __version__
+from cxlkv.version import __version__
 from cxlkv.errors import CxlkvError, RefusedError
 from cxlkv.host import procs, sysfs
 from cxlkv.pool import layout as L
+from cxlkv.state import protocol as P
 
 _CONTROL = L.field_offset(L.NodeStruct, "control")
 #: owner tokens are (slot + 1) | epoch << 16 in 64 bits
@@ -317,26 +318,48 @@ Recovery = Callable[[object, int, int], None]   # (pool, slot, epoch) -> None
 _recoveries: list[Recovery] = []
 _order: dict[Recovery, int] = {}
 _at_fence: set[Recovery] = set()
+#: the parts of a dead node's recovery registered so far, by name
+_parts: set[str] = set()
+#: held_lock(pool, slot): the pool lock, for this process's own node's or on
+#: behalf of `slot` (state.locks provides it when imported)
+_held_lock: Callable | None = None
 
 
-def _load_recoveries() -> None:
-    """Import the subsystems that register recoveries (their `order` puts the
-    lock first - a dead holder's turn is passed on - then the allocator, which
-    takes the lock)."""
-    from cxlkv.kv import area  # noqa: F401
-    from cxlkv.state import alloc, locks  # noqa: F401
+def _missing_parts(pool) -> set[str]:
+    """The parts a recovery of this pool needs that nobody registered: the
+    lock and the allocator always, the KV cache on a pool that has one.
+    cxlkv.api imports every one of them, so a Pool always has them all."""
+    need = {"locks", "alloc"} | ({"kv"} if pool.sb.compat & L.COMPAT_KV else set())
+    return need - _parts
+
+
+def _require_parts(pool, slot: int) -> None:
+    missing = _missing_parts(pool)
+    if missing:
+        raise CxlkvError(f"{pool.path}: the recovery of node {slot} needs the "
+                         f"{', '.join(sorted(missing))} part(s), which this process did not "
+                         "load (a bug: open pools through cxlkv.api)", path=pool.path)
 
 
 def run_recoveries(pool, slot: int, epoch: int, *, fence_only: bool = False) -> None:
     """Everything subsystems registered, for one dead (or detaching) node;
-    fence_only: just what must happen the moment it is fenced."""
-    _load_recoveries()
+    fence_only: just what must happen the moment it is fenced.  Refuses
+    (CxlkvError) to run a partial recovery: one that skipped a part would
+    leave that part's state of the dead node behind for good."""
+    _require_parts(pool, slot)
     for fn in list(_recoveries):
         if not fence_only or fn in _at_fence:
             fn(pool, slot, epoch)
 
 
-def register_recovery(fn: Recovery | None = None, *, order: int = 50, at_fence: bool = False):
+def register_held_lock(fn: Callable) -> None:
+    """state.locks hands over held_lock (see _held_lock) when it is imported."""
+    global _held_lock
+    _held_lock = fn
+
+
+def register_recovery(fn: Recovery | None = None, *, order: int = 50, at_fence: bool = False,
+                      part: str | None = None):
     """Subsystems (locks, allocator, KV pins) register what to undo for a dead node.
 
     Each is called with the pool, the dead slot and its epoch, while the slot
@@ -344,9 +367,14 @@ def register_recovery(fn: Recovery | None = None, *, order: int = 50, at_fence: 
     at_fence=True also the moment the node is fenced (passing its lock turn
     on: the only thing that cannot wait).  It must be idempotent (a reaper
     may die half way and another one repeat the work).  Lower `order` runs
-    first.  Usable as a decorator.
+    first (the lock first - a dead holder's turn is passed on - then the KV
+    cache, then the allocator, which takes the lock).  `part` names a part
+    every recovery needs ("locks", "alloc", "kv"; see _missing_parts).
+    Usable as a decorator.
     """
     def add(f: Recovery) -> Recovery:
+        if part is not None:
+            _parts.add(part)
         if f not in _recoveries:
             _order[f] = order
             _recoveries.append(f)
@@ -389,14 +417,13 @@ def release(pool, slot: int, control: int) -> bool:
     still holds `control` (FENCED, same epoch), run every recovery, free the
     slot.  The caller decided the quarantine may end (Observer.release_reason).
     True when this call freed the slot."""
-    from cxlkv.state.locks import held_lock
-
     state, epoch = L.node_state(control)
     if state != L.NODE_FENCED:
         return False
     off = node_offset(pool, slot) + _CONTROL
     m = pool.mapping
-    with held_lock(pool, slot):
+    _require_parts(pool, slot)
+    with _held_lock(pool, slot):
         m.invalidate(off, 8)
         if m.load64(off) != control:
             return False                # another reaper finished it, or it changed
@@ -408,7 +435,6 @@ def reap(pool, slot: int, control: int) -> bool:
     """Fence a dead node and end its quarantine at once: for callers that know
     it is gone, or a repair the operator ordered (fsck --repair).  Returns
     True when this call freed the slot."""
-    _load_recoveries()
     state, epoch = L.node_state(control)
     if state in (L.NODE_ATTACHED, L.NODE_CLAIMED):
         if not fence(pool, slot, control):
@@ -486,8 +512,6 @@ class Attachment:
 
     # -- manager mode: slots are granted by the lock manager --------------------
     def _claim_managed(self) -> None:
-        from cxlkv.state import protocol as P
-
         pool, m = self.pool, self.pool.mapping
         token = _RNG.getrandbits(62) | 1
         lines = P.read_node_lines(pool)

@@ -38,14 +38,27 @@ _NODE_LINES = np.dtype([("control", "<u8"), ("heartbeat", "<u8"), ("claim_token"
                         ("grant_token", "<u8"), ("pad", "V416"), ("mgr_control", "<u8"),
                         ("mgr_grant_token", "<u8"), ("pad7", "V48")])
 assert _NODE_LINES.itemsize == L.NODE_SIZE
+#: a node's lock entry (cas mode's ticket words and manager mode's lines)
+ENTRY_DTYPE = np.dtype([("state", "<u8"), ("ticket", "<u8"), ("epoch", "<u8"),
+                        ("req_seq", "<u8"), ("release_seq", "<u8"), ("freeing", "<u8"),
+                        ("pad0", "V16"),
+                        ("grant_seq", "<u8"), ("revoke_seq", "<u8"), ("grant_epoch", "<u8"),
+                        ("pad1", "V40")])
+assert ENTRY_DTYPE.itemsize == L.LOCK_ENTRY_SIZE
+
+
+def lock_offsets(pool) -> tuple[int, int]:
+    """(header offset, first entry offset) of the lock area."""
+    off, _ = pool.region("locks")
+    return off, off + L.LOCK_HDR_SIZE
+
+
+def entry_offset(pool, slot: int) -> int:
+    return lock_offsets(pool)[1] + slot * L.LOCK_ENTRY_SIZE
 
 
 def lock_header(pool) -> int:
     return pool.region("locks")[0]
-
-
-def entry(pool, slot: int) -> int:
-    return lock_header(pool) + L.LOCK_HDR_SIZE + slot * L.LOCK_ENTRY_SIZE
 
 
 def node(pool, slot: int) -> int:
@@ -60,9 +73,11 @@ def read_node_lines(pool) -> np.ndarray:
 
 
 def read_entries(pool) -> np.ndarray:
-    from cxlkv.state.locks import read_entries as r
-
-    return r(pool)
+    """Every node's lock entry (both modes' words), read after an invalidate."""
+    _, first = lock_offsets(pool)
+    n = pool.sb.max_nodes * L.LOCK_ENTRY_SIZE
+    pool.mapping.invalidate(first, n)
+    return np.frombuffer(pool.mapping.read(first, n), dtype=ENTRY_DTYPE)
 
 
 def mgr_state(line) -> tuple[int, int]:
@@ -77,14 +92,14 @@ def set_mgr(pool, slot: int, control: int, grant_token: int) -> None:
 
 
 def grant(pool, slot: int, req: int, epoch: int) -> None:
-    m, off = pool.mapping, entry(pool, slot)
+    m, off = pool.mapping, entry_offset(pool, slot)
     m.store64(off + E_GRANT_EPOCH, epoch)
     m.store64(off + E_GRANT, req)
     m.flush(off + E_GRANT, 24)
 
 
 def revoke(pool, slot: int, seq: int) -> None:
-    m, off = pool.mapping, entry(pool, slot)
+    m, off = pool.mapping, entry_offset(pool, slot)
     m.store64(off + E_REVOKE, seq)
     m.flush(off + E_REVOKE, 8)
 

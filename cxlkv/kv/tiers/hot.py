@@ -1,7 +1,7 @@
 """The host DRAM hot tier: a small per-process cache of recently loaded KV
 blocks in local memory, in front of the pool.
 
-    from cxlkv.kv import hot
+    from cxlkv.kv.tiers import hot
     hot.enable(pool, 1 << 30)        # this process, this pool: 1 GiB of DRAM
     kv = pool.kv(...)                # load / load_into serve hot blocks from DRAM
 
@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import collections
 import threading
+import weakref
 
 import numpy as np
 
 from cxlkv.errors import UsageError
+from cxlkv.util.stats import StatsCollector
 
 _ATTR = "_kv_hot"
 
@@ -141,9 +143,7 @@ def tier_of(pool) -> HotTier | None:
 def collector(pool):
     """A prometheus_client collector of `pool`'s DRAM hot tier in this process
     (cxlkv_hot_*; register it in a serving process's registry)."""
-    import weakref
 
-    from cxlkv.daemons.metrics import StatsCollector
 
     ref = weakref.ref(pool)
     return StatsCollector(

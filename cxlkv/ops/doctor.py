@@ -26,7 +26,13 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
+from cxlkv import errors as E
+from cxlkv.api import Pool
 from cxlkv.host import discovery as D
+from cxlkv.ops.init import DEFAULT_POOL_PATH
+from cxlkv.pool import device
+from cxlkv.state import nodes as N
+from cxlkv.state import protocol as P
 
 PASS, WARN, FAIL, SKIP, UNKNOWN = "pass", "warn", "fail", "skip", "unknown"
 TEMP_WARN_C = 70          # seed 000: latency 200 -> 400+ ns above 70 C
@@ -382,7 +388,6 @@ def _memory_policy(h: dict) -> list[Check]:
 def default_pool(h: dict) -> str | None:
     """The pool to check when none is named: the one devdax device, else the default
     emulated pool when it exists."""
-    from cxlkv.pool.admin import DEFAULT_POOL_PATH
 
     devs = [d for d in h["cxl"]["dax_devices"] if d["mode"] == "devdax" and d["device"]["exists"]]
     if len(devs) == 1:
@@ -396,9 +401,6 @@ def check_pool(path: str | None) -> list[Check]:
     if path is None:
         return [Check("pool", "pool formatted and readable", SKIP,
                       "no pool given and none found (--pool PATH or CXLKV_POOL)")]
-    from cxlkv import errors as E
-    from cxlkv.pool import device
-    from cxlkv.pool.pool import Pool
 
     out = []
     try:
@@ -436,8 +438,6 @@ def check_pool(path: str | None) -> list[Check]:
 
 
 def _heartbeats(pool, path: str) -> Check:
-    from cxlkv.state import nodes as N
-
     table = [n for n in N.read_nodes(pool) if n.state == "attached"]
     if not table:
         return Check("heartbeats", "node heartbeats fresh", PASS, "no nodes attached", None, path)
@@ -456,7 +456,6 @@ def _lock_manager(pool, path: str) -> Check:
     if pool.sb.sync != "manager":
         return Check("lock-manager", "lock manager running", SKIP,
                      f"sync mode {pool.sb.sync} needs no lock manager", None, path)
-    from cxlkv.state import protocol as P
 
     if P.manager_alive(pool):
         return Check("lock-manager", "lock manager running", PASS,

@@ -2,7 +2,6 @@
 
 Everything here only reads the pool: it never attaches and never repairs.
 Checks and their statuses (Nagios: 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN):
-
   pool        cannot be opened: missing, corrupt, unformatted -> CRITICAL;
               unreadable, needs a newer cxlkv -> UNKNOWN
   superblock  one copy bad (the other is used) -> WARNING
@@ -27,14 +26,23 @@ watches until its deadline, the agent across its ticks.
 """
 from __future__ import annotations
 
+import copy
+import math
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from cxlkv import errors as E
+from cxlkv.host import discovery as D
+from cxlkv.host import numa, tools
+from cxlkv.kv.area import Area, quarantine_report
 from cxlkv.pool import layout as L
+from cxlkv.state import alloc as A
+from cxlkv.state import nodes as N
+from cxlkv.state import protocol as P
 
 OK, WARNING, CRITICAL, UNKNOWN = 0, 1, 2, 3
 STATUS_NAMES = {OK: "OK", WARNING: "WARNING", CRITICAL: "CRITICAL", UNKNOWN: "UNKNOWN"}
@@ -124,7 +132,6 @@ def usage(pool) -> dict:
                     ancestor of one (eviction is leaf first)
     other           allocated slots the KV cache does not reference
     """
-    from cxlkv.state import alloc as A
 
     data_size = pool.sb.regions["data"][1]
     d = A.descriptors(pool)
@@ -140,8 +147,6 @@ def usage(pool) -> dict:
     out = {"data_bytes": data_size, "allocated_bytes": allocated, "kv_bytes": 0,
            "kv_evictable_bytes": 0, "kv_entries": 0, "kv_evictable_entries": 0}
     if pool.sb.compat & L.COMPAT_KV:
-        from cxlkv.kv.area import Area
-
         try:
             a = Area(pool)
         except E.CxlkvError as e:
@@ -180,8 +185,6 @@ class ManagerWatch:
         self.since = clock()
 
     def verdict(self) -> str:
-        from cxlkv.state import protocol as P
-
         m, h = self.pool.mapping, P.lock_header(self.pool)
         m.invalidate(h + P.MGR_TOKEN, 64)
         cur = (m.load64(h + P.MGR_TOKEN), m.load64(h + P.MGR_HEARTBEAT))
@@ -199,7 +202,6 @@ def node_verdicts(pool, observer, deadline: float | None, clock=time.monotonic,
                   sleep=time.sleep) -> list[tuple[object, str]]:
     """(NodeInfo, verdict) for every non-free slot, watching undecided ones
     until they are decided or `deadline` (None: do not wait)."""
-    from cxlkv.state import nodes as N
 
     res = dict((n.slot, (n, v)) for n, v in observer.scan())
     while deadline is not None and clock() < deadline and any(
@@ -225,11 +227,7 @@ def device_health(path: str, timeout: float = 5.0) -> dict | None:
     up when it has not answered by then).  On any failure, or no answer in
     time, the figures are unknown ("error" says why).
     """
-    import copy
-    import threading
 
-    from cxlkv.host import discovery as D
-    from cxlkv.host import numa, tools
 
     dax = numa.dax_of(path)
     if dax is None:
@@ -312,7 +310,6 @@ def open_failure(path: str, exc: E.CxlkvError) -> Health:
 def judge_timeout(lease_s: float) -> float:
     """The --timeout a one-shot check needs to judge a node of another host
     (watched for a lease within 80 % of the timeout)."""
-    import math
 
     return float(math.ceil(1.25 * lease_s + 1.0))
 
@@ -326,8 +323,8 @@ def evaluate(pool, th: Thresholds, *, observer, manager: ManagerWatch | None,
     caller already has it."""
     h = Health(pool.path)
     sb = pool.sb
-    for copy, problem in sorted(pool.superblock_problems.items()):
-        h.add("superblock", WARNING, f"superblock copy {copy} is bad ({problem}); "
+    for which, problem in sorted(pool.superblock_problems.items()):
+        h.add("superblock", WARNING, f"superblock copy {which} is bad ({problem}); "
                                      f"run cxlkv fsck --repair")
     if not pool.superblock_problems:
         h.add("superblock", OK, f"both superblock copies good (seq {sb.seq})")
@@ -397,7 +394,6 @@ def add_quarantine(h: Health, pool, observer) -> None:
     """Fenced nodes whose quarantine has not ended: WARNING - a node stalled
     past its lease (or died on another host); its memory comes back when it
     acknowledges, is proven gone, or after the grace."""
-    from cxlkv.kv.area import quarantine_report
 
     q = quarantine_report(pool, observer)
     h.data["quarantine"] = q

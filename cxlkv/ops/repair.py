@@ -3,7 +3,6 @@
 Repairs are idempotent fixers, each rescanning what it fixes (they do not
 trust the read-only check's findings); `cxlkv fsck` runs the check before
 and after.  In order:
-
  1. superblock: a bad copy is rewritten from the good one (same generation);
  2. nodes: every slot that is not a live node is reaped - fenced, its
     recoveries run (its lock turn passed on, its pins dropped, its KV
@@ -54,14 +53,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cxlkv import __version__
+from cxlkv.version import __version__
+from cxlkv.api import Pool
 from cxlkv.errors import CxlkvError, LiveNodesError
+from cxlkv.kv.check import repair_kv
+from cxlkv.ops import fsck
 from cxlkv.pool import layout as L
-from cxlkv.pool.pool import Pool
 from cxlkv.state import alloc as A
-from cxlkv.state import fsck
 from cxlkv.state import locks as K
 from cxlkv.state import nodes as N
+from cxlkv.state import protocol as P
 
 _F = A._F
 _CONTROL = L.field_offset(L.NodeStruct, "control")
@@ -143,7 +144,6 @@ def repair(path: str, *, force: bool = False, notice=None) -> Repair:
                 tokens = A._live_tokens(pool) - _placeholder_tokens(pool, rep)
                 _locks(pool, rep, tokens, offline=not rep.attached)
                 _allocator(pool, rep, tokens)
-                from cxlkv.kv.check import repair_kv
 
                 repair_kv(pool, rep, tokens)
                 _dead_owner_slabs(pool, rep, tokens)
@@ -344,8 +344,6 @@ def _force_free(pool, n) -> bool:
     off = N.node_offset(pool, n.slot)
     free = L.node_control(L.NODE_FREE, n.epoch)
     if pool.sb.sync == "manager":
-        from cxlkv.state import protocol as P
-
         if N.read_slot(pool, n.slot).control != n.control:
             raise _changed(pool, n, "changed")
         P.set_mgr(pool, n.slot, free, 0)
@@ -359,7 +357,6 @@ def _force_free(pool, n) -> bool:
 def _reap_managed(pool, n) -> bool:
     """Sync mode manager: the lock manager reaps when one runs (wait for it);
     with none, do what it would (we are the only writer of its lines then)."""
-    from cxlkv.state import protocol as P
 
     lease = pool.sb.lease_ms / 1000.0
     if P.manager_alive(pool):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cxlkv.kv.check import check_kv  # the KV layer's own check (layered above state)
 from cxlkv.pool import layout as L
 from cxlkv.state import alloc as A
 from cxlkv.state import locks as K
@@ -64,7 +65,6 @@ def check(pool) -> Report:
     live_tokens = _check_nodes(pool, rep)
     _check_locks(pool, rep, live_tokens)
     _check_allocator(pool, rep, live_tokens)
-    from cxlkv.kv.check import check_kv   # the KV layer's own check (layered above state)
 
     check_kv(pool, rep, live_tokens)
     return rep

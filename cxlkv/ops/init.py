@@ -23,15 +23,20 @@ import stat
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 
-from cxlkv.errors import (CxlkvError, DeviceError, LiveNodesError, NotFormatted,
-                          ParameterMismatch, PoolExistsError, PoolIncompatible, PoolInvalid,
-                          PoolNotFound, PoolTruncated, RefusedError, UnsafePermissions,
-                          UsageError, WrongMagic)
-from cxlkv.pool import device, layout as L
-from cxlkv.pool.format import (DEFAULT_SIZE, FormatParams, compute_layout, format_mapping,
-                               human_size)
-from cxlkv.pool.pool import Pool, read_superblocks
+import numpy as np
+
+from cxlkv.api import Pool
+from cxlkv.errors import (CxlkvError, DeviceError, LiveNodesError, NotFormatted, ParameterMismatch,
+                          PoolExistsError, PoolIncompatible, PoolInvalid, PoolNotFound,
+                          PoolTruncated, RefusedError, UnsafePermissions, UsageError, WrongMagic)
+from cxlkv.pool import device
+from cxlkv.pool import layout as L
+from cxlkv.pool.format import DEFAULT_SIZE, FormatParams, compute_layout, format_mapping
+from cxlkv.pool.image import read_superblocks
 from cxlkv.pool.superblock import Superblock, select
+from cxlkv.state import protocol as P
+from cxlkv.state.nodes import live_nodes
+from cxlkv.util.sizes import human_size
 
 DEFAULT_POOL_PATH = "/dev/shm/cxlkv-default.pool"
 POOL_MODE = 0o660
@@ -82,7 +87,6 @@ def _data_ranges(t: device.Target) -> list[tuple[int, int]]:
 
 def _all_zero(t: device.Target, m, progress=None) -> bool:
     """True when every byte of the target reads as zero (stops at the first that does not)."""
-    import numpy as np
 
     total = sum(e - s for s, e in _data_ranges(t))
     done = 0
@@ -201,8 +205,6 @@ def _resolve_params(given: dict, default_size: int | None, size_source: str = ""
 
 
 def _refuse_live(path: str, warnings: list[str], observe: bool = True, notice=None) -> None:
-    from cxlkv.state.nodes import live_nodes
-
     try:
         pool = Pool.open(path, writable=False, force=True)
     except CxlkvError as e:
@@ -225,7 +227,6 @@ def _refuse_manager(pool, path: str) -> None:
     """Sync mode manager: a lock manager heartbeating (watched for up to a
     lease) would carry on with the old geometry - writing its words into
     what the new format puts there.  Refused, even with --force."""
-    from cxlkv.state import protocol as P
 
     if P.manager_alive(pool):
         raise RefusedError(

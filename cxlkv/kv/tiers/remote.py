@@ -1,7 +1,7 @@
 """The KV cache's side of the cross-rack remote tier (cxlkv.remote: a Redis
 Cluster / Valkey the racks already run).
 
-    from cxlkv.kv import remote
+    from cxlkv.kv.tiers import remote
     remote.enable(pool, RemoteConfig.from_toml("/etc/cxlkv/serve.toml"))
     kv = pool.kv(model=..., block_bytes=..., remote_read=True)   # opt-in per namespace
     kv.match(tokens)     # pool, spill, then the remote tier within its budget
@@ -32,10 +32,13 @@ import time
 
 import numpy as np
 
+from cxlkv._core import fence
 from cxlkv.errors import UsageError
 from cxlkv.kv.area import ENTRY, Area
 from cxlkv.kv.journal import EVICTED, NS_CLEARED, STORED, JournalReader
 from cxlkv.pool import layout as L
+from cxlkv.remote import RemoteClient, RemoteConfig
+from cxlkv.remote.metrics import Collector
 
 _ATTR = "_kv_remote"
 #: how long a read-through may wait for the cluster by default
@@ -47,7 +50,6 @@ def enable(pool, remote):
     """Give this process's `pool` a remote tier: a RemoteConfig (a client is
     made, and closed by `disable`) or a RemoteClient (the caller's).  One per
     pool object; enabling it again with the same client is a no-op."""
-    from cxlkv.remote import RemoteClient, RemoteConfig
 
     cur = pool.__dict__.get(_ATTR)
     if cur is not None:
@@ -264,7 +266,6 @@ class Pusher:
         if m.load64(off) != ctl:
             return None
         data = self._read(payload, length)
-        from cxlkv._core import fence
 
         fence()
         if m.flush_meta:
@@ -274,6 +275,5 @@ class Pusher:
 
 def collector(pool):
     """A Prometheus collector of `pool`'s remote tier (cxlkv.remote.metrics)."""
-    from cxlkv.remote.metrics import Collector
 
     return Collector(lambda: client_of(pool))

@@ -25,10 +25,15 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 
-from cxlkv.errors import EXIT_DEVICE, CxlkvError, RefusedError, UsageError
+from cxlkv.api import Pool
+from cxlkv.errors import EXIT_DEVICE, CxlkvError, NotFormatted, RefusedError, UsageError
+from cxlkv.errors import CxlkvError as Err
 from cxlkv.host import discovery as D
 from cxlkv.host import sysfs
 from cxlkv.host import tools as T
+from cxlkv.ops.init import init_pool
+from cxlkv.state import nodes as N
+from cxlkv.util.sizes import human_size
 
 MODES = ("devdax", "system-ram")
 SYNC_MODES = ("manager", "cas")
@@ -126,8 +131,6 @@ class Plan:
 
 
 def _hs(n) -> str:
-    from cxlkv.pool.format import human_size
-
     return human_size(n) if isinstance(n, int) and n > 0 else f"{n} bytes"
 
 
@@ -174,9 +177,6 @@ def mappers(dax: str) -> list[dict]:
 
 def live_pool_nodes(path: str) -> list[str]:
     """Live nodes of the pool at path ([] when it is not a pool or cannot be read)."""
-    from cxlkv.errors import CxlkvError as Err
-    from cxlkv.pool.pool import Pool
-    from cxlkv.state import nodes as N
 
     try:
         with Pool.open(path, writable=False, force=True) as pool:
@@ -432,10 +432,6 @@ def _format_step(dax: dict | None, opts: Options) -> Step:
 
 
 def pool_state(path: str) -> dict:
-    from cxlkv.errors import CxlkvError as Err
-    from cxlkv.errors import NotFormatted
-    from cxlkv.pool.pool import Pool
-
     try:
         with Pool.open(path, writable=False, force=True) as p:
             return {"formatted": True, "sync": p.sb.sync, "size": p.sb.pool_size}
@@ -604,8 +600,6 @@ def _run_step(step: Step, r: T.Runner, opts: Options, plan: Plan, ran: list[Step
                        hint="run as root") from None
         return None
     if step.id == "format":
-        from cxlkv.pool.admin import init_pool
-
         try:
             init_pool(path, {"sync": opts.sync}, group=opts.group, create=False)
         except CxlkvError as e:

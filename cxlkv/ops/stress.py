@@ -1,6 +1,6 @@
 """`cxlkv stress`: a torture test of the pool's shared state (nodes, lock, allocator, KV cache).
 
-A supervisor starts N worker processes (`python -m cxlkv.state.stress worker
+A supervisor starts N worker processes (`python -m cxlkv.ops.stress worker
 CONFIG`), each attached as its own node.  Workers allocate, write checksummed
 payloads and publish them, verify and free them, take the pool lock for a
 read-modify-write of a shared counter, and store and load KV blocks whose
@@ -55,7 +55,6 @@ import random
 import shutil
 import signal
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
@@ -69,14 +68,14 @@ from time import perf_counter_ns
 import numpy as np
 import xxhash
 
-from cxlkv.errors import (CxlkvError, PoolCorrupt, PoolIncompatible, RefusedError,
-                          UsageError)
+from cxlkv.api import Pool, open_pool
+from cxlkv.errors import CxlkvError, PoolCorrupt, RefusedError, UsageError
+from cxlkv.host import spawn
 from cxlkv.kv.area import Area, KVPoolFull, KVTableFull
 from cxlkv.kv.cache import drop_namespace, kv_report
+from cxlkv.ops import fsck, lockmgr
 from cxlkv.pool import layout as L
-from cxlkv.pool.pool import Pool, open_pool
 from cxlkv.state import alloc as A
-from cxlkv.state import fsck
 from cxlkv.state import nodes as N
 from cxlkv.state.locks import LockLost
 
@@ -601,9 +600,9 @@ class WorkerProcess:
         env = dict(os.environ)
         if host is not None:
             env["CXLKV_PROCFS_ROOT"] = host
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cxlkv.state.stress", "worker", json.dumps(cfg)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True,
+        self.proc = spawn.python_module(
+            "cxlkv.ops.stress", "worker", json.dumps(cfg),
+            stdin=spawn.PIPE, stdout=spawn.PIPE, stderr=self.err, text=True,
             start_new_session=True, env=env)    # Ctrl-C reaches the supervisor only
         self.paused_until: float | None = None
         self.progress_at = time.monotonic()     # watchdog: last progress seen
@@ -792,7 +791,7 @@ class Supervisor:
         h.proc.kill()
         try:
             h.proc.wait(10)
-        except subprocess.TimeoutExpired:
+        except spawn.TimeoutExpired:
             self.fail("hang", "worker-hang", f"worker {h.id} did not die within 10 s of "
                                              "SIGKILL")
             return False
@@ -921,7 +920,7 @@ class Supervisor:
         for h in self.workers.values():
             try:
                 h.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            except spawn.TimeoutExpired:
                 self._drain()
                 h.proc.kill()
                 h.proc.wait(10)
@@ -1126,13 +1125,7 @@ def _ensure_manager(path: str, sync: str, notice):
     the callable that stops it."""
     if sync != "manager":
         return lambda: None
-    try:
-        from cxlkv.daemons.lockmgr import ensure_manager
-    except ImportError:
-        raise PoolIncompatible(
-            f"{path}: a pool in sync mode manager needs the lock manager, which this build "
-            "of cxlkv lacks", path=path, hint="use a pool formatted with --sync cas") from None
-    started, stop = ensure_manager(path)
+    started, stop = lockmgr.ensure_manager(path)
     if started and notice is not None:
         notice("started a lock manager for this run")
     return stop
@@ -1164,5 +1157,5 @@ def run(opts: Options, *, progress=None, notice=None) -> Result:
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["worker"] or len(sys.argv) != 3:
-        sys.exit("usage: python -m cxlkv.state.stress worker CONFIG_JSON")
+        sys.exit("usage: python -m cxlkv.ops.stress worker CONFIG_JSON")
     sys.exit(worker_main(json.loads(sys.argv[2])))

@@ -1,7 +1,7 @@
 """The NVMe spill tier: blocks evicted from the pool go to a bounded store on
 local disk instead of being dropped, and come back on a later hit.
 
-    from cxlkv.kv import spill
+    from cxlkv.kv.tiers import spill
     spill.enable(pool, "/var/lib/cxlkv/spill", 64 << 30)   # this process, this pool
     kv = pool.kv(...)            # match sees pool then spill; load promotes
 
@@ -88,7 +88,7 @@ from pathlib import Path
 
 import xxhash
 
-from cxlkv.daemons.metrics import StatsCollector
+from cxlkv.util.stats import StatsCollector
 from cxlkv.errors import RefusedError, UsageError
 
 MAGIC = b"CXLKVSP\0"

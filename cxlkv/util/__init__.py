@@ -1,0 +1,1 @@
+"""Helpers every layer may use: sizes, TOML files, a stats collector."""

@@ -1,0 +1,2 @@
+"""The version of this cxlkv (pyproject.toml reads it from here)."""
+__version__ = "0.2.0"
