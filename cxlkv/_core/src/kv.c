@@ -964,13 +964,8 @@ PyObject *
 mod_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    unsigned long long bb;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "gather(blocks, dst, block_bytes)");
-        return NULL;
-    }
-    bb = PyLong_AsUnsignedLongLong(args[2]);
-    if (bb == (unsigned long long)-1 && PyErr_Occurred())
+    uint64_t bb;
+    if (nargs_check(nargs, 3, 3, "gather") < 0 || as_u64(args[2], &bb, "block_bytes") < 0)
         return NULL;
     PyObject *seq = PySequence_Fast(args[0], "gather: blocks must be a sequence");
     if (!seq)
@@ -1000,7 +995,7 @@ mod_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             goto done;
         if ((unsigned long long)b[got].len != bb) {
             PyErr_Format(PyExc_ValueError, "gather: block %zd is %zd bytes, not %llu", got,
-                         b[got].len, bb);
+                         b[got].len, (unsigned long long)bb);
             PyBuffer_Release(&b[got]);
             goto done;
         }
