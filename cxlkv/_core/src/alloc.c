@@ -135,7 +135,6 @@ decode_slot(Mapping *m, uint64_t off, uint64_t *head, uint64_t *slot, uint64_t *
     return NULL;
 }
 
-
 /* Claim one of the hazard words of the node heap header at `heap` for the
  * slab whose head chunk is `head`; -> the word's offset, or 0 when other
  * threads of this node hold all of them. */

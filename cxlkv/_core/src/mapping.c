@@ -26,7 +26,6 @@
 /* Copies at least this large release the GIL. */
 #define GIL_RELEASE_MIN (64 * 1024)
 
-
 static int
 range_error(const Mapping *m, uint64_t off, uint64_t len, const char *what)
 {
