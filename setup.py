@@ -20,7 +20,10 @@ setup(
     ext_modules=[
         Extension(
             "cxlkv._core._native",
-            sources=["cxlkv/_core/src/module.c", "cxlkv/_core/src/cpu.c", "cxlkv/_core/src/alloc.c",
+            sources=["cxlkv/_core/src/module.c", "cxlkv/_core/src/mapping.c",
+                     "cxlkv/_core/src/lock.c", "cxlkv/_core/src/layout.c",
+                     "cxlkv/_core/src/args.c", "cxlkv/_core/src/crashpoint.c",
+                     "cxlkv/_core/src/cpu.c", "cxlkv/_core/src/alloc.c",
                      "cxlkv/_core/src/nc.c", "cxlkv/_core/src/kv.c", "cxlkv/_core/src/lru.c",
                      "cxlkv/_core/src/journal.c", "cxlkv/_core/src/lockmgr.c",
                      "cxlkv/_core/src/slabs.c", "cxlkv/_core/src/hostlock.c"],

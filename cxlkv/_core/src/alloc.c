@@ -135,22 +135,6 @@ decode_slot(Mapping *m, uint64_t off, uint64_t *head, uint64_t *slot, uint64_t *
     return NULL;
 }
 
-int
-get_offsets(PyObject *obj, Py_buffer *b, int writable)
-{
-    if (PyObject_GetBuffer(obj, b, (writable ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS |
-                                   PyBUF_FORMAT) < 0)
-        return -1;
-    if (b->itemsize != 8 || (b->format && strcmp(b->format, "Q") && strcmp(b->format, "L") &&
-                             strcmp(b->format, "<Q") && strcmp(b->format, "=Q") &&
-                             strcmp(b->format, "K") && strcmp(b->format, "k"))) {
-        PyErr_SetString(PyExc_TypeError, "offsets must be a buffer of uint64 (e.g. numpy uint64)");
-        PyBuffer_Release(b);
-        return -1;
-    }
-    return 0;
-}
-
 /* Claim one of the hazard words of the node heap header at `heap` for the
  * slab whose head chunk is `head`; -> the word's offset, or 0 when other
  * threads of this node hold all of them. */

@@ -54,7 +54,7 @@ typedef struct {
     Py_ssize_t sections;
     /* the attached node's guard (set_guard): called before a write once the
      * write deadline has passed - it proves the node fresh (beats) or raises
-     * NodeFenced (a thread-local flag in module.c keeps the guard's own
+     * NodeFenced (a thread-local flag in mapping.c keeps the guard's own
      * writes from recursing) */
     PyObject *guard;
     /* leaf LRU lists of the KV area (kv_lru_setup, lru.c): hash table, its
@@ -79,15 +79,24 @@ write_deadline_passed(const Mapping *m)
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec > d;
 }
 
+/* module.c: the exception types (set_error_types) */
 extern PyObject *cxlkv_RangeError;
 extern PyObject *cxlkv_CorruptError;
 
+/* mapping.c: the checks every access goes through, before a pointer is formed
+ * (check_writable also runs the node's guard once its write deadline passed) */
 int check_open(const Mapping *m);
 int check_range(const Mapping *m, uint64_t off, uint64_t len, const char *what);
 int check_word(const Mapping *m, uint64_t off, const char *what);
 int check_writable(Mapping *m, const char *what);
+
+/* args.c: argument parsing */
 int as_u64(PyObject *o, uint64_t *out, const char *what);
 int nargs_check(Py_ssize_t nargs, Py_ssize_t lo, Py_ssize_t hi, const char *name);
+/* nt argument (None = by size: the mapping's nt_threshold) */
+int parse_nt(Mapping *m, PyObject *o, uint64_t len, int *nt);
+/* A C-contiguous buffer of uint64 (numpy uint64); TypeError otherwise. */
+int get_offsets(PyObject *obj, Py_buffer *b, int writable);
 
 /* --- the pool access helpers (single switch point) -----------------
  * Every access to pool memory goes through these: with the non-coherence
@@ -190,14 +199,48 @@ static inline void pool_read(Mapping *m, uint64_t off, void *dst, uint64_t len)
     cxlkv_copy_from_pool(dst, m->base + off, (size_t)len);
 }
 
-/* Deterministic crash points for crash-consistency tests: with
- * CXLKV_CRASH_AT=SITE:N the process kills itself (SIGKILL) the Nth time it
- * passes SITE.  A no-op otherwise. */
+/* crashpoint.c: deterministic crash points for crash-consistency tests:
+ * with CXLKV_CRASH_AT=SITE:N the process kills itself (SIGKILL) the Nth time
+ * it passes SITE (CXLKV_PAUSE_AT: SIGSTOP).  A no-op otherwise. */
 void cxlkv_crashpoint(const char *site);
+PyObject *mod_crashpoint(PyObject *self, PyObject *arg);
+
+/* mapping.c: the Mapping type's life, atomics, copies, views, properties */
+extern PyTypeObject SpanType;
+extern PyGetSetDef Mapping_getset[];
+PyObject *Mapping_new(PyTypeObject *type, PyObject *args, PyObject *kwds);
+void Mapping_dealloc(Mapping *m);
+PyObject *Mapping_from_buffer(PyTypeObject *type, PyObject *obj);
+PyObject *Mapping_close(Mapping *m, PyObject *ignored);
+PyObject *Mapping_enter(Mapping *m, PyObject *ignored);
+PyObject *Mapping_exit(Mapping *m, PyObject *args);
+PyObject *Mapping_load64(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_store64(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_cas64(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_fetch_add64(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_add64_many(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_flush(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_invalidate(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_write(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_zero(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_read(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_readinto(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_view(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_set_guard(Mapping *m, PyObject *fn);
+PyObject *Mapping_section_begin(Mapping *m, PyObject *ignored);
+PyObject *Mapping_section_end(Mapping *m, PyObject *ignored);
+PyObject *Mapping_nc_stats(Mapping *m, PyObject *ignored);
+
+/* lock.c: the cas-mode ticket lock */
+PyObject *Mapping_ticket_acquire(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_ticket_wait(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_ticket_release(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+
+/* layout.c: the on-media layout and constants, from cxlkv_format.h */
+PyObject *mod_layout(PyObject *self, PyObject *ignored);
+PyObject *mod_constants(PyObject *self, PyObject *ignored);
 
 /* alloc.c */
-/* A C-contiguous buffer of uint64 (numpy uint64); TypeError otherwise. */
-int get_offsets(PyObject *obj, Py_buffer *b, int writable);
 PyObject *Mapping_slab_alloc(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_slab_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_slab_mark_freeing(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
@@ -216,9 +259,6 @@ PyObject *Mapping_slabs_release(Mapping *m, PyObject *const *args, Py_ssize_t na
 PyObject *Mapping_slabs_set_owner(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_slab_census(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 
-/* module.c: nt argument (None = by size) */
-int parse_nt(Mapping *m, PyObject *o, uint64_t len, int *nt);
-
 /* kv.c */
 PyObject *Mapping_kv_lookup(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_kv_insert(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
@@ -230,12 +270,14 @@ PyObject *Mapping_kv_remove(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 PyObject *Mapping_kv_pin(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_kv_unpin(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_kv_touch(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
-/* journal.c */
-PyObject *Mapping_journal_append(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+/* kv.c: block-key hashing and block copies */
 PyObject *Mapping_write_blocks(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_read_blocks(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *mod_kv_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *mod_kv_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *mod_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+/* journal.c */
+PyObject *Mapping_journal_append(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 
 /* lockmgr.c: sync mode manager */
 PyObject *Mapping_mgr_loop(Mapping *m, PyObject *const *args, Py_ssize_t nargs);

@@ -956,3 +956,66 @@ done:
     PyBuffer_Release(&d);
     return ret;
 }
+
+/* gather(blocks, dst, block_bytes) -> n: item i of the sequence `blocks`, a
+ * buffer of block_bytes or None, to block i of dst, with the streaming copy
+ * reads out of the pool use (the DRAM hot tier's hits). */
+PyObject *
+mod_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    uint64_t bb;
+    if (nargs_check(nargs, 3, 3, "gather") < 0 || as_u64(args[2], &bb, "block_bytes") < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "gather: blocks must be a sequence");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_buffer d;
+    if (PyObject_GetBuffer(args[1], &d, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    PyObject *ret = NULL;
+    Py_buffer *b = PyMem_Calloc(n ? (size_t)n : 1, sizeof *b);
+    Py_ssize_t got = 0, copied = 0;
+    if (!b) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (bb == 0 || (unsigned long long)d.len < (unsigned long long)n * bb) {
+        PyErr_SetString(PyExc_ValueError, "gather: destination too small");
+        goto done;
+    }
+    for (; got < n; got++) {
+        PyObject *it = PySequence_Fast_GET_ITEM(seq, got);
+        if (it == Py_None)
+            continue;
+        if (PyObject_GetBuffer(it, &b[got], PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        if ((unsigned long long)b[got].len != bb) {
+            PyErr_Format(PyExc_ValueError, "gather: block %zd is %zd bytes, not %llu", got,
+                         b[got].len, (unsigned long long)bb);
+            PyBuffer_Release(&b[got]);
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (b[i].buf) {
+            cxlkv_copy_from_pool((char *)d.buf + (size_t)i * bb, b[i].buf, (size_t)bb);
+            copied++;
+        }
+    Py_END_ALLOW_THREADS
+    ret = PyLong_FromSsize_t(copied);
+done:
+    if (b) {
+        for (Py_ssize_t i = 0; i < got; i++)
+            if (b[i].buf)
+                PyBuffer_Release(&b[i]);
+        PyMem_Free(b);
+    }
+    PyBuffer_Release(&d);
+    Py_DECREF(seq);
+    return ret;
+}
