@@ -224,7 +224,7 @@ def test_nodes_free_each_others_slots(apool):
         assert rep.clean and rep.stats["allocator"]["chunks_used"] == 0
 
 
-# -- releases racing lock-free allocation (issue 14, item 8) ---------------------------
+# -- releases racing lock-free allocation ---------------------------
 
 def _head(pool, off: int) -> int:
     data_off, chunk, _, _ = A.geometry(pool)
@@ -367,7 +367,7 @@ def test_stress_on_a_crowded_pool_finds_nothing(crowded_pool, nodes, seed):
     assert rep.stats["allocator"]["slots_allocated"] == rep.stats["allocator"]["chunks_used"] == 0
 
 
-# -- corrupt descriptors (issue 14, item 7) ---------------------------------------------
+# -- corrupt descriptors ---------------------------------------------
 
 CORRUPT = {
     "kind": lambda m, h: m.store64(h, 0x7F),                          # no such kind

@@ -562,7 +562,7 @@ def test_inspect_defaults_to_the_init_pool(cli, tmp_path, monkeypatch):
 
     default = str(tmp_path / "cxlkv-default.pool")
     monkeypatch.setattr(admin, "DEFAULT_POOL_PATH", default)
-    # no pool anywhere: the host alone (issue 5), not an error
+    # no pool anywhere: the host alone, not an error
     r = cli("inspect", "--json")
     assert r.code == 0 and r.json()["pool"] is None and "host" in r.json()
     assert cli("init", "--size", "8M", "--chunk-size", "64K").code == 0

@@ -98,7 +98,7 @@ def test_tools_missing(host):
 
 
 def test_no_cxl_device(host, tmp_path):
-    """seed 000 5.1: nothing enumerated -> BIOS (CXL enable, memory map, interleave)."""
+    """Nothing enumerated -> BIOS (CXL enable, memory map, interleave)."""
     import shutil
 
     h = host("raw", missing={"cxl", "ndctl", "daxctl"})
@@ -267,7 +267,7 @@ def test_health_unknown_on_qemu(host):
 
 @pytest.mark.parametrize("changes,status", [
     ({}, "pass"),
-    ({"temperature": 71}, "warn"),                       # seed 000: > 70 C
+    ({"temperature": 71}, "warn"),                       # over 70 C
     ({"temperature": 60, "ext_temperature": "warning"}, "warn"),
     ({"temperature": 95}, "fail"),
     ({"ext_temperature": "critical"}, "fail")])

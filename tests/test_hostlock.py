@@ -1,4 +1,4 @@
-"""The host-local tier of the pool lock (issue 15): processes of one host take
+"""The host-local tier of the pool lock: processes of one host take
 a futex lock in a per-host file first, so at most one of them competes for
 the pool lock.  Mutual exclusion, dead and paused holders, timeouts, simulated
 hosts, the file itself; in sync modes cas and manager."""

@@ -1,4 +1,4 @@
-"""The change journal (issue 15): every node appends what it published and
+"""The change journal: every node appends what it published and
 evicted to a ring of its own; a reader sees every record once, in the rack's
 order, and falls back to one pass over the table (a resync) when a ring
 overran, a record is torn or a slot changed hands.  Node processes stand in

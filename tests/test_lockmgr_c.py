@@ -1,4 +1,4 @@
-"""The lock manager's loop in C (cxlkv/_core/src/lockmgr.c, issue 15): the
+"""The lock manager's loop in C (cxlkv/_core/src/lockmgr.c): the
 same decisions as the Python reference (LockManager.step / _slot, run with
 CXLKV_LOCKMGR_PY=1), grants in turn with mutual exclusion, a fenced holder
 revoked, a line of another epoch never taken for a release, failover to a

@@ -1,4 +1,4 @@
-"""Stalled nodes (issue 14): a node paused past its lease - SIGSTOP here, as a
+"""Stalled nodes: a node paused past its lease - SIGSTOP here, as a
 GC pause or a VM migration would - is judged dead by heartbeat (each paused
 process is made to look like another host), fenced, and resumed later.
 Whatever it still had in flight must not land on memory another node owns,

@@ -190,7 +190,7 @@ def test_histogram_merges_and_ranks():
     assert stress.Histogram().percentile_us(0.5) is None
 
 
-# -- pauses: workers stopped past their lease (issue 14) ---------------------------------
+# -- pauses: workers stopped past their lease ---------------------------------
 
 class _Inbox:
     """A worker's messages, read until one of a type; keeps them all."""

@@ -67,7 +67,7 @@ def gather(pool, force):
     from cxlkv.ops.doctor import host_mode
 
     host = discover()
-    host["cxl_mode"] = host_mode(host)      # seed 001: devdax pool vs kernel tiering
+    host["cxl_mode"] = host_mode(host)      # devdax pool vs kernel tiering
     rep = pool_report_of(pool, force) if pool is not None else None
     return host, rep
 

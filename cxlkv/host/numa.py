@@ -20,7 +20,7 @@ What a binding does (applied, then verified, or NumaError):
   to; device-dax pages themselves are the device's and need no policy.
 * a pool in a file (tmpfs, hugetlbfs) whose pages can live on the chosen
   memory node also gets `mbind(MPOL_PREFERRED, MPOL_MF_MOVE)` on its
-  mapping, falling back to no MF flags (seed 001's fallback).
+  mapping, falling back to no MF flags.
 
 py-libnuma (`numa`) does the node masks, CPU binding and process memory
 policy; it has no mbind/get_mempolicy, so those are bound here with ctypes

@@ -1,22 +1,22 @@
-"""`cxlkv doctor`: every operational pitfall the seeds name, as checks.
+"""`cxlkv doctor`: the known operational pitfalls of CXL memory pools, as checks.
 
 Each check is pass / warn / fail (with a remedy: a command or a sentence),
 skip (does not apply here) or unknown (the host does not say: a device that
 reports no health).  The inputs are host discovery (cxlkv.host.discovery)
 and, when there is one, the pool - nothing here changes anything.
 
-Pitfalls, and where they come from:
-  kernel, modules       seed 001 checklist (kernel >= 6.6, HMAT); LAB.md (6.1 works)
-  memdev, region        seed 000 5.1 "CXL memory not recognised" (BIOS, interleave)
+Pitfalls, and why each is checked:
+  kernel, modules       memory tiers from HMAT/CDAT need kernel >= 6.6 (6.1 runs a pool)
+  memdev, region        "CXL memory not recognised": BIOS settings, interleave
   devdax                a RAM region auto-onlined as system-ram is the classic trap
-  alignment             seed 000 4.2: mmap sizes in 2 MiB multiples
-  permissions           seed 000 2.3: 0666 "not recommended in production"; KV is tenant data
-  thp                   seed 000 5.5 / 6.2: huge pages off halves performance
+  alignment             mmap sizes in 2 MiB multiples
+  permissions           0666 is not for production: KV blocks are tenant data
+  thp                   huge pages off halves performance (TLB misses)
   numa-balancing,
-  demotion, tiers       seed 001 2.2 / checklist: tiering and demotion for CXL nodes
-  cxl-mode              seed 001: pool (devdax) vs kernel tiering (NUMA node) - which one
-  auto-online           LAB.md: auto-onlined memory, daxctl 76.1 refusing to reconfigure
-  temperature           seed 000 5.2: > 70 C doubles latency
+  demotion, tiers       tiering and demotion for CXL NUMA nodes
+  cxl-mode              pool (devdax) vs kernel tiering (NUMA node) - which one
+  auto-online           auto-onlined memory, daxctl 76.1 refusing to reconfigure
+  temperature           above 70 C latency doubles
   life-used, alarms     cxl-list(1) -H health fields
   pool, heartbeats,
   lock-manager          cxlkv's own: formatted and readable, nodes alive, manager running
@@ -35,10 +35,10 @@ from cxlkv.state import nodes as N
 from cxlkv.state import protocol as P
 
 PASS, WARN, FAIL, SKIP, UNKNOWN = "pass", "warn", "fail", "skip", "unknown"
-TEMP_WARN_C = 70          # seed 000: latency 200 -> 400+ ns above 70 C
+TEMP_WARN_C = 70          # latency 200 -> 400+ ns above 70 C
 LIFE_WARN_PCT = 90
 MIN_KERNEL = (6, 0)       # CXL regions (cxl create-region) need 6.0+
-GOOD_KERNEL = (6, 6)      # seed 001: 6.6+ (memory tiers from HMAT/CDAT)
+GOOD_KERNEL = (6, 6)      # 6.6+: memory tiers from HMAT/CDAT
 GOOD_ALIGN = 2 << 20
 
 
@@ -82,7 +82,7 @@ def check_host(h: dict, *, emulated: bool = False) -> list[Check]:
 
 
 def host_mode(h: dict) -> str:
-    """Which of seed 001's setups this host is in: "pool" (CXL memory as devdax,
+    """Which of the two setups this host is in: "pool" (CXL memory as devdax,
     mapped by cxlkv as a shared pool), "tiering" (CXL memory online as CPU-less
     NUMA nodes, placed by the kernel's demotion and promotion), "mixed" (both),
     or "none" (no CXL memory in use)."""
@@ -122,7 +122,7 @@ def _kernel(k: dict) -> Check:
         return Check("kernel", "kernel version", WARN,
                      f"kernel {rel}: CXL pmem regions and devdax work, but RAM regions (6.3) "
                      "and memory tiers from HMAT/CDAT (6.6) are missing or young",
-                     "use a kernel >= 6.6 with CONFIG_ACPI_HMAT (seed 001's checklist)")
+                     "use a kernel >= 6.6 with CONFIG_ACPI_HMAT")
     return Check("kernel", "kernel version", PASS, f"kernel {rel}")
 
 
@@ -146,7 +146,7 @@ def _cxl_stack(h: dict) -> list[Check]:
         out.append(Check("memdev", "CXL memory devices", FAIL,
                          "no CXL memory devices (nothing in /sys/bus/cxl/devices)",
                          "check the BIOS: CXL enabled, memory map and interleave set; the card "
-                         "seen by lspci; firmware matching the board (seed 000 5.1)"))
+                         "seen by lspci; firmware matching the board"))
         return out
     for m in memdevs:
         if m["enabled"] is False:
@@ -183,10 +183,10 @@ def _health(m: dict) -> list[Check]:
     elif ext == "critical" or (t is not None and t > TEMP_WARN_C + 15):
         out.append(Check("temperature", "device temperature", FAIL,
                          f"{_unk(t, ' C')} (device says {ext or 'n/a'})",
-                         "cool the card: airflow, not next to a GPU (seed 000 5.2)", name))
+                         "cool the card: airflow, not next to a GPU", name))
     elif ext == "warning" or (t is not None and t > TEMP_WARN_C):
         out.append(Check("temperature", "device temperature", WARN,
-                         f"{_unk(t, ' C')} is over {TEMP_WARN_C} C: latency doubles (seed 000)",
+                         f"{_unk(t, ' C')} is over {TEMP_WARN_C} C: latency doubles",
                          "improve airflow around the CXL card; keep it away from GPUs", name))
     else:
         out.append(Check("temperature", "device temperature", PASS, f"{_unk(t, ' C')}",
@@ -275,7 +275,7 @@ def _alignment(d: dict) -> Check:
                      name)
     if align < GOOD_ALIGN:
         return Check("alignment", "DAX alignment", WARN,
-                     f"{name}: {align}-byte pages: TLB misses cost (seed 000: 2 MiB pages)",
+                     f"{name}: {align}-byte pages: TLB misses cost (use 2 MiB pages)",
                      "recreate the namespace with -a 2M (cxlkv provision uses 2M)", name)
     return Check("alignment", "DAX alignment", PASS, f"{name}: {align} bytes", None, name)
 
@@ -315,7 +315,7 @@ def _memory_policy(h: dict) -> list[Check]:
     elif thp == "never":
         out.append(Check("thp", "transparent huge pages", WARN,
                          "THP is off: 4 KiB pages for emulated pools and staging buffers "
-                         "(seed 000: TLB misses halve performance)",
+                         "(TLB misses halve performance)",
                          "echo always > /sys/kernel/mm/transparent_hugepage/enabled "
                          "(or madvise: cxlkv asks for huge pages with MADV_HUGEPAGE)"))
     else:

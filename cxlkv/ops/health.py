@@ -51,7 +51,7 @@ STATUS_NAMES = {OK: "OK", WARNING: "WARNING", CRITICAL: "CRITICAL", UNKNOWN: "UN
 WARN_USED_PCT = 80.0
 #: above 1 - LOW_WATERMARK unevictable, stores cannot get the low watermark back
 CRIT_USED_PCT = 95.0
-WARN_TEMP_C = 70.0            # seed 000: > 70 C doubles latency (as cxlkv doctor)
+WARN_TEMP_C = 70.0            # above 70 C latency doubles (as cxlkv doctor)
 CRIT_TEMP_C = 85.0
 
 

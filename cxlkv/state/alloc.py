@@ -1,6 +1,6 @@
 """The pool allocator: a global chunk bitmap plus per-node slabs of exact-size slots.
 
-Segregated fit (seed 000, TraCT): a request of n bytes gets a slot of
+Segregated fit (as TraCT allocates): a request of n bytes gets a slot of
 slot_size = n rounded up to 64 bytes (at least chunk_size / 512).  Slots of
 one size live in slabs: runs of contiguous chunks chosen so the slab wastes
 as little as possible (a 3 MiB slot in 2 MiB chunks gets a 3-chunk slab with

@@ -234,7 +234,7 @@ Mapping_slab_alloc(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
             uint64_t valid = (ns - w * 64) >= 64 ? ~0ull : ((1ull << (ns - w * 64)) - 1);
             uint64_t wo = d + CD_ALLOC + w * 8;
             uint64_t cur = pool_load64(m, wo);
-            /* bounded retries (seed 000: 16), then the next word: contention
+            /* bounded retries (16), then the next word: contention
              * never spins a core */
             for (int tries = 0; (~cur & valid) && tries < 16; tries++) {
                 uint64_t bit = __builtin_ctzll(~cur & valid);
