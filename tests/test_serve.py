@@ -477,7 +477,9 @@ def agent(spool):
     """An agent in this process (ticks driven by the test)."""
     import io
 
-    from cxlkv.daemons.agent import Agent, AgentConfig, make_logger
+    from cxlkv.daemons.agent import Agent
+    from cxlkv.daemons.config import AgentConfig
+    from cxlkv.daemons.service import make_logger
 
     made = []
 

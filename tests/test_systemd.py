@@ -66,7 +66,7 @@ def test_install_writes_the_units_ready_for_this_installation(cli, tmp_path, mon
     cron = (tmp_path / "cron.d" / "cxlkv-health").read_text()
     assert f"{EXE} health --pool" in cron
     # the examples: the serve unit's config parses as cxlkv serve's settings
-    from cxlkv.daemons.agent import load_config
+    from cxlkv.daemons.config import load_config
 
     cfg = load_config(str(tmp_path / "etc" / "example.toml"))
     assert cfg["metrics_addr"] == "127.0.0.1:9464"

@@ -16,7 +16,7 @@ SERVE_CODES = ((0, "stopped by SIGTERM or SIGINT after detaching cleanly (or, wi
 def _config(ctx, param, value):
     """--config is read first: its settings become the defaults the flags override."""
     if value:
-        from cxlkv.daemons.agent import load_config
+        from cxlkv.daemons.config import load_config
 
         conf = load_config(value)
         if "remote" in conf:                   # a table, not a flag
@@ -108,7 +108,9 @@ def serve_cmd(app: Application, **opts):
     detach cannot finish by then it stops heartbeating and exits 0 with a
     warning (the other nodes reap it).  A second signal exits at once.
     """
-    from cxlkv.daemons.agent import AgentConfig, make_logger, serve
+    from cxlkv.daemons.agent import serve
+    from cxlkv.daemons.config import AgentConfig
+    from cxlkv.daemons.service import make_logger
 
     opts["remote_push"] = tuple(opts.get("remote_push") or ())
     cfg = AgentConfig(**opts, remote=click.get_current_context().meta.get("cxlkv.remote"))

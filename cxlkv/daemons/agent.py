@@ -56,192 +56,37 @@ a line.  Under systemd (Type=notify) it reports READY=1 and STOPPING=1.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, fields
 
 from cxlkv.api import Pool
+from cxlkv.daemons.config import AgentConfig, remote_args, spill_args
 from cxlkv.daemons.lockmgr import LockManager, ManagerExists
 from cxlkv.daemons.metrics import AgentMetrics, MetricsServer, parse_addr
+from cxlkv.daemons.service import make_logger, sd_notify
 from cxlkv.errors import CxlkvError, RefusedError, UsageError
 from cxlkv.host import numa
 from cxlkv.kv.area import AGENT_BATCH, AGENT_WATERMARK, HIGH_WATERMARK, Area
 from cxlkv.kv.cache import kv_report
 from cxlkv.kv.tiers import spill as SP
-from cxlkv.kv.tiers.remote import POLICIES, Pusher
-from cxlkv.kv.tiers.spill import QUEUE_BYTES
+from cxlkv.kv.tiers.remote import Pusher
 from cxlkv.ops import health as H
 from cxlkv.ops.health import ManagerWatch, Thresholds
 from cxlkv.pool import layout as L
-from cxlkv.remote import RemoteClient, RemoteConfig
+from cxlkv.remote import RemoteClient
 from cxlkv.state import locks as K
 from cxlkv.state import nodes as N
 from cxlkv.state.locks import LockTimeout, describe_owner
-from cxlkv.util.sizes import parse_size
-from cxlkv.util.toml import read_toml
 
 DEVICE_REFRESH_S = 60.0
 #: the device tools (cxl, ndctl, daxctl) together, per refresh
 DEVICE_TIMEOUT_S = 5.0
 #: a tick's pool-lock wait is cut in slices this long, to notice a stop request
 LOCK_SLICE_S = 0.5
-
-
-# -- configuration ------------------------------------------------------------------
-
-@dataclass
-class AgentConfig:
-    pool: str | None = None
-    metrics_addr: str | None = None
-    with_lock_manager: bool = False
-    numa_node: str | None = None
-    interval: float = 1.0
-    log_json: bool = False
-    warn_used: float = 80.0
-    crit_used: float = 95.0
-    warn_temp: float = 70.0
-    crit_temp: float = 85.0
-    force: bool = False
-    stop_timeout: float = 5.0
-    spill_dir: str | None = None
-    spill_bytes: str | None = None          # a size: bytes or K/M/G/T suffixes
-    spill_queue_bytes: str | None = None
-    remote: dict | None = None              # the [remote] table (cxlkv.remote.RemoteConfig)
-    remote_nodes: str | None = None         # host:port,... (over the table's nodes)
-    remote_push: tuple = ()                 # namespace names or patterns to push
-    remote_push_policy: str = "reused"
-    remote_push_interval: float = 5.0
-
-
-_TYPES = {f.name: f.type for f in fields(AgentConfig)}
-
-
-def load_config(path: str) -> dict:
-    """A TOML file's settings as {option_name: value} (keys as the long flags,
-    with - or _; a [serve] table or top-level keys).  UsageError on unknown
-    keys or wrong types."""
-    doc = read_toml(path)
-    if isinstance(doc.get("serve"), dict):
-        doc = {**{k: v for k, v in doc.items() if k != "serve"}, **doc["serve"]}
-    out = {}
-    for key, value in doc.items():
-        name = key.replace("-", "_")
-        if name == "remote":
-            if not isinstance(value, dict):
-                raise UsageError(f"--config {path}: remote must be a [remote] table")
-            RemoteConfig.from_dict(value, where=f"--config {path}: [remote]")   # checked now
-            out["remote"] = value
-            continue
-        if name == "remote_push":
-            if isinstance(value, str):
-                value = [value]
-            if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-                raise UsageError(f"--config {path}: remote-push must be a list of namespace "
-                                 "names or patterns")
-            out["remote_push"] = tuple(value)
-            continue
-        if name not in _TYPES:
-            known = ", ".join(sorted(k.replace("_", "-") for k in _TYPES))
-            raise UsageError(f"--config {path}: unknown setting {key!r} (known: {known})")
-        want = _TYPES[name]
-        ok = (isinstance(value, bool) if "bool" in want else
-              isinstance(value, (int, float)) and not isinstance(value, bool) if "float" in want
-              else isinstance(value, (str, int)) and not isinstance(value, bool))
-        if not ok:
-            raise UsageError(f"--config {path}: {key} = {value!r} has the wrong type "
-                             f"(expected {want.split(' |')[0]})")
-        out[name] = str(value) if name in ("numa_node", "pool", "metrics_addr",
-                                           "spill_dir", "remote_nodes",
-                                           "remote_push_policy") else value
-    return out
-
-
-def _remote_args(cfg: AgentConfig):
-    """The RemoteConfig of --remote-push, or None; UsageErrors for what does
-    not fit together."""
-
-    if cfg.remote_push_policy not in POLICIES:
-        raise UsageError(f"--remote-push-policy must be one of {', '.join(POLICIES)}")
-    if cfg.remote_push_interval <= 0:
-        raise UsageError("--remote-push-interval must be positive")
-    rc = RemoteConfig.from_dict(cfg.remote, where="[remote]") if cfg.remote else RemoteConfig()
-    if cfg.remote_nodes:
-        rc = rc.with_overrides(nodes=tuple(n.strip() for n in cfg.remote_nodes.split(",")
-                                           if n.strip()))
-    if not cfg.remote_push:
-        return None
-    if not rc.nodes:
-        raise UsageError("--remote-push needs the cluster: a [remote] table with nodes in "
-                         "--config, or --remote-nodes HOST:PORT,...")
-    return rc
-
-
-def _spill_args(cfg: AgentConfig) -> tuple[str, int, int] | None:
-    """(directory, size limit, queue bound) from --spill-*, or None; a
-    UsageError for a size that does not parse or an incomplete set."""
-
-    if not cfg.spill_dir:
-        if cfg.spill_bytes is not None or cfg.spill_queue_bytes is not None:
-            raise UsageError("--spill-bytes and --spill-queue-bytes need --spill-dir")
-        return None
-    if cfg.spill_bytes is None:
-        raise UsageError("--spill-dir needs --spill-bytes, the spill store's size limit "
-                         "(e.g. 64G)")
-    size = parse_size(cfg.spill_bytes, "--spill-bytes")
-    qbytes = QUEUE_BYTES if cfg.spill_queue_bytes is None else \
-        parse_size(cfg.spill_queue_bytes, "--spill-queue-bytes")
-    return str(cfg.spill_dir), size, qbytes
-
-
-# -- logging ------------------------------------------------------------------------
-
-class _JsonFormatter(logging.Formatter):
-    def format(self, record):
-        doc = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-               + f".{int(record.msecs):03d}Z", "level": record.levelname.lower(),
-               "msg": record.getMessage()}
-        doc.update(getattr(record, "fields", {}))
-        return json.dumps(doc, default=str)
-
-
-class _TextFormatter(logging.Formatter):
-    def format(self, record):
-        f = getattr(record, "fields", {})
-        extra = "".join(f" {k}={v}" for k, v in f.items())
-        lvl = "" if record.levelno == logging.INFO else f"{record.levelname.lower()}: "
-        return f"cxlkv serve: {lvl}{record.getMessage()}{extra}"
-
-
-def make_logger(log_json: bool, stream=None) -> logging.Logger:
-    log = logging.getLogger(f"cxlkv.serve.{id(stream)}")
-    log.handlers.clear()
-    h = logging.StreamHandler(stream or sys.stderr)
-    h.setFormatter(_JsonFormatter() if log_json else _TextFormatter())
-    log.addHandler(h)
-    log.setLevel(logging.INFO)
-    log.propagate = False
-    return log
-
-
-def sd_notify(state: str) -> None:
-    """Tell systemd (Type=notify) our state; a no-op outside systemd."""
-    addr = os.environ.get("NOTIFY_SOCKET")
-    if not addr:
-        return
-    if addr[0] == "@":
-        addr = "\0" + addr[1:]
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            s.connect(addr)
-            s.sendall(state.encode())
-    except OSError:
-        pass
 
 
 class _Stopping(Exception):
@@ -355,9 +200,9 @@ class Agent:
             raise UsageError("--stop-timeout must be positive")
         if cfg.metrics_addr:
             parse_addr(cfg.metrics_addr)                # a usage error before attaching
-        self.spill_args = _spill_args(cfg)
+        self.spill_args = spill_args(cfg)
         self.spill = None                           # the spill store this agent owns
-        self.remote_args = _remote_args(cfg)
+        self.remote_args = remote_args(cfg)
         self.remote = None                          # the RemoteClient of the write-behind
         self.pusher = None
         self._push_thread: threading.Thread | None = None
