@@ -10,7 +10,7 @@ from cxlkv.errors import UsageError
 from cxlkv.kv import hot as H
 from cxlkv.pool.admin import init_pool
 
-from nodeproc import NodeProc
+from cxlkv.testing.nodes import NodeProc
 
 MiB = 1 << 20
 BB = 4096
