@@ -173,8 +173,8 @@ class NodeProc:
 
     def __init__(self, env: dict | None = None):
         self.p = subprocess.Popen([sys.executable, "-m", "cxlkv.testing.nodes"],
-                                  stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True,
                                   env={**os.environ, **(env or {})})
 
     def send(self, **cmd) -> None:
