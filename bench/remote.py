@@ -7,7 +7,7 @@ redis-py's cluster pipeline) so the default stays the faster one.
 
     .venv/bin/python bench/remote.py [--mib N] [--batch N] [--nodes H:P,...] [--json]
 
-Without --nodes it starts a 3-master cluster on loopback (cxlkv.remote.testcluster).
+Without --nodes it starts a 3-master cluster on loopback (cxlkv.testing.redis).
 """
 import argparse
 import asyncio
@@ -19,7 +19,7 @@ import time
 
 from cxlkv.remote import RemoteClient, RemoteConfig
 from cxlkv.remote.redis_cluster import RedisClusterTier
-from cxlkv.remote.testcluster import TestCluster
+from cxlkv.testing.redis import TestCluster
 
 MiB = 1 << 20
 KiB = 1 << 10

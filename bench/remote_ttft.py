@@ -34,6 +34,7 @@ def measure(contexts, runs, threads, nodes=None, progress=None) -> dict:
 
     import cxlkv
     from cxlkv.integrations import transformers as hf
+    from cxlkv.testing.models import tiny_llama
     from cxlkv.kv.tiers import remote as KR
     from cxlkv.kv.cache import drop_namespace
     from cxlkv.remote import RemoteClient, RemoteConfig
@@ -41,12 +42,12 @@ def measure(contexts, runs, threads, nodes=None, progress=None) -> dict:
     torch.set_num_threads(threads)
     cluster = None
     if not nodes:
-        from cxlkv.remote.testcluster import TestCluster
+        from cxlkv.testing.redis import TestCluster
 
         cluster = TestCluster(masters=3).start()
         nodes = cluster.addrs
     cfg = RemoteConfig(nodes=tuple(nodes), prefix=f"bench-ttft-{os.getpid()}:")
-    model = hf.tiny_llama(seed=0, max_position_embeddings=max(16384, max(contexts) + 16))
+    model = tiny_llama(seed=0, max_position_embeddings=max(16384, max(contexts) + 16))
     kw = hf.cache_kwarg(model)
     lay = hf.block_layout(model)
     size = max(64 << 20, 2 * sum(contexts) * lay.token_bytes + (32 << 20))

@@ -14,7 +14,7 @@ The first token must be the same on both paths (checked on every run).
     .venv/bin/python bench/ttft.py                  # 1K, 4K, 8K; 5 runs each
     .venv/bin/python bench/ttft.py --json --runs 9 --contexts 1024,4096
 
-Model: cxlkv.integrations.transformers.tiny_llama (4 layers, hidden 256, 4
+Model: cxlkv.testing.models.tiny_llama (4 layers, hidden 256, 4
 heads, 2 KV heads, float32; 4 KiB of KV a token), random weights from a fixed
 seed, on the CPU with --threads torch threads.  Needs torch and transformers
 (pip install -e '.[transformers]').
@@ -49,7 +49,9 @@ def measure(contexts=(1024, 4096, 8192), runs: int = 5, threads: int = 2, seed: 
 
 
 def _measure(torch, cxlkv, hf, contexts, runs, threads, seed, pool, progress) -> dict:
-    model = hf.tiny_llama(seed=seed, max_position_embeddings=max(16384, max(contexts) + 16))
+    from cxlkv.testing.models import tiny_llama
+
+    model = tiny_llama(seed=seed, max_position_embeddings=max(16384, max(contexts) + 16))
     kw = hf.cache_kwarg(model)
     scratch = pool is None
     if scratch:

@@ -47,8 +47,9 @@ def _setup(args):
 
     torch.set_num_threads(args.threads)
     from cxlkv.integrations import transformers as hf
+    from cxlkv.testing.models import tiny_llama
 
-    return torch, hf, hf.tiny_llama(seed=args.seed)
+    return torch, hf, tiny_llama(seed=args.seed)
 
 
 def _prompts(torch, args, vocab: int):

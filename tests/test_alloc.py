@@ -11,7 +11,7 @@ from cxlkv.api import Pool
 from cxlkv.state import alloc as A
 from cxlkv.state import nodes as N
 
-from nodeproc import NodeProc
+from cxlkv.testing.nodes import NodeProc
 
 MiB = 1 << 20
 

@@ -22,8 +22,8 @@ from cxlkv.state import alloc as A
 from cxlkv.ops import fsck
 from cxlkv.state import nodes as N
 
-from conftest import MiB, wait_for
-from nodeproc import NodeProc
+from cxlkv.testing.checks import wait_for
+from cxlkv.testing.pools import MiB
 
 
 def oracle_free(pool) -> np.ndarray:

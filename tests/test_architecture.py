@@ -35,8 +35,7 @@ LAZY_CXLKV = {
 #: where subprocess may be used: the seams that start processes
 SUBPROCESS_SEAMS = ("cxlkv/host/", "cxlkv/testing/", "cxlkv/bench/")
 #: modules on their way into cxlkv/bench and cxlkv/testing (issue 20)
-MOVING = {"cxlkv/benchmarks.py", "cxlkv/bench_scale.py", "cxlkv/remote/testcluster.py",
-          "cxlkv/state/trace.py"}
+MOVING = {"cxlkv/benchmarks.py", "cxlkv/bench_scale.py", "cxlkv/state/trace.py"}
 
 
 def _sources():

@@ -10,14 +10,16 @@ import pytest
 import cxlkv
 from cxlkv.ops.init import init_pool
 
-from nodeproc import NodeProc
+from cxlkv.testing.nodes import NodeProc
 
 MiB = 1 << 20
 BB = 4096
 
 
 @pytest.fixture
-def kvpool(pool_path):
+def stocked_pool(pool_path):
+    """A 16 MiB pool with two namespaces stored (llama/bf16 matched twice,
+    qwen/fp8); returns its path."""
     init_pool(pool_path, {"size": 16 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8})
     with cxlkv.open_pool(pool_path) as pool:
         a = pool.kv(model="llama/bf16", block_tokens=4, block_bytes=BB)
@@ -29,68 +31,68 @@ def kvpool(pool_path):
     return pool_path
 
 
-def test_stats_json(cli, kvpool):
-    r = cli("kv", "stats", "--pool", kvpool, "--json")
+def test_stats_json(cli, stocked_pool):
+    r = cli("kv", "stats", "--pool", stocked_pool, "--json")
     assert r.code == 0, r.err
     kv = r.json()["kv"]
     assert kv["entries"] == 6 and kv["used_bytes"] == 4 * BB + 2 * 2 * BB
     a = {s["namespace"]: s for s in kv["namespaces"]}["llama/bf16"]
     assert (a["blocks"], a["hits"], a["misses"], a["stores"]) == (4, 4, 4, 4)
-    one = cli("kv", "stats", "--pool", kvpool, "--namespace", "qwen/fp8", "--json").json()
+    one = cli("kv", "stats", "--pool", stocked_pool, "--namespace", "qwen/fp8", "--json").json()
     assert [s["namespace"] for s in one["kv"]["namespaces"]] == ["qwen/fp8"]
-    human = cli("kv", "stats", "--pool", kvpool)
+    human = cli("kv", "stats", "--pool", stocked_pool)
     assert human.code == 0 and "llama/bf16" in human.out and "6 of" in human.out
 
 
-def test_ls_lists_namespaces_and_blocks(cli, kvpool):
-    doc = cli("kv", "ls", "--pool", kvpool, "--json").json()
+def test_ls_lists_namespaces_and_blocks(cli, stocked_pool):
+    doc = cli("kv", "ls", "--pool", stocked_pool, "--json").json()
     assert sorted(s["namespace"] for s in doc["namespaces"]) == ["llama/bf16", "qwen/fp8"]
     assert "blocks" not in doc
-    doc = cli("kv", "ls", "--pool", kvpool, "-n", "llama/bf16", "--json").json()
+    doc = cli("kv", "ls", "--pool", stocked_pool, "-n", "llama/bf16", "--json").json()
     blocks = doc["blocks"]
     assert len(blocks) == 4 and {b["state"] for b in blocks} == {"published"}
     roots = [b for b in blocks if b["parent"] is None]
     assert len(roots) == 1 and sum(b["children"] for b in blocks) == 3
-    assert len(cli("kv", "ls", "--pool", kvpool, "-n", "llama/bf16", "--limit", "2",
+    assert len(cli("kv", "ls", "--pool", stocked_pool, "-n", "llama/bf16", "--limit", "2",
                    "--json").json()["blocks"]) == 2
 
 
-def test_unknown_namespace_is_a_usage_error(cli, kvpool):
-    r = cli("kv", "stats", "--pool", kvpool, "--namespace", "nope", "--json")
+def test_unknown_namespace_is_a_usage_error(cli, stocked_pool):
+    r = cli("kv", "stats", "--pool", stocked_pool, "--namespace", "nope", "--json")
     assert r.code == 2
     assert "no KV namespace 'nope'" in r.json()["error"]["message"]
-    assert cli("kv", "drop", "--pool", kvpool, "--namespace", "nope").code == 2
-    assert cli("kv", "drop", "--pool", kvpool).code == 2          # --namespace required
+    assert cli("kv", "drop", "--pool", stocked_pool, "--namespace", "nope").code == 2
+    assert cli("kv", "drop", "--pool", stocked_pool).code == 2          # --namespace required
 
 
-def test_drop_keeps_pinned_blocks_and_exits_1(cli, kvpool):
+def test_drop_keeps_pinned_blocks_and_exits_1(cli, stocked_pool):
     reader = NodeProc()
     try:
-        reader.attach(kvpool)
+        reader.attach(stocked_pool)
         reader.call(op="kv_open", args={"model": "llama/bf16", "block_tokens": 4,
                                         "block_bytes": BB})
         assert reader.call(op="kv_hold", tokens=list(range(8))) == {"blocks": 2}
-        r = cli("kv", "drop", "--pool", kvpool, "--namespace", "llama/bf16", "--json")
+        r = cli("kv", "drop", "--pool", stocked_pool, "--namespace", "llama/bf16", "--json")
         assert r.code == 1
         doc = r.json()
         # the two unpinned leaves go; the pinned two (and so their chain) stay
         assert (doc["evicted"], doc["pinned_left"], doc["dropped"]) == (2, 2, False)
         assert "pinned" in r.err
         reader.call(op="kv_release")
-        r = cli("kv", "drop", "--pool", kvpool, "--namespace", "llama/bf16", "--json")
+        r = cli("kv", "drop", "--pool", stocked_pool, "--namespace", "llama/bf16", "--json")
         assert r.code == 0 and r.json()["dropped"]
     finally:
         reader.close()
-    names = [s["namespace"] for s in cli("kv", "ls", "--pool", kvpool, "--json").json()
+    names = [s["namespace"] for s in cli("kv", "ls", "--pool", stocked_pool, "--json").json()
              ["namespaces"]]
     assert names == ["qwen/fp8"]
-    assert cli("fsck", "--pool", kvpool).code == 0
+    assert cli("fsck", "--pool", stocked_pool).code == 0
 
 
-def test_inspect_shows_kv_usage(cli, kvpool):
-    doc = cli("inspect", "--pool", kvpool, "--json").json()["pool"]
+def test_inspect_shows_kv_usage(cli, stocked_pool):
+    doc = cli("inspect", "--pool", stocked_pool, "--json").json()["pool"]
     assert doc["kv"]["entries"] == 6 and len(doc["kv"]["namespaces"]) == 2
-    human = cli("inspect", "--pool", kvpool)
+    human = cli("inspect", "--pool", stocked_pool)
     assert "6 of" in human.out and "2 namespace(s)" in human.out
 
 

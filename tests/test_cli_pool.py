@@ -12,7 +12,8 @@ from cxlkv.pool import layout as L
 from cxlkv.api import Pool
 from cxlkv.state.nodes import local_boot_id
 
-from conftest import SMALL, fake_node, mode_of, patch_bytes, rewrite_superblock
+from cxlkv.testing.damage import fake_node, patch_bytes, rewrite_superblock
+from cxlkv.testing.pools import SMALL, mode_of
 
 SMALL_ARGS = ["--size", "8M", "--chunk-size", "64K", "--max-nodes", "8", "--hash-slots", "256"]
 
@@ -575,7 +576,6 @@ def test_inspect_shows_mixed_versions(cli, small_pool):
     import uuid
 
     import cxlkv
-    from conftest import fake_node
 
     boot = str(uuid.uuid4())                    # another host: not judged by pid
     fake_node(small_pool, 1, pid=os.getpid(), start_time_ns=1, boot_id=boot, hostname="old")

@@ -10,7 +10,7 @@ import pytest
 import xxhash
 
 from cxlkv.remote import RemoteClient, RemoteConfig
-from cxlkv.remote.testcluster import TestCluster, skip_reason
+from cxlkv.testing.redis import TestCluster, skip_reason
 
 SKIP = skip_reason()
 

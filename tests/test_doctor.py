@@ -12,7 +12,8 @@ import pytest
 from cxlkv.host import discovery as D
 from cxlkv.ops import doctor as Dr
 from cxlkv.host import tools as T
-from cxlkv.host.replay import ReplayRunner
+from cxlkv.testing.damage import fake_node
+from cxlkv.testing.replay import ReplayRunner
 
 LAB = Path(__file__).resolve().parent / "fixtures" / "lab"
 
@@ -320,7 +321,6 @@ def test_pool_ok_and_heartbeats(host, small_pool):
 
 
 def test_stale_heartbeat(host, small_pool, monkeypatch):
-    from conftest import fake_node
     from cxlkv.state.nodes import local_boot_id
 
     h = host()

@@ -26,8 +26,8 @@ from cxlkv.state import nodes as N
 from cxlkv.ops.fsck import check
 from cxlkv.ops.repair import repair
 
-from conftest import wait_for
-from nodeproc import lock_manager
+from cxlkv.testing.checks import fsck_clean, wait_for
+from cxlkv.testing.nodes import lock_manager
 
 MiB = 1 << 20
 BB = 256                      # small blocks: many entries in a small pool
@@ -70,12 +70,6 @@ def lists_clean(pool):
     assert problems == 0, first
     assert on == leaves
     return on
-
-
-def fsck_clean(path):
-    with Pool.open(path, writable=False) as p:
-        rep = check(p)
-    assert rep.clean, [f.to_json() for f in rep.errors]
 
 
 def test_pick_matches_the_whole_table_order_on_a_large_table(pool_path):

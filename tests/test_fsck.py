@@ -1,7 +1,6 @@
 """cxlkv fsck: clean pools pass; each kind of damage is found (exit 4); no writes."""
 from __future__ import annotations
 
-import hashlib
 
 import pytest
 
@@ -13,8 +12,9 @@ from cxlkv.state import alloc as A
 from cxlkv.state import locks as K
 from cxlkv.state import nodes as N
 
-from conftest import fake_node, patch_bytes
-from nodeproc import NodeProc
+from cxlkv.testing.checks import codes, digest, fsck
+from cxlkv.testing.damage import damage, desc_off, patch_bytes
+from cxlkv.testing.nodes import NodeProc
 
 MiB = 1 << 20
 
@@ -31,20 +31,6 @@ def used_pool(pool_path):
     return pool_path
 
 
-def fsck(cli, path):
-    r = cli("fsck", "--pool", path, "--json")
-    return r.code, r.json()
-
-
-def codes(doc):
-    return {f["code"] for f in doc["findings"] if f["severity"] == "error"}
-
-
-def digest(path):
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
 def test_clean_pool(cli, used_pool):
     before = digest(used_pool)
     code, doc = fsck(cli, used_pool)
@@ -55,20 +41,11 @@ def test_clean_pool(cli, used_pool):
     assert r.code == 0 and "clean" in r.out
 
 
-def desc_off(pool, chunk):
-    return A.geometry(pool)[3] + chunk * L.CHUNK_DESC_SIZE
-
-
 def first_head(pool):
     d = A.descriptors(pool)
     h = int(((d["control"] & 0xFF) == L.CHUNK_HEAD).nonzero()[0][0])
     del d
     return h
-
-
-def damage(path, fn):
-    with Pool.open(path) as p:
-        fn(p)
 
 
 @pytest.mark.parametrize("name,fn,code", [

@@ -18,16 +18,14 @@ from cxlkv.state import alloc as A
 from cxlkv.state import locks as K
 from cxlkv.state import nodes as N
 
-from conftest import patch_bytes
-from nodeproc import NodeProc
+from cxlkv.testing.checks import codes, fsck
+from cxlkv.testing.damage import damage, desc_off, fake_node, patch_bytes
+from cxlkv.testing.data import pattern
+from cxlkv.testing.nodes import NodeProc
 
 MiB = 1 << 20
 BLOCK = 4096
 NS = dict(model="m", block_tokens=4, block_bytes=BLOCK)
-
-
-def pattern(kv, toks):
-    return [h * (kv.block_bytes // len(h)) for h in kv.block_hashes(toks)]
 
 
 @pytest.fixture
@@ -44,15 +42,6 @@ def kv_pool(pool_path):
         for toks in (list(range(16)), list(range(8)) + list(range(100, 108))):
             kv.store(toks, b"".join(pattern(kv, toks)))
     return pool_path
-
-
-def fsck(cli, path, *extra):
-    r = cli("fsck", "--pool", path, "--json", *extra)
-    return r.code, r.json()
-
-
-def codes(doc):
-    return {f["code"] for f in doc["findings"] if f["severity"] == "error"}
 
 
 def repaired_codes(doc):
@@ -90,16 +79,6 @@ def kv_intact(path, *chains):
 
 
 CHAINS = (list(range(16)), list(range(8)) + list(range(100, 108)))
-
-
-def damage(path, fn):
-    with Pool.open(path) as p:
-        p.mapping.set_geometry(*A.geometry(p))
-        fn(p)
-
-
-def desc_off(p, chunk):
-    return A.geometry(p)[3] + chunk * L.CHUNK_DESC_SIZE
 
 
 def heads(p):
@@ -337,8 +316,6 @@ def test_forced_repair_of_a_clean_pool_exits_0(cli, kv_pool):
 
 
 def _remote_node(path, slot=3):
-    from conftest import fake_node
-
     fake_node(path, slot, pid=1, start_time_ns=1, boot_id=OTHER_BOOT, hostname="elsewhere")
 
 

@@ -16,7 +16,7 @@ from cxlkv.pool import layout as L
 from cxlkv.pool.format import build_superblock
 from cxlkv.pool.superblock import checksum, decode, select
 
-from conftest import small_params
+from cxlkv.testing.pools import small_params
 
 VALID = build_superblock(small_params()).encode()
 FUZZ = settings(max_examples=int(os.environ.get("CXLKV_FUZZ_EXAMPLES", "400")),

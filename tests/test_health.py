@@ -2,7 +2,6 @@
 status line with perfdata; read-only; never past --timeout."""
 from __future__ import annotations
 
-import hashlib
 import re
 import subprocess
 import sys
@@ -16,8 +15,9 @@ from cxlkv.pool import layout as L
 from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
 
-from conftest import fake_node, patch_bytes, rewrite_superblock
-from nodeproc import NodeProc
+from cxlkv.testing.checks import digest
+from cxlkv.testing.damage import fake_node, patch_bytes, rewrite_superblock
+from cxlkv.testing.nodes import NodeProc
 
 MiB = 1 << 20
 BLOCK = 64 * 1024
@@ -43,11 +43,6 @@ def health(cli, path, *extra):
         label, rest = item.split("=", 1)
         perf[label] = rest.split(";")
     return r.code, m.group(1), m.group(2), perf
-
-
-def digest(path):
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
 
 
 def data_bytes(path):
@@ -313,7 +308,7 @@ def test_device_health_from_the_captured_guest(tmp_path, monkeypatch):
     guest): QEMU's device reports no health, so the temperature is unknown."""
     from cxlkv.ops import health as H
     from cxlkv.host import numa, tools
-    from cxlkv.host.replay import ReplayRunner
+    from cxlkv.testing.replay import ReplayRunner
 
     r = ReplayRunner(LAB, "devdax", sysfs_dest=tmp_path / "root", setenv=monkeypatch.setenv)
     monkeypatch.setattr(tools, "_runner", r)

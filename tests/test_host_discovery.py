@@ -13,7 +13,7 @@ import pytest
 
 from cxlkv.host import discovery as D
 from cxlkv.host import tools as T
-from cxlkv.host.replay import ReplayRunner, install_sysfs
+from cxlkv.testing.replay import ReplayRunner, install_sysfs
 
 LAB = Path(__file__).resolve().parent / "fixtures" / "lab"
 

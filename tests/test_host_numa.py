@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cxlkv.host import numa as N
-from cxlkv.host.replay import install_sysfs
+from cxlkv.testing.replay import install_sysfs
 
 LAB = Path(__file__).resolve().parent / "fixtures" / "lab"
 REPO = Path(__file__).resolve().parent.parent

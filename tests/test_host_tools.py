@@ -12,7 +12,7 @@ import pytest
 
 from cxlkv import errors as E
 from cxlkv.host import tools as T
-from cxlkv.host.replay import MUTATIONS, STATES, ReplayRunner
+from cxlkv.testing.replay import MUTATIONS, STATES, ReplayRunner
 
 LAB = Path(__file__).resolve().parent / "fixtures" / "lab"
 

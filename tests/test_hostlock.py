@@ -19,8 +19,10 @@ from cxlkv.state import hostlock as H
 from cxlkv.state import locks as K
 from cxlkv.state import nodes as N
 
-from conftest import fake_node, wait_for
-from nodeproc import NodeProc, incr_together, lock_manager
+from cxlkv.testing.checks import wait_for
+from cxlkv.testing.damage import fake_node
+from cxlkv.testing.nodes import NodeProc, incr_together, lock_manager
+from cxlkv.testing.pools import data_word
 
 LEASE_MS = 300
 
@@ -42,11 +44,6 @@ def cas_pool(pool_path):
     init_pool(pool_path, {"size": 8 << 20, "chunk_size": 64 << 10, "max_nodes": 8,
                           "lease_ms": LEASE_MS})
     return pool_path
-
-
-def data_word(path) -> int:
-    with Pool.open(path) as p:
-        return p.region("data")[0]
 
 
 def host_word(path: str) -> int:

@@ -10,7 +10,7 @@ from cxlkv.errors import UsageError
 from cxlkv.kv.tiers import hot as H
 from cxlkv.ops.init import init_pool
 
-from nodeproc import NodeProc
+from cxlkv.testing.nodes import NodeProc
 
 MiB = 1 << 20
 BB = 4096

@@ -17,6 +17,7 @@ pytest.importorskip("transformers", reason="needs transformers (pip install -e '
 import cxlkv  # noqa: E402
 from cxlkv.errors import UsageError  # noqa: E402
 from cxlkv.integrations import transformers as hf  # noqa: E402
+from cxlkv.testing.models import tiny_llama  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T = 16
@@ -25,7 +26,7 @@ T = 16
 @pytest.fixture(scope="module")
 def model():
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    return hf.tiny_llama(seed=0)
+    return tiny_llama(seed=0)
 
 
 @pytest.fixture
@@ -156,22 +157,22 @@ def test_other_tenant_gets_no_reuse(model, pool):
 def test_namespace_names_the_model(model):
     ns = hf.model_namespace(model)
     assert ns.startswith("hf/llama/float32/4x2x64/t16/") and len(ns.encode()) < 128
-    assert hf.model_namespace(hf.tiny_llama(seed=0)) == ns          # same weights, same name
-    assert hf.model_namespace(hf.tiny_llama(seed=1)) != ns          # other weights
-    assert hf.model_namespace(hf.tiny_llama(seed=0, dtype=torch.bfloat16)) != ns
-    assert hf.model_namespace(hf.tiny_llama(seed=0, rope_theta=5e5)) != ns
+    assert hf.model_namespace(tiny_llama(seed=0)) == ns          # same weights, same name
+    assert hf.model_namespace(tiny_llama(seed=1)) != ns          # other weights
+    assert hf.model_namespace(tiny_llama(seed=0, dtype=torch.bfloat16)) != ns
+    assert hf.model_namespace(tiny_llama(seed=0, rope_theta=5e5)) != ns
     assert hf.model_namespace(model, block_tokens=32) != ns
 
 
 def test_different_models_never_share_blocks(model, pool):
     ids = ids_of(64)
     prefill_and_store(model, hf.kv_for_model(pool, model), ids)
-    other = hf.tiny_llama(seed=1)
+    other = tiny_llama(seed=1)
     assert hf.load_prefix(hf.kv_for_model(pool, other), ids) == (None, 0)
 
 
 def test_bfloat16_roundtrip(pool):
-    m = hf.tiny_llama(seed=0, dtype=torch.bfloat16)
+    m = tiny_llama(seed=0, dtype=torch.bfloat16)
     kv = hf.kv_for_model(pool, m)
     assert kv.block_bytes == 4 * 2 * 2 * T * 64 * 2
     ids = ids_of(70)
@@ -201,10 +202,10 @@ def test_refuses_what_it_cannot_hold(model, pool):
         hf.load_prefix(kv, torch.zeros((2, 20), dtype=torch.long))
     with pytest.raises(UsageError, match="integer"):
         hf.load_prefix(kv, torch.zeros((1, 20)))
-    _, cache = forward(hf.tiny_llama(seed=0, num_key_value_heads=4), ids_of(32))
+    _, cache = forward(tiny_llama(seed=0, num_key_value_heads=4), ids_of(32))
     with pytest.raises(UsageError, match="cache layer 0"):
         hf.store_prefix(kv, ids_of(32), cache)
-    _, cache = forward(hf.tiny_llama(seed=0, num_hidden_layers=2), ids_of(32))
+    _, cache = forward(tiny_llama(seed=0, num_hidden_layers=2), ids_of(32))
     with pytest.raises(UsageError, match="2 layers"):
         hf.store_prefix(kv, ids_of(32), cache)
     with pytest.raises(UsageError, match="kv_for_model"):

@@ -502,7 +502,7 @@ def test_two_real_engines_share_a_prompt_through_the_pool(tmp_path, pool_path):
     if why:
         pytest.skip(why)
     import cxlkv
-    from cxlkv.integrations.transformers import tiny_llama
+    from cxlkv.testing.models import tiny_llama
 
     model = tiny_llama(seed=0, max_position_embeddings=4096)
     model.config.architectures = ["LlamaForCausalLM"]
@@ -541,7 +541,7 @@ def test_a_prefix_from_another_rack_through_the_remote_tier(model_dir, tmp_path)
     import cxlkv
     from cxlkv.kv.tiers import remote as KR
     from cxlkv.remote import RemoteClient, RemoteConfig
-    from cxlkv.remote.testcluster import TestCluster, skip_reason
+    from cxlkv.testing.redis import TestCluster, skip_reason
 
     if skip_reason():
         pytest.skip(skip_reason())

@@ -26,8 +26,9 @@ from cxlkv.api import Pool
 from cxlkv.ops import fsck
 from cxlkv.state import nodes as N
 
-from conftest import MiB, wait_for
-from nodeproc import NodeProc, lock_manager
+from cxlkv.testing.checks import wait_for
+from cxlkv.testing.nodes import NodeProc, lock_manager
+from cxlkv.testing.pools import MiB
 
 BB = 16 * 1024
 KV_ARGS = {"model": "journal-test", "block_bytes": BB, "block_tokens": 16}

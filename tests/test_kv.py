@@ -20,21 +20,12 @@ from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
 from cxlkv.ops.fsck import check
 
-from nodeproc import NodeProc, lock_manager
+from cxlkv.testing.checks import fsck_clean
+from cxlkv.testing.data import pattern
+from cxlkv.testing.nodes import NodeProc, lock_manager
 
 MiB = 1 << 20
 BB = 4096
-
-
-def pattern(kv, toks) -> list[bytes]:
-    return [h * (kv.block_bytes // len(h)) for h in kv.block_hashes(toks)]
-
-
-def fsck_clean(path):
-    with Pool.open(path, writable=False) as p:
-        rep = check(p)
-    assert rep.clean, [f.to_json() for f in rep.errors]
-    return rep
 
 
 def present(kv, toks) -> np.ndarray:

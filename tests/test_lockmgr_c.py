@@ -24,8 +24,8 @@ from cxlkv.state import locks as K
 from cxlkv.state import nodes as N
 from cxlkv.state import protocol as P
 
-from conftest import wait_for
-from nodeproc import Manager, NodeProc, incr_together, lock_turn_gaps
+from cxlkv.testing.checks import wait_for
+from cxlkv.testing.nodes import Manager, NodeProc, incr_together, lock_turn_gaps
 
 LEASE_MS = 1000
 NC = {"CXLKV_NONCOHERENT": "1", "CXLKV_NC_PRELOAD": "1"}

@@ -13,8 +13,9 @@ from cxlkv.api import Pool
 from cxlkv.state import locks as K
 from cxlkv.state import nodes as N
 
-from conftest import fake_node
-from nodeproc import NodeProc, incr_together, lock_turn_gaps
+from cxlkv.testing.damage import fake_node
+from cxlkv.testing.nodes import NodeProc, incr_together, lock_turn_gaps
+from cxlkv.testing.pools import data_word
 
 LEASE_MS = 300
 
@@ -24,11 +25,6 @@ def lease_pool(pool_path):
     init_pool(pool_path, {"size": 8 << 20, "chunk_size": 64 << 10, "max_nodes": 8,
                           "lease_ms": LEASE_MS})
     return pool_path
-
-
-def data_word(path) -> int:
-    with Pool.open(path) as p:
-        return p.region("data")[0]
 
 
 def test_mutual_exclusion_four_processes(lease_pool):

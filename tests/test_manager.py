@@ -13,7 +13,8 @@ from cxlkv.api import Pool
 from cxlkv.state import nodes as N
 from cxlkv.state import protocol as P
 
-from nodeproc import Manager, NodeProc, incr_together, lock_turn_gaps
+from cxlkv.testing.nodes import Manager, NodeProc, incr_together, lock_turn_gaps
+from cxlkv.testing.pools import data_word
 
 LEASE_MS = 400
 # every line cached from the start (CXLKV_NC_PRELOAD): a read never preceded by an
@@ -42,11 +43,6 @@ def manager(mpool):
     yield start
     for m in mgrs:
         m.stop()
-
-
-def data_word(path) -> int:
-    with Pool.open(path) as p:
-        return p.region("data")[0]
 
 
 def run_incr(path, env, op="incr_nc", n=300, procs=4, hosts=None):

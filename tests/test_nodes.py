@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -15,7 +14,8 @@ from cxlkv.ops.init import format_pool
 from cxlkv.api import Pool
 from cxlkv.state import nodes as N
 
-from conftest import fake_node
+from cxlkv.testing.checks import wait_for
+from cxlkv.testing.damage import fake_node
 
 CHILD = """
 import sys, cxlkv
@@ -47,17 +47,6 @@ class Child:
         self.p.kill()
         self.p.wait(30)
         self.p.stdin.close()
-
-
-def wait_for(cond, timeout=30.0, what="condition"):
-    """Poll a condition until it holds (not a sleep used as synchronisation:
-    the test fails after `timeout` if it never holds)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_attach_detach(small_pool):

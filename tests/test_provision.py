@@ -1,6 +1,6 @@
 """`cxlkv provision plan|apply|teardown` against a replayed real guest: every cxl/ndctl/
 daxctl call is answered with what the tools printed in a QEMU guest, and the machine
-moves to the state the guest was in after that call (cxlkv.host.replay).  The same
+moves to the state the guest was in after that call (cxlkv.testing.replay).  The same
 flow runs on a live guest in tests/test_lab.py."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from cxlkv import errors as E
 from cxlkv.host import tools as T
-from cxlkv.host.replay import ReplayRunner
+from cxlkv.testing.replay import ReplayRunner
 
 LAB = Path(__file__).resolve().parent / "fixtures" / "lab"
 CREATE_REGION = ["cxl", "create-region", "-m", "-d", "decoder0.0", "-w", "1", "-t", "pmem", "mem0"]

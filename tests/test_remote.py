@@ -19,7 +19,8 @@ import xxhash
 from cxlkv.errors import UsageError
 from cxlkv.remote import (RemoteClient, RemoteConfig, RemoteTier, key_name, ns_hash_name,
                           value as V)
-from cxlkv.remote.testcluster import TestCluster, skip_reason
+from cxlkv.testing.checks import wait_for
+from cxlkv.testing.redis import TestCluster, skip_reason
 
 KiB = 1 << 10
 NS = xxhash.xxh3_128_digest(b"cxlkv-namespace\0test-model")
@@ -34,15 +35,6 @@ def blocks(n, size, seed=0):
     rng = __import__("random").Random(seed)
     keys = [rng.randbytes(16) for _ in range(n)]
     return keys, [rng.randbytes(size) for _ in range(n)]
-
-
-def wait_for(pred, timeout=15.0, step=0.02):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(step)
-    return pred()
 
 
 # -- the value format (no cluster) ---------------------------------------------------------

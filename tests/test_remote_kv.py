@@ -16,7 +16,8 @@ from cxlkv.errors import UsageError
 from cxlkv.kv.tiers import remote as KR
 from cxlkv.ops.init import init_pool
 from cxlkv.remote import RemoteClient, RemoteConfig
-from cxlkv.remote.testcluster import TestCluster, skip_reason
+from cxlkv.testing.data import pattern_bytes
+from cxlkv.testing.redis import TestCluster, skip_reason
 
 MiB = 1 << 20
 BB = 16 * 1024
@@ -204,10 +205,6 @@ def test_remote_read_needs_the_tier_and_sane_budgets(tmp_path):
             KR.Pusher(pb, None, ["m"], policy="sometimes")
 
 
-def pattern(kv, toks) -> bytes:
-    return b"".join(h * (BB // len(h)) for h in kv.block_hashes(toks))
-
-
 def test_a_master_killed_mid_run_loses_no_replicated_block(tmp_path):
     """Rack A stores and pushes (WAIT 1) while rack B reads through; a master
     is killed -9 in the middle.  Rack B's lookups never wait past their
@@ -234,7 +231,7 @@ def test_a_master_killed_mid_run_loses_no_replicated_block(tmp_path):
                 i = 0
                 while not stop.is_set():
                     toks = [7_000_000 + i * 100 + j for j in range(32)]
-                    kv.store(toks, pattern(kv, toks))
+                    kv.store(toks, pattern_bytes(kv, toks))
                     stored.append(toks)
                     push.scan()
                     i += 1
@@ -299,7 +296,7 @@ def test_a_master_killed_mid_run_loses_no_replicated_block(tmp_path):
                     assert n >= (2 if 1 in js else 1), (toks[0], n, js)
                     out = bytearray(n * BB)
                     assert kvb_slow.load_into(toks, out) == n
-                    assert bytes(out) == pattern(kvb_slow, toks)[:n * BB]
+                    assert bytes(out) == pattern_bytes(kvb_slow, toks)[:n * BB]
                     checked += 1
                 assert checked >= 20
                 fresh = RemoteClient(RemoteConfig(nodes=tuple(c.addrs)))

@@ -25,22 +25,11 @@ from cxlkv.api import Pool
 from cxlkv.state import nodes as N
 from cxlkv.ops.fsck import check
 
-from nodeproc import NodeProc
+from cxlkv.testing.checks import wait_for
+from cxlkv.testing.nodes import NodeProc
 
 MiB = 1 << 20
 BLOCK = 64 * 1024
-
-
-def wait_for(cond, timeout=20.0, what="condition"):
-    """Poll a condition until it holds; fail after `timeout` (not a sleep used
-    as synchronisation)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Serve:

@@ -17,9 +17,10 @@ from cxlkv.kv.area import Area
 from cxlkv.pool import layout as L
 from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
-from cxlkv.ops.fsck import check
 
-from nodeproc import NodeProc, lock_manager
+from cxlkv.testing.checks import fsck_clean
+from cxlkv.testing.data import pattern
+from cxlkv.testing.nodes import NodeProc, lock_manager
 
 MiB = 1 << 20
 BB = 16 * 1024
@@ -41,18 +42,8 @@ def make_pool(path, size=32 * MiB):
     return str(path)
 
 
-def pattern(kv, toks) -> list[bytes]:
-    return [h * (kv.block_bytes // len(h)) for h in kv.block_hashes(toks)]
-
-
-def fsck_clean(path):
-    with Pool.open(path, writable=False) as p:
-        rep = check(p)
-    assert rep.clean, [f.to_json() for f in rep.errors]
-
-
 def churn_sequences(stem=32, variants=8):
-    """Every full sequence kv_churn (tests/nodeproc.py) may store."""
+    """Every full sequence kv_churn (cxlkv/testing/nodes.py) may store."""
     return [list(range(stem)) + [100000 + k * 1000 + j for j in range(5 * 16)]
             for k in range(variants)]
 

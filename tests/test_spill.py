@@ -15,8 +15,8 @@ from cxlkv.errors import UsageError
 from cxlkv.kv.tiers import spill as SP
 from cxlkv.kv.cache import KVCache
 from cxlkv.ops.init import init_pool
-from cxlkv.api import Pool
-from cxlkv.ops.fsck import check
+from cxlkv.testing.checks import fsck_clean
+from cxlkv.testing.data import pattern
 
 MiB = 1 << 20
 BB = 64 * 1024
@@ -24,15 +24,11 @@ ARGS = {"model": "m", "block_tokens": 16, "block_bytes": BB}
 
 
 @pytest.fixture
-def kvpool(pool_path):
+def spill_pool(pool_path):
+    """An 8 MiB pool: the KV tests here overflow it into the spill tier; returns its path."""
     init_pool(pool_path, {"size": 8 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8,
                           "lease_ms": 300})
     return pool_path
-
-
-def pattern(kv, toks) -> list[bytes]:
-    """Distinct, checkable content per block (its chain hash repeated)."""
-    return [h * (kv.block_bytes // len(h)) for h in kv.block_hashes(toks)]
 
 
 def seqs(n, blocks=4):
@@ -52,15 +48,9 @@ def fill(kv, n=60):
     return ss
 
 
-def fsck_clean(path):
-    with Pool.open(path, writable=False) as p:
-        rep = check(p)
-    assert rep.clean, [f.to_json() for f in rep.errors]
-
-
-def test_spill_and_promote_round_trip_is_bit_exact(kvpool, tmp_path):
+def test_spill_and_promote_round_trip_is_bit_exact(spill_pool, tmp_path):
     d = tmp_path / "spill"
-    with cxlkv.open_pool(kvpool) as pool:
+    with cxlkv.open_pool(spill_pool) as pool:
         kv = KVCache(pool, **ARGS, spill_dir=d, spill_bytes=64 * MiB)
         sp = SP.store_of(pool)
         ss = fill(kv)
@@ -86,15 +76,15 @@ def test_spill_and_promote_round_trip_is_bit_exact(kvpool, tmp_path):
         SP.disable(pool)                     # writes what is queued
         assert SP.store_of(pool) is None
         blocks = len(list(d.rglob("*.blk")))
-    fsck_clean(kvpool)
+    fsck_clean(spill_pool)
     # the directory survives the process: a new store indexes it again
-    with cxlkv.open_pool(kvpool) as pool:
+    with cxlkv.open_pool(spill_pool) as pool:
         kv = KVCache(pool, **ARGS, spill_dir=d, spill_bytes=64 * MiB)
         assert SP.store_of(pool).stats()["blocks"] == blocks > 0
 
 
-def test_without_spill_evicted_blocks_are_gone(kvpool):
-    with cxlkv.open_pool(kvpool) as pool:
+def test_without_spill_evicted_blocks_are_gone(spill_pool):
+    with cxlkv.open_pool(spill_pool) as pool:
         kv = pool.kv(**ARGS)
         ss = fill(kv)
         assert SP.store_of(pool) is None
@@ -113,8 +103,8 @@ def _spilled_only(kv, sp, ss):
     return out
 
 
-def test_corrupt_and_truncated_spill_files_are_misses_and_removed(kvpool, tmp_path):
-    with cxlkv.open_pool(kvpool) as pool:
+def test_corrupt_and_truncated_spill_files_are_misses_and_removed(spill_pool, tmp_path):
+    with cxlkv.open_pool(spill_pool) as pool:
         kv = KVCache(pool, **ARGS, spill_dir=tmp_path / "spill", spill_bytes=64 * MiB)
         sp = SP.store_of(pool)
         ss = fill(kv)
@@ -141,11 +131,11 @@ def test_corrupt_and_truncated_spill_files_are_misses_and_removed(kvpool, tmp_pa
             assert not f.exists()
             assert kv.match(t) == j * 16                 # and stays one
         assert sp.stats()["corrupt"] == 3
-    fsck_clean(kvpool)
+    fsck_clean(spill_pool)
 
 
-def test_store_full_degrades_to_drop(kvpool, tmp_path, capsys):
-    with cxlkv.open_pool(kvpool) as pool:
+def test_store_full_degrades_to_drop(spill_pool, tmp_path, capsys):
+    with cxlkv.open_pool(spill_pool) as pool:
         kv = KVCache(pool, **ARGS, spill_dir=tmp_path / "spill", spill_bytes=0)
         sp = SP.store_of(pool)
         ss = fill(kv)
@@ -157,11 +147,11 @@ def test_store_full_degrades_to_drop(kvpool, tmp_path, capsys):
     assert err.count("store-full") == 1                  # one log line
 
 
-def test_failing_disk_degrades_to_drop(kvpool, tmp_path, monkeypatch, capsys):
+def test_failing_disk_degrades_to_drop(spill_pool, tmp_path, monkeypatch, capsys):
     def enospc(fd, data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    with cxlkv.open_pool(kvpool) as pool:
+    with cxlkv.open_pool(spill_pool) as pool:
         kv = KVCache(pool, **ARGS, spill_dir=tmp_path / "spill", spill_bytes=64 * MiB)
         sp = SP.store_of(pool)
         monkeypatch.setattr(SP.os, "write", enospc)
@@ -177,18 +167,18 @@ def test_failing_disk_degrades_to_drop(kvpool, tmp_path, monkeypatch, capsys):
         for t in ss[:5]:
             kv.load_into(t, bytearray(4 * BB))
     assert capsys.readouterr().err.count("No space left") == 1
-    fsck_clean(kvpool)
+    fsck_clean(spill_pool)
 
 
-def test_unusable_directory_and_full_queue_drop(kvpool, tmp_path):
+def test_unusable_directory_and_full_queue_drop(spill_pool, tmp_path):
     bad = tmp_path / "file"
     bad.write_text("not a directory")
-    with cxlkv.open_pool(kvpool) as pool:
+    with cxlkv.open_pool(spill_pool) as pool:
         kv = KVCache(pool, **ARGS, spill_dir=bad / "spill", spill_bytes=64 * MiB)
         fill(kv)
         st = SP.store_of(pool).stats()
         assert st["dropped_disk"] > 0 and st["written"] == 0
-    with cxlkv.open_pool(kvpool) as pool:
+    with cxlkv.open_pool(spill_pool) as pool:
         SP.enable(pool, tmp_path / "q", 64 * MiB, queue_bytes=BB - 1)
         kv = pool.kv(**ARGS)
         fill(kv, 80)
@@ -196,8 +186,8 @@ def test_unusable_directory_and_full_queue_drop(kvpool, tmp_path):
         assert st["dropped_queue-full"] > 0 and st["written"] == 0
 
 
-def test_one_directory_one_owner_and_one_store_per_pool(kvpool, tmp_path):
-    with cxlkv.open_pool(kvpool) as pool:
+def test_one_directory_one_owner_and_one_store_per_pool(spill_pool, tmp_path):
+    with cxlkv.open_pool(spill_pool) as pool:
         sp = SP.enable(pool, tmp_path / "a", MiB)
         assert sp.mode == "owner" and sp.stats()["mode"] == "owner"
         assert SP.enable(pool, tmp_path / "a", MiB) is SP.store_of(pool)
@@ -254,11 +244,11 @@ def test_own_size_limit_and_lru(tmp_path):
     st2.close()
 
 
-def test_directory_of_a_closed_pool_is_taken_over(kvpool, tmp_path):
-    with cxlkv.open_pool(kvpool) as pool:
+def test_directory_of_a_closed_pool_is_taken_over(spill_pool, tmp_path):
+    with cxlkv.open_pool(spill_pool) as pool:
         kv = KVCache(pool, **ARGS, spill_dir=tmp_path / "s", spill_bytes=64 * MiB)
         ss = fill(kv)                       # closed without disable(): the queue stays
-    with cxlkv.open_pool(kvpool) as pool:
+    with cxlkv.open_pool(spill_pool) as pool:
         kv = KVCache(pool, **ARGS, spill_dir=tmp_path / "s", spill_bytes=64 * MiB)
         sp = SP.store_of(pool)
         assert sp.stats()["blocks"] > 0     # the old store's queue was written first
@@ -481,13 +471,13 @@ def test_size_limit_holds_with_owner_and_reader_writing(tmp_path):
         own.close()
 
 
-def test_owner_gone_reader_stays_reader_next_enable_owns(kvpool, tmp_path):
+def test_owner_gone_reader_stays_reader_next_enable_owns(spill_pool, tmp_path):
     d = tmp_path / "s"
     own = SP.SpillStore(d, 8 * SIZE, writers=1)
     for i in range(3):
         own.offer(*blk(i)[:1], NSD, blk(i)[1])
     own.flush()
-    with cxlkv.open_pool(kvpool) as pool:
+    with cxlkv.open_pool(spill_pool) as pool:
         rd = SP.enable(pool, d, 1)
         assert rd.mode == "reader"
         own.close()                                      # the owner goes away
@@ -509,11 +499,11 @@ def test_owner_gone_reader_stays_reader_next_enable_owns(kvpool, tmp_path):
         SP.disable(pool2)
 
 
-def test_collector_for_a_serving_process(kvpool, tmp_path):
+def test_collector_for_a_serving_process(spill_pool, tmp_path):
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    with cxlkv.open_pool(kvpool) as pool:
+    with cxlkv.open_pool(spill_pool) as pool:
         reg = CollectorRegistry()
         reg.register(SP.collector(pool))
         assert b"cxlkv_spill" not in generate_latest(reg)        # no store yet: no samples

@@ -26,8 +26,11 @@ from cxlkv.ops import fsck
 from cxlkv.state import locks as K
 from cxlkv.state import nodes as N
 
-from conftest import MiB, wait_for
-from nodeproc import NodeProc
+from cxlkv.testing.checks import wait_for
+from cxlkv.testing.damage import fake_node
+from cxlkv.testing.data import pattern
+from cxlkv.testing.nodes import NodeProc
+from cxlkv.testing.pools import MiB
 
 LEASE_MS = 300
 GRACE_MS = 900
@@ -73,11 +76,6 @@ def rack(request, pool_path, monkeypatch):
     r = Rack(pool_path, request.param, monkeypatch)
     yield r
     r.close()
-
-
-def pattern(kv, toks) -> list[bytes]:
-    """Block contents derived from the chain hashes (as tests/nodeproc.py's)."""
-    return [h * (kv.block_bytes // len(h)) for h in kv.block_hashes(toks)]
 
 
 def stopped(p: NodeProc) -> bool:
@@ -281,7 +279,6 @@ def test_quarantine_ends_only_when_gone_acknowledged_or_after_the_grace(small_po
     clock = type("Clock", (), {"t": 100.0, "__call__": lambda self: self.t})()
     with Pool.open(small_pool) as p:
         obs = N.Observer(p, clock=clock, boot_id="00000000-0000-0000-0000-00000000abcd")
-        from conftest import fake_node
         fake_node(small_pool, 2, pid=1, start_time_ns=1,
                   boot_id="00000000-0000-0000-0000-000000000002", hostname="elsewhere")
         n = N.read_slot(p, 2)

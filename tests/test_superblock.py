@@ -9,7 +9,8 @@ from cxlkv.pool import layout as L
 from cxlkv.pool.format import build_superblock
 from cxlkv.pool.superblock import checksum, decode, select
 
-from conftest import reencode, small_params
+from cxlkv.testing.damage import reencode
+from cxlkv.testing.pools import small_params
 
 
 def sb_bytes(**changes) -> bytes:

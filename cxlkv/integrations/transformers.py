@@ -60,8 +60,7 @@ import xxhash
 from cxlkv.errors import UsageError
 
 __all__ = ["BlockLayout", "ModelKV", "block_layout", "cache_kwarg", "cache_prefix", "cache_tensors",
-           "kv_for_model", "load_prefix", "model_namespace", "output_cache", "store_prefix",
-           "tiny_llama"]
+           "kv_for_model", "load_prefix", "model_namespace", "output_cache", "store_prefix"]
 
 #: config keys that say nothing about the KV a model computes
 _VOLATILE = {"transformers_version", "_name_or_path", "name_or_path", "torch_dtype", "dtype",
@@ -404,22 +403,3 @@ def output_cache(outputs):
             return c
     return None
 
-
-#: the small Llama used by the demo, the tests and the TTFT bench
-TINY_LLAMA = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384)
-
-
-def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, **config):
-    """A small Llama-architecture model with random weights drawn from `seed`
-    (the same weights in every process): for demos and tests where no
-    checkpoint can be downloaded.  config overrides TINY_LLAMA's fields."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **config}))
-    finally:
-        torch.random.set_rng_state(state)
-    return model.to(dtype).eval()

@@ -7,8 +7,8 @@ Cluster or Valkey cluster (never a store of cxlkv's own).
 Modules: `value` (the value format), `config` (RemoteConfig), `tier`
 (the RemoteTier interface and the synchronous RemoteClient),
 `redis_cluster` (RemoteTier on redis-py's asyncio cluster client),
-`status` (what `cxlkv remote status` reports), `testcluster` (a real
-cluster on loopback for tests and benches).
+`status` (what `cxlkv remote status` reports).  A real cluster on
+loopback for tests and benches is `cxlkv.testing.redis.TestCluster`.
 """
 from cxlkv.remote.config import RemoteConfig
 from cxlkv.remote.tier import (Batch, RemoteClient, RemoteError, RemoteTier, RemoteUnavailable,

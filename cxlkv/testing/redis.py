@@ -22,6 +22,7 @@ outlives it (the main thread).
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import shutil
@@ -87,8 +88,6 @@ def _ports(n: int, taken: set[int]) -> list[int]:
 
 def _prctl():
     try:
-        import ctypes
-
         return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):                                  # pragma: no cover
         return None

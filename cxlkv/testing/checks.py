@@ -1,0 +1,48 @@
+"""Assertions the tests share: a pool passes fsck, a condition holds within
+a deadline, fsck's JSON report through the CLI."""
+from __future__ import annotations
+
+import hashlib
+import time
+
+from cxlkv.api import Pool
+from cxlkv.ops.fsck import check
+
+
+def fsck_clean(path: str):
+    """Assert that fsck (read-only) finds no error in the pool at path; returns its report."""
+    with Pool.open(path, writable=False) as p:
+        rep = check(p)
+    assert rep.clean, [f.to_json() for f in rep.errors]
+    return rep
+
+
+def wait_for(cond, timeout: float = 30.0, what: str = "condition", step: float = 0.01):
+    """Poll `cond()` every `step` seconds until it is true and return its value;
+    raise AssertionError after `timeout` (a deadline, never a sleep used as
+    synchronisation)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(step)
+
+
+def fsck(cli, path: str, *extra: str) -> tuple[int, dict]:
+    """`cxlkv fsck --pool PATH --json [extra]` through the `cli` fixture: (exit code, report)."""
+    r = cli("fsck", "--pool", path, "--json", *extra)
+    return r.code, r.json()
+
+
+def codes(doc: dict) -> set[str]:
+    """The codes of the error findings in an fsck JSON report."""
+    return {f["code"] for f in doc["findings"] if f["severity"] == "error"}
+
+
+def digest(path: str) -> str:
+    """SHA-256 of a file's bytes (to show a check left a pool untouched)."""
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
