@@ -348,8 +348,11 @@ def module(name: str):
 
 
 def describe(name: str) -> str:
-    """The first line of scenario `name`'s docstring."""
-    return (module(name).__doc__ or "").strip().splitlines()[0]
+    """One line on scenario `name`: the first sentence of its docstring (up to
+    its colon when that sentence is long)."""
+    para = " ".join((module(name).__doc__ or "").strip().split("\n\n")[0].split())
+    line = para.split(". ")[0].rstrip(".")
+    return line.split(": ")[0] if len(line) > 90 else line
 
 
 def parser(name: str) -> argparse.ArgumentParser:

@@ -560,10 +560,10 @@ def run(progress: Callable[[str], None] = lambda s: None, *, only=SCENARIOS,
                                 # the manager spins, then sleeps at most 1 ms for
                                 # C_IDLE_AFTER_S after the last grant (so a burst is
                                 # served fast), then up to 10 ms: both are reported
-                                out["manager_cooldown_cpu_pct"] = idle_cpuharness.pct(
+                                out["manager_cooldown_cpu_pct"] = harness.cpu_pct(
                                     mgr_pid, C_IDLE_AFTER_S + 0.5)
-                                out["manager_idle_cpu_pct"] = idle_cpuharness.pct(mgr_pid,
-                                                                           idle_seconds)
+                                out["manager_idle_cpu_pct"] = harness.cpu_pct(
+                                    mgr_pid, idle_seconds)
                 for p in paths.values():
                     os.unlink(p)
         if "attach" in only:
