@@ -37,10 +37,10 @@ def fresh(path):
     harness.scratch_pool(path, 256 * MiB, chunk_size=2 * MiB, max_nodes=8, hash_slots=1 << 17)
 
 
-def store_rate(path, stores, journal: bool) -> float:
+def store_rate(path, stores, with_journal: bool) -> float:
     fresh(path)
     real = journal.Writer.append
-    if not journal:
+    if not with_journal:
         journal.Writer.append = lambda self, *a, **k: 0
     try:
         with cxlkv.open_pool(path) as pool:
