@@ -1,5 +1,5 @@
 """`cxlkv bench --scale`: the rack-scale costs, each figure beside
-a baseline measured in the same run, with the issue's targets.
+a baseline measured in the same run, with its target.
 
 Scenarios (each on a scratch pool in /dev/shm, removed after):
 
@@ -58,7 +58,7 @@ from cxlkv.state.nodes import read_nodes
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
-#: the issue's targets: key -> (comparison, value)
+#: the targets: key -> (comparison, value)
 TARGETS = {
     "store_p90_big_vs_small": ("<=", 2.0),
     "lock_wait_p99_big_ms": ("<=", 1.0),

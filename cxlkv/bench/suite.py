@@ -28,7 +28,7 @@ from cxlkv.state.nodes import read_nodes
 
 MiB = harness.MiB
 
-#: the targets the issues set (figure -> (comparison, value))
+#: the targets: figure -> (comparison, value)
 TARGETS = {
     "lock_cas_us": ("<=", 1.0),
     "lock_manager_us": ("<=", 50.0),
