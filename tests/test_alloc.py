@@ -187,7 +187,7 @@ def test_dead_node_unpublished_reclaimed_published_kept(apool):
 
 
 def test_utilisation_on_the_long_context_trace(tmp_path):
-    from cxlkv.state.trace import run_trace
+    from cxlkv.bench.trace import run_trace
 
     path = str(tmp_path / "trace.pool")
     init_pool(path, {"size": 1 << 30})

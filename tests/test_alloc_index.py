@@ -317,7 +317,7 @@ def test_a_stalled_node_fenced_and_reaped_has_its_slabs_recovered(pool_path, mod
 
 def test_recovery_of_10k_slabs_is_batched(pool_path):
     """Recovery's cost: 10,000 slabs in well under a second here (the figure,
-    <= 50 ms, is bench/alloc_scale.py's; this machine is shared)."""
+    <= 50 ms, is `cxlkv bench run alloc-scale`'s; this machine is shared)."""
     init_pool(pool_path, {"size": 800 * MiB, "chunk_size": 64 * 1024, "max_nodes": 8,
                           "lease_ms": 60_000})
     n = 10_000

@@ -31,11 +31,14 @@ LAZY_CXLKV = {
                           "cxlkv.pool.format"},
     "cxlkv/kv/cache.py": {"cxlkv.kv.tiers"},
     "cxlkv/remote/tier.py": {"cxlkv.remote.redis_cluster"},
+    # the scenarios that need torch load its users when they run
+    "cxlkv/bench/ttft.py": {"cxlkv.integrations.transformers", "cxlkv.testing.models"},
+    "cxlkv/bench/remote_ttft.py": {"cxlkv.integrations.transformers", "cxlkv.testing.models"},
 }
 #: where subprocess may be used: the seams that start processes
 SUBPROCESS_SEAMS = ("cxlkv/host/", "cxlkv/testing/", "cxlkv/bench/")
 #: modules on their way into cxlkv/bench and cxlkv/testing (issue 20)
-MOVING = {"cxlkv/benchmarks.py", "cxlkv/bench_scale.py", "cxlkv/state/trace.py"}
+MOVING: set[str] = set()
 
 
 def _sources():

@@ -6,12 +6,14 @@ import json
 import math
 import os
 import shutil
+import sys
+import tempfile
 
 import numpy as np
 import pytest
 
 import cxlkv
-from cxlkv import benchmarks
+from cxlkv.bench import handoff, harness, scale, suite
 from cxlkv.ops.lockmgr import ensure_manager
 from cxlkv.errors import EXIT_REFUSED
 from cxlkv.kv.cache import kv_report
@@ -48,7 +50,7 @@ def redis_children() -> list[int]:
 def scratch(monkeypatch, tmp_path):
     d = tmp_path / "scratch"
     d.mkdir()
-    monkeypatch.setattr(benchmarks, "_scratch_dir", lambda: str(d))
+    monkeypatch.setattr(harness, "scratch_dir", lambda *a, **kw: str(d))
     return d
 
 
@@ -56,14 +58,14 @@ def scratch(monkeypatch, tmp_path):
 def redis_procs(monkeypatch):
     """The redis-servers the bench starts (their Popen objects)."""
     started = []
-    real = benchmarks.start_redis
+    real = harness.start_redis
 
     def start(*a, **kw):
         proc, port = real(*a, **kw)
         started.append(proc)
         return proc, port
 
-    monkeypatch.setattr(benchmarks, "start_redis", start)
+    monkeypatch.setattr(harness, "start_redis", start)
     return started
 
 
@@ -78,7 +80,7 @@ def check_figures(res: dict) -> None:
 
 def test_quick_bench_reports_every_figure(scratch, redis_procs):
     steps = []
-    res = benchmarks.run(steps.append, quick=True)
+    res = suite.run(steps.append, quick=True)
     check_figures(res)
     assert res["pool_write_vs_memcpy"] == res["pool_write_gbps"] / res["memcpy_gbps"]
     assert res["put_vs_memcpy"] == res["put_gbps"] / res["memcpy_gbps"]
@@ -86,8 +88,8 @@ def test_quick_bench_reports_every_figure(scratch, redis_procs):
     assert res["handoff_vs_shm"] == res["handoff_gbps"] / res["shm_handoff_gbps"]
     assert res["handoff_vs_tcp"] == res["handoff_gbps"] / res["tcp_gbps"]
     assert res["lock_manager_us"] > 0
-    assert set(res["targets"]) == set(benchmarks.TARGETS)
-    assert steps == list(benchmarks.STEPS)                  # the CLI's progress bar
+    assert set(res["targets"]) == set(suite.TARGETS)
+    assert steps == list(suite.STEPS)                  # the CLI's progress bar
     assert not scratch.exists()                             # scratch pools removed
     assert res["kv_pool"] is None
     # the redis-server it started (when installed) is stopped, and no child is left
@@ -100,21 +102,21 @@ def test_quick_bench_reports_every_figure(scratch, redis_procs):
 
 
 def test_redis_missing_is_none_with_reason(scratch, monkeypatch):
-    monkeypatch.setattr(benchmarks.shutil, "which", lambda name: None)
-    with pytest.raises(benchmarks.Unavailable, match="redis-server is not installed"):
-        benchmarks.start_redis()
+    monkeypatch.setattr(harness.shutil, "which", lambda name: None)
+    with pytest.raises(harness.Unavailable, match="redis-server is not installed"):
+        harness.start_redis()
 
 
 def test_handoff_kinds_move_the_bytes(scratch):
     """Each handoff kind delivers exactly the producer's bytes (checked by
     the consumer on the warm-up transfer), and the processes end."""
-    with benchmarks.HandoffPair() as pair:
+    with handoff.HandoffPair() as pair:
         shm = scratch / "h.shm"
         shm.write_bytes(bytes(MiB))
-        gbps = benchmarks.handoff_gbps(pair, {"kind": "shm", "path": str(shm), "total": MiB,
-                                              "block": 64 * 1024}, reps=1)
+        gbps = handoff.handoff_gbps(pair, {"kind": "shm", "path": str(shm), "total": MiB,
+                                           "block": 64 * 1024}, reps=1)
         assert gbps > 0
-        gbps = benchmarks.handoff_gbps(pair, {"kind": "tcp", "total": MiB}, reps=1)
+        gbps = handoff.handoff_gbps(pair, {"kind": "tcp", "total": MiB}, reps=1)
         assert gbps > 0
         procs = list(pair.proc.values())
     assert all(p.poll() == 0 for p in procs)
@@ -158,9 +160,9 @@ def test_pool_option_uses_own_namespace_and_drops_it(scratch, tmp_path, monkeypa
     with manager_for(path):
         toks, data = store_other(path)
     which = shutil.which                    # and: no redis-server here
-    monkeypatch.setattr(benchmarks.shutil, "which",
+    monkeypatch.setattr(harness.shutil, "which",
                         lambda name: None if name == "redis-server" else which(name))
-    res = benchmarks.run(quick=True, pool_path=path)      # starts its own lock manager
+    res = suite.run(quick=True, pool_path=path)      # starts its own lock manager
     check_figures(res)
     assert res["redis_gbps"] is None and "not installed" in res["notes"]["redis_gbps"]
     assert res["handoff_vs_redis"] is None and res["targets"]["handoff_vs_redis"] is None
@@ -185,7 +187,7 @@ def test_pool_without_room_is_refused(cli, scratch, tmp_path):
 
 
 def test_bench_json_is_one_document(cli, monkeypatch):
-    monkeypatch.setattr(benchmarks, "run", lambda progress, quick=False, pool_path=None: {
+    monkeypatch.setattr(suite, "run", lambda progress, quick=False, pool_path=None: {
         "memcpy_gbps": 1.0, "notes": {}, "targets": {}})
     r = cli("bench", "--json")
     assert r.code == 0 and r.json()["memcpy_gbps"] == 1.0 and r.err == ""
@@ -198,15 +200,15 @@ def test_bench_table_passes_pool_and_shows_missing_figures(cli, monkeypatch):
                kv_pool="/dev/shm/p.pool", kv_namespace="cxlkv-bench-1",
                notes={"redis_gbps": "redis-server is not installed"},
                targets={k: (None if k == "handoff_vs_redis" else True)
-                        for k in benchmarks.TARGETS})
+                        for k in suite.TARGETS})
 
     def fake_run(progress, quick=False, pool_path=None):
         seen["pool"] = pool_path
-        for step in benchmarks.STEPS:
+        for step in suite.STEPS:
             progress(step)
         return res
 
-    monkeypatch.setattr(benchmarks, "run", fake_run)
+    monkeypatch.setattr(suite, "run", fake_run)
     r = cli("bench", "--pool", "/dev/shm/p.pool")
     assert r.code == 0 and seen["pool"] == "/dev/shm/p.pool"
     assert "n/a" in r.out and "redis-server is not installed" in r.out
@@ -234,24 +236,20 @@ def scale_children() -> list[int]:
 
 
 def attach_dirs() -> set[str]:
-    import tempfile
-
     return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("cxlkv-bench-attach-")}
 
 
 def test_scale_bench_at_tiny_sizes_reports_every_figure(monkeypatch, tmp_path):
-    from cxlkv import bench_scale
-
     d = tmp_path / "scratch"
     d.mkdir()
-    monkeypatch.setattr(bench_scale, "_scratch_dir", lambda: str(d))
+    monkeypatch.setattr(harness, "scratch_dir", lambda *a, **kw: str(d))
     before = attach_dirs()
     steps = []
-    res = bench_scale.run(steps.append, entries=(1024, 2048), procs=(1, 2, 4), stores=4,
+    res = scale.run(steps.append, entries=(1024, 2048), procs=(1, 2, 4), stores=4,
                           seconds=0.1, attach_size=64 * MiB, slabs=40, idle_seconds=0.1)
-    assert steps == bench_scale.steps(bench_scale.SCENARIOS, (1024, 2048), (1, 2, 4))
-    assert set(res["targets"]) == set(bench_scale.TARGETS)
-    for key in bench_scale.TARGETS:
+    assert steps == scale.steps(scale.SCENARIOS, (1024, 2048), (1, 2, 4))
+    assert set(res["targets"]) == set(scale.TARGETS)
+    for key in scale.TARGETS:
         v = res[key]
         if v is None:
             assert res["notes"].get(key), f"{key} is None without a reason"
@@ -265,7 +263,7 @@ def test_scale_bench_at_tiny_sizes_reports_every_figure(monkeypatch, tmp_path):
         fp = res["full_pool"][slots]
         assert fp["slots"] == int(slots) and fp["stores"] == 4
         # the pool was past capacity: the timed stores evicted (64 blocks each)
-        assert fp["evictions"] >= 4 * bench_scale.FP_STORE_BLOCKS
+        assert fp["evictions"] >= 4 * scale.FP_STORE_BLOCKS
         assert fp["entries"] <= fp["max_entries"]
         assert 0 < fp["store_p50_ms"] <= fp["store_p90_ms"] <= fp["store_p99_ms"]
         assert fp["lock_waits"] > 0 and fp["lock_wait_p99_ms"] >= fp["lock_wait_p50_ms"] > 0
@@ -283,6 +281,7 @@ def test_scale_bench_at_tiny_sizes_reports_every_figure(monkeypatch, tmp_path):
     assert res["manager_cooldown_cpu_pct"] >= 0 and res["manager_idle_cpu_pct"] >= 0
     assert res["attach_size"] == 64 * MiB and res["attach_warm_ms"] > 0
     assert res["attach_uncached_ms"] > 0 and res["detach_ms"] > 0
+    assert res["attach_imports_ms"] > 0 and res["attach_uncached_imports_ms"] > 0
     assert res["recovery_slabs"] == 40 and res["recovered"] is True
     assert res["recovery_attach_ms"] > 0
     json.dumps(res)                                         # one JSON document
@@ -292,13 +291,12 @@ def test_scale_bench_at_tiny_sizes_reports_every_figure(monkeypatch, tmp_path):
 
 
 def test_scale_cli_json_and_table(cli, monkeypatch):
-    from cxlkv import bench_scale
     from cxlkv.cli.bench import SCALE_SCENARIOS
 
-    assert SCALE_SCENARIOS == bench_scale.SCENARIOS
+    assert SCALE_SCENARIOS == scale.SCENARIOS
     seen = {}
     res = {"scale": True, "notes": {"attach_ms": "no room"}, "attach_ms": None,
-           "targets": {k: None for k in bench_scale.TARGETS},
+           "targets": {k: None for k in scale.TARGETS},
            "full_pool": {"65536": {"store_p50_ms": 0.1, "store_p90_ms": 0.2,
                                    "store_p99_ms": 0.3, "lock_wait_p50_ms": 0.01,
                                    "lock_wait_p99_ms": 0.02}},
@@ -306,11 +304,11 @@ def test_scale_cli_json_and_table(cli, monkeypatch):
 
     def fake_run(progress, **kw):
         seen.update(kw)
-        for step in bench_scale.steps(kw["only"], kw["entries"], kw["procs"]):
+        for step in scale.steps(kw["only"], kw["entries"], kw["procs"]):
             progress(step)
         return res
 
-    monkeypatch.setattr(bench_scale, "run", fake_run)
+    monkeypatch.setattr(scale, "run", fake_run)
     r = cli("bench", "--scale", "--json", "--scale-only", "full-pool,procs",
             "--scale-entries", "65536", "--scale-procs", "1,8", "--scale-attach-size", "1G")
     assert r.code == 0 and r.json()["scale"] is True and r.err == ""
@@ -319,9 +317,69 @@ def test_scale_cli_json_and_table(cli, monkeypatch):
     r = cli("bench", "--scale", "--scale-only", "full-pool")
     assert r.code == 0 and "65536 slots" in r.out and "no room" in r.out
     assert "bench: full-pool store, 65,536 slots" in r.err
+    # one scenario alone: the rows of the others are not drawn
+    res.update({"full_pool": None, "procs": None, "manager_rtt_p50_us": None,
+                "attach_size": 1 << 30, "attach_ms": 2.0, "attach_warm_ms": 1.5,
+                "attach_uncached_ms": 3.0, "detach_ms": 20.0, "attach_imports_ms": 50.0,
+                "attach_uncached_imports_ms": 120.0})
+    del res["full_pool"], res["procs"]
+    r = cli("bench", "--scale", "--scale-only", "attach")
+    assert r.code == 0 and "import of cxlkv.api" in r.out and "manager rtt" not in r.out, r.err
     r = cli("bench", "--scale", "--scale-only", "nothing")
     assert r.code != 0 and "unknown --scale-only scenario nothing" in r.err
     r = cli("bench", "--scale", "--scale-entries", "1000")
     assert r.code != 0 and "powers of two" in r.err
     r = cli("bench", "--scale", "--pool", "/dev/shm/p.pool")
     assert r.code != 0 and "--pool does not apply to --scale" in r.err
+
+
+# -- cxlkv bench run NAME: the scenarios -----------------------------------------------------
+def test_run_lists_every_scenario(cli):
+    r = cli("bench", "run")
+    assert r.code == 0
+    for name in harness.SCENARIOS:
+        assert name in r.out
+    r = cli("bench", "run", "--json")
+    assert r.code == 0 and set(r.json()) == set(harness.SCENARIOS)
+    r = cli("bench", "run", "spill", "--help")
+    assert r.code == 0 and "--mib" in r.out and "--json" in r.out
+
+
+def test_run_refuses_what_does_not_apply(cli):
+    r = cli("bench", "run", "nothing")
+    assert r.code == 2 and "unknown bench scenario 'nothing'" in r.err
+    r = cli("bench", "run", "hot", "--bogus")
+    assert r.code == 2 and "--bogus" in r.err
+    r = cli("bench", "--scale", "run", "hot")
+    assert r.code == 2 and "--scale does not apply to `cxlkv bench run`" in r.err
+
+
+def test_run_names_a_missing_dependency_in_one_line(cli, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)           # import torch fails
+    r = cli("bench", "run", "ttft", "--contexts", "64")
+    assert r.code == 1 and r.out == ""
+    assert "torch is not installed" in r.err and len(r.err.strip().splitlines()) == 1
+    monkeypatch.setattr(harness.shutil, "which", lambda name: None)
+    r = cli("bench", "run", "remote", "--json")
+    err = r.json()["error"]
+    assert r.code == 1 and err["kind"] == "bench-unavailable"
+    assert "redis-server / redis-cli are not installed" in err["message"]
+
+
+def test_run_a_scenario_at_a_tiny_size(cli, monkeypatch, tmp_path):
+    """A scenario through the CLI: its figures as one JSON document with its
+    keys, progress on stderr without --json, scratch pools removed."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(harness, "scratch_dir", lambda prefix="x", base=None:
+                        tempfile.mkdtemp(prefix=prefix, dir=scratch))
+    r = cli("bench", "run", "hot", "--blocks", "4", "--kib", "16", "--rounds", "2", "--json")
+    assert r.code == 0, r.err
+    doc = r.json()
+    assert set(doc) == {"block_bytes", "blocks", "cas", "manager_noncoherent"}
+    for mode in ("cas", "manager_noncoherent"):
+        assert set(doc[mode]) == {"pool_gbps", "hot_gbps", "ratio"} and doc[mode]["ratio"] > 0
+    assert "CXLKV_NONCOHERENT" not in os.environ
+    assert list(scratch.iterdir()) == []
+    r = cli("bench", "run", "hot", "--blocks", "4", "--kib", "16", "--rounds", "2")
+    assert r.code == 0 and "from the hot tier" in r.out and "bench hot: cas" in r.err

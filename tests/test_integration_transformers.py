@@ -242,12 +242,9 @@ def test_disaggregated_prefill_and_decode_processes():
 
 
 def test_ttft_bench_runs():
-    """bench/ttft.py end to end on a short context (the figures are the bench's job)."""
-    import importlib.util
+    """`cxlkv bench run ttft` end to end on a short context (the figures are the bench's job)."""
+    from cxlkv.bench import ttft
 
-    spec = importlib.util.spec_from_file_location("ttft", os.path.join(ROOT, "bench", "ttft.py"))
-    ttft = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ttft)
     r = ttft.measure(contexts=(128,), runs=2, threads=1)
     (c,) = r["contexts"]
     assert c["tokens"] == 128 and c["blocks_stored"] == 8 and c["same_first_token"]

@@ -1,4 +1,12 @@
-"""`cxlkv bench`: the pool's figures, each beside a same-run baseline."""
+"""`cxlkv bench`: the pool's figures, each beside a same-run baseline.
+
+`cxlkv bench` (and `--scale`) runs the suites as always; `cxlkv bench run NAME
+[ARGS]` runs one scenario of cxlkv.bench (the figure families that have
+options of their own: spill, ttft, lock-scale, ...).  A group with the
+suites as its own callback keeps every `cxlkv bench` command line working,
+and gives the scenarios one place that lists them and passes their options
+through untouched (each scenario parses its own, --help and --json included).
+"""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -12,7 +20,8 @@ from cxlkv.errors import UsageError
 SCALE_SCENARIOS = ("full-pool", "procs", "manager", "attach", "recovery")
 
 
-@click.command("bench", epilog=exit_codes_epilog())
+@click.group("bench", invoke_without_command=True, epilog=exit_codes_epilog(),
+             subcommand_metavar="[run NAME [ARGS]...]")
 @click.option("--pool", "pool", metavar="PATH", default=None,
               help="Run the KV scenarios (put/get, lookup, handoff) on this existing pool, "
                    "in a namespace of their own that is dropped after; refused when the pool "
@@ -40,8 +49,8 @@ SCALE_SCENARIOS = ("full-pool", "procs", "manager", "attach", "recovery")
 @click.option("--scale-slabs", type=click.IntRange(1), default=10_000, show_default=True,
               help="With --scale: slabs the killed node holds.")
 @json_option
-@pass_app
-def bench_cmd(app: Application, pool, scale, scale_only, scale_entries, scale_procs,
+@click.pass_context
+def bench_cmd(ctx: click.Context, pool, scale, scale_only, scale_entries, scale_procs,
               scale_stores, scale_seconds, scale_attach_size, scale_slabs, as_json):
     """Measure the pool against baselines measured in the same run.
 
@@ -59,7 +68,19 @@ def bench_cmd(app: Application, pool, scale, scale_only, scale_entries, scale_pr
 
     --scale measures the rack-scale costs instead (pool-size and process
     count independence), each beside its same-run baseline and target.
+
+    `cxlkv bench run` lists the other scenarios; `cxlkv bench run NAME
+    [ARGS]` runs one (`cxlkv bench run NAME --help` for its options).
     """
+    app = ctx.find_object(Application)
+    if ctx.invoked_subcommand is not None:
+        given = [p.opts[0] for p in ctx.command.params
+                 if p.name != "as_json"
+                 and ctx.get_parameter_source(p.name) != click.core.ParameterSource.DEFAULT]
+        if given:
+            raise UsageError(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not "
+                             f"apply to `cxlkv bench {ctx.invoked_subcommand}`")
+        return
     if scale:
         from cxlkv.cli.bench_scale import scale_cmd
 
@@ -70,10 +91,10 @@ def bench_cmd(app: Application, pool, scale, scale_only, scale_entries, scale_pr
                   stores=scale_stores, seconds=scale_seconds, attach_size=scale_attach_size,
                   slabs=scale_slabs)
         return
-    from cxlkv.benchmarks import STEPS, TARGETS, run
+    from cxlkv.bench import suite
 
-    with _progress(app, STEPS) as progress:
-        res = run(progress, pool_path=pool)
+    with _progress(app, suite.STEPS) as progress:
+        res = suite.run(progress, pool_path=pool)
     if app.json:
         app.emit_json(res)
         return
@@ -82,9 +103,9 @@ def bench_cmd(app: Application, pool, scale, scale_only, scale_entries, scale_pr
         t.add_column(col, justify="left" if col in ("figure", "target") else "right")
 
     def target(key):
-        if key not in TARGETS:
+        if key not in suite.TARGETS:
             return ""
-        op, v = TARGETS[key]
+        op, v = suite.TARGETS[key]
         ok = res["targets"][key]
         return f"{op} {v:g} " + ("met" if ok else "MISSED" if ok is False else "n/a")
 
@@ -125,6 +146,52 @@ def bench_cmd(app: Application, pool, scale, scale_only, scale_entries, scale_pr
                       f"{res['kv_namespace']}, dropped)")
     for key, note in res["notes"].items():
         app.out.print(f"{key}: {note}")
+
+
+@bench_cmd.command("run", add_help_option=False,
+                   context_settings={"ignore_unknown_options": True,
+                                     "allow_interspersed_args": False})
+@click.argument("name", required=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@pass_app
+def run_cmd(app: Application, name, args):
+    """Run one bench scenario: NAME [ARGS] (NAME --help: its options).
+
+    Without NAME, list the scenarios.  Each runs on scratch pools it removes
+    after and reports its figures beside the baselines it measures in the
+    same run; --json prints them as one JSON document.
+    """
+    from cxlkv.bench import harness
+
+    if name in ("-h", "--help"):
+        app.out.print(click.get_current_context().get_help())
+        return
+    if name == "--json" and not args:           # `cxlkv bench run --json`: the list
+        name = None
+    elif name is not None and name.startswith("-"):
+        raise UsageError(f"`cxlkv bench run` takes a scenario name before its options, not "
+                         f"{name} (`cxlkv bench run` lists them)")
+    if name is None:
+        if app.json:
+            app.emit_json({n: harness.describe(n) for n in harness.SCENARIOS})
+            return
+        for n in harness.SCENARIOS:
+            app.out.print(f"{n:12s} {harness.describe(n)}")
+        return
+    if "-h" in args or "--help" in args:
+        app.out.print(harness.parser(name).format_help().rstrip())
+        return
+    opts = harness.parse(name, list(args))
+    app.json = app.json or opts.json
+    progress = (lambda step: None) if app.json else \
+        (lambda step: app.info(f"bench {name}: {step}"))
+    res = harness.run(name, opts, progress)
+    if app.json:
+        app.emit_json(harness.jsonable(res))
+    else:
+        app.out.print(harness.render(name, res))
+    if not harness.ok(name, res):
+        raise click.exceptions.Exit(1)
 
 
 @contextmanager

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from cxlkv import bench_scale
+from cxlkv.bench import scale
 from cxlkv.cli.app import Application
 from cxlkv.errors import UsageError
 from cxlkv.util.sizes import parse_size
@@ -22,18 +22,18 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
 def scale_cmd(app: Application, progress_cm, *, only: str, entries: str, procs: str,
               stores: int, seconds: float, attach_size: str, slabs: int) -> None:
     chosen = tuple(s.strip() for s in only.split(",") if s.strip())
-    bad = [s for s in chosen if s not in bench_scale.SCENARIOS]
+    bad = [s for s in chosen if s not in scale.SCENARIOS]
     if bad or not chosen:
         raise UsageError(f"unknown --scale-only scenario {', '.join(bad) or '(none)'}: choose "
-                         f"from {', '.join(bench_scale.SCENARIOS)}")
+                         f"from {', '.join(scale.SCENARIOS)}")
     ent = _ints(entries, "--scale-entries")
     if any(e & (e - 1) or e < 1024 for e in ent):
         raise UsageError("--scale-entries must be powers of two >= 1024")
     kw = dict(only=chosen, entries=ent, procs=_ints(procs, "--scale-procs"), stores=stores,
               seconds=seconds, attach_size=parse_size(attach_size, "--scale-attach-size"),
               slabs=slabs)
-    with progress_cm(app, bench_scale.steps(chosen, ent, kw["procs"])) as progress:
-        res = bench_scale.run(progress, **kw)
+    with progress_cm(app, scale.steps(chosen, ent, kw["procs"])) as progress:
+        res = scale.run(progress, **kw)
     if app.json:
         app.emit_json(res)
         return
@@ -58,7 +58,7 @@ def render(app: Application, res: dict) -> None:
                      no_wrap=col in ("figure", "value"))
 
     def target(key):
-        op, v = bench_scale.TARGETS[key]
+        op, v = scale.TARGETS[key]
         ok = res["targets"].get(key)
         return f"{op} {v:g} " + ("met" if ok else "MISSED" if ok is False else "n/a")
 
@@ -86,10 +86,10 @@ def render(app: Application, res: dict) -> None:
             t.add_row(f"{label}, {k} proc", f"{v:,.0f}",
                       "best 1-2" if res.get(key) is not None else "",
                       _c(res[key]) if res.get(key) is not None else "",
-                      target(key) if key in bench_scale.TARGETS else "")
-    if "manager_rtt_p50_us" in res:
+                      target(key) if key in scale.TARGETS else "")
+    if res.get("manager_rtt_p50_us") is not None:
         t.add_row(f"manager rtt us, {res.get('manager_clients')} clients",
-                  _c(res["manager_rtt_p50_us"], res["manager_rtt_p99_us"]),
+                  _c(res["manager_rtt_p50_us"], res.get("manager_rtt_p99_us")),
                   "", "", target("manager_rtt_p50_us"))
         t.add_row("manager CPU %, first 1.5 s after a grant",
                   _f(res.get("manager_cooldown_cpu_pct")), "", "", "")
@@ -100,6 +100,8 @@ def render(app: Application, res: dict) -> None:
         t.add_row(f"attach {gib:g} GiB ms", _c(res["attach_ms"]),
                   f"later {_c(res['attach_warm_ms'])}", "", target("attach_ms"))
         t.add_row("  no bytecode cache", _c(res["attach_uncached_ms"]), "", "", "")
+        t.add_row("  import of cxlkv.api ms", _c(res["attach_imports_ms"]),
+                  f"no cache {_c(res['attach_uncached_imports_ms'])}", "", "")
         t.add_row("  detach ms", _c(res["detach_ms"]), "", "", "")
     if "recovery_slabs" in res:
         t.add_row(f"recovery {res['recovery_slabs']} slabs ms",
@@ -109,7 +111,8 @@ def render(app: Application, res: dict) -> None:
     app.out.print("store: p50/p90/p99 of 64-block stores into a full pool (each evicts); lock "
                   "wait: p50/p99 of another node's pool.lock() meanwhile; ops/s: all processes "
                   "together; rtt: manager-mode acquire + release, p50/p99; attach: the first "
-                  "open_pool in a fresh process (later: the next ones); recovery: the "
+                  "open_pool in a fresh process, after cxlkv.api was imported (later: the next "
+                  "ones); recovery: the "
                   "open_pool that reaps the killed node (baseline: the next one)")
     for key, note in res["notes"].items():
         if "not measured in this run" not in note:

@@ -1,33 +1,29 @@
-"""Pool lock and KV store throughput at 1, 2, 4, 8 processes (issue 15:
-contention bounded by hosts, not processes), in sync modes cas and manager.
+"""Pool lock and KV store throughput at 1, 2, 4, 8 processes (contention
+bounded by hosts, not processes), in sync modes cas and manager.
 
 Every point runs N processes attached to a fresh pool (in /dev/shm), all
 started together for --seconds; the figure is the total ops/s.
 `lock`: `with pool.lock(): pass`.  `store`: kv.store of 8 x 16 KiB blocks,
 new keys every time (the pool is sized so nothing is evicted).
 
-    .venv/bin/python bench/lock_scale.py [--procs 1,2,4,8] [--modes cas,manager]
-                                         [--seconds 0.5] [--json]
+    cxlkv bench run lock-scale [--procs 1,2,4,8] [--modes cas,manager]
+                               [--what lock,store] [--seconds 0.5] [--compare] [--json]
 
 --compare measures every point without the host-local lock tier too (its
 directory made unusable: the pool lock falls back to tier 1 = process-local
-only, the code path before the tier), interleaved with the figures with it.
-Or run it with another checkout's interpreter (e.g. /work/main/.venv/bin/python
-bench/lock_scale.py) to measure that code: it imports whatever cxlkv that
-interpreter has.
+only), interleaved with the figures with it.  Another checkout's `cxlkv bench
+run lock-scale` measures that checkout's code.
 """
-import argparse
-import json
+from __future__ import annotations
+
 import os
 import subprocess
-import sys
-import tempfile
 import time
 
 import cxlkv
-from cxlkv.ops.init import init_pool
+from cxlkv.bench import harness
 
-MiB = 1 << 20
+MiB = harness.MiB
 BLOCK = 16 * 1024
 BLOCKS = 8
 
@@ -79,24 +75,28 @@ NO_HOST_TIER = {"CXLKV_HOSTLOCK_DIR": "/dev/null/no-host-tier"}
 
 
 def point(mode: str, what: str, procs: int, secs: float, env: dict | None = None) -> float:
-    d = tempfile.mkdtemp(prefix="lock-scale-", dir="/dev/shm")
-    path = os.path.join(d, "p.pool")
-    # store: room for every block stored (no eviction in the figure)
-    size = 64 * MiB if what == "lock" else 1536 * MiB
-    init_pool(path, {"size": size, "chunk_size": 1 * MiB, "max_nodes": 16, "sync": mode})
-    mgr = None
+    with harness.scratch("lock-scale-") as d:
+        # store: room for every block stored (no eviction in the figure)
+        size = 64 * MiB if what == "lock" else 1536 * MiB
+        path = harness.scratch_pool(os.path.join(d, "p.pool"), size, chunk_size=1 * MiB,
+                                    max_nodes=16, sync=mode)
+        mgr = harness.start_lock_manager(path) if mode == "manager" else None
+        try:
+            return _point(path, what, procs, secs, env)
+        finally:
+            if mgr is not None:
+                harness.stop_process(mgr)
+
+
+def _point(path: str, what: str, procs: int, secs: float, env: dict | None) -> float:
+    ws = [harness.python(WORKER, path, what, i, secs, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL if env else None,
+                         text=True, env=harness.child_env(env))
+          for i in range(procs)]
     try:
-        if mode == "manager":
-            mgr = subprocess.Popen([sys.executable, "-m", "cxlkv", "lock-manager", "--pool", path],
-                                   stderr=subprocess.PIPE, text=True)
-            assert "active" in mgr.stderr.readline()
-        ws = [subprocess.Popen([sys.executable, "-c", WORKER, path, what, str(i), str(secs)],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                               stderr=subprocess.DEVNULL if env else None, text=True,
-                               env={**os.environ, **(env or {})})
-              for i in range(procs)]
         for w in ws:                                  # all attached and warm
-            assert w.stdout.readline().strip() == "ready"
+            if w.stdout.readline().strip() != "ready":
+                raise RuntimeError("lock-scale: a worker did not start")
         start = time.monotonic() + 0.1
         for w in ws:
             w.stdin.write(f"{start}\n")
@@ -108,23 +108,22 @@ def point(mode: str, what: str, procs: int, secs: float, env: dict | None = None
             total += int(n) / float(t)
         return total
     finally:
-        if mgr is not None:
-            mgr.terminate()
-            mgr.wait(10)
-        os.unlink(path)
-        os.rmdir(d)
+        for w in ws:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap) -> None:
     ap.add_argument("--procs", default="1,2,4,8")
     ap.add_argument("--modes", default="cas,manager")
     ap.add_argument("--what", default="lock,store")
     ap.add_argument("--seconds", type=float, default=0.5)
-    ap.add_argument("--json", action="store_true")
     ap.add_argument("--compare", action="store_true",
                     help="each point without the host-local tier (off), then with it (on)")
-    a = ap.parse_args()
+
+
+def run(a, progress) -> dict:
     procs = [int(x) for x in a.procs.split(",")]
     res = {"cxlkv": os.path.dirname(cxlkv.__file__), "load": os.getloadavg()[0]}
     variants = [("off", NO_HOST_TIER), ("on", None)] if a.compare else [("", None)]
@@ -133,6 +132,7 @@ def main() -> None:
             rows = {v: {} for v, _ in variants}
             for p in procs:                 # interleaved: the machine's load drifts
                 for v, env in variants:
+                    progress(f"{mode} {what} {p} processes" + (f" host tier {v}" if v else ""))
                     rows[v][p] = point(mode, what, p, a.seconds, env)
             for v, row in rows.items():
                 best = max(row.get(1, 0), row.get(2, 0))
@@ -140,17 +140,22 @@ def main() -> None:
                 res[key] = {"ops_s": row,
                             "ratio_4": row.get(4, 0) / best if best else None,
                             "ratio_8": row.get(8, 0) / best if best else None}
-                if not a.json:
-                    print(f"{mode:8s} {what:6s} {v:3s} " + "  ".join(
-                        f"{p}: {x:>10,.0f}" for p, x in row.items()) +
-                        (f"   4/best12 {row.get(4, 0) / best:.2f}  8/best12 "
-                         f"{row.get(8, 0) / best:.2f}" if best else ""), flush=True)
     res["load_after"] = os.getloadavg()[0]
-    if a.json:
-        print(json.dumps(res, indent=1))
-    else:
-        print(f"load average {res['load']:.1f} before, {res['load_after']:.1f} after")
+    return res
 
 
-if __name__ == "__main__":
-    main()
+def render(res: dict) -> str:
+    lines = []
+    for key, r in res.items():
+        if not isinstance(r, dict):
+            continue
+        row = r["ops_s"]
+        best = max(row.get(1, 0), row.get(2, 0))
+        mode, what, *tier = key.split("_", 2)
+        v = tier[0].rsplit("_", 1)[-1] if tier else ""
+        lines.append(f"{mode:8s} {what:6s} {v:3s} " + "  ".join(
+            f"{p}: {x:>10,.0f}" for p, x in row.items()) +
+            (f"   4/best12 {row.get(4, 0) / best:.2f}  8/best12 "
+             f"{row.get(8, 0) / best:.2f}" if best else ""))
+    lines.append(f"load average {res['load']:.1f} before, {res['load_after']:.1f} after")
+    return "\n".join(lines)

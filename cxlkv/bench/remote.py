@@ -1,28 +1,30 @@
-"""Remote tier figures (issue 9): put and get throughput of the tier
+"""Remote tier figures: put and get throughput of the tier
 (RemoteClient: write-behind push + flush; lookup with verification) against
 a plain pipelined redis-py cluster client moving the same bytes (SET / GET
 pipelines of the same batch size), on the same cluster, in the same run.
 Also the tier's two ways of pipelining (per-node pipelines, the default, and
 redis-py's cluster pipeline) so the default stays the faster one.
 
-    .venv/bin/python bench/remote.py [--mib N] [--batch N] [--nodes H:P,...] [--json]
+    cxlkv bench run remote [--mib N] [--batch N] [--reps N] [--nodes H:P,...] [--json]
 
 Without --nodes it starts a 3-master cluster on loopback (cxlkv.testing.redis).
+Needs the redis Python client, and redis-server / redis-cli without --nodes.
 """
-import argparse
+from __future__ import annotations
+
 import asyncio
-import json
 import os
-import statistics
-import sys
 import time
 
+from redis.asyncio import cluster as async_cluster
+from redis.cluster import ClusterNode, RedisCluster
+
+from cxlkv.bench import harness
 from cxlkv.remote import RemoteClient, RemoteConfig
 from cxlkv.remote.redis_cluster import RedisClusterTier
 from cxlkv.testing.redis import TestCluster
 
-MiB = 1 << 20
-KiB = 1 << 10
+MiB, KiB = harness.MiB, harness.KiB
 NS = bytes(range(16))
 
 
@@ -30,8 +32,6 @@ def cleanup(cfg):
     """Delete this run's keys - and only those: every key the bench writes
     starts with cfg.prefix, unique to the run (between phases, so memory stays
     bounded; never FLUSHALL, --nodes may be a cluster in use)."""
-    from redis.cluster import ClusterNode, RedisCluster
-
     rc = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in cfg.endpoints()],
                       password=cfg.secret())
     try:
@@ -60,25 +60,26 @@ def tier_run(cfg, keys, vals, bs, batch, strategy):
         for k, v in zip(keys, vals):
             while not rc.push(k, NS, v):                         # queue full: wait a little
                 rc.flush(0.001)
-        assert rc.flush(600)
+        if not rc.flush(600):
+            raise RuntimeError(f"remote bench: the tier did not flush: {rc.stats()}")
         put_s = time.perf_counter() - t0
         st = rc.stats()
-        assert st["pushed"] == len(keys), st
+        if st["pushed"] != len(keys):
+            raise RuntimeError(f"remote bench: pushed {st['pushed']} of {len(keys)}: {st}")
         t0 = time.perf_counter()
         hits = 0
         for i in range(0, len(keys), batch):
             got = rc.lookup(NS, keys[i:i + batch], bs, 60.0)
             hits += sum(g is not None for g in got)
         get_s = time.perf_counter() - t0
-        assert hits == len(keys), (hits, rc.stats())
+        if hits != len(keys):
+            raise RuntimeError(f"remote bench: {hits} of {len(keys)} hits: {rc.stats()}")
     nbytes = len(keys) * bs
     return nbytes / put_s, nbytes / get_s
 
 
 def plain_sync(cfg, keys, vals, bs, batch):
     """redis-py's synchronous cluster client: SET / GET pipelines of `batch`."""
-    from redis.cluster import ClusterNode, RedisCluster
-
     rc = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in cfg.endpoints()],
                       password=cfg.secret())
     names = [cfg.prefix.encode() + b"plain:" + k.hex().encode() for k in keys]
@@ -99,7 +100,8 @@ def plain_sync(cfg, keys, vals, bs, batch):
                 p.get(n)
             got += sum(v is not None for v in p.execute())
         get_s = time.perf_counter() - t0
-        assert got == len(keys)
+        if got != len(keys):
+            raise RuntimeError(f"remote bench: got {got} of {len(keys)} values back")
     finally:
         rc.close()
     nbytes = len(keys) * bs
@@ -108,13 +110,12 @@ def plain_sync(cfg, keys, vals, bs, batch):
 
 def plain_async(cfg, keys, vals, bs, batch):
     """redis-py's asyncio cluster client: the same pipelines."""
-    from redis.asyncio.cluster import ClusterNode, RedisCluster
-
     names = [cfg.prefix.encode() + b"aplain:" + k.hex().encode() for k in keys]
 
     async def run():
-        rc = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in cfg.endpoints()],
-                          password=cfg.secret())
+        rc = async_cluster.RedisCluster(
+            startup_nodes=[async_cluster.ClusterNode(h, p) for h, p in cfg.endpoints()],
+            password=cfg.secret())
         try:
             await rc.initialize()
             t0 = time.perf_counter()
@@ -132,7 +133,8 @@ def plain_async(cfg, keys, vals, bs, batch):
                     p.get(n)
                 got += sum(v is not None for v in await p.execute())
             get_s = time.perf_counter() - t0
-            assert got == len(keys)
+            if got != len(keys):
+                raise RuntimeError(f"remote bench: got {got} of {len(keys)} values back")
         finally:
             await rc.aclose()
         return put_s, get_s
@@ -142,22 +144,24 @@ def plain_async(cfg, keys, vals, bs, batch):
     return nbytes / put_s, nbytes / get_s
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def add_arguments(ap) -> None:
     ap.add_argument("--mib", type=int, default=256, help="bytes moved per phase (MiB)")
     ap.add_argument("--batch", type=int, default=32, help="blocks per pipeline / lookup")
     ap.add_argument("--reps", type=int, default=3, help="repetitions (the median is kept)")
     ap.add_argument("--nodes", default=None,
                     help="an existing cluster, host:port,... (the bench writes and then deletes "
                          "keys under a prefix of its own; nothing else is touched)")
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
+
+
+def run(a, progress) -> dict:
     cluster = None
     prefix = f"cxlkv-bench-{os.getpid()}-{os.urandom(4).hex()}:"
     if a.nodes:
         cfg = RemoteConfig(nodes=tuple(a.nodes.split(",")), ttl_s=3600, queue_bytes=1024 * MiB,
                            prefix=prefix)
     else:
+        harness.require_tools("redis-server", "redis-cli")
+        progress("starting a 3-master cluster")
         cluster = TestCluster(masters=3).__enter__()
         cfg = RemoteConfig(nodes=tuple(cluster.addrs), ttl_s=0, queue_bytes=1024 * MiB,
                            prefix=prefix)
@@ -167,17 +171,18 @@ def main():
         for bs in (256 * KiB, 64 * KiB):
             keys, vals = data_set(a.mib * MiB, bs, seed=bs)
             runs = {"tier_node": [], "tier_pipeline": [], "plain_sync": [], "plain_async": []}
-            for _ in range(a.reps):
+            for r in range(a.reps):
                 for name in runs:
+                    progress(f"{bs // KiB} KiB blocks, {name}, rep {r + 1}/{a.reps}")
                     cleanup(cfg)
                     if name.startswith("tier"):
-                        r = tier_run(cfg, keys, vals, bs, a.batch, name.split("_")[1])
+                        x = tier_run(cfg, keys, vals, bs, a.batch, name.split("_")[1])
                     elif name == "plain_sync":
-                        r = plain_sync(cfg, keys, vals, bs, a.batch)
+                        x = plain_sync(cfg, keys, vals, bs, a.batch)
                     else:
-                        r = plain_async(cfg, keys, vals, bs, a.batch)
-                    runs[name].append(r)
-            med = {k: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v))
+                        x = plain_async(cfg, keys, vals, bs, a.batch)
+                    runs[name].append(x)
+            med = {k: (harness.median(x[0] for x in v), harness.median(x[1] for x in v))
                    for k, v in runs.items()}
             best_put = max(med["plain_sync"][0], med["plain_async"][0])
             best_get = max(med["plain_sync"][1], med["plain_async"][1])
@@ -193,23 +198,20 @@ def main():
     finally:
         if cluster is not None:
             cluster.stop()
-    if a.json:
-        print(json.dumps(rep, indent=1))
-        return
-    print(f"remote tier vs plain redis-py cluster pipelines, {a.mib} MiB per phase, "
-          f"{a.batch} blocks per batch, median of {a.reps}, {os.cpu_count()} CPUs "
-          f"({'cluster ' + a.nodes if a.nodes else '3 masters on loopback'})")
+    return rep
+
+
+def render(rep: dict) -> str:
+    lines = [f"remote tier vs plain redis-py cluster pipelines, {rep['mib']} MiB per phase, "
+             f"{rep['batch']} blocks per batch, median of {rep['reps']}, {rep['cpus']} CPUs"]
     for bs, r in rep["sizes"].items():
-        print(f"{bs // KiB} KiB blocks:")
+        lines.append(f"{int(bs) // KiB} KiB blocks:")
         for what in ("put", "get"):
-            print(f"  {what}: tier {r[f'tier_node_{what}_GBps']:.2f} GB/s "
-                  f"(cluster-pipeline strategy {r[f'tier_pipeline_{what}_GBps']:.2f}), "
-                  f"plain sync {r[f'plain_sync_{what}_GBps']:.2f}, "
-                  f"plain asyncio {r[f'plain_async_{what}_GBps']:.2f} GB/s -> "
-                  f"tier / best plain = {r[f'tier_vs_plain_{what}']:.2f}x, "
-                  f"node / pipeline strategy = {r[f'node_vs_pipeline_{what}']:.2f}x")
-    sys.stdout.flush()
-
-
-if __name__ == "__main__":
-    main()
+            lines.append(
+                f"  {what}: tier {r[f'tier_node_{what}_GBps']:.2f} GB/s "
+                f"(cluster-pipeline strategy {r[f'tier_pipeline_{what}_GBps']:.2f}), "
+                f"plain sync {r[f'plain_sync_{what}_GBps']:.2f}, "
+                f"plain asyncio {r[f'plain_async_{what}_GBps']:.2f} GB/s -> "
+                f"tier / best plain = {r[f'tier_vs_plain_{what}']:.2f}x, "
+                f"node / pipeline strategy = {r[f'node_vs_pipeline_{what}']:.2f}x")
+    return "\n".join(lines)

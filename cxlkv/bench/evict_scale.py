@@ -9,21 +9,18 @@ at the low watermark) while another process attached as a node takes
 waited.  Prints p50/p90/p99 of the store and the lock wait p99, and with
 --json one JSON document.
 
-    .venv/bin/python bench/evict_scale.py [--slots 65536 1048576] [--stores 300] [--json]
+    cxlkv bench run evict-scale [--slots 65536 1048576] [--stores 300] [--json]
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
-import sys
-import tempfile
 import time
 
 import numpy as np
 
 import cxlkv
+from cxlkv.bench import harness
 from cxlkv.kv.area import Area
 from cxlkv.ops.init import init_pool
 from cxlkv.pool.format import FormatParams, compute_layout
@@ -52,11 +49,12 @@ pool.close()
 '''
 
 
-def pct(xs, q):
-    return float(np.percentile(np.asarray(xs), q)) if len(xs) else float("nan")
+def pct(xs, q) -> float:
+    v = harness.pct(xs, q)
+    return float("nan") if v is None else v
 
 
-def run(slots: int, stores: int, tmp: str) -> dict:
+def one_size(slots: int, stores: int, tmp: str) -> dict:
     path = os.path.join(tmp, f"evict-{slots}.pool")
     chunk = 64 << 10
     data = -(-int(0.7 * slots) * BB // chunk) * chunk
@@ -77,7 +75,7 @@ def run(slots: int, stores: int, tmp: str) -> dict:
         fill_s = time.perf_counter() - t0
         live = a.header().live
         go, stop, out = (os.path.join(tmp, f"{x}-{slots}") for x in ("go", "stop", "waits.json"))
-        w = subprocess.Popen([sys.executable, "-c", WAITER, path, go, stop, out])
+        w = harness.python(WAITER, path, go, stop, out)
         while not os.path.exists(go + ".ready"):
             time.sleep(0.01)
         open(go, "w").close()
@@ -139,15 +137,18 @@ def run(slots: int, stores: int, tmp: str) -> dict:
                              "p99": pct(waits, 99) * ms, "max": max(waits) * ms}}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap) -> None:
     ap.add_argument("--slots", type=int, nargs="+", default=[1 << 16, 1 << 20])
     ap.add_argument("--stores", type=int, default=300)
-    ap.add_argument("--dir", default="/dev/shm")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        res = [run(s, args.stores, tmp) for s in args.slots]
+    ap.add_argument("--dir", default=None, help="where the pools go (default /dev/shm)")
+
+
+def run(args, progress) -> dict:
+    res = []
+    with harness.scratch("cxlkv-bench-evict-", args.dir) as tmp:
+        for s in args.slots:
+            progress(f"{s} slots")
+            res.append(one_size(s, args.stores, tmp))
     if len(res) >= 2:
         doc = {"runs": res,
                "p90_ratio": res[-1]["store_ms"]["p90"] / res[0]["store_ms"]["p90"]}
@@ -156,29 +157,29 @@ def main(argv=None) -> int:
                                           / res[0]["evict_own_ms"]["p90"])
     else:
         doc = {"runs": res}
-    if args.json:
-        print(json.dumps(doc, indent=2))
-    else:
-        for r in res:
-            s, w = r["store_ms"], r["lock_wait_ms"]
-            print(f"{r['slots']:>8} slots {r['entries']:>8} entries  store p50 {s['p50']:.3f} "
-                  f"p90 {s['p90']:.3f} p99 {s['p99']:.3f} ms  ({r['evicted_blocks']} evicted)  "
-                  f"other node lock wait p50 {w['p50']:.3f} p99 {w['p99']:.3f} "
-                  f"max {w['max']:.3f} ms (n={w['n']})")
-            e = r["evict_ms"]
-            x = r["release_empty_ms"]
-            print(f"{'':>8}       inline evictions n={e['n']} p50 {e['p50']:.3f} p99 {e['p99']:.3f} "
-                  f"ms (of which allocator release_empty p50 {x['p50']:.3f} p99 {x['p99']:.3f} ms); "
-                  f"the old whole-table order alone: {r['old_scan_ms']:.1f} ms")
-            if r["evict_own_ms"]:
-                o = r["evict_own_ms"]
-                print(f"{'':>8}       eviction without release_empty p50 {o['p50']:.3f} "
-                      f"p90 {o['p90']:.3f} p99 {o['p99']:.3f} ms")
-        if "p90_ratio" in doc:
-            print(f"store p90 ratio {doc['p90_ratio']:.2f}; eviction without release_empty "
-                  f"p90 ratio {doc.get('evict_own_p90_ratio', float('nan')):.2f}")
-    return 0
+    return doc
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def render(doc: dict) -> str:
+    lines = []
+    for r in doc["runs"]:
+        s, w = r["store_ms"], r["lock_wait_ms"]
+        lines.append(
+            f"{r['slots']:>8} slots {r['entries']:>8} entries  store p50 {s['p50']:.3f} "
+            f"p90 {s['p90']:.3f} p99 {s['p99']:.3f} ms  ({r['evicted_blocks']} evicted)  "
+            f"other node lock wait p50 {w['p50']:.3f} p99 {w['p99']:.3f} "
+            f"max {w['max']:.3f} ms (n={w['n']})")
+        e = r["evict_ms"]
+        x = r["release_empty_ms"]
+        lines.append(
+            f"{'':>8}       inline evictions n={e['n']} p50 {e['p50']:.3f} p99 {e['p99']:.3f} "
+            f"ms (of which allocator release_empty p50 {x['p50']:.3f} p99 {x['p99']:.3f} ms); "
+            f"the old whole-table order alone: {r['old_scan_ms']:.1f} ms")
+        if r["evict_own_ms"]:
+            o = r["evict_own_ms"]
+            lines.append(f"{'':>8}       eviction without release_empty p50 {o['p50']:.3f} "
+                         f"p90 {o['p90']:.3f} p99 {o['p99']:.3f} ms")
+    if "p90_ratio" in doc:
+        lines.append(f"store p90 ratio {doc['p90_ratio']:.2f}; eviction without release_empty "
+                     f"p90 ratio {doc.get('evict_own_p90_ratio', float('nan')):.2f}")
+    return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Allocator metadata costs against pool size (issue 15): the same figures at
+"""Allocator metadata costs against pool size: the same figures at
 16K and 1M chunks in one run, and their ratio.
 
 - slab: making a slab (pool.alloc of a chunk-size slot: one new 1-slot slab
@@ -13,29 +13,25 @@
 Pools are sparse files of 64 KiB chunks under --dir (1 GiB and 64 GiB), formatted
 without zeroing their data area (never written here).
 
-    .venv/bin/python bench/alloc_scale.py [--slabs N] [--recovery-slabs N] [--json]
+    cxlkv bench run alloc-scale [--slabs N] [--recovery-slabs N] [--json]
 """
-import argparse
-import json
+from __future__ import annotations
+
 import os
-import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
 import numpy as np
 
 import cxlkv
-from cxlkv import benchmarks as B
 from cxlkv._core import Mapping
+from cxlkv.bench import harness, poolops
 from cxlkv.pool.format import FormatParams, format_mapping
-from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
-from cxlkv.state import alloc as A
-from cxlkv.state import nodes as N
+from cxlkv.state import alloc
 
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+KiB, MiB, GiB = harness.KiB, harness.MiB, harness.GiB
 CHUNK = 64 * KiB
 
 CHILD = r"""
@@ -87,22 +83,22 @@ def release_ms(pool, rounds: int) -> list[float]:
 def recovery_ms(path: str, slabs: int) -> tuple[float, float, int]:
     """(recovery ms, of which zeroing the reserved slots, reserved bytes) of a
     node killed holding `slabs` one-slot slabs, one in ten reserved."""
-    child = subprocess.Popen([sys.executable, "-c", CHILD, path, str(slabs)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = harness.python(CHILD, path, slabs, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           text=True)
     slot, epoch = map(int, child.stdout.readline().split())
     with Pool.open(path) as p:
-        d = A.descriptors(p)
+        d = alloc.descriptors(p)
         heads = np.flatnonzero(((d["control"] & 0xFF) == 1) & (d["pub_bits"][:, 0] == 0)
                                & (d["alloc_bits"][:, 0] == 1))
         del d
     child.kill()
     child.wait()
     with Pool.open(path) as p:                     # no node of ours: nobody reaps meanwhile
-        data_off, chunk, _, _ = A.geometry(p)
+        data_off, chunk, _, _ = alloc.geometry(p)
         for h in heads.tolist():    # as a long-running reaper's mapping: pages mapped writable
             p.mapping.write(data_off + h * chunk, b"R" * chunk)
         t = time.perf_counter()
-        A._recover_allocations(p, slot, epoch)
+        alloc._recover_allocations(p, slot, epoch)
         took = (time.perf_counter() - t) * 1e3
         t = time.perf_counter()
         for h in heads.tolist():                   # the same bytes zeroed again
@@ -136,9 +132,9 @@ def one_size(d: str, size: int, args) -> dict:
             res["nchunks"] = pool.sb.nchunks
             fill_bitmap(pool, 0.9)
             s = slab_ms(pool, args.slabs)
-            res["slab_ms_p50"], res["slab_ms_max"] = statistics.median(s), max(s)
+            res["slab_ms_p50"], res["slab_ms_max"] = harness.median(s), max(s)
             r = release_ms(pool, args.rounds)
-            res["release_ms_p50"], res["release_ms_max"] = statistics.median(r), max(r)
+            res["release_ms_p50"], res["release_ms_max"] = harness.median(r), max(r)
         res["recovery_ms"], res["recovery_zeroing_ms"], res["recovery_zeroed_bytes"] = \
             recovery_ms(path, args.recovery_slabs)
         res["recovery_slabs"] = args.recovery_slabs
@@ -147,37 +143,40 @@ def one_size(d: str, size: int, args) -> dict:
     return res
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap) -> None:
     ap.add_argument("--slabs", type=int, default=50, help="slabs made per size")
     ap.add_argument("--rounds", type=int, default=20, help="eviction batches per size")
     ap.add_argument("--recovery-slabs", type=int, default=10_000)
-    ap.add_argument("--dir", default=tempfile.gettempdir())
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
-    with tempfile.TemporaryDirectory(dir=args.dir) as d:
+    ap.add_argument("--dir", default=tempfile.gettempdir(),
+                    help="where the sparse pool files go (default: the temporary directory)")
+
+
+def run(args, progress) -> dict:
+    with harness.scratch("cxlkv-bench-alloc-", args.dir) as d:
+        progress("16K chunks")
         small = one_size(d, 1 * GiB, args)
+        progress("1M chunks")
         big = one_size(d, 64 * GiB, args)
-        apath = os.path.join(d, "alloc.pool")
-        init_pool(apath, {"size": 256 * MiB})
+        progress("alloc + free")
+        apath = harness.scratch_pool(os.path.join(d, "alloc.pool"), 256 * MiB)
         with cxlkv.open_pool(apath) as pool:
-            ops = B.alloc_ops(pool)
-    out = {"small": small, "big": big,
-           "ratio_slab_p50": big["slab_ms_p50"] / small["slab_ms_p50"],
-           "ratio_release_p50": big["release_ms_p50"] / small["release_ms_p50"],
-           "alloc_free_pairs_per_s": ops}
-    if args.json:
-        print(json.dumps(out, indent=1))
-        return
-    for name, r in (("16K", small), ("1M", big)):
-        print(f"{name:>4} chunks ({r['nchunks']}): slab {r['slab_ms_p50']:.3f} ms p50 "
-              f"(max {r['slab_ms_max']:.3f}), release_empty {r['release_ms_p50']:.3f} ms p50 "
-              f"(max {r['release_ms_max']:.3f}), recovery of {r['recovery_slabs']} slabs "
-              f"{r['recovery_ms']:.1f} ms (zeroing {r['recovery_zeroed_bytes'] >> 20} MiB of "
-              f"reserved slots: {r['recovery_zeroing_ms']:.1f} ms of it)")
-    print(f"ratio 1M/16K: slab {out['ratio_slab_p50']:.2f}x, release_empty "
-          f"{out['ratio_release_p50']:.2f}x; allocator {ops / 1e6:.2f} M alloc+free pairs/s")
+            ops = poolops.alloc_ops(pool)
+    return {"small": small, "big": big,
+            "ratio_slab_p50": big["slab_ms_p50"] / small["slab_ms_p50"],
+            "ratio_release_p50": big["release_ms_p50"] / small["release_ms_p50"],
+            "alloc_free_pairs_per_s": ops}
 
 
-if __name__ == "__main__":
-    main()
+def render(out: dict) -> str:
+    lines = []
+    for name, r in (("16K", out["small"]), ("1M", out["big"])):
+        lines.append(
+            f"{name:>4} chunks ({r['nchunks']}): slab {r['slab_ms_p50']:.3f} ms p50 "
+            f"(max {r['slab_ms_max']:.3f}), release_empty {r['release_ms_p50']:.3f} ms p50 "
+            f"(max {r['release_ms_max']:.3f}), recovery of {r['recovery_slabs']} slabs "
+            f"{r['recovery_ms']:.1f} ms (zeroing {r['recovery_zeroed_bytes'] >> 20} MiB of "
+            f"reserved slots: {r['recovery_zeroing_ms']:.1f} ms of it)")
+    lines.append(f"ratio 1M/16K: slab {out['ratio_slab_p50']:.2f}x, release_empty "
+                 f"{out['ratio_release_p50']:.2f}x; allocator "
+                 f"{out['alloc_free_pairs_per_s'] / 1e6:.2f} M alloc+free pairs/s")
+    return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Change-journal figures (issue 15): what the appends cost the store path,
+"""Change-journal figures: what the appends cost the store path,
 and how fast a reader follows the rack.
 
 1. store ops/s with and without the journal append (the same stores on a
@@ -11,43 +11,37 @@ and how fast a reader follows the rack.
    record;
 3. the reader's capacity: records/s one poll() decodes from full rings.
 
-    .venv/bin/python bench/journal.py [--rounds N] [--stores N] [--rate N] [--json]
+    cxlkv bench run journal [--rounds N] [--stores N] [--rate N] [--json]
 
 Pools are files in /dev/shm (or --dir).  Figures on a shared machine are noisy.
 """
-import argparse
-import json
+from __future__ import annotations
+
 import os
-import statistics
 import subprocess
-import sys
-import tempfile
 import time
 
 import numpy as np
 
 import cxlkv
-from cxlkv.kv import journal as J
-from cxlkv.ops.init import init_pool
+from cxlkv.bench import harness
+from cxlkv.kv import journal
 from cxlkv.api import Pool
 
-MiB = 1 << 20
+MiB = harness.MiB
 BB = 4096
 PER = 8                     # blocks per store
 
 
 def fresh(path):
-    if os.path.exists(path):
-        os.unlink(path)
-    init_pool(path, {"size": 256 * MiB, "chunk_size": 2 * MiB, "max_nodes": 8,
-                     "hash_slots": 1 << 17})
+    harness.scratch_pool(path, 256 * MiB, chunk_size=2 * MiB, max_nodes=8, hash_slots=1 << 17)
 
 
-def store_rate(path, stores, journal: bool) -> float:
+def store_rate(path, stores, with_journal: bool) -> float:
     fresh(path)
-    real = J.Writer.append
-    if not journal:
-        J.Writer.append = lambda self, *a, **k: 0
+    real = journal.Writer.append
+    if not with_journal:
+        journal.Writer.append = lambda self, *a, **k: 0
     try:
         with cxlkv.open_pool(path) as pool:
             kv = pool.kv(model="bench", block_tokens=4, block_bytes=BB)
@@ -58,7 +52,7 @@ def store_rate(path, stores, journal: bool) -> float:
                 kv.store(s, blob)
             return stores / (time.perf_counter() - t0)
     finally:
-        J.Writer.append = real
+        journal.Writer.append = real
 
 
 WRITER = r'''
@@ -82,11 +76,12 @@ with cxlkv.open_pool(path) as pool:
 
 def follow(path, rate, seconds, poll_ms):
     fresh(path)
-    w = subprocess.Popen([sys.executable, "-c", WRITER, path, str(rate), str(seconds)],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert w.stdout.readline().strip() == "ready"
+    w = harness.python(WRITER, path, rate, seconds, stdin=subprocess.PIPE,
+                       stdout=subprocess.PIPE, text=True)
+    if w.stdout.readline().strip() != "ready":
+        raise RuntimeError("journal bench: the writer process did not start")
     with Pool.open(path) as pool:
-        r = J.JournalReader(pool, start="now")
+        r = journal.JournalReader(pool, start="now")
         got, lags, cpu = 0, [], 0.0
         w.stdin.write("go\n")
         w.stdin.flush()
@@ -108,8 +103,8 @@ def follow(path, rate, seconds, poll_ms):
     lags = np.array(lags or [0]) / 1000.0
     return {"target_blocks_per_s": rate, "writer_blocks_per_s": round(achieved),
             "records": got, "records_per_s": round(got / wall), "resyncs": r.resyncs,
-            "lag_ms_p50": round(float(np.percentile(lags, 50)), 2),
-            "lag_ms_p99": round(float(np.percentile(lags, 99)), 2),
+            "lag_ms_p50": round(harness.pct(lags, 50), 2),
+            "lag_ms_p99": round(harness.pct(lags, 99), 2),
             "reader_cpu_us_per_record": round(cpu / max(1, got) * 1e6, 2),
             "poll_ms": poll_ms}
 
@@ -126,14 +121,14 @@ def append_cost(path, n=20000):
         with pool.lock():
             t0 = time.perf_counter()
             for _ in range(n):
-                w.append(J.STORED, idx)
+                w.append(journal.STORED, idx)
             return (time.perf_counter() - t0) / n * 1e6
 
 
 def capacity(path):
     fresh(path)
     with cxlkv.open_pool(path) as pool:
-        r = J.JournalReader(pool, start="now")
+        r = journal.JournalReader(pool, start="now")
         kv = pool.kv(model="bench", block_tokens=4, block_bytes=BB)
         n = r.geo.nrec // PER - 1
         blob = bytes(PER * BB)
@@ -148,52 +143,50 @@ def capacity(path):
                 "records_per_s": round(total / spent)}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(ap) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--stores", type=int, default=1500)
     ap.add_argument("--rate", type=float, default=10_000, help="writer blocks/s")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--poll-ms", type=float, default=5.0)
-    ap.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
-    d = tempfile.mkdtemp(prefix="cxlkv-journal-bench-", dir=a.dir)
-    path = os.path.join(d, "bench.pool")
-    try:
+    ap.add_argument("--dir", default=None, help="where the pool goes (default /dev/shm)")
+
+
+def run(a, progress) -> dict:
+    with harness.scratch("cxlkv-journal-bench-", a.dir) as d:
+        path = os.path.join(d, "bench.pool")
         on, off = [], []
-        for _ in range(a.rounds):
+        for r in range(a.rounds):
+            progress(f"stores, round {r + 1}/{a.rounds}")
             off.append(store_rate(path, a.stores, False))
             on.append(store_rate(path, a.stores, True))
-        out = {"stores": {"blocks_per_store": PER, "block_bytes": BB, "stores": a.stores,
-                          "with_journal_ops_s": round(statistics.median(on)),
-                          "without_journal_ops_s": round(statistics.median(off)),
-                          "ratio": round(statistics.median(on) / statistics.median(off), 3),
-                          "rounds_with": [round(x) for x in on],
-                          "rounds_without": [round(x) for x in off],
-                          "append_us": round(append_cost(path), 2),
-                          "store_us_with_journal": round(1e6 / statistics.median(on), 1)},
-               "follow": follow(path, a.rate, a.seconds, a.poll_ms),
-               "capacity": capacity(path)}
-    finally:
-        if os.path.exists(path):
-            os.unlink(path)
-        os.rmdir(d)
-    if a.json:
-        print(json.dumps(out, indent=1))
-    else:
-        s = out["stores"]
-        print(f"store ops/s ({PER} x {BB} B): with journal {s['with_journal_ops_s']}, without "
-              f"{s['without_journal_ops_s']}, ratio {s['ratio']}; one append of {PER} records "
-              f"{s['append_us']} us vs {s['store_us_with_journal']} us per store")
-        f = out["follow"]
-        print(f"reader at {f['target_blocks_per_s']:.0f} blocks/s (writer reached "
-              f"{f['writer_blocks_per_s']}): {f['records_per_s']} records/s, resyncs "
-              f"{f['resyncs']}, lag p50 {f['lag_ms_p50']} ms p99 {f['lag_ms_p99']} ms, "
-              f"{f['reader_cpu_us_per_record']} us CPU/record")
-        c = out["capacity"]
-        print(f"reader capacity: {c['records_per_s']} records/s ({c['records_per_poll']} per poll)")
+        progress("append")
+        append_us = round(append_cost(path), 2)
+        progress("follow")
+        followed = follow(path, a.rate, a.seconds, a.poll_ms)
+        progress("capacity")
+        return {"stores": {"blocks_per_store": PER, "block_bytes": BB, "stores": a.stores,
+                           "with_journal_ops_s": round(harness.median(on)),
+                           "without_journal_ops_s": round(harness.median(off)),
+                           "ratio": round(harness.median(on) / harness.median(off), 3),
+                           "rounds_with": [round(x) for x in on],
+                           "rounds_without": [round(x) for x in off],
+                           "append_us": append_us,
+                           "store_us_with_journal": round(1e6 / harness.median(on), 1)},
+                "follow": followed,
+                "capacity": capacity(path)}
 
 
-if __name__ == "__main__":
-    main()
+def render(out: dict) -> str:
+    s = out["stores"]
+    f = out["follow"]
+    c = out["capacity"]
+    return "\n".join([
+        f"store ops/s ({PER} x {BB} B): with journal {s['with_journal_ops_s']}, without "
+        f"{s['without_journal_ops_s']}, ratio {s['ratio']}; one append of {PER} records "
+        f"{s['append_us']} us vs {s['store_us_with_journal']} us per store",
+        f"reader at {f['target_blocks_per_s']:.0f} blocks/s (writer reached "
+        f"{f['writer_blocks_per_s']}): {f['records_per_s']} records/s, resyncs "
+        f"{f['resyncs']}, lag p50 {f['lag_ms_p50']} ms p99 {f['lag_ms_p99']} ms, "
+        f"{f['reader_cpu_us_per_record']} us CPU/record",
+        f"reader capacity: {c['records_per_s']} records/s ({c['records_per_poll']} per poll)"])

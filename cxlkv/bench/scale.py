@@ -1,5 +1,5 @@
-"""`cxlkv bench --scale`: the rack-scale costs (issue 15), each figure beside
-a baseline measured in the same run, with the issue's targets.
+"""`cxlkv bench --scale`: the rack-scale costs, each figure beside
+a baseline measured in the same run, with its target.
 
 Scenarios (each on a scratch pool in /dev/shm, removed after):
 
@@ -47,12 +47,10 @@ from multiprocessing.connection import Connection
 from typing import Callable
 
 import numpy as np
-import psutil
 
 import cxlkv
-from cxlkv.benchmarks import _meets, _scratch_dir
+from cxlkv.bench import harness
 from cxlkv.daemons.lockmgr import C_IDLE_AFTER_S
-from cxlkv.ops.lockmgr import ensure_manager
 from cxlkv.errors import CxlkvError
 from cxlkv.kv.cache import drop_namespace, kv_report
 from cxlkv.ops.init import init_pool
@@ -60,7 +58,7 @@ from cxlkv.state.nodes import read_nodes
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
-#: the issue's targets: key -> (comparison, value)
+#: the targets: key -> (comparison, value)
 TARGETS = {
     "store_p90_big_vs_small": ("<=", 2.0),
     "lock_wait_p99_big_ms": ("<=", 1.0),
@@ -244,16 +242,13 @@ class Workers:
     def __init__(self, n: int, timeout: float = 600.0):
         self.timeout = timeout
         self.conn, self.proc = [], []
-        env = dict(os.environ)
-        top = os.path.dirname(os.path.dirname(os.path.abspath(cxlkv.__file__)))
-        env["PYTHONPATH"] = os.pathsep.join(
-            [top] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env = harness.child_env()
         try:
             for _ in range(n):
                 mine, theirs = socket.socketpair()
                 try:
                     self.proc.append(subprocess.Popen(
-                        [sys.executable, "-c", "import sys; from cxlkv.bench_scale import "
+                        [sys.executable, "-c", "import sys; from cxlkv.bench.scale import "
                          "_child_main; _child_main(sys.argv[1:])", str(theirs.fileno())],
                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env))
                 finally:
@@ -319,10 +314,6 @@ class Workers:
 
 
 # -- scenarios ----------------------------------------------------------------------------
-def _pct(values, q: float) -> float | None:
-    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else None
-
-
 def full_pool(workers: Workers, d: str, entries: int, stores: int) -> dict:
     """Stores of 64 blocks into a pool filled past its table's capacity, each
     evicting, while worker 0 (another node) samples the pool lock."""
@@ -367,9 +358,9 @@ def full_pool(workers: Workers, d: str, entries: int, stores: int) -> dict:
         return {"slots": entries, "max_entries": cap, "entries": rep["entries"],
                 "evictions": sum(n["evictions"] for n in rep["namespaces"]),
                 "fill_s": fill_s, "stores": len(ms),
-                "store_p50_ms": _pct(ms, 50), "store_p90_ms": _pct(ms, 90),
-                "store_p99_ms": _pct(ms, 99), "lock_waits": len(wms),
-                "lock_wait_p50_ms": _pct(wms, 50), "lock_wait_p99_ms": _pct(wms, 99),
+                "store_p50_ms": harness.pct(ms, 50), "store_p90_ms": harness.pct(ms, 90),
+                "store_p99_ms": harness.pct(ms, 99), "lock_waits": len(wms),
+                "lock_wait_p50_ms": harness.pct(wms, 50), "lock_wait_p99_ms": harness.pct(wms, 99),
                 "lock_wait_max_ms": max(wms) if wms else None}
     finally:
         os.unlink(path)
@@ -406,58 +397,18 @@ def procs_round(workers: Workers, paths: dict, k: int, seconds: float,
         workers.all(k, "close")
         lat = [x * 1e6 for _, ls in res for x in ls]
         out["manager_lock_ops_per_s"] = sum(n for n, _ in res) / seconds
-        out["manager_rtt_p50_us"] = _pct(lat, 50)
-        out["manager_rtt_p99_us"] = _pct(lat, 99)
+        out["manager_rtt_p50_us"] = harness.pct(lat, 50)
+        out["manager_rtt_p99_us"] = harness.pct(lat, 99)
     return out
-
-
-def _children() -> set[int]:
-    return {p.pid for p in psutil.Process().children()}
-
-
-@contextlib.contextmanager
-def lock_manager(path: str):
-    """A lock manager for `path` while the block runs; yields its pid (None
-    when one was already running)."""
-    before = _children()
-    started, stop = ensure_manager(path)
-    new = sorted(_children() - before)
-    try:
-        yield new[0] if started and new else None
-    finally:
-        stop()
-
-
-def _cpu_s(pid: int) -> float:
-    """CPU seconds of process `pid`, all threads: the scheduler's nanosecond
-    count (/proc/PID/schedstat) where there is one, else psutil's (clock
-    ticks: 10 ms steps, too coarse for a process idling at 1 %)."""
-    try:
-        with open(f"/proc/{pid}/schedstat") as f:
-            own = int(f.read().split()[0])
-        total = own
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            if int(tid) != pid:
-                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    total += int(f.read().split()[0])
-        return total / 1e9
-    except (OSError, ValueError, IndexError):
-        t = psutil.Process(pid).cpu_times()
-        return t.user + t.system
-
-
-def idle_cpu_pct(pid: int, seconds: float) -> float:
-    """CPU % (of one core) process `pid` uses over `seconds`."""
-    c0, w0 = _cpu_s(pid), time.monotonic()
-    time.sleep(seconds)
-    return 100.0 * (_cpu_s(pid) - c0) / (time.monotonic() - w0)
 
 
 _ATTACH_SCRIPT = """
 import json, sys, time
 import numpy
 import cxlkv
-open_pool = cxlkv.open_pool
+t = time.perf_counter()
+open_pool = cxlkv.open_pool          # imports cxlkv.api: the stack below it
+imports = time.perf_counter() - t
 path, n = sys.argv[1], int(sys.argv[2])
 t = time.perf_counter()
 pool = open_pool(path)
@@ -471,7 +422,7 @@ for _ in range(n):
     pool = open_pool(path)
     more.append(time.perf_counter() - t)
     pool.close()
-print(json.dumps({"first": first, "detach": detach, "more": more}))
+print(json.dumps({"first": first, "detach": detach, "more": more, "imports": imports}))
 """
 
 
@@ -480,10 +431,7 @@ def _python(script: str, *args, pycache: str | None = None) -> dict:
     pycache: a bytecode cache directory it uses and fills (as an installed
     package's compiled bytecode); None: no bytecode is written, so modules
     without it next to their source are compiled at import."""
-    env = dict(os.environ)
-    top = os.path.dirname(os.path.dirname(os.path.abspath(cxlkv.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(
-        [top] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env = harness.child_env()
     if pycache is None:
         env["PYTHONDONTWRITEBYTECODE"] = "1"
     else:
@@ -500,6 +448,9 @@ def attach(size: int, repeat: int = 5, runs: int = 5) -> dict:
     """open_pool of a `size` pool: the first call in a fresh interpreter
     (median of `runs` interpreters), then the later calls in it.
 
+    attach_imports_ms / attach_uncached_imports_ms: the import of cxlkv.api
+    (the stack below it), which the first use of cxlkv.open_pool makes and
+    attach_ms does not include.
     attach_ms: with compiled bytecode in a cache (as pip installs a package;
     one interpreter fills the cache first, untimed); attach_uncached_ms:
     without, so what the call imports is compiled (a source tree run with
@@ -516,13 +467,15 @@ def attach(size: int, repeat: int = 5, runs: int = 5) -> dict:
         _python(_ATTACH_SCRIPT, path, 0, pycache=pyc)          # fills the cache
         res = {"attach_size": size, "attach_format_s": fmt}
         for key, cache in (("attach", pyc), ("attach_uncached", None)):
-            firsts, mores, detach = [], [], []
+            firsts, mores, detach, imports = [], [], [], []
             for _ in range(runs):
                 r = _python(_ATTACH_SCRIPT, path, repeat, pycache=cache)
                 firsts.append(r["first"])
                 mores += r["more"]
                 detach.append(r["detach"])
+                imports.append(r["imports"])
             res[f"{key}_ms"] = float(np.median(firsts)) * 1e3
+            res[f"{key}_imports_ms"] = float(np.median(imports)) * 1e3
             if cache is not None:
                 res["attach_warm_ms"] = float(np.median(mores)) * 1e3
                 res["detach_ms"] = float(np.median(detach)) * 1e3
@@ -568,7 +521,7 @@ def run(progress: Callable[[str], None] = lambda s: None, *, only=SCENARIOS,
                  "scenarios": list(only)}
     entries = sorted(entries)
     procs = sorted(procs)
-    d = _scratch_dir()
+    d = harness.scratch_dir()
     try:
         nworkers = max(procs) if "procs" in only or "manager" in only else 1
         with Workers(nworkers if set(only) & {"procs", "manager", "full-pool"} else 0) as w:
@@ -583,7 +536,7 @@ def run(progress: Callable[[str], None] = lambda s: None, *, only=SCENARIOS,
                 init_pool(paths["cas"], {"size": 4 * GiB, "sync": "cas"})
                 init_pool(paths["manager"], {"size": 64 * MiB, "sync": "manager",
                                              "chunk_size": MiB})
-                with lock_manager(paths["manager"]) as mgr_pid:
+                with harness.lock_manager(paths["manager"]) as mgr_pid:
                     if "procs" in only:
                         out["procs"] = {}
                         for k in procs:
@@ -600,8 +553,8 @@ def run(progress: Callable[[str], None] = lambda s: None, *, only=SCENARIOS,
                                           seconds)
                             w.all(k, "close")
                             lat = [x * 1e6 for _, ls in res for x in ls]
-                            r = {"manager_rtt_p50_us": _pct(lat, 50),
-                                 "manager_rtt_p99_us": _pct(lat, 99)}
+                            r = {"manager_rtt_p50_us": harness.pct(lat, 50),
+                                 "manager_rtt_p99_us": harness.pct(lat, 99)}
                         out["manager_clients"] = k
                         out["manager_rtt_p50_us"] = r["manager_rtt_p50_us"]
                         out["manager_rtt_p99_us"] = r["manager_rtt_p99_us"]
@@ -614,10 +567,10 @@ def run(progress: Callable[[str], None] = lambda s: None, *, only=SCENARIOS,
                                 # the manager spins, then sleeps at most 1 ms for
                                 # C_IDLE_AFTER_S after the last grant (so a burst is
                                 # served fast), then up to 10 ms: both are reported
-                                out["manager_cooldown_cpu_pct"] = idle_cpu_pct(
+                                out["manager_cooldown_cpu_pct"] = harness.cpu_pct(
                                     mgr_pid, C_IDLE_AFTER_S + 0.5)
-                                out["manager_idle_cpu_pct"] = idle_cpu_pct(mgr_pid,
-                                                                           idle_seconds)
+                                out["manager_idle_cpu_pct"] = harness.cpu_pct(
+                                    mgr_pid, idle_seconds)
                 for p in paths.values():
                     os.unlink(p)
         if "attach" in only:
@@ -637,9 +590,7 @@ def run(progress: Callable[[str], None] = lambda s: None, *, only=SCENARIOS,
     finally:
         shutil.rmtree(d, ignore_errors=True)
     _ratios(out, entries, procs)
-    out["targets"] = {k: _meets(out.get(k), *t) if t[0] != "<" else
-                      (None if out.get(k) is None else out[k] < t[1])
-                      for k, t in TARGETS.items()}
+    out["targets"] = {k: harness.meets(out.get(k), *t) for k, t in TARGETS.items()}
     return out
 
 

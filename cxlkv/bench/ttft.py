@@ -11,8 +11,8 @@ both timed from having the token ids to having the first token id, in the
 same process on the same model.  Medians over the runs, and their ratio.
 The first token must be the same on both paths (checked on every run).
 
-    .venv/bin/python bench/ttft.py                  # 1K, 4K, 8K; 5 runs each
-    .venv/bin/python bench/ttft.py --json --runs 9 --contexts 1024,4096
+    cxlkv bench run ttft                        # 1K, 4K, 8K; 5 runs each
+    cxlkv bench run ttft --json --runs 9 --contexts 1024,4096
 
 Model: cxlkv.testing.models.tiny_llama (4 layers, hidden 256, 4
 heads, 2 KV heads, float32; 4 KiB of KV a token), random weights from a fixed
@@ -21,48 +21,48 @@ seed, on the CPU with --threads torch threads.  Needs torch and transformers
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
-import sys
-import tempfile
+import shutil
 import time
 
-#: the target the issue sets for the 4K context (recompute / pooled hit)
+import cxlkv
+from cxlkv.bench import harness
+from cxlkv.errors import UsageError
+
+#: the target for the 4K context (recompute / pooled hit)
 TARGET_RATIO_4K = 20.0
+#: how to install what this scenario needs
+HINT = "pip install -e '.[transformers]'"
 
 
 def measure(contexts=(1024, 4096, 8192), runs: int = 5, threads: int = 2, seed: int = 0,
             pool: str | None = None, progress=None) -> dict:
-    import torch
-
-    import cxlkv
+    # optional dependencies (pip install -e '.[transformers]'): imported here so
+    # that the other scenarios run without them
+    torch = harness.require_module("torch", HINT)
+    harness.require_module("transformers", HINT)
     from cxlkv.integrations import transformers as hf
+    from cxlkv.testing import models
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _measure(torch, cxlkv, hf, contexts, runs, threads, seed, pool, progress)
+        return _measure(torch, hf, models, contexts, runs, threads, seed, pool, progress)
     finally:
         torch.set_num_threads(before)
 
 
-def _measure(torch, cxlkv, hf, contexts, runs, threads, seed, pool, progress) -> dict:
-    from cxlkv.testing.models import tiny_llama
-
-    model = tiny_llama(seed=seed, max_position_embeddings=max(16384, max(contexts) + 16))
+def _measure(torch, hf, models, contexts, runs, threads, seed, pool, progress) -> dict:
+    model = models.tiny_llama(seed=seed, max_position_embeddings=max(16384, max(contexts) + 16))
     kw = hf.cache_kwarg(model)
-    scratch = pool is None
-    if scratch:
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        pool = os.path.join(base, f"cxlkv-ttft-{os.getpid()}.pool")
-        lay = hf.block_layout(model)
-        need = sum(contexts) * lay.token_bytes
-        cxlkv.init_pool(pool, {"size": max(64 << 20, 2 * need + (32 << 20))})
+    scratch = harness.scratch_dir("cxlkv-ttft-") if pool is None else None
     out = {"model": {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2, "dtype": "float32",
                      "threads": threads}, "runs": runs, "contexts": []}
     try:
+        if scratch:
+            need = sum(contexts) * hf.block_layout(model).token_bytes
+            pool = harness.scratch_pool(os.path.join(scratch, "ttft.pool"),
+                                        max(64 << 20, 2 * need + (32 << 20)))
         with cxlkv.open_pool(pool) as p, torch.no_grad():
             kv = hf.kv_for_model(p, model, salt=f"ttft-{os.getpid()}")
             out["namespace"] = kv.namespace
@@ -100,19 +100,19 @@ def _measure(torch, cxlkv, hf, contexts, runs, threads, seed, pool, progress) ->
                     loads.append(res["hit"][2])
                     same &= res["recompute"][1] == res["hit"][1]
                     if progress:
-                        progress(n, r)
-                med_r, med_h = statistics.median(rec), statistics.median(pooled)
+                        progress(f"{n} tokens: run {r + 1}/{runs}")
+                med_r, med_h = harness.median(rec), harness.median(pooled)
                 out["contexts"].append({
                     "tokens": n, "blocks_stored": stored,
                     "kv_bytes": (n - n % kv.block_tokens) * kv.layout.token_bytes,
                     "recompute_ms": round(med_r * 1e3, 2), "hit_ms": round(med_h * 1e3, 2),
-                    "hit_load_ms": round(statistics.median(loads) * 1e3, 2),
+                    "hit_load_ms": round(harness.median(loads) * 1e3, 2),
                     "ratio": round(med_r / med_h, 1), "same_first_token": same,
                     "recompute_ms_all": [round(x * 1e3, 2) for x in rec],
                     "hit_ms_all": [round(x * 1e3, 2) for x in pooled]})
     finally:
-        if scratch and os.path.exists(pool):
-            os.remove(pool)
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
     c4 = [c for c in out["contexts"] if c["tokens"] == 4096]
     out["target"] = {"context": 4096, "ratio": TARGET_RATIO_4K,
                      "met": (c4[0]["ratio"] >= TARGET_RATIO_4K) if c4 else None}
@@ -136,27 +136,24 @@ def render(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap) -> None:
     ap.add_argument("--contexts", default="1024,4096,8192",
                     help="comma-separated prompt lengths in tokens")
     ap.add_argument("--runs", type=int, default=5, help="interleaved runs per context")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--pool", help="an existing pool (default: a scratch pool, removed after)")
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args(argv)
+
+
+def run(a, progress) -> dict:
     try:
         contexts = tuple(int(x) for x in a.contexts.split(",") if x.strip())
     except ValueError:
-        ap.error("--contexts takes integers, e.g. 1024,4096")
+        raise UsageError("--contexts takes integers, e.g. 1024,4096") from None
     if not contexts or min(contexts) < 32 or a.runs < 1:
-        ap.error("contexts must be >= 32 tokens and runs >= 1")
-    prog = None if a.json else (lambda n, r: print(f"  {n} tokens: run {r + 1}/{a.runs}",
-                                                   file=sys.stderr))
-    r = measure(contexts, a.runs, a.threads, pool=a.pool, progress=prog)
-    print(json.dumps(r, indent=2) if a.json else render(r))
-    return 0 if all(c["same_first_token"] for c in r["contexts"]) else 1
+        raise UsageError("contexts must be >= 32 tokens and runs >= 1")
+    return measure(contexts, a.runs, a.threads, pool=a.pool, progress=progress)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def ok(r: dict) -> bool:
+    """The first token agreed on both paths in every run."""
+    return all(c["same_first_token"] for c in r["contexts"])

@@ -1,34 +1,31 @@
-"""Spill tier figures (issue 8): spill write and promote throughput vs raw
+"""Spill tier figures: spill write and promote throughput vs raw
 sequential file I/O on the same disk (same run), and the hit rate of a trace
 larger than the pool without the spill tier, with it (this process owns the
 store) and as a reader of a store another process owns (as under
 `cxlkv serve --spill-dir`).
 
-    .venv/bin/python bench/spill.py [--dir DIR] [--mib N] [--json]
+    cxlkv bench run spill [--dir DIR] [--mib N] [--json]
 """
-import argparse
-import json
+from __future__ import annotations
+
 import os
-import random
 import shutil
 import subprocess
-import sys
-import tempfile
 import time
 
 import numpy as np
 
 import cxlkv
-from cxlkv.kv.tiers import spill as SP
+from cxlkv.bench import harness
+from cxlkv.kv.tiers import spill
 from cxlkv.kv.cache import KVCache
-from cxlkv.ops.init import init_pool
 
-MiB = 1 << 20
+MiB = harness.MiB
 BB = 256 * 1024
 
 
 def mkpool(path, size):
-    init_pool(path, {"size": size, "chunk_size": 1 * MiB, "max_nodes": 8, "lease_ms": 2000})
+    harness.scratch_pool(path, size, chunk_size=1 * MiB, max_nodes=8, lease_ms=2000)
 
 
 def raw_io(d, nbytes):
@@ -76,7 +73,7 @@ def raw_files(d, nbytes):
 def store_only(d, nbytes):
     """The SpillStore alone: offer nbytes of 256 KiB blocks, wait for the
     writers; then get (read + verify) them all."""
-    st = SP.SpillStore(os.path.join(d, "direct"), 4 * nbytes, queue_bytes=2 * nbytes)
+    st = spill.SpillStore(os.path.join(d, "direct"), 4 * nbytes, queue_bytes=2 * nbytes)
     blk = os.urandom(BB)
     keys = [os.urandom(16) for _ in range(nbytes // BB)]
     t0 = time.perf_counter()
@@ -86,7 +83,8 @@ def store_only(d, nbytes):
     w = time.perf_counter() - t0
     t0 = time.perf_counter()
     for k in keys:
-        assert st.get(k, b"n" * 16, BB) is not None
+        if st.get(k, b"n" * 16, BB) is None:
+            raise RuntimeError("spill bench: a block offered to the store is not there")
     r = time.perf_counter() - t0
     st.close()
     shutil.rmtree(os.path.join(d, "direct"))
@@ -102,7 +100,7 @@ def spill_throughput(d, pool_path, nbytes):
     with cxlkv.open_pool(pool_path) as pool:
         kv = KVCache(pool, model="bench", block_tokens=16, block_bytes=BB,
                      spill_dir=sdir, spill_bytes=4 * nbytes)
-        sp = SP.store_of(pool)
+        sp = spill.store_of(pool)
         nseq = nbytes // (8 * BB)
         seqs = [list(range(s * 10000, s * 10000 + 16 * 8)) for s in range(nseq)]
         data = np.random.default_rng(1).integers(0, 255, 8 * BB, dtype=np.uint8)
@@ -125,7 +123,7 @@ def spill_throughput(d, pool_path, nbytes):
             got += kv.load_into(t, out)
         prom_t = time.perf_counter() - t0
         st2 = sp.stats()
-        SP.disable(pool)
+        spill.disable(pool)
     shutil.rmtree(sdir, ignore_errors=True)
     return {"stored_bytes": nseq * 8 * BB, "store_s": store_t, "spilled_bytes": written,
             "spill_write_Bps": written / spill_t, "dropped": st["dropped"],
@@ -143,14 +141,13 @@ st.close()
 """
 
 
-def hit_rate(d, pool_path, spill, reader=False):
+def hit_rate(d, pool_path, with_spill, reader=False):
     """A trace of 4000 requests over 600 prefixes of 8 blocks (1.2 GiB of
     distinct blocks; Zipf-like popularity) through a 256 MiB pool; each request
     loads what is cached and stores the rest.  reader=True: another process
     owns the store (this one's lookups stat, its writes go through the shared
     count)."""
     mkpool(pool_path, 256 * MiB)
-    rng = random.Random(7)
     nprefix, nreq = 600, 4000
     w = np.array([1 / (i + 1) ** 0.6 for i in range(nprefix)])
     w /= w.sum()
@@ -159,11 +156,12 @@ def hit_rate(d, pool_path, spill, reader=False):
     hits = total = 0
     owner = None
     if reader:
-        owner = subprocess.Popen([sys.executable, "-c", OWNER, sdir, str(2048 * MiB)],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert owner.stdout.readline().strip() == "owner"
+        owner = harness.python(OWNER, sdir, 2048 * MiB, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+        if owner.stdout.readline().strip() != "owner":
+            raise RuntimeError("spill bench: the owner process did not start")
     with cxlkv.open_pool(pool_path) as pool:
-        kw = {"spill_dir": sdir, "spill_bytes": 2048 * MiB} if spill else {}
+        kw = {"spill_dir": sdir, "spill_bytes": 2048 * MiB} if with_spill else {}
         kv = KVCache(pool, model="trace", block_tokens=16, block_bytes=BB, **kw)
         data = np.zeros(8 * BB, dtype=np.uint8)
         out = bytearray(8 * BB)
@@ -177,10 +175,11 @@ def hit_rate(d, pool_path, spill, reader=False):
                 data[:8] = p
                 kv.store(t, data)
         el = time.perf_counter() - t0
-        st = SP.store_of(pool).stats() if spill else None
-        if spill:
-            assert st["mode"] == ("reader" if reader else "owner")
-            SP.disable(pool)
+        st = spill.store_of(pool).stats() if with_spill else None
+        if with_spill:
+            if st["mode"] != ("reader" if reader else "owner"):
+                raise RuntimeError(f"spill bench: the store is {st['mode']}")
+            spill.disable(pool)
     if owner is not None:
         owner.stdin.close()
         owner.wait(60)
@@ -188,61 +187,66 @@ def hit_rate(d, pool_path, spill, reader=False):
     return {"hit_rate": hits / total, "seconds": el, "spill": st}
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dir", default=None, help="directory on the disk to measure (default /var/tmp)")
+def add_arguments(ap) -> None:
+    ap.add_argument("--dir", default=None,
+                    help="directory on the disk to measure (default /var/tmp)")
     ap.add_argument("--mib", type=int, default=512)
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
-    d = tempfile.mkdtemp(prefix="cxlkv-spill-bench-", dir=a.dir or "/var/tmp")
-    pool_path = os.path.join("/dev/shm", f"cxlkv-spill-bench-{os.getpid()}.pool")
-    try:
+
+
+def run(a, progress) -> dict:
+    # the disk measured in --dir (the spill store's place); the pool in /dev/shm
+    with harness.scratch("cxlkv-spill-bench-", a.dir or "/var/tmp") as d, \
+            harness.scratch("cxlkv-spill-bench-pool-") as pd:
+        pool_path = os.path.join(pd, "bench.pool")
         nbytes = a.mib * MiB
+        progress("raw I/O")
         rw, rr = raw_io(d, nbytes)
+        progress("spill and promote")
         sp = spill_throughput(d, pool_path, nbytes)
+        progress("raw I/O, one file per block")
         fw, fr = raw_files(d, nbytes)
+        progress("the spill store alone")
         sw, sr = store_only(d, nbytes)
+        progress("raw I/O again")
         rw2, rr2 = raw_io(d, nbytes)
-        os.unlink(pool_path)
+        progress("hit rate without spill")
         h0 = hit_rate(d, pool_path, False)
-        os.unlink(pool_path)
+        progress("hit rate with spill")
         h1 = hit_rate(d, pool_path, True)
-        os.unlink(pool_path)
+        progress("hit rate, spill as a reader")
         h2 = hit_rate(d, pool_path, True, reader=True)
-        rep = {"dir": d, "raw_write_Bps": (rw, rw2), "raw_read_Bps": (rr, rr2), **sp,
-               "spill_vs_raw_write": sp["spill_write_Bps"] / ((rw + rw2) / 2),
-               "promote_vs_raw_read": sp["promote_Bps"] / ((rr + rr2) / 2),
-               "raw_files_write_Bps": fw, "raw_files_read_Bps": fr,
-               "store_write_Bps": sw, "store_read_Bps": sr,
-               "hit_rate_no_spill": h0["hit_rate"], "hit_rate_spill": h1["hit_rate"],
-               "trace_s_no_spill": h0["seconds"], "trace_s_spill": h1["seconds"],
-               "trace_spill_stats": h1["spill"], "hit_rate_spill_reader": h2["hit_rate"],
-               "trace_s_spill_reader": h2["seconds"], "trace_spill_reader_stats": h2["spill"]}
-        if a.json:
-            print(json.dumps(rep, indent=1, default=float))
-        else:
-            G = 1 << 30
-            print(f"disk dir {d}")
-            print(f"raw sequential write {rw / G:.2f} / {rw2 / G:.2f} GiB/s (before/after), "
-                  f"read {rr / G:.2f} / {rr2 / G:.2f} GiB/s")
-            print(f"raw one file per block: write {fw / G:.2f} GiB/s, read {fr / G:.2f} GiB/s")
-            print(f"SpillStore alone: write {sw / G:.2f} GiB/s = {sw / ((rw + rw2) / 2):.2f}x raw "
-                  f"sequential, {sw / fw:.2f}x raw per-file; get+verify {sr / G:.2f} GiB/s = "
-                  f"{sr / ((rr + rr2) / 2):.2f}x raw read, {sr / fr:.2f}x raw per-file")
-            print(f"end to end, pool store -> evict -> disk: spill write {sp['spill_write_Bps'] / G:.2f} GiB/s "
-                  f"({sp['spilled_bytes'] / MiB:.0f} MiB, dropped {sp['dropped']}) = "
-                  f"{rep['spill_vs_raw_write']:.2f}x raw write")
-            print(f"end to end promote (disk -> verify -> pool store, evicting): {sp['promote_Bps'] / G:.2f} GiB/s "
-                  f"({sp['promoted_bytes'] / MiB:.0f} MiB) = {rep['promote_vs_raw_read']:.2f}x raw read")
-            print(f"hit rate, trace of 1.2 GiB distinct blocks through a 256 MiB pool: "
-                  f"{h0['hit_rate']:.3f} without spill, {h1['hit_rate']:.3f} with, "
-                  f"{h2['hit_rate']:.3f} as a reader of another process's store "
-                  f"({h0['seconds']:.1f} s / {h1['seconds']:.1f} s / {h2['seconds']:.1f} s)")
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-        if os.path.exists(pool_path):
-            os.unlink(pool_path)
+        return {"dir": d, "raw_write_Bps": (rw, rw2), "raw_read_Bps": (rr, rr2), **sp,
+                "spill_vs_raw_write": sp["spill_write_Bps"] / ((rw + rw2) / 2),
+                "promote_vs_raw_read": sp["promote_Bps"] / ((rr + rr2) / 2),
+                "raw_files_write_Bps": fw, "raw_files_read_Bps": fr,
+                "store_write_Bps": sw, "store_read_Bps": sr,
+                "hit_rate_no_spill": h0["hit_rate"], "hit_rate_spill": h1["hit_rate"],
+                "trace_s_no_spill": h0["seconds"], "trace_s_spill": h1["seconds"],
+                "trace_spill_stats": h1["spill"], "hit_rate_spill_reader": h2["hit_rate"],
+                "trace_s_spill_reader": h2["seconds"], "trace_spill_reader_stats": h2["spill"]}
 
 
-if __name__ == "__main__":
-    main()
+def render(rep: dict) -> str:
+    G = 1 << 30
+    (rw, rw2), (rr, rr2) = rep["raw_write_Bps"], rep["raw_read_Bps"]
+    fw, fr = rep["raw_files_write_Bps"], rep["raw_files_read_Bps"]
+    sw, sr = rep["store_write_Bps"], rep["store_read_Bps"]
+    return "\n".join([
+        f"disk dir {rep['dir']}",
+        f"raw sequential write {rw / G:.2f} / {rw2 / G:.2f} GiB/s (before/after), "
+        f"read {rr / G:.2f} / {rr2 / G:.2f} GiB/s",
+        f"raw one file per block: write {fw / G:.2f} GiB/s, read {fr / G:.2f} GiB/s",
+        f"SpillStore alone: write {sw / G:.2f} GiB/s = {sw / ((rw + rw2) / 2):.2f}x raw "
+        f"sequential, {sw / fw:.2f}x raw per-file; get+verify {sr / G:.2f} GiB/s = "
+        f"{sr / ((rr + rr2) / 2):.2f}x raw read, {sr / fr:.2f}x raw per-file",
+        f"end to end, pool store -> evict -> disk: spill write "
+        f"{rep['spill_write_Bps'] / G:.2f} GiB/s ({rep['spilled_bytes'] / MiB:.0f} MiB, "
+        f"dropped {rep['dropped']}) = {rep['spill_vs_raw_write']:.2f}x raw write",
+        f"end to end promote (disk -> verify -> pool store, evicting): "
+        f"{rep['promote_Bps'] / G:.2f} GiB/s ({rep['promoted_bytes'] / MiB:.0f} MiB) = "
+        f"{rep['promote_vs_raw_read']:.2f}x raw read",
+        f"hit rate, trace of 1.2 GiB distinct blocks through a 256 MiB pool: "
+        f"{rep['hit_rate_no_spill']:.3f} without spill, {rep['hit_rate_spill']:.3f} with, "
+        f"{rep['hit_rate_spill_reader']:.3f} as a reader of another process's store "
+        f"({rep['trace_s_no_spill']:.1f} s / {rep['trace_s_spill']:.1f} s / "
+        f"{rep['trace_s_spill_reader']:.1f} s)"])

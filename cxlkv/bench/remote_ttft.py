@@ -1,4 +1,4 @@
-"""Cross-rack hit (issue 9): time to first token when a prompt's prefix KV
+"""Cross-rack hit: time to first token when a prompt's prefix KV
 comes from the remote tier (another rack pushed it) vs recomputing it.
 
 Two pools stand in for two racks and a real Redis Cluster (3 masters on
@@ -17,51 +17,58 @@ all timed from having the token ids to having the first token id; the
 namespace is dropped from B's pool before every remote hit.  Medians and the
 ratio recompute / remote hit.  The first token must agree on every path.
 
-    .venv/bin/python bench/remote_ttft.py [--contexts 4096] [--runs 5] [--json]
+    cxlkv bench run remote-ttft [--contexts 4096] [--runs 5] [--nodes H:P,...] [--json]
+
+Needs torch and transformers (pip install -e '.[transformers]'), the redis
+Python client, and redis-server / redis-cli without --nodes.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
-import sys
+import shutil
 import time
+
+import cxlkv
+from cxlkv.bench import harness
+from cxlkv.errors import UsageError
+from cxlkv.kv.tiers import remote as kv_remote
+from cxlkv.kv.cache import drop_namespace
+from cxlkv.remote import RemoteClient, RemoteConfig
+from cxlkv.testing.redis import TestCluster
+
+HINT = "pip install -e '.[transformers]'"
 
 
 def measure(contexts, runs, threads, nodes=None, progress=None) -> dict:
-    import torch
-
-    import cxlkv
+    # optional dependencies: imported here so that the other scenarios run without them
+    torch = harness.require_module("torch", HINT)
+    harness.require_module("transformers", HINT)
+    harness.require_module("redis", "pip install redis hiredis")
     from cxlkv.integrations import transformers as hf
-    from cxlkv.testing.models import tiny_llama
-    from cxlkv.kv.tiers import remote as KR
-    from cxlkv.kv.cache import drop_namespace
-    from cxlkv.remote import RemoteClient, RemoteConfig
+    from cxlkv.testing import models
 
+    if not nodes:
+        harness.require_tools("redis-server", "redis-cli")
     torch.set_num_threads(threads)
     cluster = None
     if not nodes:
-        from cxlkv.testing.redis import TestCluster
-
         cluster = TestCluster(masters=3).start()
         nodes = cluster.addrs
     cfg = RemoteConfig(nodes=tuple(nodes), prefix=f"bench-ttft-{os.getpid()}:")
-    model = tiny_llama(seed=0, max_position_embeddings=max(16384, max(contexts) + 16))
+    model = models.tiny_llama(seed=0, max_position_embeddings=max(16384, max(contexts) + 16))
     kw = hf.cache_kwarg(model)
     lay = hf.block_layout(model)
     size = max(64 << 20, 2 * sum(contexts) * lay.token_bytes + (32 << 20))
-    paths = [f"/dev/shm/cxlkv-rttft-{os.getpid()}-{r}.pool" for r in "ab"]
-    for p in paths:
-        cxlkv.init_pool(p, {"size": size})
+    scratch = harness.scratch_dir("cxlkv-rttft-")
+    paths = [harness.scratch_pool(os.path.join(scratch, f"{r}.pool"), size) for r in "ab"]
     out = {"model": {"layers": 4, "hidden": 256, "kv_heads": 2, "dtype": "float32",
                      "threads": threads, "kv_bytes_per_token": lay.token_bytes},
            "runs": runs, "contexts": []}
     try:
         with cxlkv.open_pool(paths[0]) as pa, cxlkv.open_pool(paths[1]) as pb, \
                 RemoteClient(cfg) as rca, torch.no_grad():
-            KR.enable(pb, cfg)
-            rcb = KR.client_of(pb)
+            kv_remote.enable(pb, cfg)
+            rcb = kv_remote.client_of(pb)
             kva = hf.kv_for_model(pa, model)
             name = kva.namespace
             for n in contexts:
@@ -70,8 +77,9 @@ def measure(contexts, runs, threads, nodes=None, progress=None) -> dict:
                 cache = hf.output_cache(model(ids, use_cache=True, logits_to_keep=1))
                 stored = hf.store_prefix(kva, ids, cache)
                 del cache
-                KR.Pusher(pa, rca, [name], policy="all").scan()
-                assert rca.flush(120), rca.stats()
+                kv_remote.Pusher(pa, rca, [name], policy="all").scan()
+                if not rca.flush(120):
+                    raise RuntimeError(f"remote-ttft: the push did not flush: {rca.stats()}")
 
                 def recompute(ids=ids):
                     t = time.perf_counter()
@@ -91,7 +99,9 @@ def measure(contexts, runs, threads, nodes=None, progress=None) -> dict:
                     drop_namespace(pb, name)
                     kvb = hf.kv_for_model(pb, model, remote_read=True, remote_budget_s=10.0)
                     r = hit(kvb)
-                    assert r[3] >= n - 16, (r[3], rcb.stats())       # the prefix came back
+                    if r[3] < n - 16:                               # the prefix came back
+                        raise RuntimeError(f"remote-ttft: {r[3]} of {n} tokens came back: "
+                                           f"{rcb.stats()}")
                     return r
 
                 def local_hit():
@@ -109,21 +119,19 @@ def measure(contexts, runs, threads, nodes=None, progress=None) -> dict:
                     loc.append(c[0])
                     same &= a[1] == b[1] == c[1]
                     if progress:
-                        progress(n, r)
-                mr, mh, ml = (statistics.median(x) for x in (rec, rem, loc))
+                        progress(f"{n} tokens: run {r + 1}/{runs}")
+                mr, mh, ml = (harness.median(x) for x in (rec, rem, loc))
                 out["contexts"].append({
                     "tokens": n, "blocks": stored,
                     "kv_bytes": stored * lay.block_bytes,
                     "recompute_ms": round(mr * 1e3, 2), "remote_hit_ms": round(mh * 1e3, 2),
-                    "remote_load_ms": round(statistics.median(rem_load) * 1e3, 2),
+                    "remote_load_ms": round(harness.median(rem_load) * 1e3, 2),
                     "local_hit_ms": round(ml * 1e3, 2),
                     "ratio": round(mr / mh, 1), "same_first_token": same})
             out["remote_stats"] = rcb.stats()
-            KR.disable(pb)
+            kv_remote.disable(pb)
     finally:
-        for p in paths:
-            if os.path.exists(p):
-                os.remove(p)
+        shutil.rmtree(scratch, ignore_errors=True)
         if cluster is not None:
             cluster.stop()
     return out
@@ -143,22 +151,22 @@ def render(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap) -> None:
     ap.add_argument("--contexts", default="4096")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--nodes", help="host:port,... of an existing cluster (default: start one)")
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args(argv)
-    contexts = tuple(int(x) for x in a.contexts.split(","))
-    prog = None if a.json else (lambda n, r: print(f"  {n} tokens: run {r + 1}/{a.runs}",
-                                                   file=sys.stderr))
-    r = measure(contexts, a.runs, a.threads,
-                nodes=a.nodes.split(",") if a.nodes else None, progress=prog)
-    print(json.dumps(r, indent=2) if a.json else render(r))
-    return 0 if all(c["same_first_token"] for c in r["contexts"]) else 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def run(a, progress) -> dict:
+    try:
+        contexts = tuple(int(x) for x in a.contexts.split(","))
+    except ValueError:
+        raise UsageError("--contexts takes integers, e.g. 1024,4096") from None
+    return measure(contexts, a.runs, a.threads,
+                   nodes=a.nodes.split(",") if a.nodes else None, progress=progress)
+
+
+def ok(r: dict) -> bool:
+    """The first token agreed on every path in every run."""
+    return all(c["same_first_token"] for c in r["contexts"])
