@@ -62,29 +62,9 @@ def inspect_cmd(app: Application, pool, force, watch, as_json):
 
 
 def gather(pool, force):
-    from cxlkv.host.discovery import discover
+    from cxlkv.ops.report import full_report, host_report
 
-    from cxlkv.ops.doctor import host_mode
-
-    host = discover()
-    host["cxl_mode"] = host_mode(host)      # devdax pool vs kernel tiering
-    rep = pool_report_of(pool, force) if pool is not None else None
-    return host, rep
-
-
-def pool_report_of(pool, force) -> dict:
-    from cxlkv.kv.area import quarantine_report
-    from cxlkv.kv.cache import kv_report
-    from cxlkv.pool import layout as L
-    from cxlkv.api import Pool
-    from cxlkv.ops.report import pool_report
-
-    with Pool.open(pool, writable=False, force=force) as p:
-        rep = pool_report(p)
-        # the KV cache's usage (None: a pool formatted before the KV region)
-        rep["kv"] = kv_report(p) if p.sb.compat & L.COMPAT_KV else None
-        rep["quarantine"] = quarantine_report(p)
-    return rep
+    return host_report(), (full_report(pool, force) if pool is not None else None)
 
 
 def watch_loop(app: Application, pool, force) -> int:

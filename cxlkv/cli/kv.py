@@ -92,33 +92,13 @@ def stats_cmd(app: Application, pool, namespace, force, as_json):
 def ls_cmd(app: Application, pool, namespace, limit, force, as_json):
     """List namespaces; with --namespace, that namespace's blocks (entry,
     key, state, bytes, parent, children, last use)."""
-    import numpy as np
-
-    from cxlkv.kv.area import Area
     from cxlkv.kv.cache import kv_report
-    from cxlkv.pool import layout as L
+    from cxlkv.ops.report import kv_blocks
 
     with _open_ro(pool, force) as p:
         rep = kv_report(p)
         spaces = _pick(rep["namespaces"], namespace)
-        blocks = []
-        if namespace is not None:
-            a = Area(p)
-            t = a.entries()
-            st = t["ctl"] & 0xFF
-            sel = np.flatnonzero((t["ns"] == spaces[0]["index"]) & (st != L.KV_EMPTY)
-                                 & (st != L.KV_TOMBSTONE))
-            if limit:
-                sel = sel[:limit]
-            for i in sel:
-                e = t[i]
-                key = int(e["key_lo"]).to_bytes(8, "little") + int(e["key_hi"]).to_bytes(8, "little")
-                blocks.append({"entry": int(i), "key": key.hex(),
-                               "state": L.KV_STATE_NAMES.get(int(st[i]), str(int(st[i]))),
-                               "bytes": int(e["length"]), "payload": int(e["payload"]),
-                               "parent": int(e["parent"]) - 1 if e["parent"] else None,
-                               "children": int(e["children"]), "tenant": int(e["tenant"]),
-                               "last_use_us": int(e["lru"])})
+        blocks = kv_blocks(p, spaces[0]["index"], limit) if namespace is not None else []
     if app.json:
         doc = {"pool": pool, "namespaces": spaces}
         if namespace is not None:

@@ -1,7 +1,14 @@
 """What `inspect` reports about a pool: superblock, layout, usage, nodes."""
 from __future__ import annotations
 
+import numpy as np
+
 from cxlkv import _core
+from cxlkv.api import Pool
+from cxlkv.host.discovery import discover
+from cxlkv.kv.area import Area, quarantine_report
+from cxlkv.kv.cache import kv_report
+from cxlkv.ops.doctor import host_mode
 from cxlkv.pool import layout as L
 from cxlkv.state import nodes as N
 
@@ -56,3 +63,42 @@ def _versions(nodes) -> dict[str, int]:
 
 
 __all__ = ["pool_report", "used_chunks", "L"]
+
+
+def host_report() -> dict:
+    """What `inspect` shows of this host: discovery, and which CXL setup it is
+    in (a devdax pool or kernel tiering)."""
+    host = discover()
+    host["cxl_mode"] = host_mode(host)
+    return host
+
+
+def full_report(path: str, force: bool = False) -> dict:
+    """`inspect`'s pool document: pool_report, the KV cache's usage (None on a
+    pool formatted before the KV region) and the quarantine.  Read-only."""
+    with Pool.open(path, writable=False, force=force) as p:
+        rep = pool_report(p)
+        rep["kv"] = kv_report(p) if p.sb.compat & L.COMPAT_KV else None
+        rep["quarantine"] = quarantine_report(p)
+    return rep
+
+
+def kv_blocks(pool, ns: int, limit: int = 0) -> list[dict]:
+    """The live entries of namespace index `ns` (`kv ls --namespace`), in table
+    order, at most `limit` (0: all)."""
+    t = Area(pool).entries()
+    st = t["ctl"] & 0xFF
+    sel = np.flatnonzero((t["ns"] == ns) & (st != L.KV_EMPTY) & (st != L.KV_TOMBSTONE))
+    if limit:
+        sel = sel[:limit]
+    out = []
+    for i in sel:
+        e = t[i]
+        key = int(e["key_lo"]).to_bytes(8, "little") + int(e["key_hi"]).to_bytes(8, "little")
+        out.append({"entry": int(i), "key": key.hex(),
+                    "state": L.KV_STATE_NAMES.get(int(st[i]), str(int(st[i]))),
+                    "bytes": int(e["length"]), "payload": int(e["payload"]),
+                    "parent": int(e["parent"]) - 1 if e["parent"] else None,
+                    "children": int(e["children"]), "tenant": int(e["tenant"]),
+                    "last_use_us": int(e["lru"])})
+    return out
