@@ -167,10 +167,10 @@ def test_usage_errors_are_unknown(cli, hpool):
 
 def test_never_blocks_past_timeout(cli, hpool, monkeypatch):
     """A check stuck anywhere (here: a device that never answers) -> UNKNOWN in time."""
-    from cxlkv.cli import health as cli_health
+    from cxlkv.ops import health as ops_health
 
     release = threading.Event()
-    monkeypatch.setattr(cli_health, "check_pool", lambda *a, **kw: release.wait(60))
+    monkeypatch.setattr(ops_health, "check_pool", lambda *a, **kw: release.wait(60))
     t0 = time.monotonic()
     try:
         code, st, text, _ = health(cli, hpool, "--timeout", "0.5")
@@ -203,14 +203,14 @@ def test_default_timeout_judges_a_dead_node_of_another_host(cli, pool_path):
                           "lease_ms": 1500})
     fake_node(pool_path, 3, pid=1, start_time_ns=1, boot_id="12345678-1234-5678-1234-567812345678",
               hostname="elsewhere")
-    from cxlkv.cli import health as cli_health
+    from cxlkv.ops import health as ops_health
 
-    cli_health.DEFAULT_TIMEOUT, old = 1.0, cli_health.DEFAULT_TIMEOUT   # below 1.25 x lease
+    ops_health.DEFAULT_TIMEOUT, old = 1.0, ops_health.DEFAULT_TIMEOUT   # below 1.25 x lease
     try:
         t0 = time.monotonic()
         code, st, text, perf = health(cli, pool_path)
     finally:
-        cli_health.DEFAULT_TIMEOUT = old
+        ops_health.DEFAULT_TIMEOUT = old
     assert time.monotonic() - t0 < 4.0           # judge_timeout(1.5) = 3 s at most
     assert (code, st) == (1, "WARNING") and "dead node" in text and "node 3" in text, text
     from cxlkv.ops import health as H

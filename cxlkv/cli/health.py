@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import sys
-import threading
-import time
 
 import click
 
@@ -13,8 +11,6 @@ from cxlkv.errors import CxlkvError
 HEALTH_CODES = ((0, "OK"), (1, "WARNING"), (2, "CRITICAL"),
                 (3, "UNKNOWN: could not check (unreadable pool, newer format, timed out, "
                     "usage error, internal error)"))
-#: --timeout when none is given (longer when the pool's lease needs it)
-DEFAULT_TIMEOUT = 10.0
 
 
 class HealthUsage(CxlkvError):
@@ -83,107 +79,12 @@ def health_cmd(app: Application, pool, warn_used, crit_used, warn_temp, crit_tem
                           "(see cxlkv health --help)")
     th = H.Thresholds(warn_used, crit_used, warn_temp, crit_temp)
     try:
-        h = run_checks(pool, th, timeout)
+        h = H.run_checks(pool, th, timeout)
     except (Exception, KeyboardInterrupt) as e:     # noqa: BLE001 - a plugin answers 0-3
-        h = internal_failure(pool, e)
+        h = H.internal_failure(pool, e)
     if app.json:
         app.emit_json(h.to_json())
     else:
         sys.stdout.write(h.line().replace("\n", " ") + "\n")
         sys.stdout.flush()
     return h.status
-
-
-def check_pool(path: str, th, start: float, limits: dict, derive: bool = False):
-    """The checks themselves (run in a worker thread by run_checks): the pool
-    first - heartbeats watched until 80 % of the time limit - while the
-    device tools run alongside; the device gets what is left until 95 % of
-    the limit, in all, and is reported unknown when it has not answered by
-    then (the pool's verdict stands).  With `derive` the time limit grows to
-    what judging a node of another host takes (H.judge_timeout of the lease)."""
-    from cxlkv.ops import health as H
-    from cxlkv.host import numa
-    from cxlkv.api import Pool
-    from cxlkv.state import nodes as N
-
-    try:
-        p = Pool.open(path, writable=False, force=True)
-    except CxlkvError as e:
-        return H.open_failure(path, e)
-    with p:
-        if derive:
-            limits["timeout"] = max(limits["timeout"], H.judge_timeout(p.sb.lease_ms / 1000.0))
-        limit = limits["timeout"]
-        dev_end = start + 0.95 * limit
-        box: dict = {}
-
-        def device():
-            try:
-                box["d"] = H.device_health(path, timeout=max(0.1, dev_end - time.monotonic()))
-            except Exception as e:             # noqa: BLE001 - the device is unknown then
-                box["e"] = f"{type(e).__name__}: {e}"
-
-        dev_t = threading.Thread(target=device, name="cxlkv-health-device", daemon=True)
-        dev_t.start()
-        mgr = H.ManagerWatch(p) if p.sb.sync == "manager" else None
-        h = H.evaluate(p, th, observer=N.Observer(p), manager=mgr, device=None,
-                       deadline=start + 0.8 * limit)
-        dev_t.join(max(0.0, dev_end - time.monotonic()))
-        if "d" in box:
-            H.add_device(h, box["d"], th)
-        else:
-            why = box.get("e") or "the device tools did not answer within the time left"
-            try:
-                dax = numa.dax_of(path)
-            except Exception:                 # noqa: BLE001 - no device figures then
-                dax = None
-            if dax is not None:
-                H.add_device(h, {"device": dax, "memdevs": [], "temperature_c": None,
-                                 "alarms": [], "error": why}, th)
-        for w in p.warnings:
-            if "superblock copy" not in w:
-                h.add("permissions", H.WARNING, w)
-        return h
-
-
-def run_checks(path: str, th, timeout: float | None):
-    """check_pool in a daemon thread; UNKNOWN when it has not answered in time
-    (whatever it is blocked on: a hung device, a tool that does not return)
-    or failed.  timeout None: DEFAULT_TIMEOUT, or longer when the pool's
-    lease needs it (see check_pool)."""
-    from cxlkv.ops import health as H
-
-    start = time.monotonic()
-    limits = {"timeout": DEFAULT_TIMEOUT if timeout is None else timeout}
-    box: dict = {}
-
-    def work():
-        try:
-            box["h"] = check_pool(path, th, start, limits, derive=timeout is None)
-        except BaseException as e:        # noqa: BLE001 - reported by the caller
-            box["e"] = e
-
-    t = threading.Thread(target=work, name="cxlkv-health", daemon=True)
-    t.start()
-    while t.is_alive():
-        left = start + limits["timeout"] - time.monotonic()
-        if left <= 0:
-            break
-        t.join(min(left, 0.05))
-    if "e" in box:
-        return internal_failure(path, box["e"])
-    if "h" not in box:
-        h = H.Health(path)
-        h.add("timeout", H.UNKNOWN, f"no answer within --timeout {limits['timeout']:g} s")
-        return h
-    return box["h"]
-
-
-def internal_failure(path: str, e: BaseException):
-    """A check that failed in an unforeseen way: UNKNOWN (3), never another code."""
-    from cxlkv.ops import health as H
-
-    h = H.Health(path)
-    what = e.message if isinstance(e, CxlkvError) else f"internal error: {type(e).__name__}: {e}"
-    h.add("internal", H.UNKNOWN, f"cannot check: {what}")
-    return h

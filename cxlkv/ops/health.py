@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cxlkv import errors as E
+from cxlkv.api import Pool
 from cxlkv.host import discovery as D
 from cxlkv.host import numa, tools
 from cxlkv.kv.area import Area, quarantine_report
@@ -426,3 +427,94 @@ def add_device(h: Health, device: dict | None, th: Thresholds) -> None:
             h.add("device", WARNING, "device alarms: " + ", ".join(device["alarms"]))
         if t is not None:
             h.metric("temp", t, "", th.warn_temp, th.crit_temp)
+
+
+# -- one check of a pool, bounded in time (`cxlkv health`) -----------------------------
+#: --timeout when none is given (longer when the pool's lease needs it)
+DEFAULT_TIMEOUT = 10.0
+
+
+def check_pool(path: str, th, start: float, limits: dict, derive: bool = False):
+    """The checks themselves (run in a worker thread by run_checks): the pool
+    first - heartbeats watched until 80 % of the time limit - while the
+    device tools run alongside; the device gets what is left until 95 % of
+    the limit, in all, and is reported unknown when it has not answered by
+    then (the pool's verdict stands).  With `derive` the time limit grows to
+    what judging a node of another host takes (judge_timeout of the lease)."""
+    try:
+        p = Pool.open(path, writable=False, force=True)
+    except E.CxlkvError as e:
+        return open_failure(path, e)
+    with p:
+        if derive:
+            limits["timeout"] = max(limits["timeout"], judge_timeout(p.sb.lease_ms / 1000.0))
+        limit = limits["timeout"]
+        dev_end = start + 0.95 * limit
+        box: dict = {}
+
+        def device():
+            try:
+                box["d"] = device_health(path, timeout=max(0.1, dev_end - time.monotonic()))
+            except Exception as e:             # noqa: BLE001 - the device is unknown then
+                box["e"] = f"{type(e).__name__}: {e}"
+
+        dev_t = threading.Thread(target=device, name="cxlkv-health-device", daemon=True)
+        dev_t.start()
+        mgr = ManagerWatch(p) if p.sb.sync == "manager" else None
+        h = evaluate(p, th, observer=N.Observer(p), manager=mgr, device=None,
+                       deadline=start + 0.8 * limit)
+        dev_t.join(max(0.0, dev_end - time.monotonic()))
+        if "d" in box:
+            add_device(h, box["d"], th)
+        else:
+            why = box.get("e") or "the device tools did not answer within the time left"
+            try:
+                dax = numa.dax_of(path)
+            except Exception:                 # noqa: BLE001 - no device figures then
+                dax = None
+            if dax is not None:
+                add_device(h, {"device": dax, "memdevs": [], "temperature_c": None,
+                                 "alarms": [], "error": why}, th)
+        for w in p.warnings:
+            if "superblock copy" not in w:
+                h.add("permissions", WARNING, w)
+        return h
+
+
+def run_checks(path: str, th, timeout: float | None):
+    """check_pool in a daemon thread; UNKNOWN when it has not answered in time
+    (whatever it is blocked on: a hung device, a tool that does not return)
+    or failed.  timeout None: DEFAULT_TIMEOUT, or longer when the pool's
+    lease needs it (see check_pool)."""
+    start = time.monotonic()
+    limits = {"timeout": DEFAULT_TIMEOUT if timeout is None else timeout}
+    box: dict = {}
+
+    def work():
+        try:
+            box["h"] = check_pool(path, th, start, limits, derive=timeout is None)
+        except BaseException as e:        # noqa: BLE001 - reported by the caller
+            box["e"] = e
+
+    t = threading.Thread(target=work, name="cxlkv-health", daemon=True)
+    t.start()
+    while t.is_alive():
+        left = start + limits["timeout"] - time.monotonic()
+        if left <= 0:
+            break
+        t.join(min(left, 0.05))
+    if "e" in box:
+        return internal_failure(path, box["e"])
+    if "h" not in box:
+        h = Health(path)
+        h.add("timeout", UNKNOWN, f"no answer within --timeout {limits['timeout']:g} s")
+        return h
+    return box["h"]
+
+
+def internal_failure(path: str, e: BaseException):
+    """A check that failed in an unforeseen way: UNKNOWN (3), never another code."""
+    h = Health(path)
+    what = e.message if isinstance(e, E.CxlkvError) else f"internal error: {type(e).__name__}: {e}"
+    h.add("internal", UNKNOWN, f"cannot check: {what}")
+    return h
