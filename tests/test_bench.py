@@ -56,14 +56,14 @@ def scratch(monkeypatch, tmp_path):
 
 @pytest.fixture
 def redis_procs(monkeypatch):
-    """The redis-servers the bench starts (their Popen objects)."""
+    """The redis-servers the bench starts (their processes)."""
     started = []
     real = harness.start_redis
 
     def start(*a, **kw):
-        proc, port = real(*a, **kw)
-        started.append(proc)
-        return proc, port
+        server, port = real(*a, **kw)
+        started.append(server.nodes[0].proc)
+        return server, port
 
     monkeypatch.setattr(harness, "start_redis", start)
     return started

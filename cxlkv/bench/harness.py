@@ -26,9 +26,7 @@ import argparse
 import contextlib
 import importlib
 import os
-import select
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,9 +39,10 @@ import numpy as np
 import psutil
 
 import cxlkv
-from cxlkv.ops.lockmgr import ensure_manager
 from cxlkv.errors import RefusedError, UsageError
 from cxlkv.ops.init import init_pool
+from cxlkv.ops.lockmgr import ensure_manager
+from cxlkv.testing.redis import ClusterUnavailable, RedisServer
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -261,70 +260,27 @@ def require_tools(*names: str, hint: str = "Debian package redis-server; scripts
 
 
 # -- redis-server ------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_redis(timeout: float = 30.0) -> tuple[subprocess.Popen, int]:
-    """A redis-server on 127.0.0.1 and a free port, without persistence; waits
-    for its "Ready to accept connections".  Raises Unavailable."""
-    exe = shutil.which("redis-server")
-    if exe is None:
+def start_redis(timeout: float = 30.0) -> tuple[RedisServer, int]:
+    """A standalone redis-server on 127.0.0.1 (cxlkv.testing.redis: a free
+    port, no persistence); (the server, its port).  Raises Unavailable."""
+    if shutil.which("redis-server") is None:
         raise Unavailable("redis-server is not installed (Debian package redis-server; "
                           "scripts/setup installs it)")
     require_module("redis", "pip install redis hiredis")
-    last = ""
-    for _ in range(3):                      # another process may take the port meanwhile
-        port = _free_port()
-        proc = subprocess.Popen(
-            [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-             "no", "--daemonize", "no", "--logfile", ""],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        fd = proc.stdout.fileno()           # raw reads: select() sees what is unread
-        seen = b""
-        deadline = time.monotonic() + timeout
-        ready = False
-        try:
-            while time.monotonic() < deadline:
-                r, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-                chunk = os.read(fd, 65536) if r else b""
-                if not chunk:
-                    break                               # it exited, or the deadline
-                seen = (seen + chunk)[-8192:]
-                if b"Ready to accept connections" in seen:
-                    ready = True
-                    break
-        except BaseException:                           # interrupted: no server left behind
-            stop_redis(proc)
-            raise
-        if ready:
-            # keep draining its log so it never blocks on a full pipe
-            proc.drain = threading.Thread(target=_drain, args=(fd,), daemon=True)
-            proc.drain.start()
-            return proc, port
-        stop_redis(proc)
-        last = " | ".join(seen.decode("utf-8", "replace").splitlines()[-8:]) or "no output"
-        if "already in use" not in last:
-            break
-    raise Unavailable(f"redis-server did not start: {last}")
+    server = RedisServer(deadline_s=timeout)
+    try:
+        server.start()
+    except ClusterUnavailable as e:
+        server.stop()
+        raise Unavailable(f"redis-server did not start: {e}") from None
+    except BaseException:
+        server.stop()
+        raise
+    return server, server.port
 
 
-def _drain(fd: int) -> None:
-    with contextlib.suppress(OSError):
-        while os.read(fd, 65536):
-            pass
-
-
-def stop_redis(proc: subprocess.Popen) -> None:
-    stop_process(proc)
-    drain = getattr(proc, "drain", None)
-    if drain is not None:
-        drain.join(10)                              # EOF once the server has exited
-    if proc.stdout is not None:
-        with contextlib.suppress(Exception):
-            proc.stdout.close()
+def stop_redis(server: RedisServer) -> None:
+    server.stop()
 
 
 # -- scenarios ---------------------------------------------------------------------------

@@ -129,10 +129,13 @@ class TestCluster:
 
     __test__ = False                      # not a pytest test class
 
+    #: cluster mode (RedisServer: one standalone server)
+    cluster = True
+
     def __init__(self, masters: int = 3, replicas: int = 0, *, password: str | None = None,
                  node_timeout_ms: int = 2000, deadline_s: float = 90.0,
                  maxmemory: int | None = None, tls: bool = False):
-        if masters < 3:
+        if self.cluster and masters < 3:
             raise ValueError("a Redis Cluster needs at least 3 masters")
         found = tools()
         if found is None:
@@ -178,6 +181,8 @@ class TestCluster:
         deadline = time.monotonic() + self.deadline_s
         for node in self.nodes:
             self._launch(node, taken, deadline)
+        if not self.cluster:
+            return self
         self._create(deadline)
         self.wait_ok(deadline=deadline)
         for node in self.nodes:
@@ -224,23 +229,26 @@ class TestCluster:
 
     # -- nodes ---------------------------------------------------------------------------
     def _conf(self, node: Node) -> str:
-        lines = [f"port {node.port}", f"cluster-port {node.bus_port}", "bind 127.0.0.1",
-                 "protected-mode yes", "daemonize no", f"dir {node.dir}",
-                 "cluster-enabled yes", "cluster-config-file nodes.conf",
-                 f"cluster-node-timeout {self.node_timeout_ms}", "appendonly no", 'save ""',
-                 "logfile node.log", "loglevel notice",
-                 # a replica that lost its master a moment ago may still fail over
-                 "cluster-replica-validity-factor 0",
-                 # the tests write 256 KiB values in bursts
-                 "client-output-buffer-limit replica 0 0 0",
-                 # a replica's first sync starts at once (default: waits 5 s for others)
-                 "repl-diskless-sync-delay 0"]
+        lines = [f"port {node.port}", "bind 127.0.0.1", "protected-mode yes",
+                 "daemonize no", f"dir {node.dir}", "appendonly no", 'save ""',
+                 "logfile node.log", "loglevel notice"]
+        if self.cluster:
+            lines += [f"cluster-port {node.bus_port}", "cluster-enabled yes",
+                      "cluster-config-file nodes.conf",
+                      f"cluster-node-timeout {self.node_timeout_ms}",
+                      # a replica that lost its master a moment ago may still fail over
+                      "cluster-replica-validity-factor 0",
+                      # the tests write 256 KiB values in bursts
+                      "client-output-buffer-limit replica 0 0 0",
+                      # a replica's first sync starts at once (default: waits 5 s for others)
+                      "repl-diskless-sync-delay 0"]
         if self.maxmemory is not None:
             lines.append(f"maxmemory {self.maxmemory}")
         if self.tls:
             t = self.tls_files
             lines[0] = "port 0"
-            lines += [f"tls-port {node.port}", "tls-cluster yes", "tls-replication yes",
+            lines += [f"tls-port {node.port}", f"tls-cluster {'yes' if self.cluster else 'no'}",
+                      "tls-replication yes",
                       f"tls-cert-file {t['server_cert']}", f"tls-key-file {t['server_key']}",
                       f"tls-ca-cert-file {t['ca']}", "tls-auth-clients yes"]
         if self.password is not None:
@@ -523,3 +531,18 @@ class TestCluster:
                 raise ClusterUnavailable(f"no failover of the master on port {port} within "
                                          f"{timeout:g} s")
             time.sleep(0.05)
+
+
+class RedisServer(TestCluster):
+    """One standalone redis-server on loopback (the same launcher as a
+    cluster's nodes: a free port, no persistence, killed by stop() and with
+    this process); `port` once started."""
+
+    cluster = False
+
+    def __init__(self, **kw):
+        super().__init__(masters=1, **kw)
+
+    @property
+    def port(self) -> int:
+        return self.nodes[0].port
