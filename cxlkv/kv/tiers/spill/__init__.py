@@ -84,12 +84,21 @@ from cxlkv.kv.tiers.spill.files import HDR, HDR_SIZE, MAGIC, VERSION
 from cxlkv.kv.tiers.spill.lru import READER_INDEX
 from cxlkv.kv.tiers.spill.metrics import METRIC_COUNTERS, METRIC_GAUGES, Collector
 from cxlkv.kv.tiers.spill.registry import collector, disable, enable, store_of, use
-from cxlkv.kv.tiers.spill.store import (COUNTERS, DROP_REASONS, HEADER_WAIT_S, MAINTAIN_S, MODES,
-                                        QUEUE_BYTES, READER_ROOM, WRITERS, SpillStore)
+from cxlkv.kv.tiers.spill.store import (
+    COUNTERS,
+    DROP_REASONS,
+    HEADER_WAIT_S,
+    MAINTAIN_S,
+    MODES,
+    QUEUE_BYTES,
+    READER_ROOM,
+    WRITERS,
+    SpillStore,
+)
 from cxlkv.kv.tiers.spill.usage import REC, USAGE, USAGE_MAGIC, USAGE_SIZE, USAGE_VERSION
 
-__all__ = ["SpillStore", "SpillDirBusy", "Collector", "enable", "use", "disable", "store_of",
-           "collector", "COUNTERS", "DROP_REASONS", "METRIC_COUNTERS", "METRIC_GAUGES",
-           "QUEUE_BYTES", "WRITERS", "READER_ROOM", "MAINTAIN_S", "READER_INDEX",
-           "HEADER_WAIT_S", "MODES", "MAGIC", "VERSION", "HDR", "HDR_SIZE", "USAGE_MAGIC",
-           "USAGE_VERSION", "USAGE", "USAGE_SIZE", "REC"]
+__all__ = ["COUNTERS", "DROP_REASONS", "HDR", "HDR_SIZE", "HEADER_WAIT_S", "MAGIC", "MAINTAIN_S",
+           "METRIC_COUNTERS", "METRIC_GAUGES", "MODES", "QUEUE_BYTES", "READER_INDEX",
+           "READER_ROOM", "REC", "USAGE", "USAGE_MAGIC", "USAGE_SIZE", "USAGE_VERSION", "VERSION",
+           "WRITERS", "Collector", "SpillDirBusy", "SpillStore", "collector", "disable", "enable",
+           "store_of", "use"]
