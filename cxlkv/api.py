@@ -3,7 +3,8 @@
 A Pool is an open pool image (cxlkv.pool.image.PoolImage: the mapping and
 the superblock) plus what an attached node does with it: the node itself
 (state.nodes.Attachment), the pool lock (state.locks), the slot allocator
-(state.alloc) and KV cache namespaces (kv.cache).  Lower layers get a Pool
+(state.alloc), KV cache namespaces (kv.cache) and the KV cache's tiers of
+this pool object (`tiers`: kv.tiers.base.Tiers).  Lower layers get a Pool
 passed in and call these methods; none of them imports this module.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import threading
 from cxlkv.host import numa
 from cxlkv.kv import area  # noqa: F401  (registers the KV part of a dead node's recovery)
 from cxlkv.kv.cache import KVCache
+from cxlkv.kv.tiers.base import Tiers
 from cxlkv.pool.image import PoolImage
 from cxlkv.state.alloc import Allocator
 from cxlkv.state.locks import ManagerLock, PoolLock
@@ -26,7 +28,9 @@ _LOCK_INIT = threading.Lock()
 class Pool(PoolImage):
     """An open, formatted pool; `attach()` makes this process a node.
 
-    `warnings` collects what --force overrode.
+    `warnings` collects what --force overrode.  `tiers`: the KV cache's
+    tiers of this pool object in this process (hot, spill, remote), none
+    until enabled (cxlkv.kv.tiers).
     """
 
     def __init__(self, *args, **kw):
@@ -34,6 +38,7 @@ class Pool(PoolImage):
         self.node = None          # Attachment once attached
         self._lock = None
         self._alloc = None
+        self.tiers = Tiers()
 
     @property
     def allocator(self):

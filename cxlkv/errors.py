@@ -178,3 +178,10 @@ class PoolRangeError(CxlkvError, IndexError):
 
     def __init__(self, message: str, **kw):
         super().__init__(message, **kw)
+
+
+class SpillDirBusy(RefusedError):
+    """mode="owner" on a spill directory another live process owns
+    (cxlkv.kv.tiers.spill)."""
+
+    kind = "spill-busy"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import io
+import logging
 import tomllib
 from pathlib import Path
 
@@ -56,9 +57,17 @@ def _imported(node) -> list[str]:
 
 def test_the_import_contract_holds():
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = importlinter_cli.lint_imports(config_filename=str(ROOT / "pyproject.toml"),
-                                             no_cache=True)
+    # import-linter configures logging (dictConfig), which disables every
+    # logger made before it - cxlkv's among them: the later tests need them
+    loggers = [lg for lg in logging.root.manager.loggerDict.values()
+               if isinstance(lg, logging.Logger) and not lg.disabled]
+    try:
+        with contextlib.redirect_stdout(out):
+            code = importlinter_cli.lint_imports(config_filename=str(ROOT / "pyproject.toml"),
+                                                 no_cache=True)
+    finally:
+        for lg in loggers:
+            lg.disabled = False
     assert code == 0, out.getvalue()[-4000:]
 
 

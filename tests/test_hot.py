@@ -8,6 +8,7 @@ import pytest
 import cxlkv
 from cxlkv.errors import UsageError
 from cxlkv.kv.tiers import hot as H
+from cxlkv.kv.tiers.base import Tier
 from cxlkv.ops.init import init_pool
 
 from cxlkv.testing.nodes import NodeProc
@@ -164,3 +165,27 @@ def test_processes_with_hot_tiers_churning_read_what_keys_say(kvpool):
     finally:
         for p in procs:
             p.close()
+
+
+def test_the_pool_object_owns_its_tiers(kvpool):
+    """pool.tiers: empty until a tier is enabled, one tier per kind, each a
+    Tier; disabling closes it (the hot tier drops its copies)."""
+    with cxlkv.open_pool(kvpool) as pool:
+        assert [t for t in pool.tiers] == [] and pool.tiers.get("hot") is None
+        tier = H.enable(pool, 1 * MiB)
+        assert isinstance(tier, Tier) and pool.tiers.get("hot") is tier
+        assert H.enable(pool, 1 * MiB) is tier                 # idempotent
+        assert H.enable(pool, 2 * MiB) is tier and tier.max_bytes == 2 * MiB
+        with pytest.raises(UsageError, match="already has a hot tier"):
+            pool.tiers.enable(H.HotTier(MiB))
+        with pytest.raises(UsageError):
+            pool.tiers.enable(object())
+        kv = pool.kv(model="m", block_bytes=BB)
+        toks = list(range(16 * 2))
+        kv.store(toks, blocks(3, 2))
+        kv.load_into(toks, bytearray(2 * BB))
+        assert tier.stats()["blocks"] == 2
+        H.disable(pool)
+        assert pool.tiers.get("hot") is None and tier.stats()["blocks"] == 0
+        with pytest.raises(UsageError, match="remote_read needs the pool's remote tier"):
+            pool.kv(model="m", block_bytes=BB, remote_read=True)

@@ -432,9 +432,9 @@ class Area:
         """Evict `idx` (in eviction order): the one place victims are freed.
         Returns (blocks, bytes, blocked): blocked when a victim turned out
         pinned (it and its ancestors stay).  `t`: a snapshot of the whole
-        table, or None to read just the victims' entries.  With a spill store
-        on this pool object (cxlkv.kv.tiers.spill) and spill true, the payloads are
-        copied out for it before the slots are freed."""
+        table, or None to read just the victims' entries.  With a spill tier
+        on this pool object (pool.tiers, cxlkv.kv.tiers.spill) and spill true,
+        the victims are handed to it (Tier.take) before the slots are freed."""
         m = self.m
         rows = self._rows(idx) if t is None else t[idx.astype(np.int64)]
         if t is None:
@@ -457,7 +457,7 @@ class Area:
             m.kv_set_state(self.table, self.nslots, idx[~go], L.KV_EVICTING, L.KV_PUBLISHED, 0, 0)
             idx, rows = idx[go], rows[go]
         if spill and len(idx):
-            sp = self.pool.__dict__.get("_kv_spill")
+            sp = self.pool.tiers.get("spill")
             if sp is not None:
                 self._spill_out(sp, idx, t)
         rec = lock_entry_offset(self.pool, self.pool.node.slot) + _FREEING
@@ -509,33 +509,27 @@ class Area:
         _COUNTS_SUSPECT.discard(self.pool)
         return len(idx), total, bool(pinned.any())
 
-    def _spill_out(self, sp, idx: np.ndarray, t: np.ndarray) -> None:
-        """Copy the payloads of entries `idx` (EVICTING, unpinned) out of the
-        pool and queue them for the spill store's writer thread.  Memory
+    def _spill_out(self, tier, idx: np.ndarray, t: np.ndarray) -> None:
+        """Hand the entries `idx` (EVICTING, unpinned) to the spill tier
+        (Tier.take), which copies out of the pool what it keeps.  Memory
         copies only - no disk I/O under the pool lock - and never an error:
-        what the store refuses is dropped and counted there."""
+        what the tier refuses is dropped and counted there."""
         digests: dict[int, bytes] = {}
+
+        def copy(ns: int, payload: int, ln: int) -> tuple[bytes, bytes]:
+            d = digests.get(ns)
+            if d is None:
+                d = digests[ns] = (bytes(self.ns_record(ns).digest) if ns < self.max_ns
+                                   else bytes(16))
+            return d, self._read(payload, ln)
+
         for i in idx:
             e = t[int(i)]
             ln = int(e["length"])
+            if not ln:
+                continue
             key = int(e["key_lo"]).to_bytes(8, "little") + int(e["key_hi"]).to_bytes(8, "little")
-            try:
-                if not ln or not sp.reserve(key, ln):
-                    continue
-            except Exception:
-                continue
-            try:
-                ns = int(e["ns"])
-                d = digests.get(ns)
-                if d is None:
-                    d = digests[ns] = (bytes(self.ns_record(ns).digest) if ns < self.max_ns
-                                       else bytes(16))
-                data = self._read(int(e["payload"]), ln)
-            except Exception as err:                  # pragma: no cover - defensive
-                sp.unreserve(key, ln)
-                sp._fail("copy", err)
-                continue
-            sp.put(key, d, data)
+            tier.take(key, ln, lambda e=e, ln=ln: copy(int(e["ns"]), int(e["payload"]), ln))
 
     def evict_on_path(self, key_lo: int, keep=None) -> int:
         """Evict the least recently used evictable leaf on the probe path of

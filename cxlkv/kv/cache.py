@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import sys
+import logging
 import threading
+import weakref
 
 import numpy as np
 
@@ -37,6 +38,11 @@ MIN_BLOCK_BYTES = 64
 MAX_BLOCK_BYTES = 1 << 31
 #: each counter's word in a STATS record
 _STAT_WORD = {name: i for i, name in enumerate(STATS.names)}
+#: pool object -> {(namespace, its counters' offset): (lock, counter words)}: this
+#: node's counters, shared by the KVCaches of the pool object (KVCache._counters)
+_SHARED_COUNTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+log = logging.getLogger(__name__)
 
 
 class KVCache:
@@ -93,27 +99,26 @@ class KVCache:
             self.ns = self._open_namespace(name, quota)
             self.tenant = self._open_tenant(quota)
         self._stats_off = self.area.stats_off(slot, self.ns)
-        # a tier's module is loaded when the tier is enabled: the KV cache
-        # alone does not pull in asyncio, Redis or Prometheus (architecture
-        # test: the one import inside a function outside cli/)
+        # the tiers are the pool object's (pool.tiers); a tier's module is
+        # loaded when the tier is enabled: the KV cache alone does not pull
+        # in asyncio, Redis or Prometheus (architecture test: the one import
+        # inside a function outside cli/)
         if spill_dir is not None:
-            from cxlkv.kv.tiers import spill as SP
+            from cxlkv.kv.tiers import spill
 
-            SP.enable(pool, spill_dir, spill_bytes)
+            spill.enable(pool, spill_dir, spill_bytes)
         if hot_bytes is not None:
-            from cxlkv.kv.tiers import hot as H
+            from cxlkv.kv.tiers import hot
 
-            H.enable(pool, hot_bytes)
+            hot.enable(pool, hot_bytes)
+        # read-through: the remote tier enabled now, for this cache's life
         self._remote = None
+        self._remote_budget = None if remote_budget_s is None else float(remote_budget_s)
         if remote_read:
-            from cxlkv.kv.tiers import remote as R
-
-            self._remote = R.client_of(pool)
+            self._remote = pool.tiers.get("remote")
             if self._remote is None:
                 raise UsageError("remote_read needs the pool's remote tier",
                                  hint="cxlkv.kv.tiers.remote.enable(pool, RemoteConfig(...)) first")
-            self._remote_budget = (R.DEFAULT_BUDGET_S if remote_budget_s is None
-                                   else float(remote_budget_s))
             self._remote.register_namespace(self._digest, self.name)
 
     # -- namespace and tenant records (pool lock held) ------------------------------
@@ -194,7 +199,7 @@ class KVCache:
         if r.state != L.KV_REC_ACTIVE or r.name != self.name.encode():
             self.ns = self._open_namespace(self.name.encode(), None)
             self._stats_off = self.area.stats_off(self.pool.node.slot, self.ns)
-            self.pool.__dict__.get("_kv_counters", {}).pop((self.ns, self._stats_off), None)
+            _SHARED_COUNTERS.get(self.pool, {}).pop((self.ns, self._stats_off), None)
 
     # -- keys --------------------------------------------------------------------------
     def _chain(self, toks: np.ndarray) -> np.ndarray:
@@ -239,7 +244,7 @@ class KVCache:
     def _counters(self):
         """This node's counters of our namespace: one (lock, array) per pool
         and namespace in the process, shared by every KVCache on it."""
-        shared = self.pool.__dict__.setdefault("_kv_counters", {})
+        shared = _SHARED_COUNTERS.setdefault(self.pool, {})
         key = (self.ns, self._stats_off)
         if key not in shared:
             st = np.zeros(1, dtype=STATS)
@@ -279,9 +284,9 @@ class KVCache:
             # read-through: what the remote tier has is brought into the pool now
             self._fill(keys)
             found = self._lookup(keys)[0]
-        sp = self.pool.__dict__.get("_kv_spill")
+        sp = self.pool.tiers.get("spill")
         if sp is not None and found < len(keys):
-            found += sp.run(keys[found:])
+            found += sp.held(keys[found:])
         self._count(lookups=1, hit_blocks=found, miss_blocks=len(keys) - found)
         return found
 
@@ -552,8 +557,8 @@ class KVCache:
             if len(pay):
                 self.pool.free_batch(pay, zero=True)
         except Exception as e:                        # pragma: no cover - recovery redoes it
-            sys.stderr.write(f"cxlkv: could not undo a failed store in {self.pool.path} ({e}); "
-                             "the reservations are reclaimed when this node detaches\n")
+            log.warning("could not undo a failed store in %s (%s); the reservations are "
+                        "reclaimed when this node detaches", self.pool.path, e)
 
     # -- load ----------------------------------------------------------------------------
     def _pin(self, keys: np.ndarray, start: int = 0):
@@ -610,27 +615,22 @@ class KVCache:
         """Bring the blocks the lower tiers hold after the pool's leading run
         of `keys` into the pool: the spill tier's first, then the remote
         tier's (read-through namespaces)."""
-        sp = self.pool.__dict__.get("_kv_spill")
+        sp = self.pool.tiers.get("spill")
         if sp is not None:
-            self._promote(keys, lambda ks: _spilled(sp, ks, self._digest, self.block_bytes),
-                          sp.promote_failed, lambda n: sp._bump("promoted", n))
+            self._promote(keys, sp)
         if self._remote is not None:
-            rc = self._remote
-            self._promote(keys, lambda ks: _leading(rc.lookup(self._digest, ks, self.block_bytes,
-                                                              self._remote_budget)),
-                          lambda e: rc._bump("promote_failed"),
-                          lambda n: rc._bump("promoted", n))
+            self._promote(keys, self._remote, self._remote_budget)
 
-    def _promote(self, keys: np.ndarray, fetch, failed, promoted) -> int:
-        """Store the blocks `fetch(keys after the pool's leading run)` returns
-        (a leading run of buffers) through the normal store path, chained
-        under the run (pinned meanwhile); returns how many were stored.
-        Never raises for a full pool or pins: the caller then gets the pool's
-        run only."""
+    def _promote(self, keys: np.ndarray, tier, budget_s: float | None = None) -> int:
+        """Store the blocks `tier` fetches for the keys after the pool's
+        leading run (a leading run of buffers) through the normal store path,
+        chained under the run (pinned meanwhile); returns how many were
+        stored.  Never raises for a full pool or pins: the caller then gets
+        the pool's run only."""
         lead = self._lookup(keys)[0]
         if lead >= len(keys):
             return 0
-        got = fetch(keys[lead:])
+        got = tier.fetch(keys[lead:], self._digest, self.block_bytes, budget_s)
         if not got:
             return 0
         node = self.pool.node
@@ -647,9 +647,9 @@ class KVCache:
                 try:
                     n = self._store(keys[:len(items)], None, items)
                 except (KVPoolFull, KVTableFull, QuotaExceeded) as e:
-                    failed(e)
+                    tier.promote_failed(e)
                     return 0
-                promoted(n)
+                tier.promoted(n)
                 return n
             finally:
                 if not node.fenced:           # a fenced node's pins stay with its quarantine
@@ -666,12 +666,11 @@ class KVCache:
             n, idx, pay, rec, ctl = self._pin(keys)
             self._count(lookups=1, hit_blocks=n, miss_blocks=len(keys) - n, loaded_blocks=n,
                         loaded_bytes=n * self.block_bytes)
-            hot = self.pool.__dict__.get("_kv_hot")
+            hot = self.pool.tiers.get("hot")
             if hot is None or not n:
                 return Loaded(self, pay, rec, idx, ctl)
-            return Loaded(self, pay, rec, idx, ctl,
-                          hot=(hot, keys[:n], idx, ctl,
-                               hot.lookup(keys, idx, ctl, n, self.block_bytes)))
+            got = hot.copies(keys, idx, ctl, n, self.block_bytes) or [None] * n
+            return Loaded(self, pay, rec, idx, ctl, hot=(hot, keys[:n], idx, ctl, got))
         except BaseException:
             if rec is not None and not node.fenced:
                 self.m.kv_unpin(self._pins_off, self.area.npins, rec)
@@ -709,8 +708,8 @@ class KVCache:
                                      f"{n * self.block_bytes}")
                 bb = self.block_bytes
                 dst = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
-                hot = self.pool.__dict__.get("_kv_hot")
-                got = None if hot is None else hot.lookup(keys[start:start + n], idx, ctl, n, bb)
+                hot = self.pool.tiers.get("hot")
+                got = None if hot is None else hot.copies(keys[start:start + n], idx, ctl, n, bb)
                 if not got or not any(g is not None for g in got):
                     self.m.read_blocks(pay, dst[:n * bb], bb)
                 else:
@@ -719,7 +718,7 @@ class KVCache:
                 # happened, the blocks may have been reused under the copy
                 n = self._still_valid(idx, ctl)
                 if hot is not None and n:
-                    hot.insert(keys[start:start + n], idx, ctl,
+                    hot.keep(keys[start:start + n], idx, ctl,
                                [dst[j * bb:(j + 1) * bb] if got is None or got[j] is None
                                 else None for j in range(n)])
         finally:
@@ -745,27 +744,6 @@ class KVCache:
     def __repr__(self) -> str:
         return (f"<cxlkv.KVCache {self.name!r} block_tokens={self.block_tokens} "
                 f"block_bytes={self.block_bytes} hash={self.hash}>")
-
-
-def _spilled(sp, keys: np.ndarray, digest: bytes, bb: int) -> list:
-    """The leading run of `keys` the spill store holds, read and verified."""
-    out: list = []
-    if not sp.run(keys[:1]):
-        return out
-    for k in keys:
-        b = sp.get(bytes(k), digest, bb)
-        if b is None:
-            break
-        out.append(b)
-    return out
-
-
-def _leading(blocks: list) -> list:
-    """The blocks up to the first miss."""
-    for i, b in enumerate(blocks):
-        if b is None:
-            return blocks[:i]
-    return blocks
 
 
 def _copy_mixed(m, pay: np.ndarray, got: list, dst: memoryview, bb: int) -> None:
@@ -814,7 +792,7 @@ class Loaded:
         self._idx, self._ctl = idx, ctl
         self._views: list[memoryview] | None = None
         self._released = False
-        # (hot tier, keys, entry indexes, versions, DRAM copy or None per block)
+        # (hot tier, keys, entry indexes, versions, its copy or None per block)
         self._hot = hot
 
     @property
@@ -893,7 +871,7 @@ class Loaded:
         try:
             n = self._kv._still_valid(idx, ctl)
             if n:
-                hot.insert(keys[:n], idx, ctl,
+                hot.keep(keys[:n], idx, ctl,
                            [v if g is None else None for v, g in zip(self._views[:n], got)])
         except Exception:                 # a cache: never fail a release over it
             pass

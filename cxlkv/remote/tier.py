@@ -242,6 +242,11 @@ class RemoteClient:
         with self._mu:
             self.counters[name] += n
 
+    def count(self, name: str, n: int = 1) -> None:
+        """Add n to the counter `name` of stats() (the KV cache's read-through
+        counts `promoted` and `promote_failed` here)."""
+        self._bump(name, n)
+
     def _log_once(self, kind: str, msg: str) -> None:
         with self._mu:
             if kind in self._logged:

@@ -19,6 +19,8 @@ blocks in local memory, in front of the pool.
   (evicted, dropped, stored again) has a new version, so the stale copy is
   discarded and the block read from the pool again.
 * Bounded by ``max_bytes`` of payload, least recently used first out.
+* Owned by the pool object's tiers (``pool.tiers.get("hot")``, a
+  cxlkv.kv.tiers.base.Tier: the cache calls its copies() and keep()).
 """
 from __future__ import annotations
 
@@ -29,19 +31,24 @@ import weakref
 import numpy as np
 
 from cxlkv.errors import UsageError
+from cxlkv.kv.tiers.base import Tier
 from cxlkv.util.stats import StatsCollector
 
-_ATTR = "_kv_hot"
+
+def _check_size(max_bytes) -> None:
+    if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
+        raise UsageError("hot_bytes must be a byte count > 0")
 
 
-class HotTier:
+class HotTier(Tier):
     """A bounded LRU of block payloads, validated against the pool entry."""
 
+    kind = "hot"
+
     def __init__(self, max_bytes: int):
-        if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
-            raise UsageError("hot_bytes must be a byte count > 0")
+        _check_size(max_bytes)
         self.max_bytes = max_bytes
-        self._mu = threading.Lock()
+        self._mu = threading.Lock()            # guards everything below
         # key -> (entry index, ctl, payload array)
         self._lru: collections.OrderedDict[bytes, tuple[int, int, np.ndarray]] = \
             collections.OrderedDict()
@@ -97,13 +104,29 @@ class HotTier:
                     self._drop(next(iter(self._lru)))
                     self._stats["evicted"] += 1
 
+    # the Tier's part in front of the pool
+    copies = lookup
+    keep = insert
+
     def _drop(self, k: bytes) -> None:
         self._bytes -= self._lru.pop(k)[2].nbytes
+
+    def resize(self, max_bytes: int) -> None:
+        """A new size limit, dropping the least recently used to fit it."""
+        _check_size(max_bytes)
+        with self._mu:
+            self.max_bytes = max_bytes
+            while self._bytes > max_bytes:
+                self._drop(next(iter(self._lru)))
+                self._stats["evicted"] += 1
 
     def clear(self) -> None:
         with self._mu:
             self._lru.clear()
             self._bytes = 0
+
+    def close(self) -> None:
+        self.clear()
 
     def stats(self) -> dict:
         with self._mu:
@@ -114,37 +137,26 @@ class HotTier:
 def enable(pool, max_bytes: int) -> HotTier:
     """Give this process's `pool` a DRAM hot tier of `max_bytes` (idempotent
     for the same size; a new size resizes it, dropping the least recently used)."""
-    cur = pool.__dict__.get(_ATTR)
+    cur = pool.tiers.get(HotTier.kind)
     if cur is not None:
         if max_bytes != cur.max_bytes:
-            if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
-                raise UsageError("hot_bytes must be a byte count > 0")
-            with cur._mu:
-                cur.max_bytes = max_bytes
-                while cur._bytes > max_bytes:
-                    cur._drop(next(iter(cur._lru)))
-                    cur._stats["evicted"] += 1
+            cur.resize(max_bytes)
         return cur
-    tier = HotTier(max_bytes)
-    pool.__dict__[_ATTR] = tier
-    return tier
+    return pool.tiers.enable(HotTier(max_bytes))
 
 
 def disable(pool) -> None:
-    tier = pool.__dict__.pop(_ATTR, None)
-    if tier is not None:
-        tier.clear()
+    """Drop the hot tier (and what it holds)."""
+    pool.tiers.disable(HotTier.kind)
 
 
 def tier_of(pool) -> HotTier | None:
-    return pool.__dict__.get(_ATTR)
+    return pool.tiers.get(HotTier.kind)
 
 
 def collector(pool):
     """A prometheus_client collector of `pool`'s DRAM hot tier in this process
     (cxlkv_hot_*; register it in a serving process's registry)."""
-
-
     ref = weakref.ref(pool)
     return StatsCollector(
         "cxlkv_hot", lambda: None if ref() is None else tier_of(ref()),

@@ -18,6 +18,8 @@ Cluster / Valkey the racks already run).
   normal store path (published like any other block, so the next host of the
   rack hits locally).  A slow or down cluster costs at most the budget and
   is a miss, never an error.
+* The tier is a `RemoteKV` (a cxlkv.kv.tiers.base.Tier) owned by the pool
+  object's tiers (`pool.tiers.get("remote")`); `client_of(pool)` is its client.
 * Write-behind (`Pusher`, run by `cxlkv serve`): published blocks of the
   chosen namespaces, learnt from the pool's change journal, are read out of
   the pool with a version check (never a block that changed while copied)
@@ -36,46 +38,84 @@ from cxlkv._core import fence
 from cxlkv.errors import UsageError
 from cxlkv.kv.area import ENTRY, Area
 from cxlkv.kv.journal import EVICTED, NS_CLEARED, STORED, JournalReader
+from cxlkv.kv.tiers.base import Tier
 from cxlkv.pool import layout as L
 from cxlkv.remote import RemoteClient, RemoteConfig
 from cxlkv.remote.metrics import Collector
 
-_ATTR = "_kv_remote"
 #: how long a read-through may wait for the cluster by default
 DEFAULT_BUDGET_S = 0.05
 POLICIES = ("all", "reused")
 
 
+class RemoteKV(Tier):
+    """The remote tier of one pool object: its RemoteClient (`client`), closed
+    with the tier when `owned` (made from a RemoteConfig by `enable`)."""
+
+    kind = "remote"
+
+    def __init__(self, client: RemoteClient, owned: bool):
+        self.client, self.owned = client, owned
+
+    def register_namespace(self, ns_digest: bytes, name: str) -> None:
+        self.client.register_namespace(ns_digest, name)
+
+    def fetch(self, keys, ns_digest: bytes, block_bytes: int,
+              budget_s: float | None = None) -> list:
+        got = self.client.lookup(ns_digest, keys, block_bytes,
+                                 DEFAULT_BUDGET_S if budget_s is None else budget_s)
+        for i, b in enumerate(got):
+            if b is None:
+                return got[:i]
+        return got
+
+    def promoted(self, blocks: int) -> None:
+        self.client.count("promoted", blocks)
+
+    def promote_failed(self, err: Exception) -> None:
+        self.client.count("promote_failed")
+
+    def stats(self) -> dict:
+        return self.client.stats()
+
+    def close(self) -> None:
+        if self.owned:
+            self.client.close()
+
+
 def enable(pool, remote):
     """Give this process's `pool` a remote tier: a RemoteConfig (a client is
     made, and closed by `disable`) or a RemoteClient (the caller's).  One per
-    pool object; enabling it again with the same client is a no-op."""
-
-    cur = pool.__dict__.get(_ATTR)
+    pool object; enabling it again with the same client is a no-op.  Returns
+    the client."""
+    cur = pool.tiers.get(RemoteKV.kind)
     if cur is not None:
-        if remote is cur[0] or remote == cur[0].config:
-            return cur[0]
+        if remote is cur.client or remote == cur.client.config:
+            return cur.client
         raise UsageError("this pool already has a remote tier", hint="disable it first")
     if isinstance(remote, RemoteConfig):
-        client, owned = RemoteClient(remote), True
+        tier = RemoteKV(RemoteClient(remote), owned=True)
     elif isinstance(remote, RemoteClient):
-        client, owned = remote, False
+        tier = RemoteKV(remote, owned=False)
     else:
         raise UsageError("remote must be a cxlkv.remote.RemoteConfig or RemoteClient, "
                          f"not {type(remote).__name__}")
-    pool.__dict__[_ATTR] = (client, owned)
-    return client
+    pool.tiers.enable(tier)
+    return tier.client
 
 
 def disable(pool) -> None:
-    cur = pool.__dict__.pop(_ATTR, None)
-    if cur is not None and cur[1]:
-        cur[0].close()
+    """Drop the pool's remote tier (closing the client `enable` made)."""
+    pool.tiers.disable(RemoteKV.kind)
 
 
-def client_of(pool):
-    cur = pool.__dict__.get(_ATTR)
-    return None if cur is None else cur[0]
+def tier_of(pool) -> RemoteKV | None:
+    return pool.tiers.get(RemoteKV.kind)
+
+
+def client_of(pool) -> RemoteClient | None:
+    tier = tier_of(pool)
+    return None if tier is None else tier.client
 
 
 class Pusher:
@@ -275,5 +315,4 @@ class Pusher:
 
 def collector(pool):
     """A Prometheus collector of `pool`'s remote tier (cxlkv.remote.metrics)."""
-
     return Collector(lambda: client_of(pool))

@@ -1,0 +1,104 @@
+"""The NVMe spill tier: blocks evicted from the pool go to a bounded store on
+local disk instead of being dropped, and come back on a later hit.
+
+    from cxlkv.kv.tiers import spill
+    spill.enable(pool, "/var/lib/cxlkv/spill", 64 << 30)   # this process, this pool
+    kv = pool.kv(...)            # match sees pool then spill; load promotes
+
+(or ``KVCache(pool, ..., spill_dir=PATH, spill_bytes=N)``, which does the same).
+
+* One store per host directory, shared by the processes of the host.  One
+  process OWNS it (an exclusive flock on ``DIR/.lock``, held while it is
+  open): normally the node agent (``cxlkv serve --spill-dir``), whose
+  watermark evictions are where most blocks leave the pool.  Every other
+  process that enables the same directory attaches as a READER
+  (``mode="auto"``, the default: owner when the lock is free, reader when a
+  live process holds it; ``"owner"`` / ``"reader"`` force one).  Every
+  eviction a process makes (under the pool lock, for whichever namespace)
+  offers the evicted blocks to its store, owner or reader alike.
+* The evictor copies the payload out of the pool before the slot is freed
+  and hands the bytes to a bounded in-process queue (``queue_bytes``); the
+  process's background writer threads do the disk I/O.  Nothing touches the
+  disk under the pool lock.  A full queue, a full store, or a failing disk
+  (any OSError) drops the block: counted in ``stats()`` and logged once per
+  kind (a warning through logging, or through ``logger=``), never an error
+  to the caller.
+* Files: ``DIR/<2 hex>/<32 hex key>.blk``: a 72-byte header (magic, format
+  version, pool key, namespace digest, payload length, xxh3-64 of the
+  payload, xxh3-64 of the header) then the payload.  Written to a temporary
+  name and renamed, so a crash never leaves a torn ``.blk``.  A file whose
+  header, length, key, namespace or checksum does not verify is a miss and
+  is removed.
+* The size limit is the owner's (``max_bytes``, file bytes), kept with a
+  shared counter in ``DIR/.usage``: every writer publishes a file (the
+  rename) and adds its bytes under a short flock on that file, and only
+  when the total stays within the limit; whoever removes a file (the
+  owner's LRU, or any process finding it corrupt) subtracts its bytes, and
+  only the remover whose unlink succeeded does.  So the published total
+  never exceeds the limit; what can be on disk beyond it are the
+  temporaries being written (at most ``writers`` blocks per process) and,
+  for each process killed between a rename and its count, that one file,
+  until the next owner's start recounts the directory (under the flock:
+  exact).
+* Readers' files are discovered by the owner through a journal (24-byte
+  records appended to ``DIR/.usage`` under the same flock), folded into the
+  owner's index every ``MAINTAIN_S`` and before it makes room.
+* The owner's LRU: an in-memory index (rebuilt from the directory, oldest
+  mtime first, when it opens the store) touched by its hits and writes.
+  Readers' hits set the file's mtime; when the owner's least recently used
+  file turns out newer than the owner recorded, it gets a second chance
+  (moved to the most recent end) instead of being removed.  While readers
+  are attached (each holds a shared flock on ``DIR/.readers``; the owner
+  probes it every ``MAINTAIN_S``) the owner keeps ``reader_room`` (1/8) of
+  the limit free for their writes; a reader's write that does not fit is
+  dropped (``store-full``).
+* Lookups (``match``): the owner reads its index only; a reader its own
+  index of files it has seen, then one stat per key (stopping at the first
+  miss).  A reader's index can still hold a file the owner removed since:
+  its match then counts a block that ``load`` finds missing (as a pool
+  match can count a block evicted before the load), and an evicted block
+  it believes on disk is not copied, only touched - or, when the file is
+  gone after all, dropped (``dropped_gone``).  ``load``/``load_into``
+  read and verify the files, store the blocks through the normal store path
+  (promotion) and serve them from the pool.  A promoted block stays in the
+  store (a later eviction of it costs no write, only a touch).
+* Permissions: directories 0770 and files 0660 under the umask, never
+  world access.  Readers of another user than the owner need the group:
+  give DIR the pool's group with the setgid bit (``install -d -m 2770 -g
+  GROUP DIR``) and run the owner with umask 0007 (the cxlkv-serve unit
+  does); a reader without write access only reads.
+* A reader stays a reader: if the owner dies, nothing trims the store any
+  more (writes are refused once it is full; reads go on) until a process
+  enables the directory as owner - in auto mode, the next ``enable`` after
+  the lock was released.
+
+The store is the pool object's "spill" tier (``pool.tiers.get("spill")``, a
+cxlkv.kv.tiers.base.Tier).  Modules: `files` (the block files' format),
+`usage` (DIR/.usage: the shared count and the readers' journal), `lru` (the
+index, least recently used first, with second chances), `store` (SpillStore:
+the writers, the owner's maintenance, lookups), `metrics` (the Prometheus
+collector), `registry` (enable / use / disable per pool object).
+"""
+from cxlkv.errors import SpillDirBusy
+from cxlkv.kv.tiers.spill.files import HDR, HDR_SIZE, MAGIC, VERSION
+from cxlkv.kv.tiers.spill.lru import READER_INDEX
+from cxlkv.kv.tiers.spill.metrics import METRIC_COUNTERS, METRIC_GAUGES, Collector
+from cxlkv.kv.tiers.spill.registry import collector, disable, enable, store_of, use
+from cxlkv.kv.tiers.spill.store import (
+    COUNTERS,
+    DROP_REASONS,
+    HEADER_WAIT_S,
+    MAINTAIN_S,
+    MODES,
+    QUEUE_BYTES,
+    READER_ROOM,
+    WRITERS,
+    SpillStore,
+)
+from cxlkv.kv.tiers.spill.usage import REC, USAGE, USAGE_MAGIC, USAGE_SIZE, USAGE_VERSION
+
+__all__ = ["COUNTERS", "DROP_REASONS", "HDR", "HDR_SIZE", "HEADER_WAIT_S", "MAGIC", "MAINTAIN_S",
+           "METRIC_COUNTERS", "METRIC_GAUGES", "MODES", "QUEUE_BYTES", "READER_INDEX",
+           "READER_ROOM", "REC", "USAGE", "USAGE_MAGIC", "USAGE_SIZE", "USAGE_VERSION", "VERSION",
+           "WRITERS", "Collector", "SpillDirBusy", "SpillStore", "collector", "disable", "enable",
+           "store_of", "use"]
