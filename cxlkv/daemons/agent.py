@@ -67,9 +67,9 @@ import time
 from dataclasses import dataclass, fields
 
 from cxlkv.api import Pool
-from cxlkv.daemons.lockmgr import LockManager, ManagerExists
+from cxlkv.daemons.lockmgr import LockManager
 from cxlkv.daemons.metrics import AgentMetrics, MetricsServer, parse_addr
-from cxlkv.errors import CxlkvError, RefusedError, UsageError
+from cxlkv.errors import CxlkvError, LockTimeout, ManagerExists, RefusedError, UsageError
 from cxlkv.host import numa
 from cxlkv.kv.area import AGENT_BATCH, AGENT_WATERMARK, HIGH_WATERMARK, Area
 from cxlkv.kv.cache import kv_report
@@ -82,7 +82,7 @@ from cxlkv.pool import layout as L
 from cxlkv.remote import RemoteClient, RemoteConfig
 from cxlkv.state import locks as K
 from cxlkv.state import nodes as N
-from cxlkv.state.locks import LockTimeout, describe_owner
+from cxlkv.state.locks import describe_owner
 from cxlkv.util.sizes import parse_size
 from cxlkv.util.toml import read_toml
 
