@@ -1,5 +1,10 @@
 """The cxlkv exception tree and the exit codes the CLI maps them to.
 
+Every exception cxlkv raises is defined here, below the general classes
+grouped by the layer that raises it; the public ones stay importable where
+they were first defined too (cxlkv.kv.area.KVPoolFull,
+cxlkv.state.alloc.PoolFullError, cxlkv.state.nodes.NodeFenced,
+cxlkv.state.locks.LockLost).
 Only the CLI turns these into a message and an exit status; library callers
 catch them by class.  Every class carries the exit code of the commands that
 share the general table below (commands with a conventional code table of

@@ -30,8 +30,7 @@ LAZY_THIRD_PARTY = {"torch", "transformers", "vllm", "pyudev", "numa", "redis", 
 #: the KV cache's tiers (loaded when a tier is enabled, so that the cache alone
 #: does not pull in asyncio, Redis or Prometheus) and the remote tier's backend
 LAZY_CXLKV = {
-    "cxlkv/__init__.py": {"cxlkv.api", "cxlkv.ops.init", "cxlkv.kv.cache", "cxlkv.kv.area",
-                          "cxlkv.pool.format"},
+    "cxlkv/__init__.py": {"cxlkv.api", "cxlkv.ops.init", "cxlkv.kv.cache", "cxlkv.pool.format"},
     "cxlkv/kv/cache.py": {"cxlkv.kv.tiers"},
     "cxlkv/remote/tier.py": {"cxlkv.remote.redis_cluster"},
 }
