@@ -413,7 +413,7 @@ class PoolReformatted(RefusedError):
 class FsckUsage(CxlkvError):
     """A usage error is 16 for fsck, as for e2fsck (2 would read "corrected")."""
 
-    exit_code = 16
+    exit_code = 16                    # cxlkv.cli.fsck.EXIT_USAGE
     kind = "usage"
 
 
