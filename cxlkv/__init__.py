@@ -14,7 +14,7 @@ Public API (integrations and users rely only on these names):
     cxlkv.KVPoolFull, cxlkv.KVTableFull, cxlkv.QuotaExceeded, cxlkv.TooManyPins
                                     what store and load refuse with
 """
-from cxlkv.errors import CxlkvError
+from cxlkv.errors import CxlkvError, KVPoolFull, KVTableFull, QuotaExceeded, TooManyPins
 from cxlkv.version import __version__
 
 
@@ -32,10 +32,6 @@ def __getattr__(name):
         from cxlkv.kv.cache import KVCache
 
         return KVCache
-    if name in ("KVPoolFull", "KVTableFull", "QuotaExceeded", "TooManyPins"):
-        from cxlkv.kv import area
-
-        return getattr(area, name)
     if name == "FormatParams":
         from cxlkv.pool.format import FormatParams
 

@@ -1,5 +1,10 @@
 """The cxlkv exception tree and the exit codes the CLI maps them to.
 
+Every exception cxlkv raises is defined here, below the general classes
+grouped by the layer that raises it; the public ones stay importable where
+they were first defined too (cxlkv.kv.area.KVPoolFull,
+cxlkv.state.alloc.PoolFullError, cxlkv.state.nodes.NodeFenced,
+cxlkv.state.locks.LockLost).
 Only the CLI turns these into a message and an exit status; library callers
 catch them by class.  Every class carries the exit code of the commands that
 share the general table below (commands with a conventional code table of
@@ -180,8 +185,281 @@ class PoolRangeError(CxlkvError, IndexError):
         super().__init__(message, **kw)
 
 
+# -- state: nodes, locks, allocator -------------------------------------------------------
+
+class NodeFenced(CxlkvError):
+    """This process was reaped (its lease lapsed): it must not write live state."""
+
+    exit_code = 1
+    kind = "fenced"
+
+
+class NodeTableFull(RefusedError):
+    """No free slot in the pool's node table: max_nodes processes are attached."""
+
+    kind = "no-free-slot"
+
+
+class LockTimeout(CxlkvError):
+    exit_code = 1
+    kind = "lock-timeout"
+
+
+class LockLost(CxlkvError):
+    """The lock was taken from this node while it held it (it was judged dead)."""
+
+    exit_code = 1
+    kind = "lock-lost"
+
+
+class HostLockError(CxlkvError):
+    """The host lock file cannot be used (wrong header, too small)."""
+
+    kind = "hostlock"
+
+
+class PoolFullError(RefusedError):
+    """No free space in the pool's data area for the request (after releasing
+    empty slabs)."""
+
+    kind = "pool-full"
+
+
+class AllocError(CxlkvError, ValueError):
+    """A bad free or publish: an offset that is not an allocated slot."""
+
+    exit_code = 1
+    kind = "bad-offset"
+
+
+# -- kv: the KV area, its cache and snapshots ---------------------------------------------
+
+class KVError(CxlkvError):
+    exit_code = 1
+
+
+class KVPoolFull(PoolFullError):
+    """No room for the blocks even after evicting every unpinned block: the
+    allocator's PoolFullError as the KV cache raises it."""
+
+    kind = "pool-full"
+
+
+class KVTableFull(RefusedError):
+    """The hash table is at its maximum load and nothing can be evicted."""
+
+    kind = "table-full"
+
+
+class QuotaExceeded(RefusedError):
+    kind = "quota"
+
+
+class TooManyPins(RefusedError):
+    kind = "pins"
+
+
+class SnapshotError(CxlkvError):
+    """The snapshot directory is missing, incomplete or corrupt."""
+
+    exit_code = EXIT_INVALID
+    kind = "snapshot-invalid"
+
+
+class SnapshotIncompatible(CxlkvError):
+    exit_code = EXIT_INCOMPATIBLE
+    kind = "snapshot-incompatible"
+
+
+# -- remote: the cross-rack tier ----------------------------------------------------------
+
+class RemoteError(CxlkvError):
+    """The remote cluster answered with an error."""
+
+    exit_code = EXIT_DEVICE
+    kind = "remote"
+
+
+class RemoteUnavailable(RemoteError):
+    """The remote cluster cannot be reached (no node answers, connection
+    refused or timed out, authentication refused, slots not served)."""
+
+    kind = "remote-unavailable"
+
+
+class CorruptValue(CxlkvError, ValueError):
+    """A remote value that is not the block the reader asked for; `reason` is
+    one of REASONS, `damaged` whether to delete it (see cxlkv.remote.value).
+    A ValueError too, as it always was."""
+
+    kind = "remote-value"
+    REASONS = ("truncated", "magic", "version", "flags", "header-checksum", "key",
+               "namespace", "length", "payload-checksum")
+
+    def __init__(self, reason: str, detail: str = "", *, damaged: bool = True):
+        super().__init__(f"remote value: {reason}" + (f" ({detail})" if detail else ""))
+        self.reason = reason
+        self.damaged = damaged
+
+
+# -- host: tools and NUMA -----------------------------------------------------------------
+
+class ToolNotFound(CxlkvError):
+    """The tool is not installed (not on PATH); `package` ships it (see
+    cxlkv.host.tools.not_found)."""
+
+    exit_code = EXIT_NOT_FOUND
+    kind = "tool-not-found"
+
+    def __init__(self, tool: str, package: str | None = None):
+        super().__init__(f"{tool}: not found on PATH", hint=f"apt-get install {package or tool}")
+        self.tool = tool
+
+
+class ToolFailed(CxlkvError):
+    """The tool ran and failed: its exit status and stderr are kept (`result`,
+    a cxlkv.host.tools.ToolResult)."""
+
+    exit_code = EXIT_DEVICE
+    kind = "tool-failed"
+
+    def __init__(self, message: str, result, hint: str | None = None):
+        super().__init__(message, hint=hint)
+        self.result = result
+
+    def to_json(self) -> dict:
+        d = super().to_json()
+        d["tool"] = self.result.to_json()
+        return d
+
+
+class ToolTimeout(ToolFailed):
+    kind = "tool-timeout"
+
+
+class ToolOutputError(ToolFailed):
+    """The tool exited 0 but printed something that is not the JSON it documents."""
+
+    kind = "tool-output"
+
+
+class NumaError(CxlkvError):
+    """A NUMA binding that cannot be resolved, applied or verified."""
+
+    exit_code = EXIT_DEVICE
+    kind = "numa"
+
+
+class NumaUsage(NumaError):
+    exit_code = EXIT_USAGE
+    kind = "usage"
+
+
+# -- ops: provisioning and repair ---------------------------------------------------------
+
+class PlanError(CxlkvError):
+    """The host cannot be provisioned as asked (no memdev, no fitting decoder, ...)."""
+
+    exit_code = EXIT_DEVICE
+    kind = "plan"
+
+
+class InUse(RefusedError):
+    kind = "in-use"
+
+
+class ProvisionFailed(CxlkvError):
+    """A step failed: what ran, what the tool said (`result`, a ToolResult or
+    None), the state left, how to undo."""
+
+    exit_code = EXIT_DEVICE
+    kind = "provision-failed"
+
+    def __init__(self, message: str, *, step: dict, result, completed: list[dict],
+                 state: dict, undo: list[str], hint: str | None = None):
+        super().__init__(message, hint=hint)
+        self.step, self.result, self.completed = step, result, completed
+        self.state, self.undo = state, undo
+
+    def to_json(self) -> dict:
+        d = super().to_json()
+        d.update(step=self.step, tool=self.result.to_json() if self.result else None,
+                 completed=self.completed, state=self.state, undo=self.undo)
+        return d
+
+
+class PoolChanged(CxlkvError):
+    """The node table changed while the repair ran (fsck: operational error)."""
+
+    exit_code = 8
+    kind = "changed"
+
+
+# -- daemons: the lock manager ------------------------------------------------------------
+
+class ManagerExists(RefusedError):
+    kind = "manager-active"
+
+
+class PoolReformatted(RefusedError):
+    """The pool's superblock (uuid or geometry) is no longer the one this
+    manager opened: it stepped down without writing anything more."""
+
+    kind = "pool-reformatted"
+
+
+# -- cli: usage errors of the commands with an exit-code table of their own ---------------
+
+class FsckUsage(CxlkvError):
+    """A usage error is 16 for fsck, as for e2fsck (2 would read "corrected")."""
+
+    exit_code = 16                    # cxlkv.cli.fsck.EXIT_USAGE
+    kind = "usage"
+
+
+class HealthUsage(CxlkvError):
+    """A usage error is UNKNOWN (3) for a monitoring plugin, not 2 (CRITICAL)."""
+
+    exit_code = 3
+    kind = "usage"
+
+
 class SpillDirBusy(RefusedError):
     """mode="owner" on a spill directory another live process owns
     (cxlkv.kv.tiers.spill)."""
 
     kind = "spill-busy"
+
+
+class StaleViews(NodeFenced):
+    """This node was fenced while it held loaded views: what they showed is
+    not vouched for.  `stale` lists the blocks (indexes into the load) whose
+    entries changed meanwhile - evicted, dropped or re-stored - so their
+    views may have shown another block's bytes."""
+
+    kind = "stale-views"
+
+    def __init__(self, message: str, *, stale: list[int], **kw):
+        super().__init__(message, **kw)
+        self.stale = stale
+
+
+# -- tools beside the library: the benchmarks, the test helpers ---------------------------
+
+class Unavailable(RefusedError):
+    """Something a scenario or baseline needs is missing here (one line naming it)."""
+
+    kind = "bench-unavailable"
+
+
+class BenchRefused(RefusedError):
+    """The pool given with --pool lacks room for the bench (it never evicts)."""
+
+    kind = "bench-no-room"
+
+
+class ClusterUnavailable(CxlkvError, RuntimeError):
+    """redis-server / redis-cli missing, or the cluster did not come up
+    (cxlkv.testing.redis)."""
+
+    kind = "redis-unavailable"

@@ -5,6 +5,7 @@ change that breaks the house rules, naming the file and line."""
 from __future__ import annotations
 
 import ast
+import builtins
 import contextlib
 import io
 import logging
@@ -14,6 +15,7 @@ from pathlib import Path
 from importlinter import cli as importlinter_cli
 
 import cxlkv
+import cxlkv.errors
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "cxlkv"
@@ -28,8 +30,7 @@ LAZY_THIRD_PARTY = {"torch", "transformers", "vllm", "pyudev", "numa", "redis", 
 #: the KV cache's tiers (loaded when a tier is enabled, so that the cache alone
 #: does not pull in asyncio, Redis or Prometheus) and the remote tier's backend
 LAZY_CXLKV = {
-    "cxlkv/__init__.py": {"cxlkv.api", "cxlkv.ops.init", "cxlkv.kv.cache", "cxlkv.kv.area",
-                          "cxlkv.pool.format"},
+    "cxlkv/__init__.py": {"cxlkv.api", "cxlkv.ops.init", "cxlkv.kv.cache", "cxlkv.pool.format"},
     "cxlkv/kv/cache.py": {"cxlkv.kv.tiers"},
     "cxlkv/remote/tier.py": {"cxlkv.remote.redis_cluster"},
     # the scenarios that need torch load its users when they run
@@ -57,17 +58,17 @@ def _imported(node) -> list[str]:
 
 def test_the_import_contract_holds():
     out = io.StringIO()
-    # import-linter configures logging (dictConfig), which disables every
-    # logger made before it - cxlkv's among them: the later tests need them
-    loggers = [lg for lg in logging.root.manager.loggerDict.values()
-               if isinstance(lg, logging.Logger) and not lg.disabled]
+    # import-linter configures logging (dictConfig), which disables every logger
+    # that exists already, cxlkv's too: give the later tests theirs back
+    disabled = {name: lg.disabled for name, lg in logging.root.manager.loggerDict.items()
+                if isinstance(lg, logging.Logger)}
     try:
         with contextlib.redirect_stdout(out):
             code = importlinter_cli.lint_imports(config_filename=str(ROOT / "pyproject.toml"),
                                                  no_cache=True)
     finally:
-        for lg in loggers:
-            lg.disabled = False
+        for name, was in disabled.items():
+            logging.getLogger(name).disabled = was
     assert code == 0, out.getvalue()[-4000:]
 
 
@@ -114,3 +115,72 @@ def test_one_version():
     assert meta["tool"]["setuptools"]["dynamic"]["version"] == {
         "attr": "cxlkv.version.__version__"}
     assert cxlkv.__version__.count(".") == 2
+
+
+#: exception classes defined outside cxlkv/errors.py, each with its reason
+EXCEPTIONS_ELSEWHERE = {
+    # private control flow: raised in Agent._pool_lock, caught in Agent.tick,
+    # never seen outside the module
+    ("cxlkv/daemons/agent.py", "_Stopping"),
+}
+#: the modules that may write to stderr or print: the CLI owns the terminal;
+#: the benchmarks and the test helpers are programs beside the library
+MAY_PRINT = ("cxlkv/cli/", "cxlkv/bench/", "cxlkv/testing/")
+
+
+def _base_name(node) -> str:
+    """The last name of a base class expression (`E.CxlkvError`: CxlkvError)."""
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+def test_every_exception_is_defined_in_errors():
+    """One exception tree (rule 3): a class deriving from BaseException - a
+    builtin exception, a class of cxlkv/errors.py or one derived from them,
+    by its last name - is defined in cxlkv/errors.py only."""
+    known = {n for mod in (builtins, cxlkv.errors) for n, o in vars(mod).items()
+             if isinstance(o, type) and issubclass(o, BaseException)}
+    classes = [(rel, node) for rel, tree in _sources() if rel != "cxlkv/errors.py"
+               for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+    found: dict[tuple[str, str], int] = {}
+    grew = True
+    while grew:                       # a class derived from one found elsewhere counts too
+        grew = False
+        for rel, node in classes:
+            if (rel, node.name) not in found and any(_base_name(b) in known
+                                                      for b in node.bases):
+                found[(rel, node.name)] = node.lineno
+                known.add(node.name)
+                grew = True
+    bad = sorted(f"{rel}:{line}: {name}" for (rel, name), line in found.items()
+                 if (rel, name) not in EXCEPTIONS_ELSEWHERE)
+    assert not bad, "exception classes outside cxlkv/errors.py:\n" + "\n".join(bad)
+    stale = sorted(f"{rel}: {name}" for rel, name in EXCEPTIONS_ELSEWHERE
+                   if (rel, name) not in found and (PKG.parent / rel).exists())
+    assert not stale, "EXCEPTIONS_ELSEWHERE names classes that are gone:\n" + "\n".join(stale)
+
+
+def test_library_code_does_not_write_to_stderr():
+    """The library logs (rule 5): outside the CLI no print() and no write to
+    sys.stderr; daemons/ may name sys.stderr to install a handler or flush it."""
+    bad = []
+    for rel, tree in _sources():
+        if rel.startswith(MAY_PRINT):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                    and node.func.id == "print":
+                bad.append(f"{rel}:{node.lineno}: print()")
+            elif (isinstance(node, ast.Attribute) and node.attr in ("stderr", "__stderr__")
+                  and isinstance(node.value, ast.Name) and node.value.id == "sys"):
+                if not rel.startswith("cxlkv/daemons/"):
+                    bad.append(f"{rel}:{node.lineno}: sys.{node.attr}")
+            elif (isinstance(node, ast.Attribute) and node.attr == "write"
+                  and isinstance(node.value, ast.Attribute)
+                  and node.value.attr in ("stderr", "__stderr__")):
+                bad.append(f"{rel}:{node.lineno}: sys.{node.value.attr}.write")
+    assert not bad, ("library code writing to stderr (log through "
+                     "logging.getLogger(__name__)):\n" + "\n".join(bad))

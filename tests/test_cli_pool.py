@@ -1,6 +1,7 @@
 """`cxlkv init`, `format`, `inspect` end to end, and every bad input they must survive."""
 from __future__ import annotations
 
+import logging
 import os
 import stat
 
@@ -28,6 +29,14 @@ def assert_clean_error(r, code, *words):
 
 
 # -- init ---------------------------------------------------------------------
+
+def test_library_warnings_show_on_stderr_as_cxlkv_lines(cli, capsys):
+    """The library logs; the CLI shows its warnings as it printed them before."""
+    assert cli("--version").code == 0 and cli("--version").code == 0   # one handler
+    logging.getLogger("cxlkv.state.nodes").warning("reaping in %s failed: %s", "/p", "boom")
+    logging.getLogger("cxlkv.state.hostlock").info("an info line is not shown")
+    assert capsys.readouterr().err == "cxlkv: reaping in /p failed: boom\n"
+
 
 def test_init_default_path_then_inspect(cli, tmp_path, monkeypatch):
     from cxlkv.ops import init as admin

@@ -380,7 +380,7 @@ def test_offline_repair_blocks_attaches_while_it_runs(cli, kv_pool, monkeypatch)
     try:
         rc, doc = fsck(cli, kv_pool, "--repair")
         assert rc == 1 and doc["after"]["clean"], doc
-        assert seen["attach"].get("error") == "PoolFull", seen
+        assert seen["attach"].get("error") == "NodeTableFull", seen
         with Pool.open(kv_pool, writable=False) as p:
             assert N.read_nodes(p) == []
         q.attach(kv_pool)

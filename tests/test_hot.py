@@ -9,7 +9,6 @@ import cxlkv
 from cxlkv.errors import UsageError
 from cxlkv.kv.tiers import hot as H
 from cxlkv.kv.tiers.base import Tier
-from cxlkv.ops.init import init_pool
 
 from cxlkv.testing.nodes import NodeProc
 

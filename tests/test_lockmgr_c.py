@@ -20,7 +20,6 @@ from cxlkv.daemons import lockmgr as LM
 from cxlkv.pool import layout as L
 from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
-from cxlkv.state import locks as K
 from cxlkv.state import nodes as N
 from cxlkv.state import protocol as P
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import cxlkv
-from cxlkv.errors import LiveNodesError
+from cxlkv.errors import LiveNodesError, NodeTableFull
 from cxlkv.pool import layout as L
 from cxlkv.ops.init import format_pool
 from cxlkv.api import Pool
@@ -112,13 +112,20 @@ def test_four_processes_get_distinct_slots_and_are_live(small_pool):
         assert N.read_nodes(p) == []
 
 
+def test_pool_full_is_the_deprecated_name_of_node_table_full():
+    with pytest.warns(DeprecationWarning, match="NodeTableFull"):
+        assert N.PoolFull is NodeTableFull
+    with pytest.raises(AttributeError):
+        N.NoSuchName
+
+
 def test_full_table_then_a_dead_node_is_reaped_on_attach(pool_path):
     from cxlkv.ops.init import init_pool
 
     init_pool(pool_path, {"size": 8 << 20, "chunk_size": 64 << 10, "max_nodes": 2})
     a, b = Child(pool_path), Child(pool_path)
     try:
-        with pytest.raises(N.PoolFull, match="all 2 node slots"):
+        with pytest.raises(NodeTableFull, match="all 2 node slots"):
             cxlkv.open_pool(pool_path)
         b.kill()                       # kill -9: the slot stays ATTACHED in the pool
         with Pool.open(pool_path) as p:

@@ -234,7 +234,7 @@ def test_round_trip_bit_exact(cluster):
 
 
 @needs_redis
-def test_damaged_values_are_misses_and_deleted(cluster, capsys):
+def test_damaged_values_are_misses_and_deleted(cluster, caplog):
     size = 8 * KiB
     keys, data = blocks(6, size, seed=99)
     with RemoteClient(cfg_of(cluster)) as rc:
@@ -253,7 +253,7 @@ def test_damaged_values_are_misses_and_deleted(cluster, capsys):
                3: bytes(newer)}                              # a newer format: kept
         for i, v in bad.items():
             node_client(cluster, names[i]).set(names[i], v)
-        capsys.readouterr()
+        caplog.clear()
         got = rc.lookup(NS, keys, size, budget_s=5.0)
         assert got[:4] == [None] * 4
         assert [bytes(g) for g in got[4:]] == data[4:]
@@ -263,7 +263,7 @@ def test_damaged_values_are_misses_and_deleted(cluster, capsys):
         for i in (0, 1, 2):
             assert node_client(cluster, names[i]).exists(names[i]) == 0
         assert node_client(cluster, names[3]).get(names[3]) == bytes(newer)
-        err = capsys.readouterr().err
+        err = caplog.text                                  # the library logs, warning level
         assert err.count("damaged value") == 1            # logged once per kind
         # the slot is free again: a push stores the block anew
         rc.push(keys[0], NS, data[0])
@@ -293,13 +293,13 @@ RemoteTier.register(GatedTier)
 
 
 @needs_redis
-def test_queue_full_drops_counted_and_logged_once(cluster, capsys):
+def test_queue_full_drops_counted_and_logged_once(cluster, caplog):
     size = 64 * KiB
     cfg = cfg_of(cluster, queue_bytes=3 * (size + V.HEADER_SIZE))
     tier = GatedTier(cfg)
     keys, data = blocks(10, size, seed=5)
     with RemoteClient(cfg, tier=tier) as rc:
-        capsys.readouterr()
+        caplog.clear()
         took = [rc.push(k, NS, d) for k, d in zip(keys, data)]
         assert took == [True] * 3 + [False] * 7
         assert not rc.push(keys[0], NS, data[0])              # already queued
@@ -311,7 +311,7 @@ def test_queue_full_drops_counted_and_logged_once(cluster, capsys):
         st = rc.stats()
         assert st["pushed"] == 3 and st["queued_bytes"] == 0 and st["dropped"] == 7
         assert [g is not None for g in rc.lookup(NS, keys, size, 5.0)] == [True] * 3 + [False] * 7
-    err = capsys.readouterr().err
+    err = caplog.text
     assert err.count("queue-full") == 1 and "logged once" in err
 
 
@@ -530,7 +530,7 @@ def test_replicated_blocks_survive_master_kill(cli):
 
 
 @needs_redis
-def test_password_never_shows(tmp_path, capsys, cli):
+def test_password_never_shows(tmp_path, capsys, caplog, cli):
     if SKIP:
         pytest.skip(SKIP)
     pw = "Zq8-very-secret-passw0rd"
@@ -560,7 +560,7 @@ def test_password_never_shows(tmp_path, capsys, cli):
                 st = rc.stats()
                 assert st["errors"] == 1 and st["dropped"] == 1, st
                 texts += [repr(rc), json.dumps(st), repr(bad), json.dumps(bad.to_json())]
-        texts.append(capsys.readouterr().err)
+        texts += [capsys.readouterr().err, caplog.text]
         r = cli("remote", "status", "--nodes", ",".join(c.addrs), "--password-file", pwf)
         assert r.code == 0, r.out + r.err
         texts += [r.out, r.err]

@@ -39,7 +39,7 @@ import numpy as np
 import psutil
 
 import cxlkv
-from cxlkv.errors import RefusedError, UsageError
+from cxlkv.errors import Unavailable, UsageError
 from cxlkv.ops.init import init_pool
 from cxlkv.ops.lockmgr import ensure_manager
 from cxlkv.testing.redis import ClusterUnavailable, RedisServer
@@ -64,10 +64,6 @@ SCENARIOS = {
 }
 
 
-class Unavailable(RefusedError):
-    """Something a scenario or baseline needs is missing here (one line naming it)."""
-
-    kind = "bench-unavailable"
 
 
 # -- scratch space --------------------------------------------------------------------------

@@ -19,10 +19,10 @@ import numpy as np
 import cxlkv
 from cxlkv.bench import handoff, harness, kv, poolops, trace
 from cxlkv.bench.kv import KV_BLOCK, KV_BLOCK_TOKENS, LOOKUP_BLOCK, LOOKUP_TOKENS
-from cxlkv.ops.lockmgr import ensure_manager
-from cxlkv.errors import RefusedError
+from cxlkv.errors import BenchRefused
 from cxlkv.kv.area import LOW_WATERMARK, Area
 from cxlkv.ops.init import init_pool
+from cxlkv.ops.lockmgr import ensure_manager
 from cxlkv.state import alloc
 from cxlkv.state.nodes import read_nodes
 
@@ -50,10 +50,6 @@ STEPS = ("memcpy baseline", "pool writes and reads", "cas lock", "alloc + free",
          "handoff through redis")
 
 
-class BenchRefused(RefusedError):
-    """The pool given with --pool lacks room for the bench (it never evicts)."""
-
-    kind = "bench-no-room"
 
 
 def check_room(pool, block_bytes: int, blocks: int) -> None:

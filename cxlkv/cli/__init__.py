@@ -15,7 +15,7 @@ import click
 
 from cxlkv import __version__
 from cxlkv import errors as E
-from cxlkv.cli.app import Application, exit_codes_epilog
+from cxlkv.cli.app import Application, exit_codes_epilog, log_to_stderr
 
 COMMANDS = {
     "init": ("cxlkv.cli.init", "init_cmd", "Create and format a pool in one step (idempotent)."),
@@ -84,6 +84,7 @@ def _os_error(e: OSError) -> E.CxlkvError:
 
 
 def main(argv: list[str] | None = None) -> int:
+    log_to_stderr()
     app = Application()
     args = sys.argv[1:] if argv is None else argv
     if args and not args[0].startswith("-"):

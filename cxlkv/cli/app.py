@@ -7,6 +7,7 @@ fails - and nothing else.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import traceback
@@ -16,6 +17,28 @@ import click
 from rich.console import Console
 
 from cxlkv import errors as E
+
+
+class _StderrHandler(logging.Handler):
+    """Writes to the sys.stderr of the moment (tests swap it)."""
+
+    def emit(self, record) -> None:
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+        except Exception:  # noqa: BLE001 - logging's own convention
+            self.handleError(record)
+
+
+def log_to_stderr() -> None:
+    """Show the library's warnings on stderr as "cxlkv: MSG" (once per process).
+
+    The library logs through logging.getLogger(__name__) and installs no
+    handler; this is the CLI's."""
+    top = logging.getLogger("cxlkv")
+    if not any(isinstance(h, _StderrHandler) for h in top.handlers):
+        h = _StderrHandler(logging.WARNING)
+        h.setFormatter(logging.Formatter("cxlkv: %(message)s"))
+        top.addHandler(h)
 
 
 class Application:

@@ -5,7 +5,7 @@ import click
 from rich.table import Table
 
 from cxlkv.cli.app import Application, exit_codes_epilog, json_option, pass_app, pool_option
-from cxlkv.errors import CxlkvError
+from cxlkv.errors import CxlkvError, FsckUsage
 
 #: e2fsck's codes; a usage error is 16 as in e2fsck (its 2 means "corrected, reboot")
 EXIT_CLEAN, EXIT_CORRECTED, EXIT_ERRORS, EXIT_OPERATIONAL, EXIT_USAGE = 0, 1, 4, 8, 16
@@ -16,13 +16,6 @@ FSCK_CODES = ((EXIT_CLEAN, "clean"),
                                  "repaired (or --repair refused: live nodes attached, or a "
                                  "node attached while it ran)"),
               (EXIT_USAGE, "usage error"))
-
-
-class FsckUsage(CxlkvError):
-    """A usage error is 16 for fsck, as for e2fsck (2 would read "corrected")."""
-
-    exit_code = EXIT_USAGE
-    kind = "usage"
 
 
 class FsckCommand(click.Command):

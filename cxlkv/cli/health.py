@@ -6,18 +6,11 @@ import sys
 import click
 
 from cxlkv.cli.app import Application, exit_codes_epilog, json_option, pass_app, pool_option
-from cxlkv.errors import CxlkvError
+from cxlkv.errors import HealthUsage
 
 HEALTH_CODES = ((0, "OK"), (1, "WARNING"), (2, "CRITICAL"),
                 (3, "UNKNOWN: could not check (unreadable pool, newer format, timed out, "
                     "usage error, internal error)"))
-
-
-class HealthUsage(CxlkvError):
-    """A usage error is UNKNOWN (3) for a monitoring plugin, not 2 (CRITICAL)."""
-
-    exit_code = 3
-    kind = "usage"
 
 
 class NagiosCommand(click.Command):

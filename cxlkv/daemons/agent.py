@@ -65,10 +65,10 @@ import time
 
 from cxlkv.api import Pool
 from cxlkv.daemons.config import AgentConfig, remote_args, spill_args
-from cxlkv.daemons.lockmgr import LockManager, ManagerExists
+from cxlkv.daemons.lockmgr import LockManager
 from cxlkv.daemons.metrics import AgentMetrics, MetricsServer, parse_addr
 from cxlkv.daemons.service import make_logger, sd_notify
-from cxlkv.errors import CxlkvError, RefusedError, UsageError
+from cxlkv.errors import CxlkvError, LockTimeout, ManagerExists, RefusedError, UsageError
 from cxlkv.host import numa
 from cxlkv.kv.area import AGENT_BATCH, AGENT_WATERMARK, HIGH_WATERMARK, Area
 from cxlkv.kv.cache import kv_report
@@ -80,7 +80,7 @@ from cxlkv.pool import layout as L
 from cxlkv.remote import RemoteClient
 from cxlkv.state import locks as K
 from cxlkv.state import nodes as N
-from cxlkv.state.locks import LockTimeout, describe_owner
+from cxlkv.state.locks import describe_owner
 
 DEVICE_REFRESH_S = 60.0
 #: the device tools (cxl, ndctl, daxctl) together, per refresh

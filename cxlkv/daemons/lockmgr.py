@@ -43,6 +43,7 @@ other structures, so it must not write another one).
 """
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import signal
@@ -54,12 +55,14 @@ import uuid as uuidlib
 import numpy as np
 
 from cxlkv.api import Pool
-from cxlkv.errors import CxlkvError, RefusedError
+from cxlkv.errors import CxlkvError, ManagerExists, PoolReformatted, RefusedError
 from cxlkv.pool import layout as L
 from cxlkv.pool import superblock as S
 from cxlkv.pool.image import read_superblocks
 from cxlkv.state import nodes as N
 from cxlkv.state import protocol as P
+
+log = logging.getLogger(__name__)
 
 #: a contender's write must land before anyone reads the lease back
 CONTEND_WAIT_S = 0.2
@@ -81,17 +84,6 @@ SLOT_SCAN_S = 0.01
 
 _REASONS = {"gone": "its process is gone", "acknowledged": "it acknowledged its fencing",
             "grace": "its quarantine grace passed"}
-
-
-class ManagerExists(RefusedError):
-    kind = "manager-active"
-
-
-class PoolReformatted(RefusedError):
-    """The pool's superblock (uuid or geometry) is no longer the one this
-    manager opened: it stepped down without writing anything more."""
-
-    kind = "pool-reformatted"
 
 
 def _identity(sb) -> tuple:
@@ -122,7 +114,7 @@ class LockManager:
         self.lease = self.pool.sb.lease_ms / 1000.0
         self.token = secrets.randbits(63) | 1
         self.hdr = P.lock_header(self.pool)
-        self.log = log or (lambda msg: sys.stderr.write(f"cxlkv lock-manager: {msg}\n"))
+        self.log = log or logging.getLogger(__name__).info
         self.observer = N.Observer(self.pool)
         self.holder = -1                       # slot holding the lock, -1 = none
         self.recover_pending = False           # a fenced slot waits for the lock to be free
@@ -484,8 +476,24 @@ def serve(mgr: LockManager) -> None:
         mgr.close()
 
 
+def log_to_stderr() -> None:
+    """The process's log lines on stderr: this manager's as "cxlkv lock-manager:
+    MSG" (its first line says "active": cxlkv.ops.lockmgr waits for it), the
+    library's warnings as "cxlkv: MSG"."""
+    mine = logging.StreamHandler()
+    mine.setFormatter(logging.Formatter("cxlkv lock-manager: %(message)s"))
+    log.addHandler(mine)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    lib = logging.StreamHandler()
+    lib.setFormatter(logging.Formatter("cxlkv: %(message)s"))
+    lib.setLevel(logging.WARNING)
+    logging.getLogger("cxlkv").addHandler(lib)
+
+
 def main(argv=None) -> int:  # python -m cxlkv.daemons.lockmgr POOL [--standby]
     args = sys.argv[1:] if argv is None else argv
+    log_to_stderr()
     serve(LockManager(args[0], standby="--standby" in args))
     return 0
 

@@ -36,7 +36,7 @@ import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from cxlkv.errors import EXIT_DEVICE, EXIT_USAGE, CxlkvError
+from cxlkv.errors import NumaError, NumaUsage
 from cxlkv.host import sysfs
 from cxlkv.host.discovery import parse_list
 
@@ -44,18 +44,6 @@ MPOL_DEFAULT, MPOL_PREFERRED, MPOL_BIND = 0, 1, 2
 MPOL_F_ADDR = 1 << 1
 MPOL_MF_STRICT, MPOL_MF_MOVE = 1 << 0, 1 << 1
 MAX_NODES = 1024
-
-
-class NumaError(CxlkvError):
-    """A NUMA binding that cannot be resolved, applied or verified."""
-
-    exit_code = EXIT_DEVICE
-    kind = "numa"
-
-
-class NumaUsage(NumaError):
-    exit_code = EXIT_USAGE
-    kind = "usage"
 
 
 # --------------------------------------------------------------------------

@@ -25,51 +25,13 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from cxlkv.errors import EXIT_DEVICE, EXIT_NOT_FOUND, CxlkvError
+from cxlkv.errors import ToolFailed, ToolNotFound, ToolOutputError, ToolTimeout
 
 #: the tools the seam knows, and the Debian package that ships each
 TOOLS = {"cxl": "ndctl", "ndctl": "ndctl", "daxctl": "daxctl", "numactl": "numactl"}
 DEFAULT_TIMEOUT_S = 30.0
 #: options that change number formatting; never passed (see module docstring)
 HUMAN = ("--human", "-u")
-
-
-class ToolNotFound(CxlkvError):
-    """The tool is not installed (not on PATH)."""
-
-    exit_code = EXIT_NOT_FOUND
-    kind = "tool-not-found"
-
-    def __init__(self, tool: str):
-        pkg = TOOLS.get(tool, tool)
-        super().__init__(f"{tool}: not found on PATH", hint=f"apt-get install {pkg}")
-        self.tool = tool
-
-
-class ToolFailed(CxlkvError):
-    """The tool ran and failed: its exit status and stderr are kept."""
-
-    exit_code = EXIT_DEVICE
-    kind = "tool-failed"
-
-    def __init__(self, message: str, result: "ToolResult", hint: str | None = None):
-        super().__init__(message, hint=hint)
-        self.result = result
-
-    def to_json(self) -> dict:
-        d = super().to_json()
-        d["tool"] = self.result.to_json()
-        return d
-
-
-class ToolTimeout(ToolFailed):
-    kind = "tool-timeout"
-
-
-class ToolOutputError(ToolFailed):
-    """The tool exited 0 but printed something that is not the JSON it documents."""
-
-    kind = "tool-output"
 
 
 @dataclass
@@ -144,7 +106,7 @@ class Runner:
             raise ValueError(f"{argv}: --human output is never parsed (raw integers only)")
         exe = self.which(argv[0])
         if exe is None:
-            raise ToolNotFound(argv[0])
+            raise not_found(argv[0])
         limit = self.timeout if timeout is None else timeout
         t0 = time.monotonic()
         try:
@@ -176,6 +138,11 @@ class Runner:
 
 def _text(b) -> str:
     return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+
+
+def not_found(tool: str) -> ToolNotFound:
+    """ToolNotFound for `tool`, its hint naming the package that ships it."""
+    return ToolNotFound(tool, TOOLS.get(tool, tool))
 
 
 def failed(res: ToolResult, what: str | None = None) -> ToolFailed:

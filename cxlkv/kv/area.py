@@ -29,19 +29,23 @@ table scan: it is an operator command, not on a store's path.
 """
 from __future__ import annotations
 
-import sys
+import logging
 import time
 import weakref
 
 import numpy as np
 
-from cxlkv.errors import CxlkvError, PoolIncompatible, RefusedError
+from cxlkv.errors import CxlkvError, PoolIncompatible
+# KVPoolFull, KVTableFull, QuotaExceeded and TooManyPins are public here too (cxlkv.kv.area)
+from cxlkv.errors import KVError, KVPoolFull, KVTableFull, QuotaExceeded, TooManyPins  # noqa: F401
 from cxlkv.kv import journal as J
 from cxlkv.pool import layout as L
 from cxlkv.state import alloc as A
 from cxlkv.state import nodes as N
 from cxlkv.state.locks import entry_offset as lock_entry_offset
 from cxlkv.state.locks import guard, held_lock
+
+log = logging.getLogger(__name__)
 
 ENTRY = np.dtype([("ctl", "<u8"), ("key_lo", "<u8"), ("key_hi", "<u8"), ("payload", "<u8"),
                   ("length", "<u4"), ("ns", "<u2"), ("tenant", "<u2"), ("parent", "<u4"),
@@ -79,30 +83,6 @@ PURGE_MIN = 256
 #: pools whose KV counters an interrupted eviction may have left behind the
 #: table (their freed entries not yet subtracted): recounted at detach
 _COUNTS_SUSPECT: "weakref.WeakSet" = weakref.WeakSet()
-
-
-class KVError(CxlkvError):
-    exit_code = 1
-
-
-class KVPoolFull(A.PoolFullError):
-    """No room for the blocks even after evicting every unpinned block."""
-
-    kind = "pool-full"
-
-
-class KVTableFull(RefusedError):
-    """The hash table is at its maximum load and nothing can be evicted."""
-
-    kind = "table-full"
-
-
-class QuotaExceeded(RefusedError):
-    kind = "quota"
-
-
-class TooManyPins(RefusedError):
-    kind = "pins"
 
 
 def now_us() -> int:
@@ -471,8 +451,7 @@ class Area:
                 try:
                     m.slab_mark_freeing(pays[k:k + 1])
                 except ValueError as err:
-                    sys.stderr.write(f"cxlkv: evicting entry {int(idx[k])}: {err} "
-                                     "(fsck will report it)\n")
+                    log.warning("evicting entry %d: %s (fsck will report it)", int(idx[k]), err)
         self.journal.append(J.EVICTED, idx)          # the frees have begun: they go
         # then each victim in C, in order: the free recorded in our lock
         # entry, the entry removed, the slot freed, the record cleared
@@ -775,7 +754,7 @@ def _recover_kv(pool, slot: int, epoch: int) -> None:
     try:
         area = Area(pool)
     except KVError as e:
-        sys.stderr.write(f"cxlkv: KV recovery of node {slot} skipped: {e}\n")
+        log.warning("KV recovery of node %d skipped: %s", slot, e)
         return
     with held_lock(pool, slot):
         area.recover(slot, epoch)

@@ -24,7 +24,7 @@ import numpy as np
 
 from cxlkv import errors as E
 from cxlkv._core import CRASH_ENABLED, crashpoint, gather
-from cxlkv.errors import UsageError
+from cxlkv.errors import StaleViews, UsageError
 from cxlkv.kv import journal as J
 from cxlkv.kv import keys as K
 from cxlkv.kv.area import (ENTRY, INLINE_SLACK, LOW_WATERMARK, STATS, Area, KVPoolFull,
@@ -763,17 +763,6 @@ def _copy_mixed(m, pay: np.ndarray, got: list, dst: memoryview, bb: int) -> None
         j = k
 
 
-class StaleViews(NodeFenced):
-    """This node was fenced while it held loaded views: what they showed is
-    not vouched for.  `stale` lists the blocks (indexes into the load) whose
-    entries changed meanwhile - evicted, dropped or re-stored - so their
-    views may have shown another block's bytes."""
-
-    kind = "stale-views"
-
-    def __init__(self, message: str, *, stale: list[int], **kw):
-        super().__init__(message, **kw)
-        self.stale = stale
 
 
 class Loaded:

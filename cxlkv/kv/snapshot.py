@@ -49,6 +49,7 @@ import numpy as np
 import xxhash
 
 from cxlkv import errors as E
+from cxlkv.errors import SnapshotError, SnapshotIncompatible
 from cxlkv.kv import journal as J
 from cxlkv.kv.area import ENTRY, Area, stamp
 from cxlkv.kv.cache import set_tenant_secret
@@ -70,18 +71,6 @@ INDEX_DTYPE = np.dtype([("key_lo", "<u8"), ("key_hi", "<u8"), ("parent", "<i8"),
 #: bytes copied per batch (and at most this many blocks)
 BATCH_BYTES = 64 << 20
 BATCH_BLOCKS = 1024
-
-
-class SnapshotError(E.CxlkvError):
-    """The snapshot directory is missing, incomplete or corrupt."""
-
-    exit_code = E.EXIT_INVALID
-    kind = "snapshot-invalid"
-
-
-class SnapshotIncompatible(E.CxlkvError):
-    exit_code = E.EXIT_INCOMPATIBLE
-    kind = "snapshot-incompatible"
 
 
 def _manifest_sum(doc: dict) -> str:

@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from cxlkv.api import Pool
-from cxlkv.errors import EXIT_DEVICE, CxlkvError, NotFormatted, RefusedError, UsageError
+from cxlkv.errors import CxlkvError, InUse, NotFormatted, PlanError, ProvisionFailed, UsageError
 from cxlkv.errors import CxlkvError as Err
 from cxlkv.host import discovery as D
 from cxlkv.host import sysfs
@@ -38,36 +38,6 @@ from cxlkv.util.sizes import human_size
 MODES = ("devdax", "system-ram")
 SYNC_MODES = ("manager", "cas")
 DEFAULT_ALIGN = "2M"
-
-
-class PlanError(CxlkvError):
-    """The host cannot be provisioned as asked (no memdev, no fitting decoder, ...)."""
-
-    exit_code = EXIT_DEVICE
-    kind = "plan"
-
-
-class InUse(RefusedError):
-    kind = "in-use"
-
-
-class ProvisionFailed(CxlkvError):
-    """A step failed: what ran, what the tool said, the state left, how to undo."""
-
-    exit_code = EXIT_DEVICE
-    kind = "provision-failed"
-
-    def __init__(self, message: str, *, step: dict, result: T.ToolResult | None,
-                 completed: list[dict], state: dict, undo: list[str], hint: str | None = None):
-        super().__init__(message, hint=hint)
-        self.step, self.result, self.completed = step, result, completed
-        self.state, self.undo = state, undo
-
-    def to_json(self) -> dict:
-        d = super().to_json()
-        d.update(step=self.step, tool=self.result.to_json() if self.result else None,
-                 completed=self.completed, state=self.state, undo=self.undo)
-        return d
 
 
 @dataclass
@@ -232,7 +202,7 @@ def refuse_if_in_use(dev: dict, *, what: str, pool_check: bool = True) -> None:
 def _need_tools(h: dict, tools=("cxl", "ndctl", "daxctl")) -> None:
     missing = [t for t in tools if not h["cxl"]["tools"][t]]
     if missing:
-        raise T.ToolNotFound(missing[0])
+        raise T.not_found(missing[0])
 
 
 def _memdevs(h: dict, opts: Options) -> list[dict]:

@@ -55,7 +55,7 @@ import numpy as np
 
 from cxlkv.version import __version__
 from cxlkv.api import Pool
-from cxlkv.errors import CxlkvError, LiveNodesError
+from cxlkv.errors import LiveNodesError, PoolChanged
 from cxlkv.kv.check import repair_kv
 from cxlkv.ops import fsck
 from cxlkv.pool import layout as L
@@ -159,13 +159,6 @@ def repair(path: str, *, force: bool = False, notice=None) -> Repair:
     with Pool.open(path, writable=False, force=force) as p:
         rep.after = fsck.check(p)
     return rep
-
-
-class PoolChanged(CxlkvError):
-    """The node table changed while the repair ran (fsck: operational error)."""
-
-    exit_code = 8
-    kind = "changed"
 
 
 # -- 0. who is alive ---------------------------------------------------------------------

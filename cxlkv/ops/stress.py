@@ -69,15 +69,15 @@ import numpy as np
 import xxhash
 
 from cxlkv.api import Pool, open_pool
-from cxlkv.errors import CxlkvError, PoolCorrupt, RefusedError, UsageError
+from cxlkv.errors import (CxlkvError, KVPoolFull, KVTableFull, LockLost, PoolCorrupt, RefusedError,
+                          UsageError)
 from cxlkv.host import spawn
-from cxlkv.kv.area import Area, KVPoolFull, KVTableFull
+from cxlkv.kv.area import Area
 from cxlkv.kv.cache import drop_namespace, kv_report
 from cxlkv.ops import fsck, lockmgr
 from cxlkv.pool import layout as L
 from cxlkv.state import alloc as A
 from cxlkv.state import nodes as N
-from cxlkv.state.locks import LockLost
 
 log = logging.getLogger(__name__)
 

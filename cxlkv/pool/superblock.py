@@ -14,7 +14,6 @@ Rules (ndctl label index, PMDK pool header):
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import re
 import uuid as uuidlib
@@ -23,7 +22,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from cxlkv.version import __version__
-from cxlkv.errors import (CxlkvError, NotFormatted, PoolCorrupt, PoolIncompatible, PoolInvalid,
+from cxlkv.errors import (CxlkvError, NotFormatted, PoolCorrupt, PoolIncompatible,
                           PoolTruncated, WrongMagic)
 from cxlkv.pool import layout as L
 
@@ -139,15 +138,6 @@ def _cstr(text: str, size: int, what: str) -> bytes:
     if len(b) >= size:
         raise ValueError(f"{what} is longer than {size - 1} bytes")
     return b
-
-
-class SuperblockCopyError(PoolInvalid):
-    """One copy is unusable; `seq` is set when its checksum was valid."""
-
-    def __init__(self, message: str, cause: CxlkvError, seq: int | None = None):
-        super().__init__(message)
-        self.cause = cause
-        self.seq = seq
 
 
 def _is_pow2(n: int) -> bool:

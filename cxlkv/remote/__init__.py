@@ -10,10 +10,9 @@ Modules: `value` (the value format), `config` (RemoteConfig), `tier`
 `status` (what `cxlkv remote status` reports).  A real cluster on
 loopback for tests and benches is `cxlkv.testing.redis.TestCluster`.
 """
+from cxlkv.errors import CorruptValue, RemoteError, RemoteUnavailable
 from cxlkv.remote.config import RemoteConfig
-from cxlkv.remote.tier import (Batch, RemoteClient, RemoteError, RemoteTier, RemoteUnavailable,
-                               key_name, ns_hash_name)
-from cxlkv.remote.value import CorruptValue
+from cxlkv.remote.tier import Batch, RemoteClient, RemoteTier, key_name, ns_hash_name
 
 __all__ = ["RemoteConfig", "RemoteClient", "RemoteTier", "RemoteError", "RemoteUnavailable",
            "Batch", "CorruptValue", "key_name", "ns_hash_name"]

@@ -25,8 +25,9 @@ from redis.crc import key_slot
 from redis.exceptions import SlotNotCoveredError
 from redis.retry import Retry
 
+from cxlkv.errors import RemoteError, RemoteUnavailable
 from cxlkv.remote.config import RemoteConfig
-from cxlkv.remote.tier import Batch, RemoteError, RemoteTier, RemoteUnavailable
+from cxlkv.remote.tier import Batch, RemoteTier
 
 __all__ = ["RedisClusterTier", "RemoteConfig", "client_kwargs"]
 

@@ -29,13 +29,15 @@ import abc
 import asyncio
 import collections
 import concurrent.futures
-import sys
+import logging
 import threading
 import time
 
-from cxlkv.errors import EXIT_DEVICE, CxlkvError
+from cxlkv.errors import CorruptValue, RemoteError, RemoteUnavailable
 from cxlkv.remote import value as V
 from cxlkv.remote.config import RemoteConfig
+
+log = logging.getLogger(__name__)
 
 #: the writer sends batches of at most this many value bytes (pipelined)
 BATCH_BYTES = 8 << 20
@@ -51,20 +53,6 @@ RETRY_S = 1.0
 #: cluster is treated as unreachable too (a black-holed network refuses
 #: nothing: without this every read would wait its whole budget)
 SILENT_READS = 3
-
-
-class RemoteError(CxlkvError):
-    """The remote cluster answered with an error."""
-
-    exit_code = EXIT_DEVICE
-    kind = "remote"
-
-
-class RemoteUnavailable(RemoteError):
-    """The remote cluster cannot be reached (no node answers, connection
-    refused or timed out, authentication refused, slots not served)."""
-
-    kind = "remote-unavailable"
 
 
 class Batch(list):
@@ -143,10 +131,6 @@ def _digest16(d) -> bytes:
     return d
 
 
-def _log(msg: str) -> None:
-    sys.stderr.write(f"cxlkv: remote: {msg}\n")
-
-
 _COUNTERS = ("lookups", "hits", "misses", "hit_bytes", "corrupt", "incompatible", "deleted",
              "timeouts", "errors", "skipped", "exists_checked", "pushed", "pushed_bytes",
              "pushed_replicated", "present", "dropped_queue-full", "dropped_unavailable",
@@ -175,8 +159,8 @@ class RemoteClient:
         #: called on the client's thread with (key, replicated) for each block
         #: the cluster stored (replicated: confirmed on wait_replicas replicas)
         self.on_written = on_written
-        #: a logging.Logger for the once-per-kind lines (default: stderr)
-        self.logger = logger
+        #: a logging.Logger for the once-per-kind lines (default: this module's)
+        self.logger = logger if logger is not None else log
         self._prefix = self.config.prefix
         self._mu = threading.Lock()           # queue, counters, flags
         self._idle = threading.Condition(self._mu)
@@ -253,10 +237,7 @@ class RemoteClient:
                 return
             self._logged.add(kind)
         line = f"{self.config.scrub(msg)}; counted in stats(), logged once"
-        if self.logger is not None:
-            self.logger.warning(f"remote: {line}", extra={"fields": {"remote": kind}})
-        else:
-            _log(line)
+        self.logger.warning(f"remote: {line}", extra={"fields": {"remote": kind}})
 
     def _drop(self, kind: str, n: int = 1, err: str | None = None) -> None:
         self._bump(f"dropped_{kind}", n)
@@ -324,7 +305,7 @@ class RemoteClient:
             try:
                 out[i] = V.decode(keys[i], ns_digest, block_bytes, v)
                 hits += 1
-            except V.CorruptValue as e:
+            except CorruptValue as e:
                 if e.damaged:
                     self._bump("corrupt")
                     bad.append((names[i], keys[i]))
@@ -433,7 +414,7 @@ class RemoteClient:
                     continue
                 try:
                     V.decode(key, ns_digest, block_bytes, v)
-                except V.CorruptValue as e:
+                except CorruptValue as e:
                     if e.damaged:
                         gone.append(nm)
             if gone:

@@ -28,6 +28,8 @@ import struct
 
 import xxhash
 
+from cxlkv.errors import CorruptValue
+
 MAGIC = b"CXLKVRB\0"
 VERSION = 1
 #: flags this version understands (none yet)
@@ -41,19 +43,6 @@ _SUM = struct.Struct("<Q")
 OFFSETS = {"magic": (0, 8), "version": (8, 2), "flags": (10, 2), "reserved": (12, 4),
            "length": (16, 8), "key": (24, 16), "ns_digest": (40, 16),
            "payload_xxh3": (56, 8), "header_xxh3": (64, 8)}
-
-
-class CorruptValue(ValueError):
-    """A value that is not the block the reader asked for; `reason` is one of
-    REASONS, `damaged` whether to delete it (see the module doc)."""
-
-    REASONS = ("truncated", "magic", "version", "flags", "header-checksum", "key",
-               "namespace", "length", "payload-checksum")
-
-    def __init__(self, reason: str, detail: str = "", *, damaged: bool = True):
-        super().__init__(f"remote value: {reason}" + (f" ({detail})" if detail else ""))
-        self.reason = reason
-        self.damaged = damaged
 
 
 def _check16(name: str, b) -> bytes:

@@ -61,7 +61,8 @@ import threading
 import numpy as np
 
 from cxlkv._core import crashpoint, fence
-from cxlkv.errors import CxlkvError, MetadataCorrupt, RefusedError, UsageError
+# PoolFullError is public here too (cxlkv.state.alloc, named in the README)
+from cxlkv.errors import AllocError, CxlkvError, MetadataCorrupt, PoolFullError, UsageError
 from cxlkv.pool import layout as L
 from cxlkv.state import nodes as N
 from cxlkv.state.locks import entry_offset as lock_entry_offset
@@ -76,19 +77,6 @@ _F = {name: L.field_offset(L.ChunkStruct, name) for name, *_ in L.ChunkStruct._f
 _FREEING = L.field_offset(L.LockEntryStruct, "freeing")
 MAX_SLAB_CHUNKS = 64          # slabs.c MAX_SPAN
 SWEEP_CHUNKS = 16384          # descriptors one _sweep looks at
-
-
-class PoolFullError(RefusedError):
-    """No free space for the request (after releasing empty slabs)."""
-
-    kind = "pool-full"
-
-
-class AllocError(CxlkvError, ValueError):
-    """A bad free or publish: an offset that is not an allocated slot."""
-
-    exit_code = 1
-    kind = "bad-offset"
 
 
 def heap_offset(pool, slot: int) -> int:

@@ -52,7 +52,7 @@ import secrets
 import time
 
 from cxlkv._core import Mapping
-from cxlkv.errors import CxlkvError
+from cxlkv.errors import HostLockError
 from cxlkv.state import nodes as N
 
 log = logging.getLogger(__name__)
@@ -70,12 +70,6 @@ HANDOFF = 1 << 30
 SPINS = 200
 MODE = 0o660
 _M32 = 0xFFFFFFFF
-
-
-class HostLockError(CxlkvError):
-    """The host lock file cannot be used (wrong header, too small)."""
-
-    kind = "hostlock"
 
 
 def lock_dir() -> str:

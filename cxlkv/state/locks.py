@@ -43,7 +43,8 @@ from threading import get_ident
 import numpy as np
 
 from cxlkv._core import CRASH_ENABLED, crashpoint
-from cxlkv.errors import CxlkvError, PoolCorrupt
+# LockLost is public here too (cxlkv.state.locks, named in the README)
+from cxlkv.errors import CxlkvError, LockLost, LockTimeout, PoolCorrupt
 from cxlkv.pool import layout as L
 from cxlkv.state import hostlock as H
 from cxlkv.state import nodes as N
@@ -112,7 +113,7 @@ def _host_lock(pool) -> H.HostLock | None:
     try:
         return H.HostLock(pool, pool.node)
     except (OSError, CxlkvError) as e:
-        log.warning("cxlkv: %s: no host-local lock tier (%s); every process of this host "
+        log.warning("%s: no host-local lock tier (%s); every process of this host "
                     "competes for the pool lock", pool.path, e)
         return None
 
@@ -120,18 +121,6 @@ def _host_lock(pool) -> H.HostLock | None:
 def _granted() -> None:
     if CRASH_ENABLED:
         crashpoint("lock.held")
-
-
-class LockTimeout(CxlkvError):
-    exit_code = 1
-    kind = "lock-timeout"
-
-
-class LockLost(CxlkvError):
-    """The lock was taken from this node while it held it (it was judged dead)."""
-
-    exit_code = 1
-    kind = "lock-lost"
 
 
 def _corrupt_tickets(pool, serving: int, nxt: int) -> PoolCorrupt:

@@ -40,17 +40,19 @@ generous multiple of the lease for that.
 """
 from __future__ import annotations
 
+import logging
 import os
 import random
-import sys
 import threading
 import time
 import uuid as uuidlib
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
 from cxlkv.version import __version__
-from cxlkv.errors import CxlkvError, RefusedError
+# NodeFenced is public here too (cxlkv.state.nodes, named in the README)
+from cxlkv.errors import CxlkvError, NodeFenced, NodeTableFull, RefusedError
 from cxlkv.host import procs, sysfs
 from cxlkv.pool import layout as L
 from cxlkv.state import protocol as P
@@ -65,17 +67,16 @@ _ACK = L.field_offset(L.NodeStruct, "ack_epoch")
 FRESH_SHARE = 0.5
 #: claim tokens (os.urandom; the secrets module would load OpenSSL at attach)
 _RNG = random.SystemRandom()
+log = logging.getLogger(__name__)
 
 
-class NodeFenced(CxlkvError):
-    """This process was reaped (its lease lapsed): it must not write live state."""
-
-    exit_code = 1
-    kind = "fenced"
-
-
-class PoolFull(RefusedError):
-    kind = "no-free-slot"
+def __getattr__(name):
+    # PoolFull: the old name of NodeTableFull (the node table is full, not the pool)
+    if name == "PoolFull":
+        warnings.warn("cxlkv.state.nodes.PoolFull is deprecated: use cxlkv.errors.NodeTableFull",
+                      DeprecationWarning, stacklevel=2)
+        return NodeTableFull
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -543,7 +544,7 @@ class Attachment:
                         f"one with `cxlkv lock-manager --pool {pool.path}` on any host",
                         hint="systemd: cxlkv-lock-manager@.service with --standby on every host")
                 time.sleep(0.0005)
-        raise PoolFull(f"{pool.path}: no free node slot was granted ({len(free)} looked free)",
+        raise NodeTableFull(f"{pool.path}: no free node slot was granted ({len(free)} looked free)",
                        path=pool.path)
 
     # -- slot claim -------------------------------------------------------
@@ -583,7 +584,7 @@ class Attachment:
                     self._pending.append((slot, epoch))
                 return
         fenced = sum(1 for nd in read_nodes(self.pool) if nd.state == "fenced")
-        raise PoolFull(f"{self.pool.path}: all {n} node slots are in use"
+        raise NodeTableFull(f"{self.pool.path}: all {n} node slots are in use"
                        + (f" ({fenced} by fenced nodes in quarantine, freed by a reaper - "
                           "cxlkv serve - once each is gone, acknowledges or its grace passes)"
                           if fenced else " by live nodes"), path=self.pool.path,
@@ -806,7 +807,7 @@ class Attachment:
                 msg = f"{type(e).__name__}: {e}"
                 if msg != self.reap_error:
                     self.reap_error = msg
-                    sys.stderr.write(f"cxlkv: reaping in {self.pool.path} failed: {msg}\n")
+                    log.warning("reaping in %s failed: %s", self.pool.path, msg)
             else:
                 self.reap_error = ""
 
@@ -839,9 +840,8 @@ class Attachment:
                 raise
             # no lock manager to take the lock from: stay in the table,
             # silent; the next manager reaps this slot and recovers it
-            sys.stderr.write(f"cxlkv: detaching from {self.pool.path} without a lock "
-                             f"manager ({e}); node {self.slot} will be recovered by the "
-                             "next one\n")
+            log.warning("detaching from %s without a lock manager (%s); node %d will be "
+                        "recovered by the next one", self.pool.path, e, self.slot)
             self.slot = -1
             return
         free = L.node_control(L.NODE_FREE, self.epoch)

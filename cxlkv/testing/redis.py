@@ -33,11 +33,11 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from cxlkv.errors import ClusterUnavailable
+
 SLOTS = 16384
 
 
-class ClusterUnavailable(RuntimeError):
-    """redis-server / redis-cli missing, or the cluster did not come up."""
 
 
 def tools() -> tuple[str, str] | None:

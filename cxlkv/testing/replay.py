@@ -18,7 +18,7 @@ import os
 import shutil
 from pathlib import Path
 
-from cxlkv.host.tools import Runner, ToolNotFound, ToolResult, failed
+from cxlkv.host.tools import Runner, ToolResult, failed, not_found
 
 #: captured commands that change the machine: argv -> (state they were recorded
 #: in, name, state the machine is in afterwards)
@@ -115,7 +115,7 @@ class ReplayRunner(Runner):
     def run(self, argv, *, check: bool = True, timeout: float | None = None) -> ToolResult:
         argv = [str(a) for a in argv]
         if self.which(argv[0]) is None:
-            raise ToolNotFound(argv[0])
+            raise not_found(argv[0])
         self.calls.append(argv)
         key = tuple(argv)
         if key in self.inject:
