@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 
 import cxlkv
-from cxlkv.pool import layout as L
+from cxlkv.pool import layout
 from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
-from cxlkv.state import alloc as A
-from cxlkv.state import nodes as N
+from cxlkv.state import alloc
+from cxlkv.state import nodes as node_table
 
 from cxlkv.testing.nodes import NodeProc
 
@@ -33,12 +33,12 @@ def test_alloc_free_basic(apool):
     with cxlkv.open_pool(apool) as pool:
         data_off, data_size = pool.region("data")
         offs = [pool.alloc(n) for n in (1, 64, 4096, 5000, 100_000, 4096)]
-        sizes = [A.slot_size_for(pool, n) for n in (1, 64, 4096, 5000, 100_000, 4096)]
+        sizes = [alloc.slot_size_for(pool, n) for n in (1, 64, 4096, 5000, 100_000, 4096)]
         assert all(o % 64 == 0 and data_off <= o < data_off + data_size for o in offs)
         assert len(set(offs)) == len(offs) and no_overlap(offs, sizes)
         for o in offs:
             pool.free(o)
-        with pytest.raises(A.AllocError, match="double free"):
+        with pytest.raises(alloc.AllocError, match="double free"):
             pool.free(offs[0])
 
 
@@ -50,7 +50,7 @@ def test_bad_frees_are_refused(apool, bad, msg):
         o = pool.alloc(8192)
         data_off, data_size = pool.region("data")
         bad = {"mid": o + 64, "unused": data_off + data_size - 4096}.get(bad, bad)
-        with pytest.raises(A.AllocError, match=msg):
+        with pytest.raises(alloc.AllocError, match=msg):
             pool.free(bad)
         pool.free(o)                     # the good one is untouched and frees fine
 
@@ -85,9 +85,9 @@ def test_freed_slots_are_zeroed(apool):
 
 
 def test_large_slots_and_slab_shapes(apool):
-    assert A.slab_shape(2 * MiB, 3 * MiB, 1000) == (3, 2)
-    assert A.slab_shape(2 * MiB, 16 * MiB, 1000) == (8, 1)
-    assert A.slab_shape(2 * MiB, 192 * 1024, 1000) == (3, 32)
+    assert alloc.slab_shape(2 * MiB, 3 * MiB, 1000) == (3, 2)
+    assert alloc.slab_shape(2 * MiB, 16 * MiB, 1000) == (8, 1)
+    assert alloc.slab_shape(2 * MiB, 192 * 1024, 1000) == (3, 32)
     with cxlkv.open_pool(apool) as pool:
         a, b = pool.alloc(3 * MiB), pool.alloc(3 * MiB)
         assert abs(a - b) == 3 * MiB
@@ -102,9 +102,9 @@ def test_pool_full_then_space_returns(apool):
         n = pool.sb.nchunks
         offs = pool.alloc_batch(2 * MiB, n, zero=False)
         assert len(set(offs.tolist())) == n
-        with pytest.raises(A.PoolFullError, match="pool full"):
+        with pytest.raises(alloc.PoolFullError, match="pool full"):
             pool.alloc(2 * MiB)
-        with pytest.raises(A.PoolFullError):
+        with pytest.raises(alloc.PoolFullError):
             pool.alloc_batch(4096, 10)
         pool.free(int(offs[0]))
         # the freed chunk's slab is empty: released and reused for another size
@@ -117,10 +117,10 @@ def test_pool_full_then_space_returns(apool):
 def test_all_or_nothing_batch(apool):
     with cxlkv.open_pool(apool) as pool:
         n = pool.sb.nchunks
-        with pytest.raises(A.PoolFullError):
+        with pytest.raises(alloc.PoolFullError):
             pool.alloc_batch(2 * MiB, n + 1)
-        d = A.descriptors(pool)
-        assert int(A.used_slots(d).sum()) == 0
+        d = alloc.descriptors(pool)
+        assert int(alloc.used_slots(d).sum()) == 0
         del d
 
 
@@ -139,7 +139,7 @@ def test_publish(apool):
         o = pool.alloc(4096)
         assert pool.publish(o) == 1
         pool.free(o)
-        with pytest.raises(A.AllocError, match="not allocated"):
+        with pytest.raises(alloc.AllocError, match="not allocated"):
             pool.publish(o)
 
 
@@ -156,8 +156,8 @@ def test_four_processes_allocate_without_overlap(apool):
         live = [(o, 4096 * (i + 1)) for i, r in enumerate(results) for o in r["kept"]]
         assert no_overlap([o for o, _ in live], [s for _, s in live])
         with Pool.open(apool) as p:
-            d = A.descriptors(p)
-            assert int(A.used_slots(d).sum()) == len(live)
+            d = alloc.descriptors(p)
+            assert int(alloc.used_slots(d).sum()) == len(live)
             del d
     finally:
         for p in procs:
@@ -170,10 +170,10 @@ def test_dead_node_unpublished_reclaimed_published_kept(apool):
     r = victim.call(op="alloc_publish", nbytes=8192, reserved=5, published=3)
     victim.kill()
     with cxlkv.open_pool(apool) as pool:               # attach reaps the dead local node
-        assert N.read_slot(pool, victim.slot).state == "free"
-        d = A.descriptors(pool)
-        assert int(A.used_slots(d).sum()) == 3                # the published ones survive
-        assert int(np.count_nonzero(d["owner"][(d["control"] & 0xFF) == L.CHUNK_HEAD])) == 0
+        assert node_table.read_slot(pool, victim.slot).state == "free"
+        d = alloc.descriptors(pool)
+        assert int(alloc.used_slots(d).sum()) == 3                # the published ones survive
+        assert int(np.count_nonzero(d["owner"][(d["control"] & 0xFF) == layout.CHUNK_HEAD])) == 0
         del d
         for o in r["reserved"]:                         # reserved bytes were zeroed
             assert pool.mapping.read(o, 8192) == bytes(8192)
@@ -211,8 +211,8 @@ def test_nodes_free_each_others_slots(apool):
             p.send(op="free_all", offsets=held[(i + 1) % 4])
         assert [p.reply() for p in procs] == [{"freed": 30}] * 4
         with Pool.open(apool) as pool:
-            d = A.descriptors(pool)
-            assert int(A.used_slots(d).sum()) == 0
+            d = alloc.descriptors(pool)
+            assert int(alloc.used_slots(d).sum()) == 0
             del d
     finally:
         for p in procs:
@@ -227,12 +227,12 @@ def test_nodes_free_each_others_slots(apool):
 # -- releases racing lock-free allocation ---------------------------
 
 def _head(pool, off: int) -> int:
-    data_off, chunk, _, _ = A.geometry(pool)
+    data_off, chunk, _, _ = alloc.geometry(pool)
     return (off - data_off) // chunk
 
 
 def _desc(pool, head: int) -> int:
-    return A.geometry(pool)[3] + head * L.CHUNK_DESC_SIZE
+    return alloc.geometry(pool)[3] + head * layout.CHUNK_DESC_SIZE
 
 
 def _kind(pool, head: int) -> int:
@@ -257,13 +257,13 @@ def test_slot_holder_publishes_and_frees_while_a_release_looks_at_its_slab(apool
                 a.publish(two)
                 a.free(one)
 
-        monkeypatch.setattr(A, "crashpoint", b_releasing)
+        monkeypatch.setattr(alloc, "crashpoint", b_releasing)
         with b.lock():
-            assert A.release_slab(b, head) is False
-        assert seen == [L.CHUNK_RELEASING]
-        assert _kind(a, head) == L.CHUNK_HEAD
-        assert A.slot_bits(a, one) == (False, False, False)
-        assert A.slot_bits(a, two) == (True, True, False)
+            assert alloc.release_slab(b, head) is False
+        assert seen == [layout.CHUNK_RELEASING]
+        assert _kind(a, head) == layout.CHUNK_HEAD
+        assert alloc.slot_bits(a, one) == (False, False, False)
+        assert alloc.slot_bits(a, two) == (True, True, False)
         a.free(two)
 
 
@@ -275,35 +275,35 @@ def test_release_refuses_a_slab_its_owner_is_allocating_from(apool):
         off = a.alloc(4096)
         a.free(off)                                 # A's slab is empty, still A's
         head = _head(a, off)
-        hazard = A.heap_offset(a, a.node.slot) + 8 * 3
+        hazard = alloc.heap_offset(a, a.node.slot) + 8 * 3
         a.mapping.store64(hazard, head + 1)          # A between its check and its CAS
         with b.lock():
-            assert A.release_slab(b, head) is False
-        assert _kind(a, head) == L.CHUNK_HEAD
-        b.mapping.store64(A.heap_offset(b, b.node.slot), head + 1)  # B's hazards don't count
+            assert alloc.release_slab(b, head) is False
+        assert _kind(a, head) == layout.CHUNK_HEAD
+        b.mapping.store64(alloc.heap_offset(b, b.node.slot), head + 1)  # B's hazards don't count
         a.mapping.store64(hazard, 0)
         with b.lock():
-            assert A.release_slab(b, head) is True
-        assert _kind(a, head) == L.CHUNK_FREE
-        b.mapping.store64(A.heap_offset(b, b.node.slot), 0)
+            assert alloc.release_slab(b, head) is True
+        assert _kind(a, head) == layout.CHUNK_FREE
+        b.mapping.store64(alloc.heap_offset(b, b.node.slot), 0)
 
 
 def test_allocation_falls_back_to_the_pool_lock_when_every_hazard_word_is_taken(apool):
     with cxlkv.open_pool(apool) as pool:
         off = pool.alloc(4096)
         head = _head(pool, off)
-        heap = A.heap_offset(pool, pool.node.slot)
+        heap = alloc.heap_offset(pool, pool.node.slot)
         m, al = pool.mapping, pool.allocator
-        assert [m.load64(heap + 8 * i) for i in range(L.HEAP_HAZARDS)] == [0] * 8   # dropped
-        for i in range(L.HEAP_HAZARDS):                 # other threads of this node
+        assert [m.load64(heap + 8 * i) for i in range(layout.HEAP_HAZARDS)] == [0] * 8   # dropped
+        for i in range(layout.HEAP_HAZARDS):                 # other threads of this node
             m.store64(heap + 8 * i, 1000 + i)
         out = np.empty(1, dtype=np.uint64)
         assert m.slab_alloc(head, al.token, out, 1, True, 4096, heap) == -2
         more = pool.alloc(4096)                         # under the pool lock instead
         assert _head(pool, more) == head and more != off
-        assert [m.load64(heap + 8 * i) for i in range(L.HEAP_HAZARDS)] == \
+        assert [m.load64(heap + 8 * i) for i in range(layout.HEAP_HAZARDS)] == \
             [1000 + i for i in range(8)]
-        for i in range(L.HEAP_HAZARDS):
+        for i in range(layout.HEAP_HAZARDS):
             m.store64(heap + 8 * i, 0)
         pool.free_batch([off, more])
 
@@ -325,15 +325,15 @@ def test_a_node_killed_mid_allocation_has_its_hazard_dropped_by_recovery(apool):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == -9, r.stderr
     with Pool.open(apool) as p:                          # not attached: nothing reaped yet
-        d = A.descriptors(p)
-        heads = np.flatnonzero((d["control"] & 0xFF) == L.CHUNK_HEAD)
+        d = alloc.descriptors(p)
+        heads = np.flatnonzero((d["control"] & 0xFF) == layout.CHUNK_HEAD)
         del d
         assert len(heads) == 1
-        heaps = [[p.mapping.load64(A.heap_offset(p, s) + 8 * i) for i in range(8)]
+        heaps = [[p.mapping.load64(alloc.heap_offset(p, s) + 8 * i) for i in range(8)]
                  for s in range(p.sb.max_nodes)]
         assert sorted(w for ws in heaps for w in ws if w) == [int(heads[0]) + 1]
     with cxlkv.open_pool(apool) as pool:                 # reaps the dead node
-        assert all(pool.mapping.load64(A.heap_offset(pool, s) + 8 * i) == 0
+        assert all(pool.mapping.load64(alloc.heap_offset(pool, s) + 8 * i) == 0
                    for s in range(pool.sb.max_nodes) for i in range(8))
         from cxlkv.ops.fsck import check
 
@@ -371,7 +371,7 @@ def test_stress_on_a_crowded_pool_finds_nothing(crowded_pool, nodes, seed):
 
 CORRUPT = {
     "kind": lambda m, h: m.store64(h, 0x7F),                          # no such kind
-    "geometry": lambda m, h: m.store64(h + A._F["nslots"], 100_000),  # > 512 slots
+    "geometry": lambda m, h: m.store64(h + alloc._F["nslots"], 100_000),  # > 512 slots
     "tail": None,                                   # a tail naming no earlier head
 }
 
@@ -392,17 +392,17 @@ def test_a_corrupt_descriptor_fails_fast_naming_fsck_repair(apool, op, how):
         if how == "tail":           # 3 MiB slots: a 3-chunk slab, slot 1 starts in chunk 1
             target = pool.alloc(size)
             assert _head(pool, target) == head + 1
-            m.store64(_desc(pool, head + 1), L.CHUNK_TAIL | (head + 1) << 8)
+            m.store64(_desc(pool, head + 1), layout.CHUNK_TAIL | (head + 1) << 8)
         else:
             CORRUPT[how](m, _desc(pool, head))
-        before = m.read(_desc(pool, head), 2 * L.CHUNK_DESC_SIZE)
+        before = m.read(_desc(pool, head), 2 * layout.CHUNK_DESC_SIZE)
         call = {"alloc": lambda: pool.alloc(size), "free": lambda: pool.free(target),
                 "publish": lambda: pool.publish(target)}[op]
         with pytest.raises(MetadataCorrupt, match=r"cxlkv fsck --repair") as err:
             call()
         assert isinstance(err.value, CxlkvError) and err.value.exit_code == 4
         assert apool in str(err.value)
-        assert m.read(_desc(pool, head), 2 * L.CHUNK_DESC_SIZE) == before   # nothing written
+        assert m.read(_desc(pool, head), 2 * layout.CHUNK_DESC_SIZE) == before   # nothing written
     rep = repair(apool)                                  # what the message says to do
     assert rep.after.clean, rep.after.to_json()
     with Pool.open(apool, writable=False) as p:
@@ -416,11 +416,11 @@ def test_kv_store_on_a_corrupt_descriptor_raises_metadata_corrupt(kvpool):
     with cxlkv.open_pool(kvpool) as pool:
         kv = pool.kv(model="m", block_tokens=16, block_bytes=bb)
         assert kv.store(np.arange(32), bytes(2 * bb)) == 2
-        d = A.descriptors(pool)
-        heads = np.flatnonzero(((d["control"] & 0xFF) == L.CHUNK_HEAD)
-                               & (d["slot_size"] == A.slot_size_for(pool, bb)))
+        d = alloc.descriptors(pool)
+        heads = np.flatnonzero(((d["control"] & 0xFF) == layout.CHUNK_HEAD)
+                               & (d["slot_size"] == alloc.slot_size_for(pool, bb)))
         del d
         assert len(heads) == 1
-        pool.mapping.store64(_desc(pool, int(heads[0])) + A._F["nslots"], 100_000)
+        pool.mapping.store64(_desc(pool, int(heads[0])) + alloc._F["nslots"], 100_000)
         with pytest.raises(MetadataCorrupt, match=r"cxlkv fsck --repair"):
             kv.store(np.arange(1000, 1032), bytes(2 * bb))

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 import cxlkv
-from cxlkv.pool import layout as L
+from cxlkv.pool import layout
 from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
-from cxlkv.state import alloc as A
+from cxlkv.state import alloc
 from cxlkv.ops import fsck
-from cxlkv.state import nodes as N
+from cxlkv.state import nodes
 
 from cxlkv.testing.checks import wait_for
 from cxlkv.testing.pools import MiB
@@ -29,10 +29,10 @@ from cxlkv.testing.pools import MiB
 def oracle_free(pool) -> np.ndarray:
     """Free chunks as _new_slab computed them before the index: not in the
     bitmap, descriptor FREE, inside no head's span."""
-    d = A.descriptors(pool)
+    d = alloc.descriptors(pool)
     try:
-        return (~A.bitmap(pool) & ((d["control"] & 0xFF) == L.CHUNK_FREE)
-                & ~A.head_spans(d))
+        return (~alloc.bitmap(pool) & ((d["control"] & 0xFF) == layout.CHUNK_FREE)
+                & ~alloc.head_spans(d))
     finally:
         del d
 
@@ -43,14 +43,14 @@ def find_run(pool, k: int, hint: int = 0) -> int:
 
 def assert_run_ok(pool, free: np.ndarray, k: int, hint: int) -> None:
     got = find_run(pool, k, hint)
-    first = A._find_run(free, k)
+    first = alloc._find_run(free, k)
     if hint == 0:
         assert got == first, (k, got, first)
     elif first < 0:
         assert got == -1
     else:
         assert got >= 0 and free[got:got + k].all() and got + k <= len(free), (k, hint, got)
-        after = A._find_run(free[hint:], k)        # next fit: the first run from the hint
+        after = alloc._find_run(free[hint:], k)        # next fit: the first run from the hint
         assert got == (hint + after if after >= 0 else first), (k, hint, got)
 
 
@@ -78,7 +78,7 @@ def test_the_run_search_matches_the_full_scan_after_random_alloc_free_release(sm
                 try:
                     offs = node.alloc_batch(rng.choice(sizes), rng.randint(1, 6))
                     held += [(node, int(o)) for o in offs]
-                except A.PoolFullError:
+                except alloc.PoolFullError:
                     pass
             elif r < 0.9 and held:
                 rng.shuffle(held)
@@ -103,13 +103,13 @@ def test_the_search_skips_a_dead_nodes_half_made_slab(small_chunks):
     """A head written (a crash at slab.head) with no tails and no bits: the
     chunks of its span are not free though the bitmap says so."""
     with cxlkv.open_pool(small_chunks) as p:
-        _, _, n, base = A.geometry(p)
-        h = base + 10 * L.CHUNK_DESC_SIZE
+        _, _, n, base = alloc.geometry(p)
+        h = base + 10 * layout.CHUNK_DESC_SIZE
         with p.lock():
             p.mapping.store64(h + 8 * 4, 5)              # nchunks
             p.mapping.store64(h + 8 * 2, 64 * 1024)     # slot size
             p.mapping.store64(h + 8 * 3, 5)              # nslots
-            p.mapping.store64(h, L.CHUNK_HEAD)
+            p.mapping.store64(h, layout.CHUNK_HEAD)
             free = oracle_free(p)
             assert not free[10:15].any()
             for k in (1, 3, 8):
@@ -117,7 +117,7 @@ def test_the_search_skips_a_dead_nodes_half_made_slab(small_chunks):
                     assert_run_ok(p, free, k, hint)
             assert find_run(p, 3, 11) == 15
             p.mapping.store64(h, 0)
-            p.mapping.zero(h, L.CHUNK_DESC_SIZE)
+            p.mapping.zero(h, layout.CHUNK_DESC_SIZE)
 
 
 def fill_with_chunk_slabs(pool) -> list[int]:
@@ -126,7 +126,7 @@ def fill_with_chunk_slabs(pool) -> list[int]:
     while True:
         try:
             offs.append(pool.alloc(pool.sb.chunk_size))
-        except A.PoolFullError:
+        except alloc.PoolFullError:
             return offs
 
 
@@ -134,15 +134,15 @@ def test_a_slab_is_made_exactly_when_a_run_of_its_length_exists(pool_path):
     init_pool(pool_path, {"size": 64 * MiB, "chunk_size": 2 * MiB, "max_nodes": 8})
     with cxlkv.open_pool(pool_path) as p:
         offs = fill_with_chunk_slabs(p)
-        data_off, chunk, nchunks, _ = A.geometry(p)
+        data_off, chunk, nchunks, _ = alloc.geometry(p)
         assert len(offs) == nchunks
         by_chunk = {(o - data_off) // chunk: o for o in offs}
         # holes of one and two chunks: a 4 MiB slot (a 2-chunk slab) fits, 5 MiB
         # (a 5-chunk slab with two slots) does not
         holes = [1, 4, 5, 9, 13, 14]
         p.free_batch([by_chunk[i] for i in holes])
-        assert A.slab_shape(chunk, A.slot_size_for(p, 5 * MiB), nchunks)[0] == 5
-        with pytest.raises(A.PoolFullError):
+        assert alloc.slab_shape(chunk, alloc.slot_size_for(p, 5 * MiB), nchunks)[0] == 5
+        with pytest.raises(alloc.PoolFullError):
             p.alloc(5 * MiB)
         two = p.alloc(4 * MiB)
         assert (two - data_off) // chunk in (4, 13)
@@ -167,11 +167,11 @@ def test_release_empty_releases_what_our_frees_emptied_and_nothing_else(pool_pat
         with a.lock():
             assert a.allocator.release_empty() == 3
             assert a.allocator.release_empty() == 0  # the record is drained
-        kinds = [(p.mapping.load64(A.geometry(p)[3] + ((int(o) - A.geometry(p)[0])
+        kinds = [(p.mapping.load64(alloc.geometry(p)[3] + ((int(o) - alloc.geometry(p)[0])
                                                           // (2 * MiB)) * 256) & 0xFF)
                  for p, o in [(a, theirs[0]), (a, theirs[1]), (a, mine[0]), (b, other),
                               (a, theirs[2])]]
-        assert kinds == [L.CHUNK_FREE] * 3 + [L.CHUNK_HEAD, L.CHUNK_HEAD]
+        assert kinds == [layout.CHUNK_FREE] * 3 + [layout.CHUNK_HEAD, layout.CHUNK_HEAD]
         with b.lock():
             assert b.allocator.release_empty() == 1  # b's own
         a.free_batch(mine[1:])
@@ -204,12 +204,13 @@ def dead_node_with_slabs(path: str, n: int, env=None) -> tuple[subprocess.Popen,
 
 
 def slab_census(pool) -> dict:
-    d = A.descriptors(pool)
+    d = alloc.descriptors(pool)
     try:
         kind = d["control"] & 0xFF
-        heads = np.flatnonzero(kind == L.CHUNK_HEAD)
+        heads = np.flatnonzero(kind == layout.CHUNK_HEAD)
         return {"heads": len(heads), "orphans": int((d["owner"][heads] == 0).sum()),
-                "used": int(A.used_slots(d, heads).sum()), "bits": int(A.bitmap(pool).sum())}
+                "used": int(alloc.used_slots(d,
+                                             heads).sum()), "bits": int(alloc.bitmap(pool).sum())}
     finally:
         del d
 
@@ -249,10 +250,10 @@ def test_recovery_of_a_killed_node_with_many_slabs(mode_pool):
         wait_for(lambda: slab_census(p) == want, what="the dead node's recovery")
         rep = fsck.check(p)
         assert rep.clean, [f.to_json() for f in rep.errors]
-        data_off, chunk, _, _ = A.geometry(p)
+        data_off, chunk, _, _ = alloc.geometry(p)
         first = data_off                                    # slot 0: published
         assert p.mapping.read(first, 64) == b"P" * 64
-        assert A.slot_bits(p, first) == (True, True, False)
+        assert alloc.slot_bits(p, first) == (True, True, False)
         assert p.mapping.read(first + chunk, 64) == bytes(64)   # reserved: zeroed
         # orphans are adopted under pressure, and the pool fills to the brim
         offs = fill_with_chunk_slabs(p)
@@ -298,9 +299,9 @@ def test_a_stalled_node_fenced_and_reaped_has_its_slabs_recovered(pool_path, mod
             wait_for(lambda: fenced(rack.path, a), what="the stalled node to be fenced")
             wait_for(lambda: freed(rack.path, a), what="the quarantine to end")
             for o in got["reserved"]:
-                assert A.slot_bits(pool, o) in (None, (False, False, False))
+                assert alloc.slot_bits(pool, o) in (None, (False, False, False))
             for o in got["published"]:
-                assert A.slot_bits(pool, o) == (True, True, False)
+                assert alloc.slot_bits(pool, o) == (True, True, False)
                 assert pool.mapping.read(o, 8) == b"PUBLPUBL"
             os.kill(a.p.pid, signal.SIGCONT)
             a.send(op="alloc_publish", nbytes=256 * 1024, reserved=1, published=0)
@@ -323,13 +324,13 @@ def test_recovery_of_10k_slabs_is_batched(pool_path):
     n = 10_000
     proc = dead_node_with_slabs(pool_path, n)
     with Pool.open(pool_path) as probe:
-        slot = next(i.slot for i in N.read_nodes(probe) if i.state == "attached")
-        epoch = N.read_slot(probe, slot).epoch
+        slot = next(i.slot for i in nodes.read_nodes(probe) if i.state == "attached")
+        epoch = nodes.read_slot(probe, slot).epoch
     proc.kill()
     proc.wait()
     with Pool.open(pool_path) as p:
         t = time.perf_counter()
-        A._recover_allocations(p, slot, epoch)
+        alloc._recover_allocations(p, slot, epoch)
         took = time.perf_counter() - t
         c = slab_census(p)
     assert c == {"heads": n // 2, "orphans": n // 2, "used": n // 2, "bits": n // 2}
@@ -345,13 +346,13 @@ def test_a_release_keeps_bits_another_node_set_in_the_same_bitmap_line(mode_pool
         x = a.alloc(64 * 1024)
         a.free(x)                                           # emptied: A's to release
         y = b.alloc(64 * 1024)                              # the next chunk, same line
-        data_off, chunk, _, _ = A.geometry(a)
+        data_off, chunk, _, _ = alloc.geometry(a)
         assert (y - data_off) // chunk == (x - data_off) // chunk + 1
         with a.lock():
             assert a.allocator.release_empty() == 1
         with Pool.open(mode_pool, writable=False) as p:
-            assert A.bitmap(p)[(y - data_off) // chunk]
-            assert not A.bitmap(p)[(x - data_off) // chunk]
+            assert alloc.bitmap(p)[(y - data_off) // chunk]
+            assert not alloc.bitmap(p)[(x - data_off) // chunk]
         b.free(y)
 
 
@@ -363,32 +364,33 @@ def test_the_census_matches_the_numpy_computation(small_chunks):
         offs = p.alloc_batch(100 * 1024, 6)
         p.publish(offs[:4])
         m = p.mapping
-        data_off, chunk, n, base = A.geometry(p)
+        data_off, chunk, n, base = alloc.geometry(p)
         with p.lock():
             m.slab_mark_freeing(offs[:1])                   # a free begun: dirty + allocated
-            m.store64(base + 300 * L.CHUNK_DESC_SIZE, L.CHUNK_TAIL | 299 << 8)   # dangling
-            A.set_bits(p, 310, 1, True)                     # leaked
+            m.store64(base + 300 * layout.CHUNK_DESC_SIZE,
+                      layout.CHUNK_TAIL | 299 << 8)   # dangling
+            alloc.set_bits(p, 310, 1, True)                     # leaked
             h = (int(offs[5]) - data_off) // chunk
-            m.store64(base + h * L.CHUNK_DESC_SIZE, L.CHUNK_RELEASING)
-            got = A.census(p, p.node.owner_token, [0])      # 0 live: our slabs are candidates
-            d = A.descriptors(p)
+            m.store64(base + h * layout.CHUNK_DESC_SIZE, layout.CHUNK_RELEASING)
+            got = alloc.census(p, p.node.owner_token, [0])      # 0 live: our slabs are candidates
+            d = alloc.descriptors(p)
             try:
                 kind = d["control"] & 0xFF
-                heads = np.flatnonzero(kind == L.CHUNK_HEAD)
+                heads = np.flatnonzero(kind == layout.CHUNK_HEAD)
                 hit = (d["alloc_bits"][heads] & d["dirty_bits"][heads]).any(axis=1)
-                want = (np.flatnonzero(kind == L.CHUNK_RELEASING),
+                want = (np.flatnonzero(kind == layout.CHUNK_RELEASING),
                         heads[d["owner"][heads] == p.node.owner_token],
                         heads[hit & (d["owner"][heads] != 0)],
-                        np.flatnonzero((kind == L.CHUNK_TAIL) & ~A.head_spans(d)),
-                        np.flatnonzero(A.bitmap(p) & (kind == L.CHUNK_FREE)))
+                        np.flatnonzero((kind == layout.CHUNK_TAIL) & ~alloc.head_spans(d)),
+                        np.flatnonzero(alloc.bitmap(p) & (kind == layout.CHUNK_FREE)))
             finally:
                 del d
             for g, w in zip(got, want):
                 assert g.tolist() == w.tolist()
             assert [len(x) for x in got[:5]] == [1, 1, 1, 1, 1]   # 100 KiB slots: 2 slabs
-            m.store64(base + h * L.CHUNK_DESC_SIZE, L.CHUNK_HEAD)
-            A._repair_dangling(p)
-            assert [len(x) for x in A.census(p)[3:5]] == [0, 0]
+            m.store64(base + h * layout.CHUNK_DESC_SIZE, layout.CHUNK_HEAD)
+            alloc._repair_dangling(p)
+            assert [len(x) for x in alloc.census(p)[3:5]] == [0, 0]
         p.free_batch(offs)
 
 
@@ -419,7 +421,7 @@ def test_the_sweep_finds_slabs_others_emptied_a_window_at_a_time(small_chunks, m
     """A full pool whose slabs another process emptied (its record, not
     ours): each slab-making attempt that finds no free run sweeps one window
     of descriptors, releasing the empty slabs there and no more."""
-    monkeypatch.setattr(A, "SWEEP_CHUNKS", 64)
+    monkeypatch.setattr(alloc, "SWEEP_CHUNKS", 64)
     with cxlkv.open_pool(small_chunks) as a, cxlkv.open_pool(small_chunks) as b:
         offs = fill_with_chunk_slabs(a)
         b.free_batch(offs)                                  # foreign frees: b's record

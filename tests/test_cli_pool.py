@@ -8,8 +8,8 @@ import stat
 import psutil
 import pytest
 
-from cxlkv import errors as E
-from cxlkv.pool import layout as L
+from cxlkv import errors
+from cxlkv.pool import layout
 from cxlkv.api import Pool
 from cxlkv.state.nodes import local_boot_id
 
@@ -73,7 +73,7 @@ def test_init_group(cli, pool_path):
     assert r.code == 0
     assert os.stat(pool_path).st_gid == os.getgid()
     r = cli("init", "--pool", pool_path + "2", *SMALL_ARGS, "--group", "no-such-group-xyz")
-    assert_clean_error(r, E.EXIT_USAGE, "no such group")
+    assert_clean_error(r, errors.EXIT_USAGE, "no such group")
     assert not os.path.exists(pool_path + "2")
 
 
@@ -98,7 +98,8 @@ def test_init_is_idempotent(cli, pool_path):
 def test_init_different_parameters_refused_then_forced(cli, pool_path):
     assert cli("init", "--pool", pool_path, *SMALL_ARGS).code == 0
     r = cli("init", "--pool", pool_path, "--sync", "manager", "--lease", "5s")
-    assert_clean_error(r, E.EXIT_REFUSED, "different parameters", "sync", "lease_ms", "--force")
+    assert_clean_error(r, errors.EXIT_REFUSED, "different parameters", "sync", "lease_ms",
+                       "--force")
     r = cli("init", "--pool", pool_path, "--sync", "manager", "--force", "--json")
     assert r.code == 0
     doc = r.json()
@@ -112,9 +113,9 @@ def test_init_force_refuses_live_node_and_names_it(cli, small_pool):
     fake_node(small_pool, 3, pid=me.pid, start_time_ns=int(me.create_time() * 1e9),
               boot_id=local_boot_id(), hostname="rack1-host7")
     r = cli("init", "--pool", small_pool, "--sync", "manager", "--force")
-    assert_clean_error(r, E.EXIT_REFUSED, "live node", "node 3", "rack1-host7", str(me.pid))
+    assert_clean_error(r, errors.EXIT_REFUSED, "live node", "node 3", "rack1-host7", str(me.pid))
     r = cli("format", "--pool", small_pool, "--force", "--json")
-    assert r.code == E.EXIT_REFUSED
+    assert r.code == errors.EXIT_REFUSED
     assert r.json()["error"]["nodes"][0]["slot"] == 3
     with Pool.open(small_pool) as p:
         assert p.sb.sync == "cas"                   # untouched
@@ -142,9 +143,9 @@ def test_init_refuses_foreign_data(cli, pool_path):
         f.write(b"precious data " * 1000)
     os.chmod(pool_path, 0o660)
     r = cli("init", "--pool", pool_path)
-    assert_clean_error(r, E.EXIT_REFUSED, "not a cxlkv pool", "--force")
+    assert_clean_error(r, errors.EXIT_REFUSED, "not a cxlkv pool", "--force")
     r = cli("format", "--pool", pool_path, "--size", "8M", "--chunk-size", "64K")
-    assert_clean_error(r, E.EXIT_REFUSED, "not a cxlkv pool", "--force")
+    assert_clean_error(r, errors.EXIT_REFUSED, "not a cxlkv pool", "--force")
     with open(pool_path, "rb") as f:
         assert f.read(14) == b"precious data "
 
@@ -171,24 +172,24 @@ def test_reformat_zeroes_old_data(cli, small_pool):
 
 def test_device_and_pool_conflict(cli, pool_path):
     r = cli("init", "--pool", pool_path, "--device", "/dev/dax9.9")
-    assert_clean_error(r, E.EXIT_USAGE, "either --pool or --device")
+    assert_clean_error(r, errors.EXIT_USAGE, "either --pool or --device")
 
 
 def test_init_missing_device(cli):
     r = cli("init", "--device", "/dev/dax97.3")
-    assert_clean_error(r, E.EXIT_NOT_FOUND, "/dev/dax97.3")
+    assert_clean_error(r, errors.EXIT_NOT_FOUND, "/dev/dax97.3")
 
 
 # -- format -----------------------------------------------------------------
 
 def test_format_refuses_existing_pool(cli, small_pool):
     r = cli("format", "--pool", small_pool)
-    assert_clean_error(r, E.EXIT_REFUSED, "already holds a cxlkv pool", "--force")
+    assert_clean_error(r, errors.EXIT_REFUSED, "already holds a cxlkv pool", "--force")
 
 
 def test_format_requires_size_to_create(cli, pool_path):
     r = cli("format", "--pool", pool_path)
-    assert_clean_error(r, E.EXIT_USAGE, "--size is required")
+    assert_clean_error(r, errors.EXIT_USAGE, "--size is required")
     assert not os.path.exists(pool_path)
     r = cli("format", "--pool", pool_path, *SMALL_ARGS)
     assert r.code == 0, r.err
@@ -212,7 +213,7 @@ def test_format_bad_parameters(cli, pool_path, args, words):
         base[k] = v
     flat = [x for kv in base.items() for x in kv]
     r = cli("format", "--pool", pool_path, *flat)
-    assert r.code == E.EXIT_USAGE, (r.code, r.err)
+    assert r.code == errors.EXIT_USAGE, (r.code, r.err)
     assert "Traceback" not in r.err
     for w in words:
         assert w in r.err
@@ -221,64 +222,64 @@ def test_format_bad_parameters(cli, pool_path, args, words):
 
 def test_json_error_document(cli, tmp_path):
     r = cli("inspect", "--pool", str(tmp_path / "nope"), "--json")
-    assert r.code == E.EXIT_NOT_FOUND
+    assert r.code == errors.EXIT_NOT_FOUND
     doc = r.json()
     assert doc["error"]["kind"] == "not-found"
-    assert doc["error"]["exit_code"] == E.EXIT_NOT_FOUND
+    assert doc["error"]["exit_code"] == errors.EXIT_NOT_FOUND
 
 
 # -- bad input: every case gets one clear line and a documented exit code ------
 
 def test_inspect_missing_path(cli, tmp_path):
     r = cli("inspect", "--pool", str(tmp_path / "missing.pool"))
-    assert_clean_error(r, E.EXIT_NOT_FOUND, "no such file", "cxlkv init")
+    assert_clean_error(r, errors.EXIT_NOT_FOUND, "no such file", "cxlkv init")
 
 
 def test_inspect_directory(cli, tmp_path):
     r = cli("inspect", "--pool", str(tmp_path))
-    assert_clean_error(r, E.EXIT_NOT_FOUND, "is a directory")
+    assert_clean_error(r, errors.EXIT_NOT_FOUND, "is a directory")
 
 
 def test_zero_filled_file(cli, pool_path):
     with open(pool_path, "wb") as f:
         f.truncate(8 << 20)
     os.chmod(pool_path, 0o660)
-    assert_clean_error(cli("inspect", "--pool", pool_path), E.EXIT_INVALID, "not a formatted")
+    assert_clean_error(cli("inspect", "--pool", pool_path), errors.EXIT_INVALID, "not a formatted")
 
 
 def test_file_smaller_than_superblocks(cli, pool_path):
     with open(pool_path, "wb") as f:
         f.write(b"\0" * 3000)
     os.chmod(pool_path, 0o660)
-    assert_clean_error(cli("inspect", "--pool", pool_path), E.EXIT_INVALID, "too small")
+    assert_clean_error(cli("inspect", "--pool", pool_path), errors.EXIT_INVALID, "too small")
 
 
 def test_empty_file(cli, pool_path):
     open(pool_path, "wb").close()
     os.chmod(pool_path, 0o660)
-    assert_clean_error(cli("inspect", "--pool", pool_path), E.EXIT_INVALID, "too small")
+    assert_clean_error(cli("inspect", "--pool", pool_path), errors.EXIT_INVALID, "too small")
 
 
 def test_truncated_pool(cli, small_pool):
     os.truncate(small_pool, 4 << 20)
     r = cli("inspect", "--pool", small_pool)
-    assert_clean_error(r, E.EXIT_INVALID, "truncated", str(4 << 20), str(8 << 20))
+    assert_clean_error(r, errors.EXIT_INVALID, "truncated", str(4 << 20), str(8 << 20))
     r = cli("init", "--pool", small_pool)
-    assert_clean_error(r, E.EXIT_REFUSED, "truncated")
+    assert_clean_error(r, errors.EXIT_REFUSED, "truncated")
 
 
 def test_wrong_magic(cli, small_pool):
     patch_bytes(small_pool, 0, b"NOTAPOOL")
     patch_bytes(small_pool, 4096, b"NOTAPOOL")
-    assert_clean_error(cli("inspect", "--pool", small_pool), E.EXIT_INVALID, "wrong magic")
+    assert_clean_error(cli("inspect", "--pool", small_pool), errors.EXIT_INVALID, "wrong magic")
 
 
 def test_both_checksums_bad(cli, small_pool):
     patch_bytes(small_pool, 300, b"\xff\xff")
     patch_bytes(small_pool, 4096 + 300, b"\xff\xff")
-    assert_clean_error(cli("inspect", "--pool", small_pool), E.EXIT_INVALID, "checksum")
+    assert_clean_error(cli("inspect", "--pool", small_pool), errors.EXIT_INVALID, "checksum")
     r = cli("format", "--pool", small_pool)
-    assert_clean_error(r, E.EXIT_REFUSED, "damaged")
+    assert_clean_error(r, errors.EXIT_REFUSED, "damaged")
 
 
 def test_one_bad_copy_is_survivable(cli, small_pool):
@@ -295,7 +296,7 @@ def test_unknown_incompat_feature(cli, small_pool):
     rewrite_superblock(small_pool, "A", incompat=1 << 40)
     rewrite_superblock(small_pool, "B", incompat=1 << 40)
     r = cli("inspect", "--pool", small_pool)
-    assert_clean_error(r, E.EXIT_INCOMPATIBLE, "unknown incompatible features")
+    assert_clean_error(r, errors.EXIT_INCOMPATIBLE, "unknown incompatible features")
 
 
 def test_unknown_ro_compat_opens_read_only(cli, small_pool):
@@ -312,8 +313,8 @@ def test_newer_format_version(cli, small_pool):
     rewrite_superblock(small_pool, "A", version=7)
     rewrite_superblock(small_pool, "B", version=7)
     r = cli("inspect", "--pool", small_pool)
-    assert_clean_error(r, E.EXIT_INCOMPATIBLE, "format version 7", "upgrade cxlkv")
-    assert_clean_error(cli("init", "--pool", small_pool), E.EXIT_REFUSED, "cannot use")
+    assert_clean_error(r, errors.EXIT_INCOMPATIBLE, "format version 7", "upgrade cxlkv")
+    assert_clean_error(cli("init", "--pool", small_pool), errors.EXIT_REFUSED, "cannot use")
 
 
 @pytest.mark.parametrize("mode,word", [(0o666, "world-writable"), (0o664, "world-readable"),
@@ -321,10 +322,10 @@ def test_newer_format_version(cli, small_pool):
 def test_world_accessible_pool_refused_unless_forced(cli, small_pool, mode, word):
     os.chmod(small_pool, mode)
     r = cli("inspect", "--pool", small_pool)
-    assert_clean_error(r, E.EXIT_UNSAFE, word, "chmod 0660")
+    assert_clean_error(r, errors.EXIT_UNSAFE, word, "chmod 0660")
     r = cli("inspect", "--pool", small_pool, "--force")
     assert r.code == 0 and word in r.err
-    assert_clean_error(cli("init", "--pool", small_pool), E.EXIT_UNSAFE, word)
+    assert_clean_error(cli("init", "--pool", small_pool), errors.EXIT_UNSAFE, word)
     # init --force on a matching pool changes nothing (the mode included) but warns
     r = cli("init", "--pool", small_pool, "--force")
     assert r.code == 0 and "warning" in r.err
@@ -374,9 +375,9 @@ def test_device_with_wrong_alignment(cli, fake_dax):
     dev, geometry = fake_dax
     geometry(3 << 20, 2 << 20)
     r = cli("inspect", "--pool", dev)
-    assert_clean_error(r, E.EXIT_DEVICE, "not a multiple of its alignment")
+    assert_clean_error(r, errors.EXIT_DEVICE, "not a multiple of its alignment")
     r = cli("init", "--device", dev)
-    assert_clean_error(r, E.EXIT_DEVICE, "alignment")
+    assert_clean_error(r, errors.EXIT_DEVICE, "alignment")
 
 
 @pytest.mark.parametrize("size,words", [("3M", "not a multiple of the device alignment"),
@@ -391,40 +392,40 @@ def test_device_size_checked_before_mapping(cli, fake_dax, monkeypatch, size, wo
                         lambda path, progress=None: admin.Examination(
                             path, "blank", admin.device.probe(path)))
     r = cli("format", "--pool", dev, "--size", size, "--force")
-    assert_clean_error(r, E.EXIT_USAGE, words)
+    assert_clean_error(r, errors.EXIT_USAGE, words)
 
 
 def test_device_mmap_failure_is_clean(cli, fake_dax):
     dev, geometry = fake_dax
     geometry(64 << 20, 2 << 20)
     r = cli("inspect", "--pool", dev)      # /dev/null cannot be mmapped
-    assert_clean_error(r, E.EXIT_DEVICE, "mmap")
+    assert_clean_error(r, errors.EXIT_DEVICE, "mmap")
 
 
 def test_char_device_that_is_not_dax(cli, tmp_path, monkeypatch):
     monkeypatch.setenv("CXLKV_SYSFS_ROOT", str(tmp_path / "emptysys"))
     r = cli("inspect", "--pool", "/dev/null", "--force")
-    assert_clean_error(r, E.EXIT_DEVICE, "not a device-dax device")
+    assert_clean_error(r, errors.EXIT_DEVICE, "not a device-dax device")
 
 
 def test_fifo_is_refused(cli, tmp_path):
     p = tmp_path / "fifo"
     os.mkfifo(p)
-    assert_clean_error(cli("inspect", "--pool", str(p)), E.EXIT_DEVICE, "neither")
+    assert_clean_error(cli("inspect", "--pool", str(p)), errors.EXIT_DEVICE, "neither")
 
 
 def test_exit_codes_documented_in_help(cli):
     for cmd in ("init", "format", "inspect"):
         r = cli(cmd, "--help")
         assert r.code == 0
-        for code, _ in E.EXIT_CODES:
+        for code, _ in errors.EXIT_CODES:
             assert f"  {code} " in r.out, (cmd, code)
 
 
 def test_region_layout_in_inspect(cli, small_pool):
     doc = cli("inspect", "--pool", small_pool, "--json").json()["pool"]
     regions = doc["superblock"]["regions"]
-    assert list(regions) == list(L.POOL_ORDER)
+    assert list(regions) == list(layout.POOL_ORDER)
     assert regions["data"]["offset"] % SMALL["chunk_size"] == 0
     assert doc["usage"]["chunks_total"] == doc["superblock"]["nchunks"]
 
@@ -448,7 +449,7 @@ def test_probe_reads_captured_devdax_sysfs(cli, tmp_path, monkeypatch):
     assert t.align == 2 << 20 and t.size % t.align == 0
     # this host has no such device behind 252:0: a clean device error, no traceback
     r = cli("inspect", "--pool", str(node))
-    assert_clean_error(r, E.EXIT_DEVICE, str(node))
+    assert_clean_error(r, errors.EXIT_DEVICE, str(node))
 
 
 
@@ -473,7 +474,7 @@ def test_zero_superblocks_with_data_behind_them_is_not_blank(cli, pool_path):
     os.chmod(pool_path, 0o660)
     for verb in ("init", "format"):
         r = cli(verb, "--pool", pool_path, "--chunk-size", "64K")
-        assert_clean_error(r, E.EXIT_REFUSED, "not a cxlkv pool")
+        assert_clean_error(r, errors.EXIT_REFUSED, "not a cxlkv pool")
     with open(pool_path, "rb") as f:
         assert b"PRECIOUS DATA" in f.read()
 
@@ -487,7 +488,7 @@ def test_other_users_file_refused(cli, pool_path):
     except PermissionError:
         pytest.skip("chown needs root")
     r = cli("init", "--pool", pool_path, "--chunk-size", "64K")
-    assert_clean_error(r, E.EXIT_UNSAFE, "owned by uid 65534")
+    assert_clean_error(r, errors.EXIT_UNSAFE, "owned by uid 65534")
     r = cli("init", "--pool", pool_path, "--chunk-size", "64K", "--force")
     assert r.code == 0 and "owned by uid 65534" in r.err
 
@@ -503,14 +504,14 @@ def test_symlink_planted_by_another_user(cli, tmp_path, pool_path):
     except PermissionError:
         pytest.skip("lchown needs root")
     r = cli("init", "--pool", str(link), "--chunk-size", "64K")
-    assert_clean_error(r, E.EXIT_UNSAFE, "symbolic link owned by uid 65534")
+    assert_clean_error(r, errors.EXIT_UNSAFE, "symbolic link owned by uid 65534")
 
 
 def test_usage_errors_with_json_print_one_document(cli, pool_path):
     for args in (["init", "--json", "--bogus"], ["inspect", "--json", "--pool"],
                  ["nosuch", "--json"]):
         r = cli(*args)
-        assert r.code == E.EXIT_USAGE, args
+        assert r.code == errors.EXIT_USAGE, args
         assert r.json()["error"]["kind"] == "usage"
         assert len([ln for ln in r.err.splitlines() if ln.strip()]) == 1
 
@@ -518,22 +519,22 @@ def test_usage_errors_with_json_print_one_document(cli, pool_path):
 def test_empty_paths_are_usage_errors(cli):
     for args in (["init", "--pool", ""], ["format", "--pool", "", "--size", "8M"],
                  ["inspect", "--pool", ""]):
-        assert_clean_error(cli(*args), E.EXIT_USAGE, "empty")
+        assert_clean_error(cli(*args), errors.EXIT_USAGE, "empty")
 
 
 def test_odd_paths_and_labels_are_clean_errors(cli, small_pool, tmp_path):
     r = cli("init", "--pool", small_pool + "/")
-    assert r.code in (E.EXIT_NOT_FOUND, E.EXIT_DEVICE) and "Traceback" not in r.err
+    assert r.code in (errors.EXIT_NOT_FOUND, errors.EXIT_DEVICE) and "Traceback" not in r.err
     r = cli("format", "--pool", str(tmp_path / "new.pool") + "/", "--size", "8M")
-    assert r.code in (E.EXIT_NOT_FOUND, E.EXIT_DEVICE) and "Traceback" not in r.err
+    assert r.code in (errors.EXIT_NOT_FOUND, errors.EXIT_DEVICE) and "Traceback" not in r.err
     r = cli("format", "--pool", str(tmp_path / ("x" * 300)), "--size", "8M")
-    assert_clean_error(r, E.EXIT_NOT_FOUND, "too long")
+    assert_clean_error(r, errors.EXIT_NOT_FOUND, "too long")
     r = cli("format", "--pool", str(tmp_path / "l.pool"), "--size", "8M", "--label", "\udcff")
-    assert_clean_error(r, E.EXIT_USAGE, "UTF-8")
+    assert_clean_error(r, errors.EXIT_USAGE, "UTF-8")
 
 
 def test_device_option_needs_a_character_device(cli, small_pool):
-    assert_clean_error(cli("init", "--device", small_pool), E.EXIT_USAGE, "not a character")
+    assert_clean_error(cli("init", "--device", small_pool), errors.EXIT_USAGE, "not a character")
 
 
 def test_group_applied_to_an_unchanged_pool(cli, small_pool):
@@ -546,7 +547,7 @@ def test_group_applied_to_an_unchanged_pool(cli, small_pool):
     assert r.code == 0 and r.json()["action"] == "unchanged"
     assert os.stat(small_pool).st_gid == other.gr_gid
     assert_clean_error(cli("init", "--pool", small_pool, "--group", "no-such-group-zz"),
-                       E.EXIT_USAGE, "no such group")
+                       errors.EXIT_USAGE, "no such group")
 
 
 def test_concurrent_inits_make_one_pool(tmp_path):

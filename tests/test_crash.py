@@ -12,10 +12,10 @@ import pytest
 import xxhash
 
 import cxlkv
-from cxlkv.pool import layout as L
+from cxlkv.pool import layout
 from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
-from cxlkv.state import alloc as A
+from cxlkv.state import alloc
 from cxlkv.ops.fsck import check
 
 MiB = 1 << 20
@@ -71,11 +71,11 @@ def crash_pool(pool_path):
 
 
 def published_slots(pool):
-    data_off, chunk, _, _ = A.geometry(pool)
-    d = A.descriptors(pool)
+    data_off, chunk, _, _ = alloc.geometry(pool)
+    d = alloc.descriptors(pool)
     try:
         out, reserved = [], 0
-        for head in np.flatnonzero((d["control"] & 0xFF) == L.CHUNK_HEAD):
+        for head in np.flatnonzero((d["control"] & 0xFF) == layout.CHUNK_HEAD):
             ss, ns = int(d["slot_size"][head]), int(d["nslots"][head])
             a = [int(x) for x in d["alloc_bits"][head]]
             p = [int(x) for x in d["pub_bits"][head]]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from cxlkv.host import discovery as D
-from cxlkv.ops import doctor as Dr
-from cxlkv.host import tools as T
+from cxlkv.host import discovery
+from cxlkv.ops import doctor
+from cxlkv.host import tools
 from cxlkv.testing.damage import fake_node
 from cxlkv.testing.replay import ReplayRunner
 
@@ -27,7 +27,7 @@ class Host:
         self.dev.mkdir(exist_ok=True)
         self.runner = ReplayRunner(LAB, state, sysfs_dest=self.root,
                                    setenv=monkeypatch.setenv, **kw)
-        monkeypatch.setattr(T, "_runner", self.runner)
+        monkeypatch.setattr(tools, "_runner", self.runner)
         monkeypatch.setenv("CXLKV_DEV_ROOT", str(self.dev))
         monkeypatch.setenv("COLUMNS", "200")
 
@@ -46,7 +46,7 @@ class Host:
         return p
 
     def checks(self, **kw) -> list[dict]:
-        return Dr.run(**kw)["checks"]
+        return doctor.run(**kw)["checks"]
 
 
 @pytest.fixture
@@ -151,9 +151,9 @@ def test_alignment():
     """daxctl's `align` and `size` of the captured dax0.0, and the two bad cases."""
     dev = json.loads((LAB / "commands/devdax/daxctl-list-D-R-M-i.json").read_text())["stdout"]
     d = json.loads(dev)[0]["devices"][0] | {"device": {}}
-    assert Dr._alignment(d).status == "pass"
-    assert Dr._alignment({**d, "align": 4096}).status == "warn"
-    bad = Dr._alignment({**d, "align": 1 << 30})         # 250 MiB is not whole 1 GiB units
+    assert doctor._alignment(d).status == "pass"
+    assert doctor._alignment({**d, "align": 4096}).status == "warn"
+    bad = doctor._alignment({**d, "align": 1 << 30})         # 250 MiB is not whole 1 GiB units
     assert bad.status == "fail" and "not a multiple" in bad.detail
 
 
@@ -245,15 +245,15 @@ DOCUMENTED_HEALTH = {
 
 def with_health(host, monkeypatch, **changes):
     h = host()
-    real = D.cxl_inventory
+    real = discovery.cxl_inventory
 
     def inventory(r):
         inv = real(r)
         for m in inv["memdevs"]:
-            m["health"] = D.health({"health": {**DOCUMENTED_HEALTH, **changes}})
+            m["health"] = discovery.health({"health": {**DOCUMENTED_HEALTH, **changes}})
         return inv
 
-    monkeypatch.setattr(D, "cxl_inventory", inventory)
+    monkeypatch.setattr(discovery, "cxl_inventory", inventory)
     return h.checks()
 
 
@@ -262,7 +262,7 @@ def test_health_unknown_on_qemu(host):
     for cid in ("temperature", "life-used", "alarms"):
         c = only(checks, cid, "mem0")
         assert c["status"] == "unknown" and "unknown" in c["detail"]
-    assert Dr.exit_code([Dr.Check(**c) for c in checks if c["id"] in
+    assert doctor.exit_code([doctor.Check(**c) for c in checks if c["id"] in
                          ("temperature", "life-used", "alarms")]) == 0
 
 

@@ -19,10 +19,10 @@ import pytest
 import cxlkv
 from cxlkv.errors import PoolIncompatible
 from cxlkv.kv.area import Area
-from cxlkv.pool import layout as L
+from cxlkv.pool import layout
 from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
-from cxlkv.state import nodes as N
+from cxlkv.state import nodes
 from cxlkv.ops.fsck import check
 from cxlkv.ops.repair import repair
 
@@ -54,7 +54,7 @@ def store_forest(kv, groups: int, per_group: int, rng) -> list[list[int]]:
 def effective_stamps(t: np.ndarray) -> np.ndarray:
     """The oracle: each live entry's newest stamp over its subtree."""
     st = t["ctl"] & 0xFF
-    live = (st == L.KV_PENDING) | (st == L.KV_PUBLISHED) | (st == L.KV_EVICTING)
+    live = (st == layout.KV_PENDING) | (st == layout.KV_PUBLISHED) | (st == layout.KV_EVICTING)
     eff = t["lru"].astype(np.int64).copy()
     par = t["parent"].astype(np.int64) - 1
     depth = Area._depths(np.where(live & (par >= 0), par, -1))
@@ -102,7 +102,7 @@ def test_pick_matches_the_whole_table_order_on_a_large_table(pool_path):
         # leaf first: every live child of a victim comes before it
         pos = {int(v): j for j, v in enumerate(picked)}
         st = t["ctl"] & 0xFF
-        for i in np.flatnonzero((st == L.KV_PUBLISHED) & (t["parent"] > 0)):
+        for i in np.flatnonzero((st == layout.KV_PUBLISHED) & (t["parent"] > 0)):
             p = int(t["parent"][i]) - 1
             if p in pos:
                 assert int(i) in pos and pos[int(i)] < pos[p]
@@ -128,9 +128,9 @@ def test_evict_takes_old_leaves_and_spares_touched_ones(pool_path):
         # nothing left with a parent gone, chains contiguous, lists exact
         t = a.entries()
         st = t["ctl"] & 0xFF
-        live = (st == L.KV_PUBLISHED)
+        live = (st == layout.KV_PUBLISHED)
         par = t["parent"][live].astype(np.int64)
-        assert (st[par[par > 0] - 1] == L.KV_PUBLISHED).all()
+        assert (st[par[par > 0] - 1] == layout.KV_PUBLISHED).all()
         lists_clean(pool)
     fsck_clean(pool_path)
 
@@ -285,7 +285,7 @@ def test_a_pool_formatted_without_kv_lru_is_refused_by_name(tmp_path):
     path.write_bytes(raw)
     os.chmod(path, 0o660)
     with Pool.open(str(path), writable=False) as p:
-        assert not p.sb.incompat & L.INCOMPAT_KV_LRU
+        assert not p.sb.incompat & layout.INCOMPAT_KV_LRU
         with pytest.raises(PoolIncompatible, match="KV_LRU"):
             Area(p)
 
@@ -295,7 +295,7 @@ def uncrossed_tombstones(t: np.ndarray) -> np.ndarray:
     entry's probe path (home .. its slot) crosses."""
     st = t["ctl"] & 0xFF
     n = len(t)
-    live = np.flatnonzero((st != L.KV_EMPTY) & (st != L.KV_TOMBSTONE))
+    live = np.flatnonzero((st != layout.KV_EMPTY) & (st != layout.KV_TOMBSTONE))
     home = (t["key_lo"][live] & np.uint64(n - 1)).astype(np.int64)
     end = np.where(live >= home, live, live + n)
     cover = np.zeros(2 * n + 1, dtype=np.int64)
@@ -303,7 +303,7 @@ def uncrossed_tombstones(t: np.ndarray) -> np.ndarray:
     np.add.at(cover, end, -1)
     crossed = np.cumsum(cover)[:2 * n]
     crossed = (crossed[:n] + crossed[n:]) > 0
-    return np.flatnonzero((st == L.KV_TOMBSTONE) & ~crossed)
+    return np.flatnonzero((st == layout.KV_TOMBSTONE) & ~crossed)
 
 
 def test_bounded_purge_frees_uncrossed_tombstones_like_the_scan(pool_path):
@@ -322,13 +322,13 @@ def test_bounded_purge_frees_uncrossed_tombstones_like_the_scan(pool_path):
             a.evict(need_entries=40)               # tombstones among live entries, unpurged
             t = a.entries()
             st = t["ctl"] & 0xFF
-            before = int((st == L.KV_TOMBSTONE).sum())
+            before = int((st == layout.KV_TOMBSTONE).sum())
             want = uncrossed_tombstones(t)
             freed = a.purge_tombstones(force=True, budget=a.nslots)
             t2 = a.entries()
         assert before > 0 and len(want) > 0 and freed == len(want)
-        assert ((t2["ctl"][want] & 0xFF) == L.KV_EMPTY).all()
-        assert a.header().tombstones == int(((t2["ctl"] & 0xFF) == L.KV_TOMBSTONE).sum())
+        assert ((t2["ctl"][want] & 0xFF) == layout.KV_EMPTY).all()
+        assert a.header().tombstones == int(((t2["ctl"] & 0xFF) == layout.KV_TOMBSTONE).sum())
         for s in seqs:                             # every stored block still found
             assert kv.match(s) in (0, 4, 8)
         with pool.lock():
@@ -360,7 +360,7 @@ def test_the_purge_after_an_eviction_is_in_proportion_to_its_victims(pool_path):
                 steps.append((a.header().purge_cursor - c0) % a.nslots)
             t = a.entries()
         # the sweep stops at the end of the cluster its budget ends in
-        used = np.concatenate([(t["ctl"] & 0xFF) != L.KV_EMPTY] * 2).astype(np.int8)
+        used = np.concatenate([(t["ctl"] & 0xFF) != layout.KV_EMPTY] * 2).astype(np.int8)
         edges = np.flatnonzero(np.diff(np.concatenate([[0], used, [0]])))
         longest = int((edges[1::2] - edges[::2]).max())
         want = [max(PURGE_MIN, PURGE_PER_VICTIM * v) for v in (1, 10, 100)]
@@ -416,7 +416,7 @@ def test_an_evictor_paused_mid_eviction_writes_no_list_after_it_was_fenced(pool_
                 lists_clean(pool)
                 a.evict(need_entries=10)
                 lists_clean(pool)
-            wait_for(lambda: not [n for n in N.read_nodes(pool) if n.state == "fenced"],
+            wait_for(lambda: not [n for n in nodes.read_nodes(pool) if n.state == "fenced"],
                      timeout=30, what="the evictor's quarantine to end")
             with pool.lock(timeout=30):
                 lists_clean(pool)
@@ -453,7 +453,7 @@ def test_frees_a_paused_evictor_began_are_left_to_its_own_recovery(pool_path, sy
             os.kill(p.pid, signal.SIGCONT)
             out, _ = p.communicate(timeout=60)
             assert out.strip() in ("NodeFenced", "LockLost"), out
-            wait_for(lambda: not [n for n in N.read_nodes(watcher) if n.state == "fenced"],
+            wait_for(lambda: not [n for n in nodes.read_nodes(watcher) if n.state == "fenced"],
                      timeout=30, what="the evictor's quarantine to end")
             kv = watcher.kv(model="m", block_tokens=4, block_bytes=BB)
             kept = 0
@@ -516,6 +516,6 @@ def test_an_evictor_resumed_inside_a_list_edit_neither_rebuilds_nor_clears_the_l
             assert out.strip() in ("NodeFenced", "LockLost"), out
             a.m.kv_lru_rebuild()             # what a holder finding the word set does
             lists_clean(pool)
-        wait_for(lambda: not [n for n in N.read_nodes(pool) if n.state == "fenced"],
+        wait_for(lambda: not [n for n in nodes.read_nodes(pool) if n.state == "fenced"],
                  timeout=30, what="the evictor's quarantine to end")
     fsck_clean(pool_path)

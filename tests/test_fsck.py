@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 import cxlkv
-from cxlkv.pool import layout as L
+from cxlkv.pool import layout
 from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
-from cxlkv.state import alloc as A
-from cxlkv.state import locks as K
-from cxlkv.state import nodes as N
+from cxlkv.state import alloc
+from cxlkv.state import locks
+from cxlkv.state import nodes
 
 from cxlkv.testing.checks import codes, digest, fsck
 from cxlkv.testing.damage import damage, desc_off, patch_bytes
@@ -42,31 +42,32 @@ def test_clean_pool(cli, used_pool):
 
 
 def first_head(pool):
-    d = A.descriptors(pool)
-    h = int(((d["control"] & 0xFF) == L.CHUNK_HEAD).nonzero()[0][0])
+    d = alloc.descriptors(pool)
+    h = int(((d["control"] & 0xFF) == layout.CHUNK_HEAD).nonzero()[0][0])
     del d
     return h
 
 
 @pytest.mark.parametrize("name,fn,code", [
-    ("leaked chunk", lambda p: A.set_bits(p, p.sb.nchunks - 1, 1, True), "chunk-leaked"),
+    ("leaked chunk", lambda p: alloc.set_bits(p, p.sb.nchunks - 1, 1, True), "chunk-leaked"),
     ("dirty and allocated", lambda p: p.mapping.store64(desc_off(p, first_head(p)) + 192,
                                                         1 << 20), "slab-dirty"),
     ("pub without alloc", lambda p: p.mapping.store64(desc_off(p, first_head(p)) + 128 + 56,
                                                       1), "slab-pub"),
     ("bits past the end", lambda p: p.mapping.store64(desc_off(p, first_head(p)) + 64 + 56,
                                                       1 << 63), "slab-bits"),
-    ("slab free in bitmap", lambda p: A.set_bits(p, first_head(p), 1, False), "slab-bitmap"),
+    ("slab free in bitmap", lambda p: alloc.set_bits(p, first_head(p), 1, False), "slab-bitmap"),
     ("bad geometry", lambda p: p.mapping.store64(desc_off(p, first_head(p)) + 16, 100),
      "slab-geometry"),
     ("dead owner", lambda p: p.mapping.store64(desc_off(p, first_head(p)) + 8, 0x30005),
      "slab-dead-owner"),
-    ("lock held by nobody", lambda p: p.mapping.store64(K.lock_offsets(p)[0] + 72, 0x10002),
+    ("lock held by nobody", lambda p: p.mapping.store64(locks.lock_offsets(p)[0] + 72, 0x10002),
      "lock-owner"),
-    ("tickets", lambda p: p.mapping.store64(K.lock_offsets(p)[0] + 64, 10**6),
+    ("tickets", lambda p: p.mapping.store64(locks.lock_offsets(p)[0] + 64, 10**6),
      "lock-tickets"),
-    ("lock entry of a dead node", lambda p: p.mapping.store64(K.entry_offset(p, 3),
-                                                              L.LOCK_LOCKED), "lock-entry-dead"),
+    ("lock entry of a dead node",
+     lambda p: p.mapping.store64(locks.entry_offset(p, 3), layout.LOCK_LOCKED),
+     "lock-entry-dead"),
 ])
 def test_damage_is_found(cli, used_pool, name, fn, code):
     damage(used_pool, fn)
@@ -106,9 +107,10 @@ def test_tickets_of_gone_nodes_are_reported(small_pool):
     from cxlkv.ops.fsck import check
 
     with Pool.open(small_pool) as p:
-        hdr, _ = K.lock_offsets(p)
-        serving = p.mapping.load64(hdr + L.field_offset(L.LockHdrStruct, "now_serving"))
-        p.mapping.store64(hdr + L.field_offset(L.LockHdrStruct, "next_ticket"), serving + 2)
+        hdr, _ = locks.lock_offsets(p)
+        serving = p.mapping.load64(hdr + layout.field_offset(layout.LockHdrStruct, "now_serving"))
+        p.mapping.store64(hdr + layout.field_offset(layout.LockHdrStruct, "next_ticket"),
+                          serving + 2)
     with Pool.open(small_pool, writable=False) as p:
         codes = {f.code for f in check(p).errors}
     assert "lock-tickets" in codes
@@ -117,8 +119,8 @@ def test_tickets_of_gone_nodes_are_reported(small_pool):
 def test_a_fenced_node_is_quarantined_not_damage(cli, used_pool):
     """A fenced node's quarantine is a state, not damage: fsck says so (a
     warning, exit 0) and counts what it holds as its own."""
-    damage(used_pool, lambda p: p.mapping.store64(N.node_offset(p, 2),
-                                                  L.node_control(L.NODE_FENCED, 4)))
+    damage(used_pool, lambda p: p.mapping.store64(nodes.node_offset(p, 2),
+                                                  layout.node_control(layout.NODE_FENCED, 4)))
     rc, doc = fsck(cli, used_pool)
     assert rc == 0, doc
     warned = [f for f in doc["findings"] if f["code"] == "node-quarantined"]

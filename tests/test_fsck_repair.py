@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 import cxlkv
-from cxlkv.pool import layout as L
+from cxlkv.pool import layout
 from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
-from cxlkv.state import alloc as A
-from cxlkv.state import locks as K
-from cxlkv.state import nodes as N
+from cxlkv.state import alloc
+from cxlkv.state import locks
+from cxlkv.state import nodes
 
 from cxlkv.testing.checks import codes, fsck
 from cxlkv.testing.damage import damage, desc_off, fake_node, patch_bytes
@@ -82,15 +82,15 @@ CHAINS = (list(range(16)), list(range(8)) + list(range(100, 108)))
 
 
 def heads(p):
-    d = A.descriptors(p)
-    h = [int(i) for i in np.flatnonzero((d["control"] & 0xFF) == L.CHUNK_HEAD)]
+    d = alloc.descriptors(p)
+    h = [int(i) for i in np.flatnonzero((d["control"] & 0xFF) == layout.CHUNK_HEAD)]
     del d
     return h
 
 
 def plain_head(p):
     """The head of the slab of 8192-byte (non-KV) slots."""
-    d = A.descriptors(p)
+    d = alloc.descriptors(p)
     h = [i for i in heads(p) if int(d["slot_size"][i]) == 8192][0]
     del d
     return h
@@ -101,7 +101,7 @@ def entries(p):
 
     a = Area(p)
     t = a.entries()
-    live = np.flatnonzero((t["ctl"] & 0xFF) == L.KV_PUBLISHED)
+    live = np.flatnonzero((t["ctl"] & 0xFF) == layout.KV_PUBLISHED)
     return a, t, [int(i) for i in live]
 
 
@@ -115,24 +115,24 @@ def set_entry_word(p, i, field, value):
     from cxlkv.kv.area import Area
 
     a = Area(p)
-    off = a.entry_off(i) + L.field_offset(L.HashEntryStruct, field)
+    off = a.entry_off(i) + layout.field_offset(layout.HashEntryStruct, field)
     p.mapping.store64(off, value)
 
 
 ALLOC_DAMAGE = [
-    ("chunk-leaked", lambda p: A.set_bits(p, p.sb.nchunks - 1, 1, True)),
+    ("chunk-leaked", lambda p: alloc.set_bits(p, p.sb.nchunks - 1, 1, True)),
     ("slab-dirty", lambda p: p.mapping.store64(desc_off(p, plain_head(p)) + 192, 1)),
     ("slab-pub", lambda p: p.mapping.store64(desc_off(p, plain_head(p)) + 128 + 56, 1)),
     ("slab-bits", lambda p: p.mapping.store64(desc_off(p, plain_head(p)) + 64 + 56, 1 << 63)),
-    ("slab-bitmap", lambda p: A.set_bits(p, plain_head(p), 1, False)),
+    ("slab-bitmap", lambda p: alloc.set_bits(p, plain_head(p), 1, False)),
     ("slab-geometry", lambda p: p.mapping.store64(desc_off(p, plain_head(p)) + 16, 100)),
     ("slab-dead-owner", lambda p: p.mapping.store64(desc_off(p, plain_head(p)) + 8, 0x30005)),
-    ("lock-owner", lambda p: p.mapping.store64(K.lock_offsets(p)[0] + 72, 0x10002)),
-    ("lock-tickets", lambda p: p.mapping.store64(K.lock_offsets(p)[0] + 64, 10**6)),
-    ("lock-entry-dead", lambda p: p.mapping.store64(K.entry_offset(p, 3), L.LOCK_LOCKED)),
-    ("node-state", lambda p: p.mapping.store64(N.node_offset(p, 5), 0x3F7)),
+    ("lock-owner", lambda p: p.mapping.store64(locks.lock_offsets(p)[0] + 72, 0x10002)),
+    ("lock-tickets", lambda p: p.mapping.store64(locks.lock_offsets(p)[0] + 64, 10**6)),
+    ("lock-entry-dead", lambda p: p.mapping.store64(locks.entry_offset(p, 3), layout.LOCK_LOCKED)),
+    ("node-state", lambda p: p.mapping.store64(nodes.node_offset(p, 5), 0x3F7)),
     ("chunk-orphan-tail", lambda p: p.mapping.store64(desc_off(p, p.sb.nchunks - 2),
-                                                      L.CHUNK_TAIL | (p.sb.nchunks - 3) << 8)),
+                                                      layout.CHUNK_TAIL | (p.sb.nchunks - 3) << 8)),
 ]
 
 
@@ -154,7 +154,7 @@ def test_bad_superblock_copy_is_rewritten_from_the_good_one(cli, kv_pool):
 
 def _free_slot(p):
     """An offset in the data area that is no allocated slot."""
-    data_off, chunk, nchunks, _ = A.geometry(p)
+    data_off, chunk, nchunks, _ = alloc.geometry(p)
     return data_off + (nchunks - 1) * chunk
 
 
@@ -166,7 +166,7 @@ def _share_payload(p):
 
 def _entry_field(p, field, value_of):
     a, t, i = leaf(p)
-    p.mapping.store64(a.entry_off(i) + L.field_offset(L.HashEntryStruct, field),
+    p.mapping.store64(a.entry_off(i) + layout.field_offset(layout.HashEntryStruct, field),
                       value_of(t, i))
 
 
@@ -184,7 +184,7 @@ KV_DAMAGE = [
     ("kv-children", lambda p: _entry_field(p, "parent", lambda t, i: int(t["parent"][i])
                                            | 7 << 32)),
     ("kv-counters", lambda p: p.mapping.store64(
-        entries(p)[0].hdr + L.field_offset(L.KVHdrStruct, "live"), 99)),
+        entries(p)[0].hdr + layout.field_offset(layout.KVHdrStruct, "live"), 99)),
     # refcounts of a node that is gone: a pin in a free slot's pin table
     ("kv-dead-pins", lambda p: p.mapping.store64(entries(p)[0].pins_off(6), leaf(p)[2] + 1)),
 ]
@@ -214,7 +214,7 @@ def test_entry_pointing_at_a_foreign_block(cli, kv_pool):
         rc, doc = fsck(cli, kv_pool, "--repair", "--force")
         assert rc == 1 and doc["after"]["clean"], doc
         with Pool.open(kv_pool, writable=False) as p:
-            assert A.slot_bits(p, foreign) == (True, False, False)     # still reserved
+            assert alloc.slot_bits(p, foreign) == (True, False, False)     # still reserved
         r = q.call(op="free_all", offsets=[foreign])
         assert r == {"freed": 1}, r
     finally:
@@ -224,7 +224,7 @@ def test_entry_pointing_at_a_foreign_block(cli, kv_pool):
 
 
 def test_repair_refuses_live_nodes_unless_forced(cli, kv_pool):
-    damage(kv_pool, lambda p: A.set_bits(p, p.sb.nchunks - 1, 1, True))
+    damage(kv_pool, lambda p: alloc.set_bits(p, p.sb.nchunks - 1, 1, True))
     q = NodeProc()
     try:
         q.attach(kv_pool)
@@ -288,9 +288,9 @@ def test_kill_9_during_kv_work_is_repaired(cli, kv_pool, site):
     assert fsck(cli, kv_pool)[0] == 0
     assert kv_intact(kv_pool, *CHAINS) == 8
     with Pool.open(kv_pool, writable=False) as pool:     # nothing of the dead node is left
-        assert N.read_nodes(pool) == []
-        d = A.descriptors(pool)
-        owners = set(int(o) for o in d["owner"][(d["control"] & 0xFF) == L.CHUNK_HEAD])
+        assert nodes.read_nodes(pool) == []
+        d = alloc.descriptors(pool)
+        owners = set(int(o) for o in d["owner"][(d["control"] & 0xFF) == layout.CHUNK_HEAD])
         del d
         assert owners <= {0}
 
@@ -323,7 +323,7 @@ def test_node_attaching_while_liveness_is_watched_is_never_fenced(kv_pool):
     """A node attaching while repair watches another host's node (up to a
     lease) is not in the judged set: the offline repair stops (operational
     error naming it) before touching anything, and the node keeps working."""
-    from cxlkv.ops import repair as R
+    from cxlkv.ops import repair
 
     _remote_node(kv_pool)
     q = NodeProc()
@@ -331,28 +331,28 @@ def test_node_attaching_while_liveness_is_watched_is_never_fenced(kv_pool):
         def notice(count, seconds):
             q.attach(kv_pool)                 # while the repair watches node 3
 
-        with pytest.raises(R.PoolChanged) as ei:
-            R.repair(kv_pool, notice=notice)
+        with pytest.raises(repair.PoolChanged) as ei:
+            repair.repair(kv_pool, notice=notice)
         assert f"node {q.slot}" in str(ei.value) and "attached" in str(ei.value)
         assert ei.value.exit_code == 8
         r = q.call(op="alloc_publish", nbytes=4096, reserved=0, published=1)
         assert r.get("published"), r
         with Pool.open(kv_pool, writable=False) as p:         # no placeholders left
-            slots = {n.slot for n in N.read_nodes(p)}         # (q's reaper may reap 3)
+            slots = {n.slot for n in nodes.read_nodes(p)}         # (q's reaper may reap 3)
             assert q.slot in slots and slots <= {3, q.slot}, slots
         # with --force the newcomer is left alone and the dead node is reaped
         # (by the repair, or by q's own reaper, which watches it too)
         with Pool.open(kv_pool, writable=False) as p:
-            free = [n.slot for n in N.read_nodes(p, include_free=True) if n.state == "free"]
+            free = [n.slot for n in nodes.read_nodes(p, include_free=True) if n.state == "free"]
         _remote_node(kv_pool, slot=[f for f in free if f != 3][0])
         q2 = NodeProc()
         try:
-            rep = R.repair(kv_pool, force=True, notice=lambda c, s: q2.attach(kv_pool))
+            rep = repair.repair(kv_pool, force=True, notice=lambda c, s: q2.attach(kv_pool))
             assert rep.exit_code in (0, 1) and rep.after.clean, rep.to_json()
             reaped = {a["where"] for a in rep.actions if a["code"] == "node-reaped"}
             assert f"node {q.slot}" not in reaped and f"node {q2.slot}" not in reaped
             with Pool.open(kv_pool, writable=False) as p:
-                assert sorted(n.slot for n in N.read_nodes(p)) == sorted([q.slot, q2.slot])
+                assert sorted(n.slot for n in nodes.read_nodes(p)) == sorted([q.slot, q2.slot])
             for node in (q, q2):
                 r = node.call(op="alloc_publish", nbytes=4096, reserved=0, published=1)
                 assert r.get("published"), r
@@ -365,24 +365,24 @@ def test_node_attaching_while_liveness_is_watched_is_never_fenced(kv_pool):
 def test_offline_repair_blocks_attaches_while_it_runs(cli, kv_pool, monkeypatch):
     """While an offline repair works, a process that tries to attach finds the
     node table full; afterwards it attaches normally and nothing is left."""
-    from cxlkv.ops import repair as R
+    from cxlkv.ops import repair
 
-    damage(kv_pool, lambda p: A.set_bits(p, p.sb.nchunks - 1, 1, True))
+    damage(kv_pool, lambda p: alloc.set_bits(p, p.sb.nchunks - 1, 1, True))
     q = NodeProc()
     seen = {}
-    real = R._allocator
+    real = repair._allocator
 
     def during(pool, rep, live):
         seen["attach"] = q.call(op="attach", path=kv_pool)
         real(pool, rep, live)
 
-    monkeypatch.setattr(R, "_allocator", during)
+    monkeypatch.setattr(repair, "_allocator", during)
     try:
         rc, doc = fsck(cli, kv_pool, "--repair")
         assert rc == 1 and doc["after"]["clean"], doc
         assert seen["attach"].get("error") == "NodeTableFull", seen
         with Pool.open(kv_pool, writable=False) as p:
-            assert N.read_nodes(p) == []
+            assert nodes.read_nodes(p) == []
         q.attach(kv_pool)
     finally:
         q.close()
@@ -391,12 +391,12 @@ def test_offline_repair_blocks_attaches_while_it_runs(cli, kv_pool, monkeypatch)
 
 def test_undecided_nodes_count_as_alive(kv_pool):
     """A node still not judged when the watch ends is never treated as dead."""
-    from cxlkv.ops import repair as R
+    from cxlkv.ops import repair
 
     _remote_node(kv_pool)
     ticks = iter([0.0, 0.0, 0.1, 0.1] + [100.0] * 10)
     with Pool.open(kv_pool, writable=False) as p:
-        judged = R.judge_nodes(p, clock=lambda: next(ticks), sleep=lambda s: None)
+        judged = repair.judge_nodes(p, clock=lambda: next(ticks), sleep=lambda s: None)
     assert judged[3][1] == "undecided"
 
 
@@ -405,9 +405,9 @@ def _duplicate_with_payload(p, payload):
     a, t, live = entries(p)
     st = t["ctl"] & 0xFF
     n = a.nslots
-    i = next(i for i in live if st[(i + 1) % n] == L.KV_EMPTY and int(t["children"][i]) == 0)
-    raw = bytearray(p.mapping.read(a.entry_off(i), L.HASH_ENTRY_SIZE))
-    off = L.field_offset(L.HashEntryStruct, "payload")
+    i = next(i for i in live if st[(i + 1) % n] == layout.KV_EMPTY and int(t["children"][i]) == 0)
+    raw = bytearray(p.mapping.read(a.entry_off(i), layout.HASH_ENTRY_SIZE))
+    off = layout.field_offset(layout.HashEntryStruct, "payload")
     raw[off:off + 8] = payload.to_bytes(8, "little")
     p.mapping.write(a.entry_off((i + 1) % n), bytes(raw))
     return i
@@ -424,7 +424,7 @@ def test_duplicate_key_entry_payload_is_freed_not_leaked(cli, kv_pool):
     dup = [r for r in doc["repairs"] if r["code"] == "kv-duplicate-key"]
     assert dup and "payload slot freed" in dup[0]["message"], doc["repairs"]
     with Pool.open(kv_pool, writable=False) as p:
-        assert A.slot_bits(p, extra) == (False, False, False)
+        assert alloc.slot_bits(p, extra) == (False, False, False)
     assert kv_intact(kv_pool, *CHAINS) == 8
 
 
@@ -454,8 +454,8 @@ def test_fsck_usage_error_is_16_as_e2fsck(cli, kv_pool):
 
 def test_repair_ends_a_quarantine_the_reaper_never_ended(cli, kv_pool):
     """No reaper ran since a node was fenced: --repair recovers and frees it."""
-    damage(kv_pool, lambda p: p.mapping.store64(N.node_offset(p, 2),
-                                                L.node_control(L.NODE_FENCED, 4)))
+    damage(kv_pool, lambda p: p.mapping.store64(nodes.node_offset(p, 2),
+                                                layout.node_control(layout.NODE_FENCED, 4)))
     rc, doc = fsck(cli, kv_pool)
     assert rc == 0 and any(f["code"] == "node-quarantined" for f in doc["findings"]), doc
     rc, doc = fsck(cli, kv_pool, "--repair")

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from cxlkv import _core
 from cxlkv.errors import CxlkvError, PoolRangeError
-from cxlkv.pool import layout as L
+from cxlkv.pool import layout
 from cxlkv.pool.format import build_superblock
 from cxlkv.pool.superblock import checksum, decode, select
 
@@ -41,7 +41,7 @@ def test_random_bytes(raw):
 
 
 @FUZZ
-@given(st.lists(st.tuples(st.integers(0, L.SB_SIZE - 1), st.integers(0, 255)), max_size=20),
+@given(st.lists(st.tuples(st.integers(0, layout.SB_SIZE - 1), st.integers(0, 255)), max_size=20),
        st.booleans())
 def test_mutated_valid_superblock(edits, fix_checksum):
     """Flip bytes of a valid superblock, optionally re-checksumming, so the
@@ -55,10 +55,10 @@ def test_mutated_valid_superblock(edits, fix_checksum):
     sb = parse(bytes(buf))
     if sb is not None:
         # anything accepted has regions inside the pool, in order
-        end = 2 * L.SB_SIZE
-        for name in L.POOL_ORDER:
+        end = 2 * layout.SB_SIZE
+        for name in layout.POOL_ORDER:
             off, size = sb.regions[name]
-            if name == "kv" and not sb.compat & L.COMPAT_KV:
+            if name == "kv" and not sb.compat & layout.COMPAT_KV:
                 assert (off, size) == (0, 0)
                 continue
             assert off >= end and off + size <= sb.pool_size

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cxlkv.pool import layout as L
+from cxlkv.pool import layout
 from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
 
@@ -151,7 +151,7 @@ def test_missing_or_corrupt_pool_is_critical(cli, hpool, tmp_path):
 
 def test_newer_format_is_unknown(cli, hpool):
     for copy in "AB":
-        rewrite_superblock(hpool, copy, version=L.FORMAT_VERSION + 1)
+        rewrite_superblock(hpool, copy, version=layout.FORMAT_VERSION + 1)
     code, st, text, _ = health(cli, hpool)
     assert (code, st) == (3, "UNKNOWN") and "newer" in text
 
@@ -213,15 +213,15 @@ def test_default_timeout_judges_a_dead_node_of_another_host(cli, pool_path):
         ops_health.DEFAULT_TIMEOUT = old
     assert time.monotonic() - t0 < 4.0           # judge_timeout(1.5) = 3 s at most
     assert (code, st) == (1, "WARNING") and "dead node" in text and "node 3" in text, text
-    from cxlkv.ops import health as H
+    from cxlkv.ops import health as pool_health
 
-    assert H.judge_timeout(10.0) == 14.0         # the default lease: 10 s is too short
+    assert pool_health.judge_timeout(10.0) == 14.0         # the default lease: 10 s is too short
 
 
 def test_slow_device_tools_do_not_hide_the_pool_verdict(cli, pool_path, monkeypatch):
     """Device tools that take longer than the time left make the device
     unknown, not the whole answer: the pool's own verdict stands, in time."""
-    from cxlkv.ops import health as H
+    from cxlkv.ops import health as pool_health
     from cxlkv.host import numa
 
     init_pool(pool_path, {"size": 16 * MiB, "chunk_size": BLOCK, "max_nodes": 8,
@@ -232,7 +232,7 @@ def test_slow_device_tools_do_not_hide_the_pool_verdict(cli, pool_path, monkeypa
         release.wait(timeout + 5)                 # a tool that outlives its budget
         return None
 
-    monkeypatch.setattr(H, "device_health", slow)
+    monkeypatch.setattr(pool_health, "device_health", slow)
     monkeypatch.setattr(numa, "dax_of", lambda path: "dax0.0")
     t0 = time.monotonic()
     try:
@@ -248,16 +248,16 @@ def test_slow_device_tools_do_not_hide_the_pool_verdict(cli, pool_path, monkeypa
 
 def test_device_health_bounds_all_tools_together(monkeypatch):
     """device_health's timeout is one budget for all the tools."""
-    from cxlkv.ops import health as H
-    from cxlkv.host import discovery as D
+    from cxlkv.ops import health as pool_health
+    from cxlkv.host import discovery
     from cxlkv.host import numa
 
     release = threading.Event()
     monkeypatch.setattr(numa, "dax_of", lambda path: "dax0.0")
-    monkeypatch.setattr(D, "cxl_inventory", lambda r: release.wait(30))
+    monkeypatch.setattr(discovery, "cxl_inventory", lambda r: release.wait(30))
     t0 = time.monotonic()
     try:
-        d = H.device_health("/dev/dax0.0", timeout=0.3)
+        d = pool_health.device_health("/dev/dax0.0", timeout=0.3)
     finally:
         release.set()
     assert time.monotonic() - t0 < 1.0
@@ -279,23 +279,23 @@ def test_corrupt_kv_header_is_critical(cli, hpool):
 
 def test_internal_errors_are_unknown(cli, hpool, monkeypatch):
     """Whatever goes wrong inside, a plugin exits 0-3: UNKNOWN."""
-    from cxlkv.ops import health as H
+    from cxlkv.ops import health as pool_health
 
     def boom(*a, **kw):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(H, "evaluate", boom)
+    monkeypatch.setattr(pool_health, "evaluate", boom)
     code, st, text, _ = health(cli, hpool)
     assert (code, st) == (3, "UNKNOWN") and "internal error: RuntimeError: a bug" in text
 
 
 def test_device_temperature_thresholds(cli, hpool, monkeypatch):
-    from cxlkv.ops import health as H
+    from cxlkv.ops import health as pool_health
 
     hot = {"device": "dax0.0", "memdevs": [{"memdev": "mem0", "temperature_c": 78,
                                             "alarms": []}],
            "temperature_c": 78, "alarms": [], "error": None}
-    monkeypatch.setattr(H, "device_health", lambda path, timeout=5.0: hot)
+    monkeypatch.setattr(pool_health, "device_health", lambda path, timeout=5.0: hot)
     code, st, text, perf = health(cli, hpool)
     assert (code, st) == (1, "WARNING") and "78 C" in text
     assert perf["temp"][:3] == ["78", "70", "85"]
@@ -306,19 +306,19 @@ def test_device_temperature_thresholds(cli, hpool, monkeypatch):
 def test_device_health_from_the_captured_guest(tmp_path, monkeypatch):
     """A DAX pool's memdevs, read through the tool seam (output of a real
     guest): QEMU's device reports no health, so the temperature is unknown."""
-    from cxlkv.ops import health as H
+    from cxlkv.ops import health as pool_health
     from cxlkv.host import numa, tools
     from cxlkv.testing.replay import ReplayRunner
 
     r = ReplayRunner(LAB, "devdax", sysfs_dest=tmp_path / "root", setenv=monkeypatch.setenv)
     monkeypatch.setattr(tools, "_runner", r)
     monkeypatch.setattr(numa, "dax_of", lambda path: "dax0.0")
-    d = H.device_health("/dev/dax0.0", timeout=5)
+    d = pool_health.device_health("/dev/dax0.0", timeout=5)
     assert d["device"] == "dax0.0" and d["error"] is None
     assert [m["memdev"] for m in d["memdevs"]] == ["mem0"]
     assert d["temperature_c"] is None
     monkeypatch.setattr(numa, "dax_of", lambda path: None)
-    assert H.device_health("/tmp/x.pool") is None
+    assert pool_health.device_health("/tmp/x.pool") is None
 
 
 def test_incompatible_pool_never_advises_an_older_cxlkv(cli, hpool):
@@ -332,7 +332,7 @@ def test_incompatible_pool_never_advises_an_older_cxlkv(cli, hpool):
     code, st, text, _ = health(cli, hpool)
     assert (code, st) == (3, "UNKNOWN") and "needs a newer cxlkv" in text, text
     assert "use cxlkv 0.0.1" not in text
-    s = L.SuperblockStruct()
+    s = layout.SuperblockStruct()
     for creator, newer in ((b"cxlkv 99.0.0", True), (b"cxlkv 0.0.10", False),
                            (b"cxlkv " + __version__.encode(), False),
                            (b"cxlkv not-a-version", False)):

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from cxlkv.host import discovery as D
-from cxlkv.host import tools as T
+from cxlkv.host import discovery
+from cxlkv.host import tools
 from cxlkv.testing.replay import ReplayRunner, install_sysfs
 
 LAB = Path(__file__).resolve().parent / "fixtures" / "lab"
@@ -26,7 +26,7 @@ def host(tmp_path, monkeypatch):
 
     def make(state: str, **kw) -> ReplayRunner:
         r = ReplayRunner(LAB, state, sysfs_dest=tmp_path / "root", setenv=monkeypatch.setenv, **kw)
-        monkeypatch.setattr(T, "_runner", r)
+        monkeypatch.setattr(tools, "_runner", r)
         monkeypatch.setenv("CXLKV_DEV_ROOT", str(tmp_path / "dev"))
         monkeypatch.setenv("COLUMNS", "200")          # tables unwrapped, for asserting text
         (tmp_path / "dev").mkdir(exist_ok=True)
@@ -40,7 +40,7 @@ def host(tmp_path, monkeypatch):
 
 def test_raw_memdev_no_region(host):
     host("raw")
-    h = D.discover()
+    h = discovery.discover()
     c = h["cxl"]
     assert c["present"] and not c["regions"] and not c["dax_devices"] and not c["errors"]
     (m,) = c["memdevs"]
@@ -72,7 +72,7 @@ def test_raw_memdev_no_region(host):
 
 def test_region_state(host):
     host("region")
-    c = D.discover()["cxl"]
+    c = discovery.discover()["cxl"]
     (r,) = c["regions"]
     assert r["region"] == "region0" and r["type"] == "pmem" and r["size"] == 256 << 20
     assert r["decode_state"] == "commit" and r["state"] == "enabled"
@@ -88,7 +88,7 @@ def test_devdax_state(host, tmp_path):
     dev = tmp_path / "dev" / "dax0.0"
     dev.write_bytes(b"")
     os.chmod(dev, 0o660)
-    c = D.discover()["cxl"]
+    c = discovery.discover()["cxl"]
     (d,) = c["dax_devices"]
     assert d["chardev"] == "dax0.0" and d["mode"] == "devdax" and d["size"] == 250 << 20
     assert d["align"] == 2 << 20 and d["target_node"] == 1 and d["numa_node"] == 0
@@ -100,7 +100,7 @@ def test_devdax_state(host, tmp_path):
 
 def test_system_ram_state(host):
     host("system-ram")
-    h = D.discover()
+    h = discovery.discover()
     (d,) = h["cxl"]["dax_devices"]
     assert d["mode"] == "system-ram" and d["online_memblocks"] == 1 and d["movable"] is True
     # the kmem node: CPU-less, in a slower tier than DRAM
@@ -114,10 +114,10 @@ def test_system_ram_state(host):
 
 def test_teardown_states(host):
     r = host("teardown-namespace")
-    c = D.discover()["cxl"]
+    c = discovery.discover()["cxl"]
     assert [x["region"] for x in c["regions"]] == ["region0"] and not c["dax_devices"]
     r.enter("teardown")
-    c = D.discover()["cxl"]
+    c = discovery.discover()["cxl"]
     assert not c["regions"] and [m["memdev"] for m in c["memdevs"]] == ["mem0"]
 
 
@@ -137,7 +137,7 @@ def test_health_in_the_documented_shape(host, monkeypatch):
         "ext_corrected_volatile":"warning", "ext_corrected_persistent":"normal",
         "life_used_percent":15, "temperature":25, "dirty_shutdowns":10,
         "volatile_errors":20, "pmem_errors":30}""")
-    h = D.health({"memdev": "mem0", "health": documented})
+    h = discovery.health({"memdev": "mem0", "health": documented})
     assert h["reported"] and h["temperature_c"] == 25 and h["life_used_percent"] == 15
     assert h["ext_temperature"] == "critical" and h["ext_life_used"] == "normal"
     assert h["alarms"] == ["maintenance_needed", "performance_degraded",
@@ -145,14 +145,14 @@ def test_health_in_the_documented_shape(host, monkeypatch):
     assert h["dirty_shutdowns"] == 10 and h["pmem_errors"] == 30
     # a device that leaves a field out (ndctl omits temperature when it is not valid)
     partial = {k: v for k, v in documented.items() if k not in ("temperature", "life_used_percent")}
-    h = D.health({"memdev": "mem0", "health": partial})
+    h = discovery.health({"memdev": "mem0", "health": partial})
     assert h["temperature_c"] is None and h["life_used_percent"] is None
-    assert D.health({"memdev": "mem0"})["reported"] is False
+    assert discovery.health({"memdev": "mem0"})["reported"] is False
 
 
 def test_tools_missing_still_reports_the_host(host):
     host("devdax", missing={"cxl", "ndctl", "daxctl"})
-    h = D.discover()
+    h = discovery.discover()
     c = h["cxl"]
     assert c["tools"] == {"cxl": False, "ndctl": False, "daxctl": False}
     assert not c["memdevs"] and c["sysfs_memdevs"] == ["mem0"] and c["present"]
@@ -161,18 +161,18 @@ def test_tools_missing_still_reports_the_host(host):
 
 def test_a_failing_tool_is_recorded_not_fatal(host):
     # inject a real failure (daxctl usage error, rc 129) for the listing discovery runs
-    host("devdax", inject={tuple(D.DAXCTL_LIST): ("devdax", "daxctl-list-vvv")})
-    c = D.discover()["cxl"]
+    host("devdax", inject={tuple(discovery.DAXCTL_LIST): ("devdax", "daxctl-list-vvv")})
+    c = discovery.discover()["cxl"]
     (err,) = c["errors"]
     assert err["command"] == "daxctl list -D -R -M -i" and "unknown switch" in err["message"]
     assert c["regions"] and not c["dax_devices"]
 
 
 def test_parse_helpers():
-    assert D.parse_list("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
-    assert D.parse_list("") == [] and D.parse_list(None) == []
-    assert D.bracketed("always defer defer+madvise [madvise] never") == "madvise"
-    assert D.version_tuple("6.12.57+deb13-amd64") == [6, 12]
+    assert discovery.parse_list("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
+    assert discovery.parse_list("") == [] and discovery.parse_list(None) == []
+    assert discovery.bracketed("always defer defer+madvise [madvise] never") == "madvise"
+    assert discovery.version_tuple("6.12.57+deb13-amd64") == [6, 12]
 
 
 # -- cxlkv inspect -----------------------------------------------------------------
@@ -210,7 +210,7 @@ def test_inspect_on_a_host_without_cxl(cli, tmp_path, monkeypatch):
     """No CXL (no /sys/bus/cxl, no tools): said plainly, NUMA/THP/tiers still shown, exit 0."""
     root = install_sysfs(LAB, "raw", tmp_path / "root", monkeypatch.setenv)
     shutil.rmtree(root / "sys" / "bus" / "cxl")
-    monkeypatch.setattr(T, "_runner", T.Runner(path=str(tmp_path / "empty-path")))
+    monkeypatch.setattr(tools, "_runner", tools.Runner(path=str(tmp_path / "empty-path")))
     r = cli("inspect")
     assert r.code == 0, r.err
     assert "CXL: no CXL memory devices on this host." in r.out

@@ -15,9 +15,9 @@ import pytest
 import cxlkv
 from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
-from cxlkv.state import hostlock as H
-from cxlkv.state import locks as K
-from cxlkv.state import nodes as N
+from cxlkv.state import hostlock
+from cxlkv.state import locks
+from cxlkv.state import nodes
 
 from cxlkv.testing.checks import wait_for
 from cxlkv.testing.damage import fake_node
@@ -50,14 +50,14 @@ def host_word(path: str) -> int:
     """The lock word of this host's lock file for the pool at `path`."""
     with Pool.open(path, writable=False) as p:
         uuid = str(p.sb.uuid)
-    name, = [f for f in host_files() if f.startswith(uuid) and N.local_boot_id() in f]
-    with open(os.path.join(H.lock_dir(), name), "rb") as f:
-        f.seek(H.WORD)
+    name, = [f for f in host_files() if f.startswith(uuid) and nodes.local_boot_id() in f]
+    with open(os.path.join(hostlock.lock_dir(), name), "rb") as f:
+        f.seek(hostlock.WORD)
         return int.from_bytes(f.read(8), "little")
 
 
 def host_files() -> list[str]:
-    return sorted(os.listdir(H.lock_dir()))
+    return sorted(os.listdir(hostlock.lock_dir()))
 
 
 def test_mutual_exclusion_of_processes_sharing_the_host_lock(rack):
@@ -66,7 +66,7 @@ def test_mutual_exclusion_of_processes_sharing_the_host_lock(rack):
     with Pool.open(rack) as pool:
         assert pool.mapping.load64(off) == 4 * 1500
     assert len(host_files()) == 1                   # one host: one lock file
-    assert host_word(rack) & H.HOLDER == 0          # and nobody holds it
+    assert host_word(rack) & hostlock.HOLDER == 0          # and nobody holds it
 
 
 def test_threads_of_one_process_keep_mutual_exclusion(rack):
@@ -85,7 +85,7 @@ def test_threads_of_one_process_keep_mutual_exclusion(rack):
         for t in ts:
             t.join()
         assert m.load64(off) == 8000
-        assert pool.lock()._host.holder() & H.HOLDER == 0
+        assert pool.lock()._host.holder() & hostlock.HOLDER == 0
 
 
 def test_the_file_is_per_pool_and_host_mode_0660(cas_pool):
@@ -94,21 +94,22 @@ def test_the_file_is_per_pool_and_host_mode_0660(cas_pool):
         with cxlkv.open_pool(cas_pool) as pool:
             with pool.lock():
                 hl = pool.lock()._host
-                assert hl.holder() & H.HOLDER == H.word_of(pool.node.slot, pool.node.epoch)
+                assert hl.holder() & hostlock.HOLDER == hostlock.word_of(pool.node.slot,
+                                                                         pool.node.epoch)
             path = hl.path
             name = os.path.basename(path)
             assert name.startswith(str(pool.sb.uuid)) and hl.node.observer.boot_id in name
-            assert os.path.dirname(path) == os.environ[H.ENV_DIR]
+            assert os.path.dirname(path) == os.environ[hostlock.ENV_DIR]
             assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
             # this node's record: who holds what, for the waiters' checks
-            assert hl.record(pool.node.slot) == (pool.node.epoch, *N.my_identity())
+            assert hl.record(pool.node.slot) == (pool.node.epoch, *nodes.my_identity())
     finally:
         os.umask(old)
 
 
 def test_no_usable_host_lock_file_falls_back_to_the_pool_lock(cas_pool, monkeypatch, tmp_path):
     (tmp_path / "f").write_text("")
-    monkeypatch.setenv(H.ENV_DIR, str(tmp_path / "f" / "sub"))   # cannot be made
+    monkeypatch.setenv(hostlock.ENV_DIR, str(tmp_path / "f" / "sub"))   # cannot be made
     with cxlkv.open_pool(cas_pool) as pool:
         assert pool.lock()._host is None
         with pool.lock(timeout=5):
@@ -124,16 +125,16 @@ def test_simulated_hosts_get_separate_host_locks(rack, remote_env):
         assert far.call(op="lock") == {"locked": True}
         # the holder is on another host: ours is free, we wait in tier 2
         with cxlkv.open_pool(rack) as pool:
-            with pytest.raises(K.LockTimeout) as e:
+            with pytest.raises(locks.LockTimeout) as e:
                 with pool.lock(timeout=0.1):
                     pass
             assert "this host's lock" not in str(e.value)
-            assert pool.lock()._host.holder() & H.HOLDER == 0
+            assert pool.lock()._host.holder() & hostlock.HOLDER == 0
             assert far.call(op="unlock") == {"unlocked": True}
             # a holder of this host: the wait is in the host lock, named
             assert near.call(op="lock") == {"locked": True}
             t0 = time.monotonic()
-            with pytest.raises(K.LockTimeout, match=f"this host's lock .* held by node "
+            with pytest.raises(locks.LockTimeout, match=f"this host's lock .* held by node "
                                                     f"{near.slot} "):
                 with pool.lock(timeout=0.2):
                     pass
@@ -156,7 +157,7 @@ def test_killed_holder_of_the_host_lock_is_taken_over(rack):
         waiter.send(op="lock", timeout=30)
         holder.kill()                                   # dies holding both tiers
         assert waiter.reply() == {"locked": True}
-        assert host_word(rack) & H.HOLDER == H.word_of(waiter.slot, waiter.epoch)
+        assert host_word(rack) & hostlock.HOLDER == hostlock.word_of(waiter.slot, waiter.epoch)
         assert waiter.call(op="unlock") == {"unlocked": True}
     finally:
         waiter.close()
@@ -170,18 +171,18 @@ def test_a_dead_process_holding_only_the_host_lock_is_taken_over(cas_pool):
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    fake_node(cas_pool, 6, pid=dead.pid, start_time_ns=N.process_start_ns(os.getpid()),
-              boot_id=N.local_boot_id())
+    fake_node(cas_pool, 6, pid=dead.pid, start_time_ns=nodes.process_start_ns(os.getpid()),
+              boot_id=nodes.local_boot_id())
     with cxlkv.open_pool(cas_pool, heartbeat=False) as pool:
         hl = pool.lock()._host
-        epoch = N.read_slot(pool, 6).epoch
-        off = H.RECORDS + 6 * H.RECORD_SIZE
+        epoch = nodes.read_slot(pool, 6).epoch
+        off = hostlock.RECORDS + 6 * hostlock.RECORD_SIZE
         for o, v in ((8, dead.pid), (16, 1), (0, epoch)):
             hl.m.store64(off + o, v)
-        hl.m.store64(H.WORD, H.word_of(6, epoch))
+        hl.m.store64(hostlock.WORD, hostlock.word_of(6, epoch))
         t0 = time.monotonic()
         with pool.lock(timeout=10):
-            assert hl.holder() & H.HOLDER == hl.mine
+            assert hl.holder() & hostlock.HOLDER == hl.mine
         assert time.monotonic() - t0 < LEASE_MS / 1000      # at once, not after a lease
 
 
@@ -191,10 +192,11 @@ def test_a_live_holder_is_never_taken_over(cas_pool):
         holder.attach(cas_pool)
         assert holder.call(op="lock") == {"locked": True}
         with cxlkv.open_pool(cas_pool) as pool:
-            with pytest.raises(K.LockTimeout, match="this host's lock"):
+            with pytest.raises(locks.LockTimeout, match="this host's lock"):
                 with pool.lock(timeout=3 * LEASE_MS / 1000):
                     pass
-            assert host_word(cas_pool) & H.HOLDER == H.word_of(holder.slot, holder.epoch)
+            assert host_word(cas_pool) & hostlock.HOLDER == hostlock.word_of(holder.slot,
+                                                                             holder.epoch)
             assert holder.call(op="unlock") == {"unlocked": True}
     finally:
         holder.close()
@@ -217,7 +219,7 @@ def test_paused_holder_is_fenced_taken_over_and_told_when_it_resumes(rack, remot
             try:
                 waiter.send(op="lock", timeout=30)
                 assert waiter.reply() == {"locked": True}
-                assert N.read_slot(pool, holder.slot).state in ("fenced", "free")
+                assert nodes.read_slot(pool, holder.slot).state in ("fenced", "free")
             finally:
                 os.kill(holder.p.pid, signal.SIGCONT)
             r = holder.call(op="unlock")
@@ -240,11 +242,11 @@ def test_release_after_a_takeover_writes_nothing(cas_pool):
     with cxlkv.open_pool(cas_pool, heartbeat=False) as pool:
         hl = pool.lock()._host
         assert hl.acquire(None)
-        other = H.word_of(5, 9) | H.WAITERS
-        assert hl.m.cas64(H.WORD, hl.holder(), other) != 0      # taken over
+        other = hostlock.word_of(5, 9) | hostlock.WAITERS
+        assert hl.m.cas64(hostlock.WORD, hl.holder(), other) != 0      # taken over
         assert hl.release() is False
         assert hl.holder() == other
-        hl.m.store64(H.WORD, 0)
+        hl.m.store64(hostlock.WORD, 0)
 
 
 def test_timeouts_are_honoured_across_both_tiers(rack):
@@ -255,7 +257,7 @@ def test_timeouts_are_honoured_across_both_tiers(rack):
         with cxlkv.open_pool(rack) as pool:
             for timeout in (0.0, 0.05, 0.3):
                 t0 = time.monotonic()
-                with pytest.raises(K.LockTimeout, match=f"node {holder.slot} "):
+                with pytest.raises(locks.LockTimeout, match=f"node {holder.slot} "):
                     with pool.lock(timeout=timeout):
                         pass
                 assert timeout <= time.monotonic() - t0 < timeout + 1.0
@@ -305,11 +307,11 @@ def test_fenced_waiter_stops_waiting(cas_pool):
 
             t = threading.Thread(target=take)
             t.start()
-            wait_for(lambda: pool.lock()._host.holder() & H.WAITERS, what="a waiter")
+            wait_for(lambda: pool.lock()._host.holder() & hostlock.WAITERS, what="a waiter")
             with Pool.open(cas_pool) as other:      # another party fences us
-                N.fence(other, pool.node.slot, pool.node.control)
+                nodes.fence(other, pool.node.slot, pool.node.control)
             t.join(10)
-            assert not t.is_alive() and isinstance(errors[0], N.NodeFenced), errors
+            assert not t.is_alive() and isinstance(errors[0], nodes.NodeFenced), errors
         assert holder.call(op="unlock") == {"unlocked": True}
     finally:
         holder.close()

@@ -7,7 +7,7 @@ import pytest
 
 import cxlkv
 from cxlkv.errors import UsageError
-from cxlkv.kv.tiers import hot as H
+from cxlkv.kv.tiers import hot
 from cxlkv.kv.tiers.base import Tier
 
 from cxlkv.testing.nodes import NodeProc
@@ -26,7 +26,7 @@ def test_second_load_is_served_from_dram_bit_exact(kvpool):
     data = blocks(1, 6)
     with cxlkv.open_pool(kvpool) as pool:
         kv = pool.kv(model="m", block_bytes=BB, hot_bytes=1 * MiB)
-        tier = H.tier_of(pool)
+        tier = hot.tier_of(pool)
         assert kv.store(toks, data) == 6
         out = bytearray(6 * BB)
         assert kv.load_into(toks, out) == 6 and bytes(out) == data
@@ -55,11 +55,11 @@ def test_mixed_hot_and_cold_blocks_copy_in_order(kvpool):
         for j in (2, 3, 6):
             out = bytearray(BB)
             assert kv.load_into(toks[:16 * (j + 1)], out, start=j) == 1
-        assert H.tier_of(pool).stats()["blocks"] == 3
+        assert hot.tier_of(pool).stats()["blocks"] == 3
         out = bytearray(8 * BB)
         assert kv.load_into(toks, out) == 8
         assert bytes(out) == data
-        assert H.tier_of(pool).stats()["hits"] == 3
+        assert hot.tier_of(pool).stats()["hits"] == 3
 
 
 def test_load_views_fill_the_tier_when_released(kvpool):
@@ -70,10 +70,10 @@ def test_load_views_fill_the_tier_when_released(kvpool):
         kv.store(toks, data)
         with kv.load(toks) as views:
             assert b"".join(bytes(v) for v in views) == data
-        assert H.tier_of(pool).stats()["inserted"] == 3
+        assert hot.tier_of(pool).stats()["inserted"] == 3
         out = bytearray(3 * BB)
         assert kv.load_into(toks, out) == 3 and bytes(out) == data
-        assert H.tier_of(pool).stats()["hits"] == 3
+        assert hot.tier_of(pool).stats()["hits"] == 3
 
 
 def test_a_block_stored_again_by_another_node_is_read_fresh(kvpool):
@@ -88,7 +88,7 @@ def test_a_block_stored_again_by_another_node_is_read_fresh(kvpool):
         kvb.store(toks, old)
         out = bytearray(4 * BB)
         assert kva.load_into(toks, out) == 4 and bytes(out) == old
-        assert H.tier_of(a).stats()["blocks"] == 4
+        assert hot.tier_of(a).stats()["blocks"] == 4
         kvb.drop()
         # dropped: the pool is the authority, the DRAM copies are not served
         assert kva.load_into(toks, bytearray(4 * BB)) == 0
@@ -98,11 +98,11 @@ def test_a_block_stored_again_by_another_node_is_read_fresh(kvpool):
         out = bytearray(4 * BB)
         assert kva.load_into(toks, out) == 4
         assert bytes(out) == new
-        s = H.tier_of(a).stats()
+        s = hot.tier_of(a).stats()
         assert s["stale"] == 4 and s["hits"] == 0
         with kva.load(toks) as views:               # the fresh copies are now hot
             assert b"".join(bytes(v) for v in views) == new
-        assert H.tier_of(a).stats()["hits"] == 4
+        assert hot.tier_of(a).stats()["hits"] == 4
 
 
 def test_an_evicted_block_is_not_served_from_dram(kvpool):
@@ -115,7 +115,7 @@ def test_an_evicted_block_is_not_served_from_dram(kvpool):
             kv.area.evict(need_bytes=1 << 40)
         assert kv.match(toks) == 0
         assert kv.load_into(toks, bytearray(2 * BB)) == 0
-        assert H.tier_of(pool).stats()["hits"] == 0
+        assert hot.tier_of(pool).stats()["hits"] == 0
 
 
 def test_the_tier_keeps_to_its_size_least_recently_used_out(kvpool):
@@ -126,17 +126,17 @@ def test_the_tier_keeps_to_its_size_least_recently_used_out(kvpool):
         kv.store(toks, data)
         for j in range(8):
             kv.load_into(toks[:16 * (j + 1)], bytearray(BB), start=j)
-        s = H.tier_of(pool).stats()
+        s = hot.tier_of(pool).stats()
         assert s["blocks"] == 3 and s["bytes"] == 3 * BB and s["evicted"] == 5
         # the three most recent are the ones kept
         out = bytearray(BB)
         kv.load_into(toks, out, start=7)
-        assert H.tier_of(pool).stats()["hits"] == 1 and bytes(out) == data[7 * BB:]
+        assert hot.tier_of(pool).stats()["hits"] == 1 and bytes(out) == data[7 * BB:]
         kv.load_into(toks[:16], bytearray(BB))
-        assert H.tier_of(pool).stats()["hits"] == 1
+        assert hot.tier_of(pool).stats()["hits"] == 1
         # a smaller size drops down to it
-        H.enable(pool, BB)
-        assert H.tier_of(pool).stats()["blocks"] == 1
+        hot.enable(pool, BB)
+        assert hot.tier_of(pool).stats()["blocks"] == 1
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "1G"])
@@ -153,7 +153,8 @@ def test_processes_with_hot_tiers_churning_read_what_keys_say(kvpool):
     try:
         for p in procs:
             p.attach(kvpool)
-            r = p.call(op="kv_open", args={"model": "m", "block_tokens": 16, "block_bytes": 64 * 1024,
+            r = p.call(op="kv_open",
+                       args={"model": "m", "block_tokens": 16, "block_bytes": 64 * 1024,
                                             "hot_bytes": 2 * MiB})
             assert "ns" in r, r
         for i, p in enumerate(procs):
@@ -171,12 +172,12 @@ def test_the_pool_object_owns_its_tiers(kvpool):
     Tier; disabling closes it (the hot tier drops its copies)."""
     with cxlkv.open_pool(kvpool) as pool:
         assert [t for t in pool.tiers] == [] and pool.tiers.get("hot") is None
-        tier = H.enable(pool, 1 * MiB)
+        tier = hot.enable(pool, 1 * MiB)
         assert isinstance(tier, Tier) and pool.tiers.get("hot") is tier
-        assert H.enable(pool, 1 * MiB) is tier                 # idempotent
-        assert H.enable(pool, 2 * MiB) is tier and tier.max_bytes == 2 * MiB
+        assert hot.enable(pool, 1 * MiB) is tier                 # idempotent
+        assert hot.enable(pool, 2 * MiB) is tier and tier.max_bytes == 2 * MiB
         with pytest.raises(UsageError, match="already has a hot tier"):
-            pool.tiers.enable(H.HotTier(MiB))
+            pool.tiers.enable(hot.HotTier(MiB))
         with pytest.raises(UsageError):
             pool.tiers.enable(object())
         kv = pool.kv(model="m", block_bytes=BB)
@@ -184,7 +185,7 @@ def test_the_pool_object_owns_its_tiers(kvpool):
         kv.store(toks, blocks(3, 2))
         kv.load_into(toks, bytearray(2 * BB))
         assert tier.stats()["blocks"] == 2
-        H.disable(pool)
+        hot.disable(pool)
         assert pool.tiers.get("hot") is None and tier.stats()["blocks"] == 0
         with pytest.raises(UsageError, match="remote_read needs the pool's remote tier"):
             pool.kv(model="m", block_bytes=BB, remote_read=True)

@@ -539,7 +539,7 @@ def test_a_prefix_from_another_rack_through_the_remote_tier(model_dir, tmp_path)
     Redis Cluster; rack B's instance (another pool, extra config `remote`)
     matches them through the cluster and loads them bit for bit."""
     import cxlkv
-    from cxlkv.kv.tiers import remote as KR
+    from cxlkv.kv.tiers import remote
     from cxlkv.remote import RemoteClient, RemoteConfig
     from cxlkv.testing.redis import TestCluster, skip_reason
 
@@ -561,7 +561,7 @@ def test_a_prefix_from_another_rack_through_the_remote_tier(model_dir, tmp_path)
             a_ids = a.scheduler.kv_cache_manager.get_blocks("a1").get_block_ids()[0][:4]
             with cxlkv.open_pool(pa) as pool, \
                     RemoteClient(RemoteConfig.from_toml(str(conf))) as rc:
-                got = KR.Pusher(pool, rc, ["vllm/*"], policy="all").scan()
+                got = remote.Pusher(pool, rc, ["vllm/*"], policy="all").scan()
                 assert got["queued"] == 4, got
                 assert rc.flush(30)
             b.scheduler.add_request(make_request("b1", toks))
@@ -569,7 +569,7 @@ def test_a_prefix_from_another_rack_through_the_remote_tier(model_dir, tmp_path)
             assert out.num_scheduled_tokens["b1"] == 70 - 64     # 4 blocks from rack A
             b_ids = b.scheduler.kv_cache_manager.get_blocks("b1").get_block_ids()[0][:4]
             assert blocks_equal(a, a_ids, b, b_ids)
-            assert KR.client_of(b.scheduler.connector._pool).stats()["hits"] == 4
+            assert remote.client_of(b.scheduler.connector._pool).stats()["hits"] == 4
         finally:
             a.close()
             b.close()

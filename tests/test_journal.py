@@ -18,13 +18,13 @@ import pytest
 
 import cxlkv
 from cxlkv.errors import PoolIncompatible
-from cxlkv.kv import journal as J
+from cxlkv.kv import journal
 from cxlkv.kv.area import Area
-from cxlkv.pool import layout as L
+from cxlkv.pool import layout
 from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
 from cxlkv.ops import fsck
-from cxlkv.state import nodes as N
+from cxlkv.state import nodes as node_table
 
 from cxlkv.testing.checks import wait_for
 from cxlkv.testing.nodes import NodeProc, lock_manager
@@ -62,7 +62,7 @@ def key(rec) -> bytes:
 
 def published(pool) -> set[bytes]:
     t = Area(pool).entries()
-    t = t[(t["ctl"] & 0xFF) == L.KV_PUBLISHED]
+    t = t[(t["ctl"] & 0xFF) == layout.KV_PUBLISHED]
     return {int(a).to_bytes(8, "little") + int(b).to_bytes(8, "little")
             for a, b in zip(t["key_lo"].tolist(), t["key_hi"].tolist())}
 
@@ -72,13 +72,13 @@ class Follower:
     each change is consistent with what came before (exactly once, in order)."""
 
     def __init__(self, pool, **kw):
-        self.reader = J.JournalReader(pool, **kw)
+        self.reader = journal.JournalReader(pool, **kw)
         self.present: set[bytes] = set()
         self.seqs: list[int] = []
-        self.ops = {J.STORED: 0, J.EVICTED: 0, J.NS_CLEARED: 0}
+        self.ops = {journal.STORED: 0, journal.EVICTED: 0, journal.NS_CLEARED: 0}
         self.resyncs: list[tuple[str, ...]] = []
 
-    def poll(self) -> J.Changes:
+    def poll(self) -> journal.Changes:
         ch = self.reader.poll()
         if ch.resync:
             self.resyncs.append(ch.reasons)
@@ -88,10 +88,10 @@ class Follower:
             k, op = key(r), int(r["op"])
             self.ops[op] += 1
             self.seqs.append(int(r["seq"]))
-            if op == J.STORED:
+            if op == journal.STORED:
                 assert k not in self.present, "stored twice"
                 self.present.add(k)
-            elif op == J.EVICTED:
+            elif op == journal.EVICTED:
                 assert k in self.present, "evicted before stored"
                 self.present.discard(k)
         return ch
@@ -119,17 +119,17 @@ def test_two_nodes_stores_and_evictions_are_seen_exactly_once(rack):
         ev = Area(pool).header().evictions
         assert ev > 0, "the test must evict"
         assert f.resyncs == [("start",)]
-        assert f.ops[J.STORED] == stored and f.ops[J.EVICTED] == ev
+        assert f.ops[journal.STORED] == stored and f.ops[journal.EVICTED] == ev
         assert f.seqs == sorted(set(f.seqs))            # one order across both rings
         assert f.present == published(pool)
-        rep = J.report(pool)
+        rep = journal.report(pool)
         assert rep["appended"] == stored + ev and len(rep["rings"]) == 2
 
 
 def test_records_carry_the_parent_key_and_the_namespace(pool_path):
     init_pool(pool_path, {"size": 8 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8})
     with cxlkv.open_pool(pool_path) as pool:
-        r = J.JournalReader(pool, start="now")
+        r = journal.JournalReader(pool, start="now")
         kv = pool.kv(**KV_ARGS)
         t = toks(1, 3)
         assert kv.store(t, bytes(3 * BB)) == 3
@@ -137,14 +137,15 @@ def test_records_carry_the_parent_key_and_the_namespace(pool_path):
         keys = kv._keys(np.array(t))
         assert [key(x) for x in recs] == [bytes(k) for k in keys]
         assert key({"key_lo": recs["parent_lo"][0], "key_hi": recs["parent_hi"][0]}) == bytes(16)
-        assert key({"key_lo": recs["parent_lo"][2], "key_hi": recs["parent_hi"][2]}) == bytes(keys[1])
+        assert key({"key_lo": recs["parent_lo"][2],
+                    "key_hi": recs["parent_hi"][2]}) == bytes(keys[1])
         assert set(recs["ns"].tolist()) == {kv.ns} and set(recs["length"].tolist()) == {BB}
         assert set(recs["node"].tolist()) == {pool.node.slot}
         from cxlkv.kv.cache import drop_namespace
 
         drop_namespace(pool, KV_ARGS["model"])
         recs = r.poll().records
-        assert recs["op"].tolist() == [J.EVICTED] * 3 + [J.NS_CLEARED]
+        assert recs["op"].tolist() == [journal.EVICTED] * 3 + [journal.NS_CLEARED]
         assert int(recs["ns"][-1]) == kv.ns
 
 
@@ -179,7 +180,7 @@ def test_a_torn_record_is_detected(pool_path, how):
         g, m, slot = f.reader.geo, pool.mapping, pool.node.slot
         ring = g.ring_off(slot)
         head = m.load64(ring)
-        rec = ring + 64 + (head % g.nrec) * L.JOURNAL_REC_SIZE
+        rec = ring + 64 + (head % g.nrec) * layout.JOURNAL_REC_SIZE
         with pool.lock():
             m.store64(rec + 8, 0x1234)                      # key_lo only
             m.store64(rec, 1 if how == "stale" else 0)      # a sequence number already used / none
@@ -204,7 +205,7 @@ def test_a_reused_node_slot_resyncs_once_and_keeps_counting(rack):
         assert head == 3 and not f.resyncs[1:]
         a.kill()                                            # dies; its slot is reaped ...
         with cxlkv.open_pool(path) as p2:
-            wait_for(lambda: N.read_slot(p2, a.slot).state == "free", what="the reap")
+            wait_for(lambda: node_table.read_slot(p2, a.slot).state == "free", what="the reap")
         others = []                                         # ... and taken by another node
         while True:                                         # (nodes claim a random free slot)
             b = NodeProc(env=env)
@@ -242,9 +243,9 @@ def test_a_node_killed_mid_append_leaves_nothing_torn(pool_path):
         assert w.p.wait(30) == -9
         ch = f.poll()
         assert not ch.resync and len(ch.records) == 4       # its half append is beyond the head
-        assert f.ops[J.STORED] == 4 and len(published(pool)) == 6
+        assert f.ops[journal.STORED] == 4 and len(published(pool)) == 6
         with cxlkv.open_pool(pool_path) as p2:              # reaps it; the slot is free again
-            wait_for(lambda: N.read_slot(p2, w.slot).state == "free", what="the reap")
+            wait_for(lambda: node_table.read_slot(p2, w.slot).state == "free", what="the reap")
         others = []
         while True:                                         # the slot's next node appends ...
             b = NodeProc()
@@ -278,7 +279,7 @@ def test_a_fenced_node_cannot_append_after_it_resumes(pool_path, remote_env):
         w.send(op="kv_store", tokens=toks(2, 2))            # stops mid-append, lock held
         wait_for(lambda: psutil.Process(w.p.pid).status() == psutil.STATUS_STOPPED,
                  what="the node to stop in its append")
-        wait_for(lambda: N.read_slot(pool, w.slot).state == "fenced", what="the fence")
+        wait_for(lambda: node_table.read_slot(pool, w.slot).state == "fenced", what="the fence")
         kv = pool.kv(**KV_ARGS)
         kv.store(toks(3, 2), bytes(2 * BB))                 # the lock was passed on
         os.kill(w.p.pid, signal.SIGCONT)
@@ -288,7 +289,7 @@ def test_a_fenced_node_cannot_append_after_it_resumes(pool_path, remote_env):
         assert pool.mapping.load64(ring) == 2               # its head did not move
         ch = f.poll()
         assert not ch.resync and set(ch.records["node"].tolist()) == {pool.node.slot}
-        assert f.ops[J.STORED] == 4
+        assert f.ops[journal.STORED] == 4
         w.close()
 
 
@@ -309,7 +310,7 @@ def test_a_node_stalled_taking_sequence_numbers_never_rolls_them_back(pool_path,
         w.send(op="kv_store", tokens=toks(2, 2))            # stops in its append, lock held
         wait_for(lambda: psutil.Process(w.p.pid).status() == psutil.STATUS_STOPPED,
                  what="the node to stop taking sequence numbers")
-        wait_for(lambda: N.read_slot(pool, w.slot).state == "fenced", what="the fence")
+        wait_for(lambda: node_table.read_slot(pool, w.slot).state == "fenced", what="the fence")
         kv = pool.kv(**KV_ARGS)
         kv.store(toks(3, 3), bytes(3 * BB))                 # the lock was passed on
         nxt = f.reader.geo.next_seq()
@@ -319,7 +320,7 @@ def test_a_node_stalled_taking_sequence_numbers_never_rolls_them_back(pool_path,
         assert f.reader.geo.next_seq() == nxt               # not rolled back
         assert pool.mapping.load64(f.reader.geo.ring_off(w.slot)) == 2
         ch = f.poll()
-        assert not ch.resync and f.ops[J.STORED] == 5
+        assert not ch.resync and f.ops[journal.STORED] == 5
         w.close()
 
 
@@ -331,10 +332,10 @@ def test_a_pool_formatted_without_the_journal_is_refused_by_name(tmp_path):
     path.write_bytes(raw)
     os.chmod(path, 0o660)
     with Pool.open(str(path)) as p:
-        assert not p.sb.incompat & L.INCOMPAT_JOURNAL
+        assert not p.sb.incompat & layout.INCOMPAT_JOURNAL
         with pytest.raises(PoolIncompatible, match="without the feature JOURNAL"):
-            J.JournalReader(p)
-        assert J.report(p) is None
+            journal.JournalReader(p)
+        assert journal.report(p) is None
     mgr = lock_manager(str(path))                           # the golden pool is in manager mode
     try:
         r = subprocess.run([sys.executable, "-c", f"""
@@ -350,44 +351,45 @@ with cxlkv.open_pool({str(path)!r}) as pool:
 
 # -- fsck ---------------------------------------------------------------------------------
 def test_fsck_reports_and_repairs_a_damaged_journal_header(pool_path):
-    from cxlkv.ops import repair as R
+    from cxlkv.ops import repair
 
     init_pool(pool_path, {"size": 8 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8})
     with cxlkv.open_pool(pool_path) as pool:
         pool.kv(**KV_ARGS).store(toks(1, 3), bytes(3 * BB))
-        g = J.JournalReader(pool, start="now").geo
+        g = journal.JournalReader(pool, start="now").geo
         hdr = g.hdr
         seq = g.next_seq()
     with Pool.open(pool_path) as p:
-        p.mapping.store64(hdr + L.field_offset(L.JournalHdrStruct, "next_seq"), 2)  # behind
+        p.mapping.store64(hdr + layout.field_offset(layout.JournalHdrStruct, "next_seq"),
+                          2)  # behind
         rep = fsck.check(p)
         assert [f.code for f in rep.errors] == ["kv-journal-seq"]
         p.mapping.store64(hdr, 0)                                                 # magic
         assert [f.code for f in fsck.check(p).errors] == ["kv-journal-header"]
         with pytest.raises(Exception, match="header is corrupt"):
-            J.JournalReader(p)
-    rep = R.repair(pool_path)
+            journal.JournalReader(p)
+    rep = repair.repair(pool_path)
     assert "kv-journal-header" in [a["code"] for a in rep.actions]
     with Pool.open(pool_path) as p:
         assert fsck.check(p).clean
-        r = J.JournalReader(p, start="now")
+        r = journal.JournalReader(p, start="now")
         assert r.geo.next_seq() == seq                     # above every record again
 
 
 def test_a_restore_records_what_it_publishes(tmp_path):
-    from cxlkv.kv import snapshot as S
+    from cxlkv.kv import snapshot
 
     a, b = str(tmp_path / "a.pool"), str(tmp_path / "b.pool")
     for p in (a, b):
         init_pool(p, {"size": 8 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8})
     with cxlkv.open_pool(a) as pool:
         pool.kv(**KV_ARGS).store(toks(1, 5), bytes(5 * BB))
-        S.snapshot(pool, tmp_path / "snap")
+        snapshot.snapshot(pool, tmp_path / "snap")
     with cxlkv.open_pool(b) as pool:
         f = Follower(pool, start="now")
-        assert S.restore(pool, tmp_path / "snap")["blocks"] == 5
+        assert snapshot.restore(pool, tmp_path / "snap")["blocks"] == 5
         ch = f.poll()
-        assert not ch.resync and f.ops[J.STORED] == 5 and f.present == published(pool)
+        assert not ch.resync and f.ops[journal.STORED] == 5 and f.present == published(pool)
 
 
 def test_inspect_and_kv_stats_show_the_rings(cli, pool_path):
@@ -400,6 +402,7 @@ def test_inspect_and_kv_stats_show_the_rings(cli, pool_path):
         r = cli(*args)
         assert r.code == 0, r.err
         doc = r.json()
-        j = (doc["pool"] if "pool" in doc and isinstance(doc["pool"], dict) else doc)["kv"]["journal"]
+        j = (doc["pool"] if "pool" in doc and isinstance(doc["pool"],
+                                                         dict) else doc)["kv"]["journal"]
         assert j["appended"] == 3 and j["next_seq"] == 4
         assert j["rings"] == [{"slot": slot, "head": 3, "writer_slot": slot, "writer_epoch": 1}]

@@ -15,7 +15,7 @@ import pytest
 import cxlkv
 from cxlkv.errors import UsageError
 from cxlkv.kv.area import Area, KVPoolFull, QuotaExceeded
-from cxlkv.pool import layout as L
+from cxlkv.pool import layout
 from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
 from cxlkv.ops.fsck import check
@@ -408,7 +408,7 @@ def test_writer_killed_mid_publish_leaves_nothing_visible(pool_path, site):
         a = Area(pool)
         t = a.entries()
         st = t["ctl"] & 0xFF
-        assert not ((st == L.KV_PENDING) | (st == L.KV_WRITING) | (st == L.KV_EVICTING)).any()
+        assert not np.isin(st, (layout.KV_PENDING, layout.KV_WRITING, layout.KV_EVICTING)).any()
         assert kv.drop()["dropped"]
     with Pool.open(pool_path) as p:                  # nothing leaked
         rep = check(p)
@@ -444,12 +444,12 @@ def test_manager_mode_under_noncoherence_emulation(pool_path):
 
 
 def test_vectorised_slot_sizes_match_the_allocator(kvpool):
-    from cxlkv.state import alloc as A
+    from cxlkv.state import alloc
 
     with cxlkv.open_pool(kvpool) as pool:
         a = Area(pool)
         lengths = np.array([1, 63, 64, 65, 4096, 100_000, 16 * MiB])
-        assert list(a.slot_sizes(lengths)) == [A.slot_size_for(pool, int(x)) for x in lengths]
+        assert list(a.slot_sizes(lengths)) == [alloc.slot_size_for(pool, int(x)) for x in lengths]
 
 
 # -- regressions found in review --------------------------------------------------------------
@@ -601,12 +601,12 @@ def test_caller_hashes_must_be_bytes(kvpool):
 
 
 def test_slot_bits_of_a_corrupt_tail_is_none(kvpool):
-    from cxlkv.state import alloc as A
+    from cxlkv.state import alloc
 
     with Pool.open(kvpool) as p:
-        data_off, chunk, nchunks, base = A.geometry(p)
-        p.mapping.store64(base + 3 * L.CHUNK_DESC_SIZE, L.CHUNK_TAIL | (1 << 40) << 8)
-        assert A.slot_bits(p, data_off + 3 * chunk) is None
+        data_off, chunk, nchunks, base = alloc.geometry(p)
+        p.mapping.store64(base + 3 * layout.CHUNK_DESC_SIZE, layout.CHUNK_TAIL | (1 << 40) << 8)
+        assert alloc.slot_bits(p, data_off + 3 * chunk) is None
 
 
 def test_manager_mode_evictor_never_writes_a_stale_line_back(pool_path, monkeypatch):
@@ -672,18 +672,19 @@ def test_in_flight_finds_exactly_the_entries_left_part_way(kvpool):
         a = kv.area
         assert len(a.in_flight()) == 0
         t = a.entries()
-        pub = np.flatnonzero((t["ctl"] & 0xFF) == L.KV_PUBLISHED).astype(np.uint64)
+        pub = np.flatnonzero((t["ctl"] & 0xFF) == layout.KV_PUBLISHED).astype(np.uint64)
         assert len(pub) == 8
         picked = pub[[1, 4, 6]]
         with pool.lock():
-            assert a.m.kv_set_state(a.table, a.nslots, picked, L.KV_PUBLISHED,
-                                    L.KV_EVICTING, 0, 0) == 3
+            assert a.m.kv_set_state(a.table, a.nslots, picked, layout.KV_PUBLISHED,
+                                    layout.KV_EVICTING, 0, 0) == 3
         got = a.in_flight()
         assert sorted(got.tolist()) == sorted(picked.tolist())
         out = np.zeros(1, dtype=np.uint64)              # a short buffer: all are counted
         assert a.m.kv_in_flight(a.table, a.nslots, out) == 3 and out[0] in picked
         with pool.lock():
-            a.m.kv_set_state(a.table, a.nslots, picked, L.KV_EVICTING, L.KV_PUBLISHED, 0, 0)
+            a.m.kv_set_state(a.table, a.nslots, picked, layout.KV_EVICTING, layout.KV_PUBLISHED, 0,
+                             0)
         assert len(a.in_flight()) == 0
     fsck_clean(kvpool)
 
@@ -707,7 +708,7 @@ def test_an_eviction_interrupted_before_its_counters_is_recounted_at_detach(kvpo
                 a.evict(need_entries=5)
     with cxlkv.open_pool(kvpool) as pool:
         a = Area(pool)
-        live = int(((a.entries()["ctl"] & 0xFF) == L.KV_PUBLISHED).sum())
+        live = int(((a.entries()["ctl"] & 0xFF) == layout.KV_PUBLISHED).sum())
         assert live == 15
         assert [r.blocks for r in a.tenant_records() if r.blocks] == [live]
         assert [r.blocks for r in a.ns_records() if r.blocks] == [live]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from cxlkv import _core
-from cxlkv.pool import layout as L
+from cxlkv.pool import layout
 
 # (offset, size) of every field, written out by hand.
 PINNED = {
@@ -101,8 +101,8 @@ PINNED = {
 @pytest.mark.parametrize("name", sorted(PINNED))
 def test_python_mirror_matches_pins(name):
     size, fields = PINNED[name]
-    struct = L.STRUCTS[name]
-    assert L.field_layout(struct) == fields
+    struct = layout.STRUCTS[name]
+    assert layout.field_layout(struct) == fields
     import ctypes
     assert ctypes.sizeof(struct) == size
 
@@ -116,70 +116,78 @@ def test_c_header_matches_pins(name):
 
 
 def test_c_describes_every_struct_the_mirror_has():
-    assert set(_core.layout()) == set(L.STRUCTS) == set(PINNED)
+    assert set(_core.layout()) == set(layout.STRUCTS) == set(PINNED)
 
 
 def test_constants_agree():
     c = _core.constants()
-    assert c["MAGIC"] == L.MAGIC
+    assert c["MAGIC"] == layout.MAGIC
     pairs = {
-        "FORMAT_VERSION": L.FORMAT_VERSION, "SB_SIZE": L.SB_SIZE, "SB_COPIES": L.SB_COPIES,
-        "SYNC_CAS": L.SYNC_CAS, "SYNC_MANAGER": L.SYNC_MANAGER,
-        "REGION_COUNT": L.REGION_COUNT, "NODE_SIZE": L.NODE_SIZE,
-        "LOCK_HDR_SIZE": L.LOCK_HDR_SIZE, "LOCK_ENTRY_SIZE": L.LOCK_ENTRY_SIZE,
-        "HEAP_SIZE": L.HEAP_SIZE, "CHUNK_DESC_SIZE": L.CHUNK_DESC_SIZE,
-        "HASH_ENTRY_SIZE": L.HASH_ENTRY_SIZE, "NODE_FREE": L.NODE_FREE,
-        "NODE_CLAIMED": L.NODE_CLAIMED, "NODE_ATTACHED": L.NODE_ATTACHED,
-        "NODE_FENCED": L.NODE_FENCED, "LOCK_IDLE": L.LOCK_IDLE,
-        "LOCK_WAITING": L.LOCK_WAITING, "LOCK_LOCKED": L.LOCK_LOCKED,
-        "LOCK_ABANDONED": L.LOCK_ABANDONED, "CHUNK_FREE": L.CHUNK_FREE,
-        "CHUNK_HEAD": L.CHUNK_HEAD, "CHUNK_TAIL": L.CHUNK_TAIL,
-        "CHUNK_RELEASING": L.CHUNK_RELEASING, "SLAB_MAX_SLOTS": L.SLAB_MAX_SLOTS,
-        "HEAP_HAZARDS": L.HEAP_HAZARDS,
-        "FEATURE_COMPAT_KV": L.COMPAT_KV, "FEATURE_COMPAT_SUPP": L.COMPAT_SUPPORTED,
-        "FEATURE_INCOMPAT_SUPP": L.INCOMPAT_SUPPORTED,
-        "FEATURE_INCOMPAT_KV_LRU": L.INCOMPAT_KV_LRU, "KV_LRU_LISTS": L.KV_LRU_LISTS,
-        "FEATURE_RO_COMPAT_SUPP": L.RO_COMPAT_SUPPORTED,
-        "KV_EMPTY": L.KV_EMPTY, "KV_WRITING": L.KV_WRITING, "KV_PENDING": L.KV_PENDING,
-        "KV_PUBLISHED": L.KV_PUBLISHED, "KV_EVICTING": L.KV_EVICTING,
-        "KV_TOMBSTONE": L.KV_TOMBSTONE, "KV_MAGIC": L.KV_MAGIC, "KV_HDR_SIZE": L.KV_HDR_SIZE,
-        "KV_NS_SIZE": L.KV_NS_SIZE, "KV_TENANT_SIZE": L.KV_TENANT_SIZE,
-        "KV_NS_NAME": L.KV_NS_NAME, "KV_NSTATS": L.KV_NSTATS, "KV_REC_FREE": L.KV_REC_FREE,
-        "KV_REC_ACTIVE": L.KV_REC_ACTIVE, "KV_HASH_XXH3_128": L.KV_HASH_XXH3_128,
-        "KV_HASH_SHA256_CBOR": L.KV_HASH_SHA256_CBOR,
-        "FEATURE_INCOMPAT_JOURNAL": L.INCOMPAT_JOURNAL, "JOURNAL_MAGIC": L.JOURNAL_MAGIC,
-        "JOURNAL_REC_SIZE": L.JOURNAL_REC_SIZE, "JOURNAL_STORED": L.JOURNAL_STORED,
-        "JOURNAL_EVICTED": L.JOURNAL_EVICTED, "JOURNAL_NS_CLEARED": L.JOURNAL_NS_CLEARED,
+        "FORMAT_VERSION": layout.FORMAT_VERSION, "SB_SIZE": layout.SB_SIZE,
+        "SB_COPIES": layout.SB_COPIES,
+        "SYNC_CAS": layout.SYNC_CAS, "SYNC_MANAGER": layout.SYNC_MANAGER,
+        "REGION_COUNT": layout.REGION_COUNT, "NODE_SIZE": layout.NODE_SIZE,
+        "LOCK_HDR_SIZE": layout.LOCK_HDR_SIZE, "LOCK_ENTRY_SIZE": layout.LOCK_ENTRY_SIZE,
+        "HEAP_SIZE": layout.HEAP_SIZE, "CHUNK_DESC_SIZE": layout.CHUNK_DESC_SIZE,
+        "HASH_ENTRY_SIZE": layout.HASH_ENTRY_SIZE, "NODE_FREE": layout.NODE_FREE,
+        "NODE_CLAIMED": layout.NODE_CLAIMED, "NODE_ATTACHED": layout.NODE_ATTACHED,
+        "NODE_FENCED": layout.NODE_FENCED, "LOCK_IDLE": layout.LOCK_IDLE,
+        "LOCK_WAITING": layout.LOCK_WAITING, "LOCK_LOCKED": layout.LOCK_LOCKED,
+        "LOCK_ABANDONED": layout.LOCK_ABANDONED, "CHUNK_FREE": layout.CHUNK_FREE,
+        "CHUNK_HEAD": layout.CHUNK_HEAD, "CHUNK_TAIL": layout.CHUNK_TAIL,
+        "CHUNK_RELEASING": layout.CHUNK_RELEASING, "SLAB_MAX_SLOTS": layout.SLAB_MAX_SLOTS,
+        "HEAP_HAZARDS": layout.HEAP_HAZARDS,
+        "FEATURE_COMPAT_KV": layout.COMPAT_KV, "FEATURE_COMPAT_SUPP": layout.COMPAT_SUPPORTED,
+        "FEATURE_INCOMPAT_SUPP": layout.INCOMPAT_SUPPORTED,
+        "FEATURE_INCOMPAT_KV_LRU": layout.INCOMPAT_KV_LRU, "KV_LRU_LISTS": layout.KV_LRU_LISTS,
+        "FEATURE_RO_COMPAT_SUPP": layout.RO_COMPAT_SUPPORTED,
+        "KV_EMPTY": layout.KV_EMPTY, "KV_WRITING": layout.KV_WRITING,
+        "KV_PENDING": layout.KV_PENDING,
+        "KV_PUBLISHED": layout.KV_PUBLISHED, "KV_EVICTING": layout.KV_EVICTING,
+        "KV_TOMBSTONE": layout.KV_TOMBSTONE, "KV_MAGIC": layout.KV_MAGIC,
+        "KV_HDR_SIZE": layout.KV_HDR_SIZE,
+        "KV_NS_SIZE": layout.KV_NS_SIZE, "KV_TENANT_SIZE": layout.KV_TENANT_SIZE,
+        "KV_NS_NAME": layout.KV_NS_NAME, "KV_NSTATS": layout.KV_NSTATS,
+        "KV_REC_FREE": layout.KV_REC_FREE,
+        "KV_REC_ACTIVE": layout.KV_REC_ACTIVE, "KV_HASH_XXH3_128": layout.KV_HASH_XXH3_128,
+        "KV_HASH_SHA256_CBOR": layout.KV_HASH_SHA256_CBOR,
+        "FEATURE_INCOMPAT_JOURNAL": layout.INCOMPAT_JOURNAL, "JOURNAL_MAGIC": layout.JOURNAL_MAGIC,
+        "JOURNAL_REC_SIZE": layout.JOURNAL_REC_SIZE, "JOURNAL_STORED": layout.JOURNAL_STORED,
+        "JOURNAL_EVICTED": layout.JOURNAL_EVICTED, "JOURNAL_NS_CLEARED": layout.JOURNAL_NS_CLEARED,
     }
     for k, v in pairs.items():
         assert c[k] == v, k
-    for i, name in enumerate(L.REGION_NAMES):
+    for i, name in enumerate(layout.REGION_NAMES):
         assert c[f"REGION_{name.upper()}"] == i
 
 
 def test_pinned_values():
     # literal values, so a change to both sides still fails here
-    assert L.MAGIC == b"CXLKVPOL"
-    assert (L.FORMAT_VERSION, L.SB_SIZE, L.NODE_SIZE, L.HASH_ENTRY_SIZE) == (1, 4096, 512, 64)
-    assert L.CHUNK_DESC_SIZE == 256
-    assert (L.HEAP_SIZE, L.HEAP_HAZARDS) == (1024, 8)
-    assert L.REGION_NAMES == ("nodes", "locks", "bitmap", "heaps", "hash", "data", "kv")
-    assert L.POOL_ORDER == ("nodes", "locks", "bitmap", "heaps", "hash", "kv", "data")
-    assert (L.KV_MAGIC.to_bytes(8, "little"), L.COMPAT_KV) == (b"CXLKVKV1", 1)
-    assert (L.KV_EMPTY, L.KV_WRITING, L.KV_PENDING, L.KV_PUBLISHED, L.KV_EVICTING,
-            L.KV_TOMBSTONE) == (0, 1, 2, 3, 4, 5)
-    assert (L.JOURNAL_MAGIC.to_bytes(8, "little"), L.INCOMPAT_JOURNAL) == (b"CXLKVJN1", 4)
-    assert (L.JOURNAL_STORED, L.JOURNAL_EVICTED, L.JOURNAL_NS_CLEARED) == (1, 2, 3)
+    assert layout.MAGIC == b"CXLKVPOL"
+    assert (layout.FORMAT_VERSION, layout.SB_SIZE, layout.NODE_SIZE,
+            layout.HASH_ENTRY_SIZE) == (1, 4096, 512, 64)
+    assert layout.CHUNK_DESC_SIZE == 256
+    assert (layout.HEAP_SIZE, layout.HEAP_HAZARDS) == (1024, 8)
+    assert layout.REGION_NAMES == ("nodes", "locks", "bitmap", "heaps", "hash", "data", "kv")
+    assert layout.POOL_ORDER == ("nodes", "locks", "bitmap", "heaps", "hash", "kv", "data")
+    assert (layout.KV_MAGIC.to_bytes(8, "little"), layout.COMPAT_KV) == (b"CXLKVKV1", 1)
+    assert (layout.KV_EMPTY, layout.KV_WRITING, layout.KV_PENDING, layout.KV_PUBLISHED,
+            layout.KV_EVICTING,
+            layout.KV_TOMBSTONE) == (0, 1, 2, 3, 4, 5)
+    assert (layout.JOURNAL_MAGIC.to_bytes(8, "little"), layout.INCOMPAT_JOURNAL) == (b"CXLKVJN1", 4)
+    assert (layout.JOURNAL_STORED, layout.JOURNAL_EVICTED, layout.JOURNAL_NS_CLEARED) == (1, 2, 3)
 
 
 def test_journal_geometry():
     # after the per-node KV areas, page aligned; records scale with the table
-    g = L.journal_geometry(8, 256)
-    assert g["records_per_node"] == 256 and g["hdr_off"] % L.PAGE == 0
-    assert g["hdr_off"] >= L.kv_geometry(8, 256)["size"] and g["ring_off"] == g["hdr_off"] + L.PAGE
-    assert g["ring_stride"] == L.PAGE * 5 and g["end"] == g["ring_off"] + 8 * g["ring_stride"]
-    assert L.journal_geometry(4, 1 << 20)["records_per_node"] == 16384
+    g = layout.journal_geometry(8, 256)
+    assert g["records_per_node"] == 256 and g["hdr_off"] % layout.PAGE == 0
+    assert g["hdr_off"] >= layout.kv_geometry(8, 256)["size"]
+    assert g["ring_off"] == g["hdr_off"] + layout.PAGE
+    assert g["ring_stride"] == layout.PAGE * 5 and g["end"] == g["ring_off"] + 8 * g["ring_stride"]
+    assert layout.journal_geometry(4, 1 << 20)["records_per_node"] == 16384
     # a pool of neither feature needs only the old areas; one with the LRU lists their links
-    assert L.kv_region_size(8, 256, 0) == L.kv_geometry(8, 256)["lru_off"]
-    assert L.kv_region_size(8, 256, L.INCOMPAT_KV_LRU) == L.kv_geometry(8, 256)["size"]
-    assert L.kv_region_size(8, 256, L.INCOMPAT_JOURNAL) == g["end"]
+    assert layout.kv_region_size(8, 256, 0) == layout.kv_geometry(8, 256)["lru_off"]
+    assert layout.kv_region_size(8, 256, layout.INCOMPAT_KV_LRU) == layout.kv_geometry(8,
+                                                                                       256)["size"]
+    assert layout.kv_region_size(8, 256, layout.INCOMPAT_JOURNAL) == g["end"]

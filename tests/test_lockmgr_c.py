@@ -16,12 +16,12 @@ import psutil
 import pytest
 
 import cxlkv
-from cxlkv.daemons import lockmgr as LM
-from cxlkv.pool import layout as L
+from cxlkv.daemons import lockmgr
+from cxlkv.pool import layout
 from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
-from cxlkv.state import nodes as N
-from cxlkv.state import protocol as P
+from cxlkv.state import nodes as node_table
+from cxlkv.state import protocol
 
 from cxlkv.testing.checks import wait_for
 from cxlkv.testing.nodes import Manager, NodeProc, incr_together, lock_turn_gaps
@@ -73,7 +73,7 @@ def _random_state(rng: random.Random, n: int):
     nodes, ents = [], []
     for _ in range(n):
         epoch = rng.randint(1, 5)
-        state = rng.choice([L.NODE_ATTACHED] * 4 + [L.NODE_CLAIMED, L.NODE_FREE])
+        state = rng.choice([layout.NODE_ATTACHED] * 4 + [layout.NODE_CLAIMED, layout.NODE_FREE])
         nodes.append((state, epoch))
         seqs = [rng.randint(0, 6) for _ in range(4)]        # req, release, grant, revoke
         e_epoch = epoch if rng.random() < 0.8 else epoch + 1
@@ -85,25 +85,27 @@ def _random_state(rng: random.Random, n: int):
 def _write_state(pool, nodes, ents) -> None:
     m = pool.mapping
     for slot, (state, epoch) in enumerate(nodes):
-        off = P.node(pool, slot)
-        ctl = L.node_control(state, epoch)
-        m.store64(off + P.N_CONTROL, ctl)               # the node's acknowledgement
-        m.store64(off + P.N_MGR_CONTROL, ctl)
-        m.store64(off + P.N_MGR_GRANT, 7)
-        m.store64(off + P.N_CLAIM, 7 if state != L.NODE_FREE else 0)
-        m.flush(off, L.NODE_SIZE)
+        off = protocol.node(pool, slot)
+        ctl = layout.node_control(state, epoch)
+        m.store64(off + protocol.N_CONTROL, ctl)               # the node's acknowledgement
+        m.store64(off + protocol.N_MGR_CONTROL, ctl)
+        m.store64(off + protocol.N_MGR_GRANT, 7)
+        m.store64(off + protocol.N_CLAIM, 7 if state != layout.NODE_FREE else 0)
+        m.flush(off, layout.NODE_SIZE)
     for slot, (e_epoch, req, rel, grant, revoke, g_epoch) in enumerate(ents):
-        off = P.entry_offset(pool, slot)
-        for field, v in ((P.E_EPOCH, e_epoch), (P.E_REQ, req), (P.E_RELEASE, rel),
-                         (P.E_GRANT, grant), (P.E_REVOKE, revoke), (P.E_GRANT_EPOCH, g_epoch)):
+        off = protocol.entry_offset(pool, slot)
+        for field, v in ((protocol.E_EPOCH, e_epoch), (protocol.E_REQ, req),
+                         (protocol.E_RELEASE, rel),
+                         (protocol.E_GRANT, grant), (protocol.E_REVOKE,
+                                                     revoke), (protocol.E_GRANT_EPOCH, g_epoch)):
             m.store64(off + field, v)
-        m.flush(off, L.LOCK_ENTRY_SIZE)
+        m.flush(off, layout.LOCK_ENTRY_SIZE)
 
 
 def _lock_lines(pool) -> bytes:
-    first = P.entry_offset(pool, 0)
-    pool.mapping.invalidate(first, pool.sb.max_nodes * L.LOCK_ENTRY_SIZE)
-    return pool.mapping.read(first, pool.sb.max_nodes * L.LOCK_ENTRY_SIZE)
+    first = protocol.entry_offset(pool, 0)
+    pool.mapping.invalidate(first, pool.sb.max_nodes * layout.LOCK_ENTRY_SIZE)
+    return pool.mapping.read(first, pool.sb.max_nodes * layout.LOCK_ENTRY_SIZE)
 
 
 def _settle_python(mgr) -> None:
@@ -125,24 +127,24 @@ def test_c_loop_decides_as_the_python_reference(tmp_path, mode):
     for p in paths:
         init_pool(p, {"size": 8 << 20, "chunk_size": 1 << 20, "max_nodes": 8,
                       "sync": "manager", "lease_ms": 60_000})
-    py, c = (LM.LockManager(p, log=lambda msg: None) for p in paths)
+    py, c = (lockmgr.LockManager(p, log=lambda msg: None) for p in paths)
     try:
         for m in (py, c):
             m.acquire_lease()
         c._c_setup()
-        c._st[LM._MS_SCAN_EVERY] = 1 << 62          # the slots: as written, no verdicts
+        c._st[lockmgr._MS_SCAN_EVERY] = 1 << 62          # the slots: as written, no verdicts
         rng = random.Random(15)
         for case in range(60):
             nodes, ents = _random_state(rng, 8)
             for m in (py, c):
                 _write_state(m.pool, nodes, ents)
-            holder = P.current_holder(py.pool) if rng.random() < 0.7 else -1
+            holder = protocol.current_holder(py.pool) if rng.random() < 0.7 else -1
             last = rng.randint(-1, 7)
             for m in (py, c):
                 m.holder, m.last, m.grants = holder, last, 0
                 m.recover_pending = False
-                m._nodes = P.read_node_lines(m.pool)
-            c._st[LM._MS_REFRESH] = 1
+                m._nodes = protocol.read_node_lines(m.pool)
+            c._st[lockmgr._MS_REFRESH] = 1
             _settle_python(py)
             _settle_c(c)
             why = f"case {case}: nodes {nodes} entries {ents} holder {holder} last {last}"
@@ -191,7 +193,7 @@ def test_a_paused_holder_is_fenced_revoked_and_told(mpool, manager, mode, remote
         with cxlkv.open_pool(mpool) as pool:
             t0 = time.monotonic()
             with pool.lock(timeout=30):
-                assert N.read_slot(pool, h.slot).state == "fenced"
+                assert node_table.read_slot(pool, h.slot).state == "fenced"
             assert time.monotonic() - t0 >= LEASE_MS / 1000 * 0.5     # by heartbeat: a lease
             os.kill(h.p.pid, signal.SIGCONT)
             assert h.call(op="unlock").get("error") == "LockLost"
@@ -216,7 +218,7 @@ def test_a_killed_local_holder_is_revoked_at_once(mpool, manager, mode):
         with pool.lock(timeout=30):
             waited = time.monotonic() - t0
         assert waited < LEASE_MS / 1000 * 0.75, waited
-        wait_for(lambda: N.read_slot(pool, h.slot).state == "free", what="the slot freed")
+        wait_for(lambda: node_table.read_slot(pool, h.slot).state == "free", what="the slot freed")
 
 
 def test_a_release_of_another_epoch_is_not_a_release(mpool, manager, mode):
@@ -228,13 +230,14 @@ def test_a_release_of_another_epoch_is_not_a_release(mpool, manager, mode):
     h.attach(mpool)
     assert h.call(op="lock") == {"locked": True}
     with Pool.open(mpool) as p:
-        m, e = p.mapping, P.entry_offset(p, h.slot)
-        m.invalidate(e, L.LOCK_ENTRY_SIZE)
-        grant = m.load64(e + P.E_GRANT)
-        m.store64(e + P.E_EPOCH, h.epoch + 1)            # another epoch ...
-        m.store64(e + P.E_RELEASE, grant)                # ... releases
+        m, e = p.mapping, protocol.entry_offset(p, h.slot)
+        m.invalidate(e, layout.LOCK_ENTRY_SIZE)
+        grant = m.load64(e + protocol.E_GRANT)
+        m.store64(e + protocol.E_EPOCH, h.epoch + 1)            # another epoch ...
+        m.store64(e + protocol.E_RELEASE, grant)                # ... releases
         m.flush(e, 64)
-        wait_for(lambda: (m.invalidate(e + P.E_REVOKE, 8), m.load64(e + P.E_REVOKE))[1] == grant,
+        wait_for(lambda: (m.invalidate(e + protocol.E_REVOKE, 8),
+                          m.load64(e + protocol.E_REVOKE))[1] == grant,
                  what="the hold revoked")
     assert "revoking the hold" in mgr.line()
     assert h.call(op="guard").get("error") == "LockLost"
@@ -281,7 +284,7 @@ def test_an_idle_manager_sleeps(mpool, manager):
     with cxlkv.open_pool(mpool) as pool:                # one idle node attached
         with pool.lock(timeout=10):
             pass
-        time.sleep(LM.C_IDLE_AFTER_S + 0.3)
+        time.sleep(lockmgr.C_IDLE_AFTER_S + 0.3)
         ps = psutil.Process(mgr.p.pid)
         v0, t0 = ps.num_ctx_switches().voluntary, time.monotonic()
         time.sleep(2.0)
@@ -298,11 +301,12 @@ def test_mgr_loop_and_mgr_wait_refuse_bad_arguments(mpool):
 
     with Pool.open(mpool, writable=True) as pool:
         m, n = pool.mapping, pool.sb.max_nodes
-        hdr, nodes = P.lock_header(pool), pool.region("nodes")[0]
-        st = np.zeros(LM._MS_COUNT, dtype=np.int64)
-        st[[LM._MS_HOLDER, LM._MS_LAST]] = -1
-        st[[LM._MS_LEASE, LM._MS_SLEEP_MAX, LM._MS_IDLE_SLEEP_MAX, LM._MS_BEAT_EVERY]] = 1
-        tb = np.full((n, LM._TB_WIDTH), -1, dtype=np.int64)
+        hdr, nodes = protocol.lock_header(pool), pool.region("nodes")[0]
+        st = np.zeros(lockmgr._MS_COUNT, dtype=np.int64)
+        st[[lockmgr._MS_HOLDER, lockmgr._MS_LAST]] = -1
+        st[[lockmgr._MS_LEASE, lockmgr._MS_SLEEP_MAX, lockmgr._MS_IDLE_SLEEP_MAX,
+            lockmgr._MS_BEAT_EVERY]] = 1
+        tb = np.full((n, lockmgr._TB_WIDTH), -1, dtype=np.int64)
         boot = bytes(16)
         with pytest.raises(PoolRangeError):                       # past the mapping
             m.mgr_loop(m.size - 64, nodes, n, st, tb, boot, b"")
@@ -319,16 +323,16 @@ def test_mgr_loop_and_mgr_wait_refuse_bad_arguments(mpool):
         with pytest.raises(ValueError):
             m.mgr_loop(hdr, nodes, n, st, tb, b"short", b"")
         bad = st.copy()
-        bad[LM._MS_HOLDER] = n                                    # a holder past the table
+        bad[lockmgr._MS_HOLDER] = n                                    # a holder past the table
         with pytest.raises(ValueError):
             m.mgr_loop(hdr, nodes, n, bad, tb, boot, b"")
         with pytest.raises(PoolRangeError):
             m.mgr_wait(m.size, 1, 0, 1000, 0)
         with pytest.raises(PoolRangeError):
-            m.mgr_wait(P.entry_offset(pool, 0) + 8, 1, 0, 1000, 0)
-        e = P.entry_offset(pool, 0)
+            m.mgr_wait(protocol.entry_offset(pool, 0) + 8, 1, 0, 1000, 0)
+        e = protocol.entry_offset(pool, 0)
         assert m.mgr_wait(e, 1, 0, 1000, 0) == 0                  # not granted: time is up
-        m.store64(e + P.E_REVOKE, 1)
+        m.store64(e + protocol.E_REVOKE, 1)
         assert m.mgr_wait(e, 1, 0, 1000, 0) == 2                  # revoked
-        m.store64(e + P.E_GRANT, 1)
+        m.store64(e + protocol.E_GRANT, 1)
         assert m.mgr_wait(e, 1, 0, 1000, 0) == 1                  # granted

@@ -7,11 +7,11 @@ import time
 import pytest
 
 import cxlkv
-from cxlkv.pool import layout as L
+from cxlkv.pool import layout
 from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
-from cxlkv.state import locks as K
-from cxlkv.state import nodes as N
+from cxlkv.state import locks
+from cxlkv.state import nodes
 
 from cxlkv.testing.damage import fake_node
 from cxlkv.testing.nodes import NodeProc, incr_together, lock_turn_gaps
@@ -32,7 +32,7 @@ def test_mutual_exclusion_four_processes(lease_pool):
     assert incr_together(lease_pool, off, 3000) == [{"done": 3000}] * 4
     with Pool.open(lease_pool) as pool:
         assert pool.mapping.load64(off) == 4 * 3000
-        hdr, _ = K.lock_offsets(pool)
+        hdr, _ = locks.lock_offsets(pool)
         # every ticket handed out was served (detaching takes the lock once more
         # for the allocator's recovery); nobody holds the lock
         assert pool.mapping.load64(hdr) == pool.mapping.load64(hdr + 64) >= 4 * 3000
@@ -47,8 +47,8 @@ def test_holder_killed_lock_is_broken(lease_pool):
     with cxlkv.open_pool(lease_pool) as pool:
         pool.node.interval = 0.02
         with pool.lock(timeout=30):
-            assert K.describe_owner(pool).startswith(f"node {pool.node.slot}")
-        assert N.read_slot(pool, holder.slot).state == "free"
+            assert locks.describe_owner(pool).startswith(f"node {pool.node.slot}")
+        assert nodes.read_slot(pool, holder.slot).state == "free"
 
 
 def test_remote_holder_broken_after_its_lease_never_before(lease_pool):
@@ -56,18 +56,18 @@ def test_remote_holder_broken_after_its_lease_never_before(lease_pool):
     fake_node(lease_pool, 7, pid=1, start_time_ns=1, hostname="far-host",
               boot_id="00000000-0000-0000-0000-0000000000aa")
     with Pool.open(lease_pool) as p:
-        hdr, _ = K.lock_offsets(p)
+        hdr, _ = locks.lock_offsets(p)
         m = p.mapping
         m.store64(hdr, 1)                                     # next_ticket
         m.store64(hdr + 72, (7 + 1) | 1 << 16)                # owner
-        e = K.entry_offset(p, 7)
+        e = locks.entry_offset(p, 7)
         m.store64(e + 8, 0)                                   # ticket 0
         m.store64(e + 16, 1)                                  # epoch 1
-        m.store64(e, L.LOCK_LOCKED)
+        m.store64(e, layout.LOCK_LOCKED)
     with cxlkv.open_pool(lease_pool) as pool:
         pool.node.interval = 0.02
         t0 = time.monotonic()
-        with pytest.raises(K.LockTimeout, match="far-host"):
+        with pytest.raises(locks.LockTimeout, match="far-host"):
             with pool.lock(timeout=LEASE_MS / 1000 / 3):
                 pass
         with pool.lock(timeout=30):
@@ -75,9 +75,9 @@ def test_remote_holder_broken_after_its_lease_never_before(lease_pool):
         assert waited >= LEASE_MS / 1000                      # not broken before the lease
         # fenced by the waiter; reaped (recovered, freed) by a heartbeat soon after
         deadline = time.monotonic() + 30
-        while N.read_slot(pool, 7).state != "free" and time.monotonic() < deadline:
+        while nodes.read_slot(pool, 7).state != "free" and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert N.read_slot(pool, 7).state == "free"
+        assert nodes.read_slot(pool, 7).state == "free"
 
 
 def test_timeout_gives_the_ticket_up(lease_pool):
@@ -86,7 +86,7 @@ def test_timeout_gives_the_ticket_up(lease_pool):
         a.attach(lease_pool)
         assert a.call(op="lock") == {"locked": True}
         with cxlkv.open_pool(lease_pool) as pool:
-            with pytest.raises(K.LockTimeout, match=f"node {a.slot}"):
+            with pytest.raises(locks.LockTimeout, match=f"node {a.slot}"):
                 with pool.lock(timeout=0.05):
                     pass
             # a third party queues behind our abandoned ticket
@@ -109,8 +109,8 @@ def test_fenced_node_cannot_take_the_lock(lease_pool):
         with pool.lock():
             pass
         with Pool.open(lease_pool) as other:            # another party reaps us
-            N.reap(other, pool.node.slot, pool.node.control)
-        with pytest.raises(N.NodeFenced):
+            nodes.reap(other, pool.node.slot, pool.node.control)
+        with pytest.raises(nodes.NodeFenced):
             with pool.lock():
                 pass
 

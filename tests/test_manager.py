@@ -10,8 +10,8 @@ import pytest
 import cxlkv
 from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
-from cxlkv.state import nodes as N
-from cxlkv.state import protocol as P
+from cxlkv.state import nodes
+from cxlkv.state import protocol
 
 from cxlkv.testing.nodes import Manager, NodeProc, incr_together, lock_turn_gaps
 from cxlkv.testing.pools import data_word
@@ -134,9 +134,9 @@ def test_dead_holder_is_revoked_and_recovered(mpool, manager):
         with pool.lock(timeout=30):                  # revoked after the lease
             pass
         deadline = time.monotonic() + 30
-        while N.read_slot(pool, holder.slot).state != "free" and time.monotonic() < deadline:
+        while nodes.read_slot(pool, holder.slot).state != "free" and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert N.read_slot(pool, holder.slot).state == "free"
+        assert nodes.read_slot(pool, holder.slot).state == "free"
     from cxlkv.ops.fsck import check
     with Pool.open(mpool) as p:
         rep = check(p)
@@ -152,7 +152,7 @@ def test_manager_restart_carries_on(mpool, manager):
         manager()
         with pool.lock(timeout=10):                   # the new one picked up from the pool
             pass
-        assert P.manager_alive(pool)
+        assert protocol.manager_alive(pool)
 
 
 def test_stress_on_a_manager_pool(mpool, cli):
@@ -193,9 +193,9 @@ def test_detach_without_a_manager_leaves_recovery_to_the_next(mpool, manager):
     manager()                                    # the next one reaps and recovers
     with Pool.open(mpool) as p:
         deadline = time.monotonic() + 30
-        while N.read_slot(p, node.slot).state != "free" and time.monotonic() < deadline:
+        while nodes.read_slot(p, node.slot).state != "free" and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert N.read_slot(p, node.slot).state == "free"
+        assert nodes.read_slot(p, node.slot).state == "free"
         from cxlkv.ops.fsck import check
         rep = check(p)
         assert rep.clean and rep.stats["allocator"]["slots_allocated"] == 0

@@ -9,10 +9,10 @@ import pytest
 
 import cxlkv
 from cxlkv.errors import LiveNodesError, NodeTableFull
-from cxlkv.pool import layout as L
+from cxlkv.pool import layout
 from cxlkv.ops.init import format_pool
 from cxlkv.api import Pool
-from cxlkv.state import nodes as N
+from cxlkv.state import nodes
 
 from cxlkv.testing.checks import wait_for
 from cxlkv.testing.damage import fake_node
@@ -52,13 +52,13 @@ class Child:
 def test_attach_detach(small_pool):
     with cxlkv.open_pool(small_pool) as pool:
         node = pool.node
-        info = N.read_slot(pool, node.slot)
+        info = nodes.read_slot(pool, node.slot)
         assert info.state == "attached" and info.epoch == node.epoch >= 1
-        assert info.pid == os.getpid() and info.boot_id == N.local_boot_id()
+        assert info.pid == os.getpid() and info.boot_id == nodes.local_boot_id()
         assert info.sw_version.startswith("cxlkv ")
         slot = node.slot
     with Pool.open(small_pool) as p:
-        assert N.read_slot(p, slot).state == "free"
+        assert nodes.read_slot(p, slot).state == "free"
 
 
 def test_read_nodes_decodes_as_read_slot_does(small_pool):
@@ -67,10 +67,10 @@ def test_read_nodes_decodes_as_read_slot_does(small_pool):
     fake_node(small_pool, 3, pid=999_999, start_time_ns=5,     # a node of another host
               boot_id="0b5e55ed-0000-4000-8000-000000000003")
     with cxlkv.open_pool(small_pool) as pool:
-        every = N.read_nodes(pool, include_free=True)
-        assert every == [N.read_slot(pool, i) for i in range(pool.sb.max_nodes)]
-        assert N.read_nodes(pool) == [n for n in every if n.state != "free"]
-        assert {n.slot for n in N.read_nodes(pool)} == {3, pool.node.slot}
+        every = nodes.read_nodes(pool, include_free=True)
+        assert every == [nodes.read_slot(pool, i) for i in range(pool.sb.max_nodes)]
+        assert nodes.read_nodes(pool) == [n for n in every if n.state != "free"]
+        assert {n.slot for n in nodes.read_nodes(pool)} == {3, pool.node.slot}
 
 
 def test_epoch_bumps_on_every_attach(pool_path):
@@ -88,8 +88,8 @@ def test_epoch_bumps_on_every_attach(pool_path):
 def test_heartbeat_advances(small_pool):
     with cxlkv.open_pool(small_pool) as pool:
         pool.node.interval = 0.01
-        first = N.read_slot(pool, pool.node.slot).heartbeat
-        wait_for(lambda: N.read_slot(pool, pool.node.slot).heartbeat >= first + 3,
+        first = nodes.read_slot(pool, pool.node.slot).heartbeat
+        wait_for(lambda: nodes.read_slot(pool, pool.node.slot).heartbeat >= first + 3,
                  what="three heartbeats")
 
 
@@ -98,7 +98,7 @@ def test_four_processes_get_distinct_slots_and_are_live(small_pool):
     try:
         assert len({k.slot for k in kids}) == 4
         with Pool.open(small_pool) as p:
-            live = N.live_nodes(p, observe=False)
+            live = nodes.live_nodes(p, observe=False)
             assert {n.slot for n in live} == {k.slot for k in kids}
             assert {n.pid for n in live} == {k.p.pid for k in kids}
         # format --force names them and refuses
@@ -109,14 +109,14 @@ def test_four_processes_get_distinct_slots_and_are_live(small_pool):
         for k in kids:
             k.detach()
     with Pool.open(small_pool) as p:
-        assert N.read_nodes(p) == []
+        assert nodes.read_nodes(p) == []
 
 
 def test_pool_full_is_the_deprecated_name_of_node_table_full():
     with pytest.warns(DeprecationWarning, match="NodeTableFull"):
-        assert N.PoolFull is NodeTableFull
+        assert nodes.PoolFull is NodeTableFull
     with pytest.raises(AttributeError):
-        N.NoSuchName
+        nodes.NoSuchName
 
 
 def test_full_table_then_a_dead_node_is_reaped_on_attach(pool_path):
@@ -129,7 +129,7 @@ def test_full_table_then_a_dead_node_is_reaped_on_attach(pool_path):
             cxlkv.open_pool(pool_path)
         b.kill()                       # kill -9: the slot stays ATTACHED in the pool
         with Pool.open(pool_path) as p:
-            assert N.read_slot(p, b.slot).state == "attached"
+            assert nodes.read_slot(p, b.slot).state == "attached"
         with cxlkv.open_pool(pool_path) as pool:   # reaps b (same host, pid gone)
             assert pool.node.slot == b.slot
             assert pool.node.epoch == b.epoch + 1
@@ -142,13 +142,13 @@ def test_killed_node_is_reaped_by_a_live_nodes_heartbeat(small_pool):
         pool.node.interval = 0.01
         k = Child(small_pool)
         k.kill()
-        wait_for(lambda: N.read_slot(pool, k.slot).state == "free", what="reap")
+        wait_for(lambda: nodes.read_slot(pool, k.slot).state == "free", what="reap")
 
 
 def test_pid_reuse_is_not_alive(small_pool):
-    fake_node(small_pool, 0, pid=os.getpid(), start_time_ns=1, boot_id=N.local_boot_id())
+    fake_node(small_pool, 0, pid=os.getpid(), start_time_ns=1, boot_id=nodes.local_boot_id())
     with Pool.open(small_pool) as p:
-        assert N.Observer(p).verdict(N.read_slot(p, 0)) == "dead"
+        assert nodes.Observer(p).verdict(nodes.read_slot(p, 0)) == "dead"
 
 
 class FakeClock:
@@ -164,19 +164,19 @@ def test_remote_liveness_uses_the_observers_clock(small_pool):
               boot_id="00000000-0000-0000-0000-0000000000ff", heartbeat=10)
     with Pool.open(small_pool) as p:
         clock = FakeClock()
-        obs = N.Observer(p, clock=clock)
+        obs = nodes.Observer(p, clock=clock)
         lease = p.sb.lease_ms / 1000
-        assert obs.verdict(N.read_slot(p, 5)) == "unknown"     # first sight
+        assert obs.verdict(nodes.read_slot(p, 5)) == "unknown"     # first sight
         clock.t += lease * 0.9
-        assert obs.verdict(N.read_slot(p, 5)) == "unknown"     # not a lease yet
+        assert obs.verdict(nodes.read_slot(p, 5)) == "unknown"     # not a lease yet
         # its heartbeat moves: alive, and the lease restarts
-        off = N.node_offset(p, 5) + L.field_offset(L.NodeStruct, "heartbeat")
+        off = nodes.node_offset(p, 5) + layout.field_offset(layout.NodeStruct, "heartbeat")
         p.mapping.store64(off, 11)
-        assert obs.verdict(N.read_slot(p, 5)) == "alive"
+        assert obs.verdict(nodes.read_slot(p, 5)) == "alive"
         clock.t += lease * 0.9
-        assert obs.verdict(N.read_slot(p, 5)) == "unknown"
+        assert obs.verdict(nodes.read_slot(p, 5)) == "unknown"
         clock.t += lease * 0.2
-        assert obs.verdict(N.read_slot(p, 5)) == "dead"        # a whole lease unchanged
+        assert obs.verdict(nodes.read_slot(p, 5)) == "dead"        # a whole lease unchanged
 
 
 def test_reaped_node_is_fenced(small_pool):
@@ -185,25 +185,26 @@ def test_reaped_node_is_fenced(small_pool):
         node.check()
         # another party judged us dead and reaped our slot
         with Pool.open(small_pool) as other:
-            assert N.reap(other, node.slot, node.control)
-        with pytest.raises(N.NodeFenced, match="reattach"):
+            assert nodes.reap(other, node.slot, node.control)
+        with pytest.raises(nodes.NodeFenced, match="reattach"):
             node.check()
-        with pytest.raises(N.NodeFenced):
+        with pytest.raises(nodes.NodeFenced):
             node.beat()
     with Pool.open(small_pool) as p:
-        assert N.read_slot(p, node.slot).state == "free"
+        assert nodes.read_slot(p, node.slot).state == "free"
 
 
 def test_reap_is_a_no_op_on_a_changed_slot(small_pool):
     with cxlkv.open_pool(small_pool, heartbeat=False) as pool:
-        stale = L.node_control(L.NODE_ATTACHED, pool.node.epoch - 1 if pool.node.epoch > 1 else 99)
-        assert not N.reap(pool, pool.node.slot, stale)
+        stale = layout.node_control(layout.NODE_ATTACHED,
+                                    pool.node.epoch - 1 if pool.node.epoch > 1 else 99)
+        assert not nodes.reap(pool, pool.node.slot, stale)
         pool.node.check()
 
 
 def test_recovery_hooks_run_for_the_dead_node(small_pool):
     seen = []
-    hook = N.register_recovery(lambda pool, slot, epoch: seen.append((slot, epoch)))
+    hook = nodes.register_recovery(lambda pool, slot, epoch: seen.append((slot, epoch)))
     try:
         k = Child(small_pool)
         k.kill()
@@ -211,7 +212,7 @@ def test_recovery_hooks_run_for_the_dead_node(small_pool):
             pass
         assert (k.slot, k.epoch) in seen
     finally:
-        N._recoveries.remove(hook)
+        nodes._recoveries.remove(hook)
 
 
 def test_read_only_pool_cannot_attach(small_pool):

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from cxlkv import errors as E
-from cxlkv.host import tools as T
+from cxlkv import errors
+from cxlkv.host import tools
 from cxlkv.testing.replay import ReplayRunner
 
 LAB = Path(__file__).resolve().parent / "fixtures" / "lab"
@@ -32,7 +32,7 @@ class Machine:
         self.root = tmp_path / "root"
         self.r = ReplayRunner(LAB, state, sysfs_dest=self.root, setenv=monkeypatch.setenv,
                               dev_dest=self.dev, **kw)
-        monkeypatch.setattr(T, "_runner", self.r)
+        monkeypatch.setattr(tools, "_runner", self.r)
         monkeypatch.setenv("CXLKV_DEV_ROOT", str(self.dev))
         monkeypatch.setenv("COLUMNS", "200")
 
@@ -171,7 +171,7 @@ def test_refuses_to_take_system_ram_in_use(cli, machine):
     mi.write_text(mi.read_text().replace("Node 1 MemUsed:               0 kB",
                                          "Node 1 MemUsed:           65536 kB"))
     r = cli("provision", "apply", "--yes", "--json")
-    assert r.code == E.EXIT_REFUSED
+    assert r.code == errors.EXIT_REFUSED
     err = r.json()["error"]
     assert err["kind"] == "in-use" and "67108864 bytes in use" in err["message"]
     assert m.changes == []
@@ -183,7 +183,7 @@ def test_exit_code_that_lies_is_caught_by_listing(cli, machine):
     """create-region exits 0 having created nothing ("could not get a free decoder")."""
     m = machine("raw", inject={tuple(CREATE_REGION): ("region", "err-create-region-second")})
     r = cli("provision", "apply", "--yes")
-    assert r.code == E.EXIT_DEVICE
+    assert r.code == errors.EXIT_DEVICE
     assert "exited 0 but changed nothing" in r.err
     assert "could not get a free decoder for mem0" in r.err       # the tool's stderr, verbatim
     assert "nothing was changed before it" in r.err
@@ -194,7 +194,7 @@ def test_exit_code_that_lies_is_caught_by_listing(cli, machine):
 def test_failure_midway_shows_state_and_undo(cli, machine):
     m = machine("raw", inject={tuple(CREATE_NS): ("devdax", "err-create-namespace-no-space")})
     r = cli("provision", "apply", "--yes")
-    assert r.code == E.EXIT_DEVICE
+    assert r.code == errors.EXIT_DEVICE
     assert "step 2 (create a devdax namespace (2M pages) on region0) failed" in r.err
     assert "exit status 237" in r.err and "failed to create namespace: No space left on device" \
         in r.err
@@ -211,21 +211,22 @@ def test_failure_midway_shows_state_and_undo(cli, machine):
 def test_tool_missing(cli, machine):
     machine("raw", missing={"ndctl"})
     r = cli("provision", "plan", "--json")
-    assert r.code == E.EXIT_NOT_FOUND and "apt-get install ndctl" in r.json()["error"]["hint"]
+    assert r.code == errors.EXIT_NOT_FOUND and "apt-get install ndctl" in r.json()["error"]["hint"]
 
 
 def test_bad_selection(cli, machine):
     machine("raw")
-    assert cli("provision", "plan", "--memdev", "mem9").code == E.EXIT_USAGE
-    assert cli("provision", "plan", "--decoder", "decoder9.9").code == E.EXIT_USAGE
-    assert cli("provision", "plan", "--align", "huge").code == E.EXIT_USAGE
+    assert cli("provision", "plan", "--memdev", "mem9").code == errors.EXIT_USAGE
+    assert cli("provision", "plan", "--decoder", "decoder9.9").code == errors.EXIT_USAGE
+    assert cli("provision", "plan", "--align", "huge").code == errors.EXIT_USAGE
 
 
 def test_different_sync_is_refused(cli, machine):
     machine("raw")
     assert cli("provision", "apply", "--yes").code == 0
     r = cli("provision", "apply", "--yes", "--sync", "cas", "--json")
-    assert r.code == E.EXIT_DEVICE and "sync mode manager, not cas" in r.json()["error"]["message"]
+    assert r.code == errors.EXIT_DEVICE
+    assert "sync mode manager, not cas" in r.json()["error"]["message"]
 
 
 # -- asking -----------------------------------------------------------------------------
@@ -233,11 +234,11 @@ def test_different_sync_is_refused(cli, machine):
 def test_without_yes_and_no_terminal_it_refuses(cli, machine):
     m = machine("raw")
     r = cli("provision", "apply")
-    assert r.code == E.EXIT_REFUSED and "pass --yes" in r.err
+    assert r.code == errors.EXIT_REFUSED and "pass --yes" in r.err
     assert m.changes == []
 
 
-@pytest.mark.parametrize("answer,code", [("n\n", E.EXIT_REFUSED), ("y\n", 0)])
+@pytest.mark.parametrize("answer,code", [("n\n", errors.EXIT_REFUSED), ("y\n", 0)])
 def test_without_yes_it_asks(cli, machine, monkeypatch, answer, code):
     m = machine("raw")
     monkeypatch.setattr(sys, "stdin", io.StringIO(answer))
@@ -273,7 +274,7 @@ def test_teardown_refuses_a_mapped_device(cli, machine):
     (pid / "maps").write_text("7f0000000000-7f000fa00000 rw-s 00000000 00:06 5 "
                               "                         /dev/dax0.0\n")
     r = cli("provision", "teardown", "--yes", "--json")
-    assert r.code == E.EXIT_REFUSED
+    assert r.code == errors.EXIT_REFUSED
     assert "in use by pid 4242 (vllm)" in r.json()["error"]["message"]
     assert m.changes == []
 
@@ -286,7 +287,7 @@ def test_teardown_refuses_a_pool_with_live_nodes(cli, machine, monkeypatch):
     monkeypatch.delenv("CXLKV_PROCFS_ROOT")      # node liveness looks at this host's /proc
     with cxlkv.open_pool(str(m.dev / "dax0.0")):
         r = cli("provision", "teardown", "--yes", "--json")
-    assert r.code == E.EXIT_REFUSED and "live nodes" in r.json()["error"]["message"]
+    assert r.code == errors.EXIT_REFUSED and "live nodes" in r.json()["error"]["message"]
     assert DESTROY_NS not in m.changes
 
 

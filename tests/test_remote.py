@@ -18,7 +18,7 @@ import xxhash
 
 from cxlkv.errors import UsageError
 from cxlkv.remote import (RemoteClient, RemoteConfig, RemoteTier, key_name, ns_hash_name,
-                          value as V)
+                          value)
 from cxlkv.testing.checks import wait_for
 from cxlkv.testing.redis import TestCluster, skip_reason
 
@@ -44,24 +44,24 @@ GOLDEN = ("43584c4b5652420001000000000000000500000000000000000102030405060708090
 
 
 def test_value_layout_is_pinned():
-    assert V.MAGIC == b"CXLKVRB\0" and V.VERSION == 1
-    assert V.HEAD.size == 64 and V.HEADER_SIZE == 72
-    assert V.OFFSETS == {"magic": (0, 8), "version": (8, 2), "flags": (10, 2),
+    assert value.MAGIC == b"CXLKVRB\0" and value.VERSION == 1
+    assert value.HEAD.size == 64 and value.HEADER_SIZE == 72
+    assert value.OFFSETS == {"magic": (0, 8), "version": (8, 2), "flags": (10, 2),
                          "reserved": (12, 4), "length": (16, 8), "key": (24, 16),
                          "ns_digest": (40, 16), "payload_xxh3": (56, 8),
                          "header_xxh3": (64, 8)}
     key, ns, payload = bytes(range(16)), bytes(range(16, 32)), b"cxlkv"
-    v = V.encode(key, ns, payload)
+    v = value.encode(key, ns, payload)
     assert v.hex() == GOLDEN
-    get = {name: v[o:o + s] for name, (o, s) in V.OFFSETS.items()}
-    assert get["magic"] == V.MAGIC
+    get = {name: v[o:o + s] for name, (o, s) in value.OFFSETS.items()}
+    assert get["magic"] == value.MAGIC
     assert struct.unpack("<H", get["version"])[0] == 1
     assert get["flags"] == b"\0\0" and get["reserved"] == b"\0" * 4
     assert struct.unpack("<Q", get["length"])[0] == len(payload)
     assert get["key"] == key and get["ns_digest"] == ns
     assert struct.unpack("<Q", get["payload_xxh3"])[0] == xxhash.xxh3_64_intdigest(payload)
     assert struct.unpack("<Q", get["header_xxh3"])[0] == xxhash.xxh3_64_intdigest(v[:64])
-    assert v[V.HEADER_SIZE:] == payload
+    assert v[value.HEADER_SIZE:] == payload
 
 
 def reseal(v: bytearray) -> bytes:
@@ -72,13 +72,13 @@ def reseal(v: bytearray) -> bytes:
 
 def test_value_decode_checks_everything():
     key, payload = os.urandom(16), os.urandom(4096)
-    v = V.encode(key, NS, payload)
-    out = V.decode(key, NS, 4096, v)
+    v = value.encode(key, NS, payload)
+    out = value.decode(key, NS, 4096, v)
     assert isinstance(out, memoryview) and out == payload
 
     def reason(val, k=key, ns=NS, n=4096):
-        with pytest.raises(V.CorruptValue) as e:
-            V.decode(k, ns, n, val)
+        with pytest.raises(value.CorruptValue) as e:
+            value.decode(k, ns, n, val)
         return e.value.reason, e.value.damaged
 
     assert reason(b"") == ("truncated", True)
@@ -107,7 +107,7 @@ def test_value_decode_checks_everything():
     old[8:10] = b"\0\0"
     assert reason(reseal(old)) == ("version", True)
     with pytest.raises(ValueError):
-        V.encode(b"short", NS, b"x")
+        value.encode(b"short", NS, b"x")
 
 
 def test_key_names():
@@ -242,13 +242,13 @@ def test_damaged_values_are_misses_and_deleted(cluster, caplog):
             rc.push(k, NS, d)
         assert rc.flush(10)
         names = [key_name("cxlkv:", NS, k) for k in keys]
-        good = [V.encode(k, NS, d) for k, d in zip(keys, data)]
+        good = [value.encode(k, NS, d) for k, d in zip(keys, data)]
         flipped = bytearray(good[0])
-        flipped[V.HEADER_SIZE + 5] ^= 0x40
+        flipped[value.HEADER_SIZE + 5] ^= 0x40
         newer = bytearray(good[3])
         newer[8:10] = struct.pack("<H", 9)
         bad = {0: bytes(flipped),                            # payload bit flip
-               1: good[1][:V.HEADER_SIZE + size // 2],        # truncated
+               1: good[1][:value.HEADER_SIZE + size // 2],        # truncated
                2: good[0],                                   # another block's value
                3: bytes(newer)}                              # a newer format: kept
         for i, v in bad.items():
@@ -295,7 +295,7 @@ RemoteTier.register(GatedTier)
 @needs_redis
 def test_queue_full_drops_counted_and_logged_once(cluster, caplog):
     size = 64 * KiB
-    cfg = cfg_of(cluster, queue_bytes=3 * (size + V.HEADER_SIZE))
+    cfg = cfg_of(cluster, queue_bytes=3 * (size + value.HEADER_SIZE))
     tier = GatedTier(cfg)
     keys, data = blocks(10, size, seed=5)
     with RemoteClient(cfg, tier=tier) as rc:
@@ -439,7 +439,7 @@ def test_lookup_returns_within_budget_with_what_arrived(cluster):
     slow = {key_name(cfg.prefix, NS, keys[4])}
     # chunks of 4 blocks: the first arrives, the second is late
     with RemoteClient(cfg, tier=SlowTier(cfg, slow, 5.0),
-                      chunk_bytes=4 * (size + V.HEADER_SIZE)) as rc:
+                      chunk_bytes=4 * (size + value.HEADER_SIZE)) as rc:
         rc.lookup(NS, keys[:1], size, 5.0)                      # connected
         budget = 1.0                # the first chunk's time, on a loaded machine
         t0 = time.monotonic()

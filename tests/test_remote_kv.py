@@ -13,7 +13,7 @@ import pytest
 
 import cxlkv
 from cxlkv.errors import UsageError
-from cxlkv.kv.tiers import remote as KR
+from cxlkv.kv.tiers import remote
 from cxlkv.ops.init import init_pool
 from cxlkv.remote import RemoteClient, RemoteConfig
 from cxlkv.testing.data import pattern_bytes
@@ -53,14 +53,14 @@ def test_a_prefix_stored_in_rack_a_is_loaded_bit_exact_in_rack_b(tmp_path, clust
     with cxlkv.open_pool(a) as pa, RemoteClient(cfg) as rca:
         kva = pa.kv(model="llama/t", block_bytes=BB)
         assert kva.store(toks, blob) == 8
-        push = KR.Pusher(pa, rca, ["llama/*"], policy="all")
+        push = remote.Pusher(pa, rca, ["llama/*"], policy="all")
         got = push.scan()
         assert got["queued"] == 8 and got["changed"] == 0, got
         drain(rca)
         assert rca.stats()["pushed"] == 8
         assert push.scan()["queued"] == 0              # nothing twice
     with cxlkv.open_pool(b) as pb:
-        rcb = KR.enable(pb, cfg)
+        rcb = remote.enable(pb, cfg)
         try:
             plain = pb.kv(model="llama/t", block_bytes=BB)
             assert plain.match(toks) == 0              # not opted in: pool only
@@ -75,7 +75,7 @@ def test_a_prefix_stored_in_rack_a_is_loaded_bit_exact_in_rack_b(tmp_path, clust
             # a longer request: the pool's run, then the remote tier has nothing more
             assert kvb.match(toks + list(range(1000, 1016))) == len(toks)
         finally:
-            KR.disable(pb)
+            remote.disable(pb)
 
 
 def test_load_reads_through_and_partial_prefixes_chain(tmp_path, cluster):
@@ -85,19 +85,19 @@ def test_load_reads_through_and_partial_prefixes_chain(tmp_path, cluster):
     blob = data(6, 2)
     with cxlkv.open_pool(a) as pa, RemoteClient(cfg) as rca:
         pa.kv(model="m", block_bytes=BB).store(toks, blob)
-        KR.Pusher(pa, rca, "m", policy="all").scan()
+        remote.Pusher(pa, rca, "m", policy="all").scan()
         drain(rca)
     with cxlkv.open_pool(b) as pb:
-        KR.enable(pb, cfg)
+        remote.enable(pb, cfg)
         try:
             kvb = pb.kv(model="m", block_bytes=BB, remote_read=True, remote_budget_s=5.0)
             # rack B already holds the first two blocks; the rest come from the cluster
             kvb.store(toks[:32], blob[:2 * BB])
             with kvb.load(toks) as views:
                 assert b"".join(bytes(v) for v in views) == blob
-            assert KR.client_of(pb).stats()["hits"] == 4
+            assert remote.client_of(pb).stats()["hits"] == 4
         finally:
-            KR.disable(pb)
+            remote.disable(pb)
 
 
 def test_salted_tenants_share_only_with_the_racks_secret(tmp_path, cluster, cli):
@@ -110,11 +110,11 @@ def test_salted_tenants_share_only_with_the_racks_secret(tmp_path, cluster, cli)
     blob = data(3, 3)
     with cxlkv.open_pool(a) as pa, RemoteClient(cfg) as rca:
         pa.kv(model="m", block_bytes=BB, salt="alice").store(toks, blob)
-        KR.Pusher(pa, rca, "m", policy="all").scan()
+        remote.Pusher(pa, rca, "m", policy="all").scan()
         drain(rca)
     for path, want in ((b, len(toks)), (c, 0)):
         with cxlkv.open_pool(path) as p:
-            KR.enable(p, cfg)
+            remote.enable(p, cfg)
             try:
                 kv = p.kv(model="m", block_bytes=BB, salt="alice", remote_read=True,
                           remote_budget_s=5.0)
@@ -122,7 +122,7 @@ def test_salted_tenants_share_only_with_the_racks_secret(tmp_path, cluster, cli)
                 assert p.kv(model="m", block_bytes=BB, salt="bob", remote_read=True,
                             remote_budget_s=5.0).match(toks) == 0
             finally:
-                KR.disable(p)
+                remote.disable(p)
 
 
 def test_the_reused_policy_pushes_blocks_loaded_after_they_were_seen(tmp_path, cluster):
@@ -133,7 +133,7 @@ def test_the_reused_policy_pushes_blocks_loaded_after_they_were_seen(tmp_path, c
         kv = pa.kv(model="m", block_bytes=BB)
         kv.store(hot_toks, data(2, 4))
         kv.store(cold_toks, data(2, 5))
-        push = KR.Pusher(pa, rca, ["m"], policy="reused")
+        push = remote.Pusher(pa, rca, ["m"], policy="reused")
         assert push.scan()["queued"] == 0              # first sight: nothing reused yet
         kv.load_into(hot_toks, bytearray(2 * BB))
         got = push.scan()
@@ -149,7 +149,7 @@ def test_a_block_that_changes_while_copied_is_not_pushed(tmp_path, cluster, monk
     with cxlkv.open_pool(a) as pa, RemoteClient(cfg) as rca:
         kv = pa.kv(model="m", block_bytes=BB)
         kv.store(list(range(16)), data(1, 6))
-        push = KR.Pusher(pa, rca, ["m"], policy="all")
+        push = remote.Pusher(pa, rca, ["m"], policy="all")
         real = push._read
 
         def read_then_evict(off, n):
@@ -174,7 +174,7 @@ def test_a_down_cluster_costs_a_lookup_at_most_its_budget(tmp_path):
     cfg = RemoteConfig(nodes=(f"127.0.0.1:{port}",), timeout_s=0.5)
     with cxlkv.open_pool(b) as pb:
         try:
-            KR.enable(pb, cfg)
+            remote.enable(pb, cfg)
         except Exception as e:                         # a client may refuse at once
             pytest.fail(f"enable raised {e!r}: the serving path must not fail")
         try:
@@ -188,7 +188,7 @@ def test_a_down_cluster_costs_a_lookup_at_most_its_budget(tmp_path):
             kv.store(toks, data(4, 7))                 # the pool keeps working
             assert kv.match(toks) == len(toks)
         finally:
-            KR.disable(pb)
+            remote.disable(pb)
 
 
 def test_remote_read_needs_the_tier_and_sane_budgets(tmp_path):
@@ -202,7 +202,7 @@ def test_remote_read_needs_the_tier_and_sane_budgets(tmp_path):
             with pytest.raises(UsageError):
                 pb.kv(model="m", block_bytes=BB, remote_budget_s=bad)
         with pytest.raises(UsageError):
-            KR.Pusher(pb, None, ["m"], policy="sometimes")
+            remote.Pusher(pb, None, ["m"], policy="sometimes")
 
 
 def test_a_master_killed_mid_run_loses_no_replicated_block(tmp_path):
@@ -227,7 +227,7 @@ def test_a_master_killed_mid_run_loses_no_replicated_block(tmp_path):
         def rack_a(pa, rca):
             try:
                 kv = pa.kv(model="m", block_bytes=BB)
-                push = KR.Pusher(pa, rca, ["m"], policy="all")
+                push = remote.Pusher(pa, rca, ["m"], policy="all")
                 i = 0
                 while not stop.is_set():
                     toks = [7_000_000 + i * 100 + j for j in range(32)]
@@ -241,7 +241,7 @@ def test_a_master_killed_mid_run_loses_no_replicated_block(tmp_path):
         budget, worst = 0.2, 0.0
         with cxlkv.open_pool(a) as pa, RemoteClient(cfg, on_written=on_written) as rca, \
                 cxlkv.open_pool(b) as pb:
-            KR.enable(pb, RemoteConfig(nodes=tuple(c.addrs), timeout_s=1.0))
+            remote.enable(pb, RemoteConfig(nodes=tuple(c.addrs), timeout_s=1.0))
             try:
                 kvb = pb.kv(model="m", block_bytes=BB, remote_read=True, remote_budget_s=budget)
                 t = threading.Thread(target=rack_a, args=(pa, rca), daemon=True)
@@ -258,7 +258,7 @@ def test_a_master_killed_mid_run_loses_no_replicated_block(tmp_path):
                 deadline = time.monotonic() + 60
                 lookups(lambda: len(acked) >= 40 or time.monotonic() > deadline)
                 assert len(acked) >= 40, rca.stats()
-                victim = c.master_of_key(KR.client_of(pb)._name(kvb._digest, next(iter(acked))))
+                victim = c.master_of_key(remote.client_of(pb)._name(kvb._digest, next(iter(acked))))
                 c.kill(victim)
                 promoted = []
                 th = threading.Thread(target=lambda: promoted.append(c.wait_failover(victim)))
@@ -280,8 +280,8 @@ def test_a_master_killed_mid_run_loses_no_replicated_block(tmp_path):
                 replicated = [keyed[k] for k in acked if k in keyed]
                 assert len(replicated) == len(acked)
                 # rack B's client backs off after errors: read with a fresh one
-                KR.disable(pb)
-                KR.enable(pb, RemoteConfig(nodes=tuple(c.addrs)))
+                remote.disable(pb)
+                remote.enable(pb, RemoteConfig(nodes=tuple(c.addrs)))
                 kvb_slow = pb.kv(model="m", block_bytes=BB, remote_read=True,
                                  remote_budget_s=10.0)
                 by_seq: dict[tuple, set] = {}
@@ -307,7 +307,7 @@ def test_a_master_killed_mid_run_loses_no_replicated_block(tmp_path):
                 assert all(got), f"{got.count(False)} of {len(got)} replicated blocks lost"
             finally:
                 stop.set()
-                KR.disable(pb)
+                remote.disable(pb)
 
 
 def test_serving_processes_export_remote_and_hot_metrics(tmp_path, cluster):
@@ -321,13 +321,13 @@ def test_serving_processes_export_remote_and_hot_metrics(tmp_path, cluster):
     toks = list(range(16 * 4))
     with cxlkv.open_pool(a) as pa, RemoteClient(cfg) as rca:
         pa.kv(model="m", block_bytes=BB).store(toks, data(4, 8))
-        KR.Pusher(pa, rca, "m", policy="all").scan()
+        remote.Pusher(pa, rca, "m", policy="all").scan()
         drain(rca)
     with cxlkv.open_pool(b) as pb:
-        KR.enable(pb, cfg)
+        remote.enable(pb, cfg)
         try:
             reg = CollectorRegistry()
-            reg.register(KR.collector(pb))
+            reg.register(remote.collector(pb))
             reg.register(hot.collector(pb))
             kv = pb.kv(model="m", block_bytes=BB, remote_read=True, remote_budget_s=5.0,
                        hot_bytes=1 << 20)
@@ -338,7 +338,7 @@ def test_serving_processes_export_remote_and_hot_metrics(tmp_path, cluster):
                    text_string_to_metric_families(generate_latest(reg).decode())
                    for s in f.samples}
         finally:
-            KR.disable(pb)
+            remote.disable(pb)
     assert got["cxlkv_remote_hit_blocks_total"] == 4
     assert got["cxlkv_remote_promoted_blocks_total"] == 4
     assert got["cxlkv_remote_hit_bytes_total"] == 4 * BB
@@ -373,7 +373,7 @@ def test_serve_pushes_behind_and_rack_b_reads_through(tmp_path, cluster):
             assert sample(m, "cxlkv_remote_push_selected_blocks_total", outcome="queued") == 5
             assert sample(m, "cxlkv_remote_dropped_blocks_total", reason="unavailable") == 0
         with cxlkv.open_pool(b) as pb:
-            KR.enable(pb, RemoteConfig(nodes=tuple(cluster.addrs), prefix=prefix))
+            remote.enable(pb, RemoteConfig(nodes=tuple(cluster.addrs), prefix=prefix))
             try:
                 kv = pb.kv(model="hf/tiny", block_bytes=BB, remote_read=True,
                            remote_budget_s=5.0)
@@ -383,7 +383,7 @@ def test_serve_pushes_behind_and_rack_b_reads_through(tmp_path, cluster):
                               remote_budget_s=5.0)
                 assert other.match(toks) == 0
             finally:
-                KR.disable(pb)
+                remote.disable(pb)
         code, body = s.get("/healthz")
         assert code == 200 and "remote" not in body, body
     finally:
@@ -470,7 +470,7 @@ def test_pushes_the_writer_dropped_are_pushed_again(tmp_path):
     a = mkpool(tmp_path / "a.pool")
     with RemoteClient(RemoteConfig(), tier=tier, retry_s=0.0) as rc, cxlkv.open_pool(a) as pa:
         pa.kv(model="m", block_bytes=BB).store(list(range(16 * 10)), data(10, 11))
-        push = KR.Pusher(pa, rc, ["m"], policy="all")
+        push = remote.Pusher(pa, rc, ["m"], policy="all")
         for _ in range(4):
             push.scan()
             assert rc.flush(10)

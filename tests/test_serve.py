@@ -19,10 +19,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import cxlkv
-from cxlkv.pool import layout as L
+from cxlkv.pool import layout
 from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
-from cxlkv.state import nodes as N
+from cxlkv.state import nodes as node_table
 from cxlkv.ops.fsck import check
 
 from cxlkv.testing.checks import wait_for
@@ -145,7 +145,7 @@ def serve():
 
 def attached(path):
     with Pool.open(path, writable=False) as p:
-        return [n for n in N.read_nodes(p) if n.state != "free"]
+        return [n for n in node_table.read_nodes(p) if n.state != "free"]
 
 
 def test_sigterm_detaches_and_exits_0(spool, serve):
@@ -229,16 +229,16 @@ def _make_remote(path, slot):
     """Make a node look like one of another host (other boot id): its death
     is then judged by its heartbeat, on the agent's clock, after a lease."""
     with Pool.open(path) as p:
-        off = N.node_offset(p, slot) + L.field_offset(L.NodeStruct, "boot_id")
+        off = node_table.node_offset(p, slot) + layout.field_offset(layout.NodeStruct, "boot_id")
         p.mapping.write(off, uuid.uuid4().bytes)
 
 
 def _reserved_slots(path):
-    from cxlkv.state import alloc as A
+    from cxlkv.state import alloc
 
     with Pool.open(path, writable=False) as p:
-        d = A.descriptors(p)
-        heads = (d["control"] & 0xFF) == L.CHUNK_HEAD
+        d = alloc.descriptors(p)
+        heads = (d["control"] & 0xFF) == layout.CHUNK_HEAD
         n = sum((int(a) & ~int(b)).bit_count() for aa, bb in
                 zip(d["alloc_bits"][heads], d["pub_bits"][heads]) for a, b in zip(aa, bb))
         del d
@@ -440,10 +440,11 @@ def test_with_lock_manager(pool_path, serve):
     assert s.stop() == 0
     assert attached(pool_path) == []
     with Pool.open(pool_path, writable=False) as p:
-        from cxlkv.state import protocol as P
+        from cxlkv.state import protocol
 
-        p.mapping.invalidate(P.lock_header(p) + P.MGR_TOKEN, 8)
-        assert p.mapping.load64(P.lock_header(p) + P.MGR_TOKEN) == 0     # lease handed back
+        p.mapping.invalidate(protocol.lock_header(p) + protocol.MGR_TOKEN, 8)
+        # the lease handed back
+        assert p.mapping.load64(protocol.lock_header(p) + protocol.MGR_TOKEN) == 0
 
 
 def test_numa_node(spool, serve):
@@ -496,7 +497,7 @@ def test_reaper_survives_a_failing_recovery(agent, spool):
             boom["calls"] += 1
             raise ValueError("offset is not a slot of that slab")
 
-    N.register_recovery(damaged, order=1)
+    node_table.register_recovery(damaged, order=1)
     try:
         a = agent()
         q = NodeProc()
@@ -511,7 +512,7 @@ def test_reaper_survives_a_failing_recovery(agent, spool):
         a.tick()
         assert a.healthz()[0]
     finally:
-        N._recoveries.remove(damaged)
+        node_table._recoveries.remove(damaged)
 
 
 def test_dead_reaper_thread_is_critical(agent):
@@ -566,12 +567,12 @@ def test_healthz_503_when_the_snapshot_is_stale(agent):
 
 def test_tick_reads_usage_once(agent, monkeypatch):
     """usage() reads the descriptors and the whole hash table: once per tick."""
-    from cxlkv.ops import health as H
+    from cxlkv.ops import health
 
     a = agent()
     calls = []
-    real = H.usage
-    monkeypatch.setattr(H, "usage", lambda pool: calls.append(1) or real(pool))
+    real = health.usage
+    monkeypatch.setattr(health, "usage", lambda pool: calls.append(1) or real(pool))
     a.tick()
     assert len(calls) == 1
     assert a.snapshot["usage"]["data_bytes"] > 0 and a.healthz()[0]
@@ -582,7 +583,7 @@ def test_slow_device_tools_never_delay_a_tick(agent, monkeypatch):
     leaves the ticks (and /healthz) going."""
     import threading
 
-    from cxlkv.ops import health as H
+    from cxlkv.ops import health
     from cxlkv.host import numa
 
     release = threading.Event()
@@ -594,7 +595,7 @@ def test_slow_device_tools_never_delay_a_tick(agent, monkeypatch):
         return None
 
     monkeypatch.setattr(numa, "dax_of", lambda path: "dax0.0")
-    monkeypatch.setattr(H, "device_health", hung)
+    monkeypatch.setattr(health, "device_health", hung)
     try:
         a = agent()
         assert started.wait(10)
@@ -645,7 +646,7 @@ def _evicted(s, since=0):
 
 def test_agent_spills_its_evictions_and_a_reader_promotes_them(spool, serve, tmp_path):
     import cxlkv
-    from cxlkv.kv.tiers import spill as SP
+    from cxlkv.kv.tiers import spill
 
     d = tmp_path / "spill"
     s = serve(spool, "--spill-dir", str(d), "--spill-bytes", "64M")
@@ -664,13 +665,13 @@ def test_agent_spills_its_evictions_and_a_reader_promotes_them(spool, serve, tmp
         # every block the agent evicted is written by its store's writers
         m = wait_for(lambda: (lambda m: m if sample(m, "cxlkv_spill_written_blocks_total")
                               == _evicted(s) else None)(s.metrics()), what="the spill writes")
-        assert sample(m, "cxlkv_spill_store_bytes") == _evicted(s) * (BLOCK + SP.HDR_SIZE)
+        assert sample(m, "cxlkv_spill_store_bytes") == _evicted(s) * (BLOCK + spill.HDR_SIZE)
         assert sample(m, "cxlkv_spill_dropped_blocks_total", reason="queue-full") == 0
         # a serving process of this host attaches to the agent's directory as a reader
         with cxlkv.open_pool(spool) as pool:
             kv = pool.kv(model="m", block_tokens=4, block_bytes=BLOCK, spill_dir=str(d),
                          spill_bytes=1)
-            sp = SP.store_of(pool)
+            sp = spill.store_of(pool)
             assert sp.mode == "reader" and sp.stats()["max_bytes"] == 64 * MiB
             cold = [t for t in seqs if kv._lookup(kv._keys(t))[0] < 8]
             assert cold and all(kv.match(t) == 32 for t in seqs)   # pool, then spill
@@ -681,7 +682,7 @@ def test_agent_spills_its_evictions_and_a_reader_promotes_them(spool, serve, tmp
                 assert kv._lookup(kv._keys(t))[0] == 8               # promoted into the pool
             st = sp.stats()
             assert st["promoted"] >= 1 and st["hits"] >= 1 and st["corrupt"] == 0
-            SP.disable(pool)
+            spill.disable(pool)
     finally:
         q.close()
     assert s.stop() == 0
@@ -750,9 +751,9 @@ def test_agent_spill_metrics_and_a_failing_disk(spool, serve, tmp_path):
 
 
 def test_spill_dir_owned_by_another_process_is_refused(cli, spool, tmp_path):
-    from cxlkv.kv.tiers import spill as SP
+    from cxlkv.kv.tiers import spill
 
-    st = SP.SpillStore(tmp_path / "s", MiB)              # this process owns it
+    st = spill.SpillStore(tmp_path / "s", MiB)              # this process owns it
     try:
         r = cli("serve", "--pool", spool, "--spill-dir", str(tmp_path / "s"),
                 "--spill-bytes", "1M")

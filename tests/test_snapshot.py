@@ -12,9 +12,9 @@ import pytest
 
 import cxlkv
 from cxlkv.cli import COMMANDS
-from cxlkv.kv import snapshot as S
+from cxlkv.kv import snapshot
 from cxlkv.kv.area import Area
-from cxlkv.pool import layout as L
+from cxlkv.pool import layout
 from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
 
@@ -66,13 +66,13 @@ def verify_all(path, seqs, args=ARGS) -> int:
 def table_keys(path) -> set[bytes]:
     with Pool.open(path, writable=False) as p:
         t = Area(p).entries()
-    live = (t["ctl"] & 0xFF) == L.KV_PUBLISHED
+    live = (t["ctl"] & 0xFF) == layout.KV_PUBLISHED
     return {int(a).to_bytes(8, "little") + int(b).to_bytes(8, "little")
             for a, b in zip(t["key_lo"][live], t["key_hi"][live])}
 
 
 def index_keys(snap) -> set[bytes]:
-    idx = S.read_index(snap, S.read_manifest(snap))
+    idx = snapshot.read_index(snap, snapshot.read_manifest(snap))
     return {int(a).to_bytes(8, "little") + int(b).to_bytes(8, "little")
             for a, b in zip(idx["key_lo"], idx["key_hi"])}
 
@@ -151,7 +151,7 @@ def test_snapshot_while_a_writer_stores_then_restore_is_bit_exact(tmp_path, cli)
 def test_snapshot_skips_blocks_that_change_while_copied(tmp_path, monkeypatch):
     src = make_pool(tmp_path / "src.pool")
     seqs = store_chains(src, 6)
-    real = S._ctl
+    real = snapshot._ctl
     calls = []
 
     def evicted_meanwhile(area, idx):
@@ -162,15 +162,15 @@ def test_snapshot_skips_blocks_that_change_while_copied(tmp_path, monkeypatch):
         calls.append(1)
         return out
 
-    monkeypatch.setattr(S, "_ctl", evicted_meanwhile)
+    monkeypatch.setattr(snapshot, "_ctl", evicted_meanwhile)
     with cxlkv.open_pool(src) as pool:
-        r = S.snapshot(pool, tmp_path / "snap")
+        r = snapshot.snapshot(pool, tmp_path / "snap")
         total = Area(pool).header().live
     assert r["skipped_changed"] == 1
     assert r["blocks"] + r["skipped_changed"] + r["skipped_orphans"] == total
     dst = make_pool(tmp_path / "dst.pool")
     with cxlkv.open_pool(dst) as pool:
-        rep = S.restore(pool, tmp_path / "snap")
+        rep = snapshot.restore(pool, tmp_path / "snap")
     assert rep["restored"] == r["blocks"]
     fsck_clean(dst)
     verify_all(dst, seqs)                 # no chain under a missing block, all bit-exact
@@ -199,7 +199,7 @@ def test_restore_into_a_smaller_pool_keeps_the_most_recent_whole_chains(tmp_path
     # chains intact: every published entry's parent is published
     with Pool.open(dst, writable=False) as p:
         t = Area(p).entries()
-    live = (t["ctl"] & 0xFF) == L.KV_PUBLISHED
+    live = (t["ctl"] & 0xFF) == layout.KV_PUBLISHED
     par = t["parent"][live].astype(np.int64)
     assert all(live[par[par > 0] - 1])
     # most recent first: every sequence fully present is newer than every
@@ -220,11 +220,11 @@ def test_restore_into_a_smaller_pool_keeps_the_most_recent_whole_chains(tmp_path
 
 
 def test_restore_order_puts_parents_first_and_newest_first():
-    idx = np.zeros(5, dtype=S.INDEX_DTYPE)
+    idx = np.zeros(5, dtype=snapshot.INDEX_DTYPE)
     # chain 0 <- 1 <- 2 (old), 3 <- 4 (new); block 1 touched recently
     idx["parent"] = [-1, 0, 1, -1, 3]
     idx["lru"] = [10, 50, 20, 40, 40]
-    order = S.restore_order(idx).tolist()
+    order = snapshot.restore_order(idx).tolist()
     assert order == [0, 1, 3, 4, 2]
 
 
@@ -234,7 +234,7 @@ def test_a_corrupt_block_is_skipped_with_its_descendants(tmp_path, cli):
     seqs = store_chains(src, 8)
     snap = tmp_path / "snap"
     assert cli("snapshot", "--pool", src, "--to", snap).code == 0
-    idx = S.read_index(snap, S.read_manifest(snap))
+    idx = snapshot.read_index(snap, snapshot.read_manifest(snap))
     # corrupt the first block of a 4-block chain (depth 2: under the stem)
     kids = np.bincount(idx["parent"][idx["parent"] >= 0], minlength=len(idx))
     # a block under the stem with a chain of two or more below it
@@ -243,7 +243,7 @@ def test_a_corrupt_block_is_skipped_with_its_descendants(tmp_path, cli):
         depth[i] = depth[idx["parent"][i]] + 1 if idx["parent"][i] >= 0 else 0
     victim = next(i for i in range(len(idx)) if depth[i] == 2 and kids[i] == 1
                   and kids[np.flatnonzero(idx["parent"] == i)[0]] == 1)
-    with open(snap / S.DATA, "r+b") as f:
+    with open(snap / snapshot.DATA, "r+b") as f:
         f.seek(int(idx["offset"][victim]) + 100)
         b = f.read(1)
         f.seek(int(idx["offset"][victim]) + 100)
@@ -264,15 +264,15 @@ def test_a_snapshot_from_a_newer_format_is_refused(tmp_path, cli):
     store_chains(src, 2)
     snap = tmp_path / "snap"
     assert cli("snapshot", "--pool", src, "--to", snap).code == 0
-    doc = json.loads((snap / S.MANIFEST).read_text())
-    doc["version"] = S.VERSION + 1
-    doc["checksum"] = S._manifest_sum(doc)
-    (snap / S.MANIFEST).write_text(json.dumps(doc))
+    doc = json.loads((snap / snapshot.MANIFEST).read_text())
+    doc["version"] = snapshot.VERSION + 1
+    doc["checksum"] = snapshot._manifest_sum(doc)
+    (snap / snapshot.MANIFEST).write_text(json.dumps(doc))
     dst = make_pool(tmp_path / "dst.pool")
     r = cli("restore", "--pool", dst, "--from", snap, "--json")
     assert r.code == 5
     assert "newer" in r.json()["error"]["message"]
-    assert f"version {S.VERSION + 1}" in r.err
+    assert f"version {snapshot.VERSION + 1}" in r.err
     with Pool.open(dst, writable=False) as p:      # the pool was not touched
         assert Area(p).header().live == 0
 
@@ -283,16 +283,16 @@ def test_a_damaged_manifest_or_index_is_refused(tmp_path, cli):
     snap = tmp_path / "snap"
     assert cli("snapshot", "--pool", src, "--to", snap).code == 0
     dst = make_pool(tmp_path / "dst.pool")
-    raw = (snap / S.INDEX).read_bytes()
-    (snap / S.INDEX).write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
+    raw = (snap / snapshot.INDEX).read_bytes()
+    (snap / snapshot.INDEX).write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
     r = cli("restore", "--pool", dst, "--from", snap)
     assert r.code == 4 and "index" in r.err
-    (snap / S.INDEX).write_bytes(raw)
-    text = (snap / S.MANIFEST).read_text()
-    (snap / S.MANIFEST).write_text(text.replace('"blocks": ', '"blocks": 1'))
+    (snap / snapshot.INDEX).write_bytes(raw)
+    text = (snap / snapshot.MANIFEST).read_text()
+    (snap / snapshot.MANIFEST).write_text(text.replace('"blocks": ', '"blocks": 1'))
     r = cli("restore", "--pool", dst, "--from", snap)
     assert r.code == 4 and "checksum" in r.err
-    (snap / S.MANIFEST).unlink()
+    (snap / snapshot.MANIFEST).unlink()
     r = cli("restore", "--pool", dst, "--from", snap)
     assert r.code == 4 and "incomplete" in r.err
     r = cli("restore", "--pool", dst, "--from", tmp_path / "nowhere")
@@ -317,12 +317,12 @@ def test_unsalted_snapshot_keeps_the_target_secret(tmp_path):
     src = make_pool(tmp_path / "src.pool")
     seqs = store_chains(src, 3, args=args)
     with cxlkv.open_pool(src) as pool:
-        S.snapshot(pool, tmp_path / "snap")
+        snapshot.snapshot(pool, tmp_path / "snap")
     dst = make_pool(tmp_path / "dst.pool")
     with Pool.open(dst, writable=False) as p:
         secret = bytes(p.sb.tenant_secret)
     with cxlkv.open_pool(dst) as pool:
-        rep = S.restore(pool, tmp_path / "snap")
+        rep = snapshot.restore(pool, tmp_path / "snap")
     assert rep["tenant_secret_carried"] is False
     with Pool.open(dst, writable=False) as p:
         assert bytes(p.sb.tenant_secret) == secret

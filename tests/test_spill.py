@@ -12,7 +12,7 @@ import pytest
 
 import cxlkv
 from cxlkv.errors import UsageError
-from cxlkv.kv.tiers import spill as SP
+from cxlkv.kv.tiers import spill
 from cxlkv.kv.cache import KVCache
 from cxlkv.ops.init import init_pool
 from cxlkv.testing.checks import fsck_clean
@@ -52,7 +52,7 @@ def test_spill_and_promote_round_trip_is_bit_exact(spill_pool, tmp_path):
     d = tmp_path / "spill"
     with cxlkv.open_pool(spill_pool) as pool:
         kv = KVCache(pool, **ARGS, spill_dir=d, spill_bytes=64 * MiB)
-        sp = SP.store_of(pool)
+        sp = spill.store_of(pool)
         ss = fill(kv)
         sp.flush()
         st = sp.stats()
@@ -73,21 +73,21 @@ def test_spill_and_promote_round_trip_is_bit_exact(spill_pool, tmp_path):
         # a second KVCache of the pool object shares the store
         kv2 = pool.kv(**ARGS)
         assert kv2.match(evicted[-1]) == 64
-        SP.disable(pool)                     # writes what is queued
-        assert SP.store_of(pool) is None
+        spill.disable(pool)                     # writes what is queued
+        assert spill.store_of(pool) is None
         blocks = len(list(d.rglob("*.blk")))
     fsck_clean(spill_pool)
     # the directory survives the process: a new store indexes it again
     with cxlkv.open_pool(spill_pool) as pool:
         kv = KVCache(pool, **ARGS, spill_dir=d, spill_bytes=64 * MiB)
-        assert SP.store_of(pool).stats()["blocks"] == blocks > 0
+        assert spill.store_of(pool).stats()["blocks"] == blocks > 0
 
 
 def test_without_spill_evicted_blocks_are_gone(spill_pool):
     with cxlkv.open_pool(spill_pool) as pool:
         kv = pool.kv(**ARGS)
         ss = fill(kv)
-        assert SP.store_of(pool) is None
+        assert spill.store_of(pool) is None
         assert any(kv.match(t) < len(t) for t in ss)
 
 
@@ -106,7 +106,7 @@ def _spilled_only(kv, sp, ss):
 def test_corrupt_and_truncated_spill_files_are_misses_and_removed(spill_pool, tmp_path):
     with cxlkv.open_pool(spill_pool) as pool:
         kv = KVCache(pool, **ARGS, spill_dir=tmp_path / "spill", spill_bytes=64 * MiB)
-        sp = SP.store_of(pool)
+        sp = spill.store_of(pool)
         ss = fill(kv)
         sp.flush()
         cand = _spilled_only(kv, sp, ss)
@@ -116,10 +116,10 @@ def test_corrupt_and_truncated_spill_files_are_misses_and_removed(spill_pool, tm
         f2 = sp._file(bytes(kv._keys(t2)[j2]))
         f3 = sp._file(bytes(kv._keys(t3)[j3]))
         raw = bytearray(f1.read_bytes())
-        raw[SP.HDR_SIZE + 1000] ^= 0x40                  # one bit of the payload
+        raw[spill.HDR_SIZE + 1000] ^= 0x40                  # one bit of the payload
         f1.write_bytes(bytes(raw))
         with open(f2, "r+b") as f:
-            f.truncate(SP.HDR_SIZE + BB // 2)
+            f.truncate(spill.HDR_SIZE + BB // 2)
         raw = bytearray(f3.read_bytes())
         raw[20] ^= 1                                      # the header (its key)
         f3.write_bytes(bytes(raw))
@@ -137,7 +137,7 @@ def test_corrupt_and_truncated_spill_files_are_misses_and_removed(spill_pool, tm
 def test_store_full_degrades_to_drop(spill_pool, tmp_path, caplog):
     with cxlkv.open_pool(spill_pool) as pool:
         kv = KVCache(pool, **ARGS, spill_dir=tmp_path / "spill", spill_bytes=0)
-        sp = SP.store_of(pool)
+        sp = spill.store_of(pool)
         ss = fill(kv)
         sp.flush()
         st = sp.stats()
@@ -154,7 +154,7 @@ def test_failing_disk_degrades_to_drop(spill_pool, tmp_path, monkeypatch, caplog
 
     with cxlkv.open_pool(spill_pool) as pool:
         kv = KVCache(pool, **ARGS, spill_dir=tmp_path / "spill", spill_bytes=64 * MiB)
-        sp = SP.store_of(pool)
+        sp = spill.store_of(pool)
         monkeypatch.setattr(os, "write", enospc)
         ss = fill(kv)
         sp.flush()
@@ -177,42 +177,42 @@ def test_unusable_directory_and_full_queue_drop(spill_pool, tmp_path):
     with cxlkv.open_pool(spill_pool) as pool:
         kv = KVCache(pool, **ARGS, spill_dir=bad / "spill", spill_bytes=64 * MiB)
         fill(kv)
-        st = SP.store_of(pool).stats()
+        st = spill.store_of(pool).stats()
         assert st["dropped_disk"] > 0 and st["written"] == 0
     with cxlkv.open_pool(spill_pool) as pool:
-        SP.enable(pool, tmp_path / "q", 64 * MiB, queue_bytes=BB - 1)
+        spill.enable(pool, tmp_path / "q", 64 * MiB, queue_bytes=BB - 1)
         kv = pool.kv(**ARGS)
         fill(kv, 80)
-        st = SP.store_of(pool).stats()
+        st = spill.store_of(pool).stats()
         assert st["dropped_queue-full"] > 0 and st["written"] == 0
 
 
 def test_one_directory_one_owner_and_one_store_per_pool(spill_pool, tmp_path):
     with cxlkv.open_pool(spill_pool) as pool:
-        sp = SP.enable(pool, tmp_path / "a", MiB)
+        sp = spill.enable(pool, tmp_path / "a", MiB)
         assert sp.mode == "owner" and sp.stats()["mode"] == "owner"
-        assert SP.enable(pool, tmp_path / "a", MiB) is SP.store_of(pool)
+        assert spill.enable(pool, tmp_path / "a", MiB) is spill.store_of(pool)
         with pytest.raises(UsageError):
-            SP.enable(pool, tmp_path / "b", MiB)
-        with pytest.raises(SP.SpillDirBusy, match=f"pid {os.getpid()}"):
-            SP.SpillStore(tmp_path / "a", MiB, mode="owner")     # owned by the first
+            spill.enable(pool, tmp_path / "b", MiB)
+        with pytest.raises(spill.SpillDirBusy, match=f"pid {os.getpid()}"):
+            spill.SpillStore(tmp_path / "a", MiB, mode="owner")     # owned by the first
         with pytest.raises(UsageError):
-            SP.SpillStore(tmp_path / "a", MiB, mode="boss")
-        r = SP.SpillStore(tmp_path / "a", 5, writers=1)           # auto: a reader
+            spill.SpillStore(tmp_path / "a", MiB, mode="boss")
+        r = spill.SpillStore(tmp_path / "a", 5, writers=1)           # auto: a reader
         assert r.mode == "reader" and r.stats()["max_bytes"] == MiB   # the owner's limit
         r.close()
         with pytest.raises(UsageError):
             KVCache(pool, **ARGS, spill_dir=tmp_path / "a")
-        SP.disable(pool)
-        assert SP.store_of(pool) is None
+        spill.disable(pool)
+        assert spill.store_of(pool) is None
 
 
 def test_own_size_limit_and_lru(tmp_path):
     n = 1000
-    size = SP.HDR_SIZE + n
+    size = spill.HDR_SIZE + n
     # one writer: blocks reach the index in the order they were offered (with
     # two, concurrent writes finish in either order - an LRU tie)
-    st = SP.SpillStore(tmp_path / "s", 3 * size, writers=1)
+    st = spill.SpillStore(tmp_path / "s", 3 * size, writers=1)
     nsd = b"n" * 16
     keys = [bytes([i]) * 16 for i in range(6)]
     for k in keys[:3]:
@@ -240,7 +240,7 @@ def test_own_size_limit_and_lru(tmp_path):
     assert st.stats()["dropped_store-full"] == 1           # bigger than the whole store
     st.close()
     # reopened: the index is rebuilt from the files, oldest first
-    st2 = SP.SpillStore(tmp_path / "s", 3 * size, writers=1)
+    st2 = spill.SpillStore(tmp_path / "s", 3 * size, writers=1)
     assert st2.stats()["blocks"] == 3 and st2.get(keys[5], nsd, n) == keys[5][:1] * n
     st2.close()
 
@@ -251,10 +251,10 @@ def test_directory_of_a_closed_pool_is_taken_over(spill_pool, tmp_path):
         ss = fill(kv)                       # closed without disable(): the queue stays
     with cxlkv.open_pool(spill_pool) as pool:
         kv = KVCache(pool, **ARGS, spill_dir=tmp_path / "s", spill_bytes=64 * MiB)
-        sp = SP.store_of(pool)
+        sp = spill.store_of(pool)
         assert sp.stats()["blocks"] > 0     # the old store's queue was written first
         assert all(kv.match(t) == len(t) for t in ss)
-        SP.disable(pool)
+        spill.disable(pool)
 
 
 def test_manager_mode_spills_another_nodes_blocks_fresh(pool_path, tmp_path, monkeypatch):
@@ -291,12 +291,12 @@ def test_manager_mode_spills_another_nodes_blocks_fresh(pool_path, tmp_path, mon
 
             Area(pa).evict(need_bytes=1 << 40)       # A evicts and spills B's blocks
         assert not in_pool(ka, t).any()
-        SP.store_of(pa).flush()
+        spill.store_of(pa).flush()
         out = bytearray(4 * 4096)
         assert ka.load_into(t, out) == 4
         assert bytes(out) == b"".join(pattern(kb, t))
         assert reused                                # the case this test is about
-        SP.disable(pa)
+        spill.disable(pa)
         pa.close()
         pb.close()
     finally:
@@ -307,21 +307,21 @@ def test_manager_mode_spills_another_nodes_blocks_fresh(pool_path, tmp_path, mon
 
 def test_pool_kv_passes_the_spill_options(tmp_path):
     import cxlkv
-    from cxlkv.kv.tiers import spill as S
+    from cxlkv.kv.tiers import spill
 
     path = str(tmp_path / "p.pool")
     cxlkv.init_pool(path, {"size": 8 << 20, "chunk_size": 256 * 1024, "max_nodes": 4})
     with cxlkv.open_pool(path) as pool:
         pool.kv(model="m", block_tokens=4, block_bytes=4096, spill_dir=str(tmp_path / "spill"),
                 spill_bytes=1 << 20)
-        assert S.store_of(pool) is not None
+        assert spill.store_of(pool) is not None
 
 
 # -- one store per host: an owner and readers ------------------------------------------------
 
 NSD = b"n" * 16
 N = 1000
-SIZE = SP.HDR_SIZE + N
+SIZE = spill.HDR_SIZE + N
 
 
 def blk(i: int) -> tuple[bytes, bytes]:
@@ -336,8 +336,8 @@ def blk_bytes(d) -> int:
 
 def test_reader_sees_the_owners_blocks_and_removes_a_corrupt_one(tmp_path):
     d = tmp_path / "s"
-    own = SP.SpillStore(d, 64 * SIZE, writers=1)
-    rd = SP.SpillStore(d, 1, writers=1)                    # auto: the directory is owned
+    own = spill.SpillStore(d, 64 * SIZE, writers=1)
+    rd = spill.SpillStore(d, 1, writers=1)                    # auto: the directory is owned
     try:
         assert (own.mode, rd.mode) == ("owner", "reader")
         assert rd.stats()["max_bytes"] == 64 * SIZE           # the owner's limit, not its own
@@ -352,7 +352,7 @@ def test_reader_sees_the_owners_blocks_and_removes_a_corrupt_one(tmp_path):
         # a corrupt file seen by the reader: a miss, removed, its bytes off the count
         f = own._file(keys[1])
         raw = bytearray(f.read_bytes())
-        raw[SP.HDR_SIZE + 7] ^= 1
+        raw[spill.HDR_SIZE + 7] ^= 1
         f.write_bytes(bytes(raw))
         assert rd.get(keys[1], NSD, N) is None and not f.exists()
         assert rd.stats()["corrupt"] == 1
@@ -393,8 +393,8 @@ def test_second_chance_for_a_file_a_reader_used(tmp_path):
     stays (moved to the recent end) and the next one goes."""
     d = tmp_path / "s"
     # 8 blocks; with a reader attached the owner keeps 1/8 free for readers: 7
-    own = SP.SpillStore(d, 8 * SIZE, writers=1)
-    rd = SP.SpillStore(d, 0, mode="reader", writers=1)
+    own = spill.SpillStore(d, 8 * SIZE, writers=1)
+    rd = spill.SpillStore(d, 0, mode="reader", writers=1)
     try:
         own.maintain()                    # sees the reader now (else within MAINTAIN_S)
         for i in range(7):                                 # A (0) is the oldest
@@ -430,8 +430,8 @@ def test_size_limit_holds_with_owner_and_reader_writing(tmp_path):
 
     d = tmp_path / "s"
     limit = 20 * SIZE
-    own = SP.SpillStore(d, limit)
-    rd = SP.SpillStore(d, limit, mode="reader")
+    own = spill.SpillStore(d, limit)
+    rd = spill.SpillStore(d, limit, mode="reader")
     own.maintain()                      # sees the reader now: keeps room for its writes
     seen = []
     done = threading.Event()
@@ -474,12 +474,12 @@ def test_size_limit_holds_with_owner_and_reader_writing(tmp_path):
 
 def test_owner_gone_reader_stays_reader_next_enable_owns(spill_pool, tmp_path):
     d = tmp_path / "s"
-    own = SP.SpillStore(d, 8 * SIZE, writers=1)
+    own = spill.SpillStore(d, 8 * SIZE, writers=1)
     for i in range(3):
         own.offer(*blk(i)[:1], NSD, blk(i)[1])
     own.flush()
     with cxlkv.open_pool(spill_pool) as pool:
-        rd = SP.enable(pool, d, 1)
+        rd = spill.enable(pool, d, 1)
         assert rd.mode == "reader"
         own.close()                                      # the owner goes away
         assert rd.mode == "reader"                       # ... its readers stay readers
@@ -491,13 +491,13 @@ def test_owner_gone_reader_stays_reader_next_enable_owns(spill_pool, tmp_path):
         assert rd.stats()["used_bytes"] == 8 * SIZE == blk_bytes(d)
         assert rd.stats()["dropped_store-full"] == 2
         assert rd.get(blk(0)[0], NSD, N) == blk(0)[1]    # reads go on
-        SP.disable(pool)
+        spill.disable(pool)
         # the lock is free: the next enable in auto mode owns it and recounts
         pool2 = pool
-        nxt = SP.enable(pool2, d, 8 * SIZE)
+        nxt = spill.enable(pool2, d, 8 * SIZE)
         assert nxt.mode == "owner" and nxt.stats()["blocks"] == 8
         assert nxt.stats()["used_bytes"] == 8 * SIZE
-        SP.disable(pool2)
+        spill.disable(pool2)
 
 
 def test_collector_for_a_serving_process(spill_pool, tmp_path):
@@ -506,10 +506,10 @@ def test_collector_for_a_serving_process(spill_pool, tmp_path):
 
     with cxlkv.open_pool(spill_pool) as pool:
         reg = CollectorRegistry()
-        reg.register(SP.collector(pool))
+        reg.register(spill.collector(pool))
         assert b"cxlkv_spill" not in generate_latest(reg)        # no store yet: no samples
         kv = KVCache(pool, **ARGS, spill_dir=tmp_path / "spill", spill_bytes=64 * MiB)
-        sp = SP.store_of(pool)
+        sp = spill.store_of(pool)
         ss = fill(kv)
         sp.flush()
         cold = [t for t in ss if not in_pool(kv, t)[0]][:3]
@@ -532,9 +532,9 @@ def test_collector_for_a_serving_process(spill_pool, tmp_path):
             st["dropped_queue-full"]
         assert one("cxlkv_spill_store_bytes") == st["used_bytes"] > 0
         assert one("cxlkv_spill_limit_bytes") == 64 * MiB
-        assert one("cxlkv_spill_queue_limit_bytes") == SP.QUEUE_BYTES
+        assert one("cxlkv_spill_queue_limit_bytes") == spill.QUEUE_BYTES
         assert one("cxlkv_spill_owner") == 1
-        SP.disable(pool)
+        spill.disable(pool)
 
 
 def test_drops_go_to_a_given_logger_once_per_kind(tmp_path):
@@ -549,7 +549,7 @@ def test_drops_go_to_a_given_logger_once_per_kind(tmp_path):
     log = logging.getLogger("test.spill.drops")
     log.addHandler(Keep())
     log.propagate = False
-    st = SP.SpillStore(tmp_path / "s", SIZE // 2, logger=log)
+    st = spill.SpillStore(tmp_path / "s", SIZE // 2, logger=log)
     for i in range(3):
         st.offer(*blk(i)[:1], NSD, blk(i)[1])
     st.flush()
@@ -573,7 +573,7 @@ def test_owner_start_removes_temporaries_of_dead_writers_only(tmp_path):
     old = d / "ab" / f"{'ef' * 16}.tmp"                       # an older cxlkv's name
     for f in (dead, live, old):
         f.write_bytes(b"x" * 100)
-    st = SP.SpillStore(d, MiB)
+    st = spill.SpillStore(d, MiB)
     try:
         assert not dead.exists() and not old.exists() and live.exists()
         assert st.stats()["used_bytes"] == 0                  # temporaries are not counted
@@ -583,8 +583,8 @@ def test_owner_start_removes_temporaries_of_dead_writers_only(tmp_path):
 
 def test_a_readers_stale_index_entry_is_a_miss_then_forgotten(tmp_path):
     d = tmp_path / "s"
-    own = SP.SpillStore(d, 2 * SIZE, writers=1)
-    rd = SP.SpillStore(d, 0, mode="reader", writers=1)
+    own = spill.SpillStore(d, 2 * SIZE, writers=1)
+    rd = spill.SpillStore(d, 0, mode="reader", writers=1)
     try:
         own.offer(*blk(0)[:1], NSD, blk(0)[1])
         own.flush()

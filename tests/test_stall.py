@@ -19,12 +19,12 @@ import pytest
 
 import cxlkv
 from cxlkv.errors import PoolCorrupt
-from cxlkv.pool import layout as L
+from cxlkv.pool import layout
 from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
 from cxlkv.ops import fsck
-from cxlkv.state import locks as K
-from cxlkv.state import nodes as N
+from cxlkv.state import locks
+from cxlkv.state import nodes as node_table
 
 from cxlkv.testing.checks import wait_for
 from cxlkv.testing.damage import fake_node
@@ -82,9 +82,9 @@ def stopped(p: NodeProc) -> bool:
     return psutil.Process(p.p.pid).status() == psutil.STATUS_STOPPED
 
 
-def slot_state(path: str, slot: int) -> N.NodeInfo:
+def slot_state(path: str, slot: int) -> node_table.NodeInfo:
     with Pool.open(path, writable=False) as p:
-        return N.read_slot(p, slot)
+        return node_table.read_slot(p, slot)
 
 
 def fenced(path: str, p: NodeProc) -> bool:
@@ -193,7 +193,7 @@ def test_fenced_node_closing_leaves_the_slots_new_owner_alone(pool_path, mode, m
             os.kill(a.p.pid, signal.SIGCONT)
             assert a.reply() == {"bye": True}             # closed: must not recover c's slot
             a.p.wait(30)
-            assert N.read_slot(pool, c.slot).state == "attached"
+            assert node_table.read_slot(pool, c.slot).state == "attached"
             kv.drop()                                     # evict everything unpinned
             assert kv.match(ts) == 4 * 16                 # c's pins held
             assert c.call(op="kv_verify", tokens=ts.tolist()) == {"blocks": 4, "bad": 0}
@@ -240,25 +240,25 @@ def test_reader_paused_with_views_keeps_its_pins_and_is_told(rack, remote_env, p
 def test_guard_beats_when_stale_and_acknowledges_fencing(small_pool):
     with cxlkv.open_pool(small_pool, heartbeat=False) as pool:
         node = pool.node
-        hb = L.field_offset(L.NodeStruct, "heartbeat")
-        before = pool.mapping.load64(N.node_offset(pool, node.slot) + hb)
+        hb = layout.field_offset(layout.NodeStruct, "heartbeat")
+        before = pool.mapping.load64(node_table.node_offset(pool, node.slot) + hb)
         node.guard()                                       # fresh: no beat
-        assert pool.mapping.load64(N.node_offset(pool, node.slot) + hb) == before
+        assert pool.mapping.load64(node_table.node_offset(pool, node.slot) + hb) == before
         node._deadline_ns = 0                              # as after a stall
         node.guard()                                       # stale: it beats, and is fresh
-        assert pool.mapping.load64(N.node_offset(pool, node.slot) + hb) == before + 1
+        assert pool.mapping.load64(node_table.node_offset(pool, node.slot) + hb) == before + 1
         with Pool.open(small_pool) as other:               # fenced by another party
-            assert N.fence(other, node.slot, node.control)
+            assert node_table.fence(other, node.slot, node.control)
             node.enter()                                   # a section in flight
             node._deadline_ns = 0
-            with pytest.raises(N.NodeFenced):
+            with pytest.raises(node_table.NodeFenced):
                 node.guard()
-            assert not N.read_slot(other, node.slot).acknowledged   # not while in flight
+            assert not node_table.read_slot(other, node.slot).acknowledged   # not while in flight
             node.leave()
-            n = N.read_slot(other, node.slot)
+            n = node_table.read_slot(other, node.slot)
             assert n.state == "fenced" and n.acknowledged
-            assert N.Observer(other).release_reason(n) == "acknowledged"
-            with pytest.raises(N.NodeFenced):
+            assert node_table.Observer(other).release_reason(n) == "acknowledged"
+            with pytest.raises(node_table.NodeFenced):
                 node.enter()
 
 
@@ -278,12 +278,12 @@ def test_copies_stop_at_the_write_deadline(small_pool):
 def test_quarantine_ends_only_when_gone_acknowledged_or_after_the_grace(small_pool):
     clock = type("Clock", (), {"t": 100.0, "__call__": lambda self: self.t})()
     with Pool.open(small_pool) as p:
-        obs = N.Observer(p, clock=clock, boot_id="00000000-0000-0000-0000-00000000abcd")
+        obs = node_table.Observer(p, clock=clock, boot_id="00000000-0000-0000-0000-00000000abcd")
         fake_node(small_pool, 2, pid=1, start_time_ns=1,
                   boot_id="00000000-0000-0000-0000-000000000002", hostname="elsewhere")
-        n = N.read_slot(p, 2)
-        assert N.fence(p, 2, n.control)
-        n = N.read_slot(p, 2)
+        n = node_table.read_slot(p, 2)
+        assert node_table.fence(p, 2, n.control)
+        n = node_table.read_slot(p, 2)
         assert obs.release_reason(n) is None               # first seen fenced now
         clock.t += p.sb.quarantine_grace_ms / 1000 * 0.9
         assert obs.release_reason(n) is None
@@ -298,8 +298,8 @@ def test_a_flipped_high_bit_in_the_ticket_words_is_an_error_not_a_spin(small_poo
     with cxlkv.open_pool(small_pool, heartbeat=False) as pool:
         with pool.lock():
             pass
-        hdr, _ = K.lock_offsets(pool)
-        off = hdr + L.field_offset(L.LockHdrStruct, word)
+        hdr, _ = locks.lock_offsets(pool)
+        off = hdr + layout.field_offset(layout.LockHdrStruct, word)
         good = pool.mapping.load64(off)
         pool.mapping.store64(off, good | 1 << 40)
         with pytest.raises(PoolCorrupt, match="fsck --repair"):
@@ -421,19 +421,19 @@ def test_a_fenced_waiter_never_takes_the_pool_lock(pool_path, monkeypatch, tmp_p
             try:
                 f.lock().acquire()
                 got["f"] = "acquired"
-            except N.NodeFenced:
+            except node_table.NodeFenced:
                 got["f"] = "fenced"
 
         t = threading.Thread(target=wait_f)
         t.start()
-        wait_for(lambda: K.read_entries(h)["state"][f.node.slot] == L.LOCK_WAITING,
+        wait_for(lambda: locks.read_entries(h)["state"][f.node.slot] == layout.LOCK_WAITING,
                  what="f to wait for its turn")
-        assert N.fence(h, f.node.slot, f.node.control)     # a reaper fences it
+        assert node_table.fence(h, f.node.slot, f.node.control)     # a reaper fences it
         lk.release()                                         # f's turn comes up
         t.join(30)
         assert got == {"f": "fenced"}
         with w.lock(timeout=10):
-            assert K.describe_owner(w).startswith(f"node {w.node.slot} ")
+            assert locks.describe_owner(w).startswith(f"node {w.node.slot} ")
     finally:
         for p in (w, f, h):
             p.close()
@@ -445,8 +445,8 @@ def test_a_fresh_node_fenced_by_a_late_reaper_stops_at_its_next_guard(small_pool
     with cxlkv.open_pool(small_pool, heartbeat=False) as pool:
         pool.node.guard()                                    # fresh
         with Pool.open(small_pool) as reaper:
-            assert N.fence(reaper, pool.node.slot, pool.node.control)
-        with pytest.raises(N.NodeFenced):
+            assert node_table.fence(reaper, pool.node.slot, pool.node.control)
+        with pytest.raises(node_table.NodeFenced):
             pool.node.guard()
 
 
@@ -481,11 +481,11 @@ def test_a_stale_verdict_does_not_fence_a_node_that_beat_meanwhile(small_pool):
     reaper was slow between its read and its fence): the fence is taken back
     and the node's lock turn is not passed on."""
     with cxlkv.open_pool(small_pool, heartbeat=False) as pool:
-        judged = N.read_slot(pool, pool.node.slot)
+        judged = node_table.read_slot(pool, pool.node.slot)
         pool.node.beat()                                     # it lives on
         with Pool.open(small_pool) as reaper:
-            assert not N.fence(reaper, judged.slot, judged.control, judged.heartbeat)
-            assert N.read_slot(reaper, judged.slot).state == "attached"
+            assert not node_table.fence(reaper, judged.slot, judged.control, judged.heartbeat)
+            assert node_table.read_slot(reaper, judged.slot).state == "attached"
         pool.node.guard()
         with pool.lock(timeout=10):
             pass

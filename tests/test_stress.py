@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import cxlkv
-from cxlkv import errors as E
+from cxlkv import errors
 from cxlkv.ops.init import init_pool
 from cxlkv.ops import lockmgr, stress
 
@@ -88,10 +88,10 @@ def _overwrite_kv_block(pool, sup):
     """Another block's bytes over one published block (what a stalled writer
     resuming into a reused slot does)."""
     from cxlkv.kv.area import Area
-    from cxlkv.pool import layout as L
+    from cxlkv.pool import layout
 
     t = Area(pool).entries()
-    pub = t[(t["ctl"] & 0xFF) == L.KV_PUBLISHED]
+    pub = t[(t["ctl"] & 0xFF) == layout.KV_PUBLISHED]
     assert len(pub) >= 2, "no KV blocks to damage"
     victim, other = pub[0], pub[1]
     n = int(victim["length"])
@@ -164,7 +164,7 @@ def test_manager_pool_gets_a_manager_for_the_run(cli, manager_pool, monkeypatch)
                         lambda path: (True, lambda: stopped.append(path)))
 
     def refuse(self, opts, sync):
-        raise E.RefusedError("no attaching in this test")
+        raise errors.RefusedError("no attaching in this test")
 
     monkeypatch.setattr(stress.Supervisor, "__init__", refuse)
     r = cli("stress", "--pool", manager_pool, "--seconds", "1")

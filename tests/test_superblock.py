@@ -5,7 +5,7 @@ import pytest
 
 from cxlkv.errors import (NotFormatted, PoolCorrupt, PoolIncompatible, PoolTruncated,
                           WrongMagic)
-from cxlkv.pool import layout as L
+from cxlkv.pool import layout
 from cxlkv.pool.format import build_superblock
 from cxlkv.pool.superblock import checksum, decode, select
 
@@ -26,7 +26,7 @@ def test_roundtrip():
 
 def test_encode_is_one_page_with_checksum():
     raw = sb_bytes()
-    assert len(raw) == L.SB_SIZE
+    assert len(raw) == layout.SB_SIZE
     assert int.from_bytes(raw[4088:], "little") == checksum(raw)
 
 
@@ -35,7 +35,7 @@ def test_newer_seq_wins_and_torn_copy_survives():
     b = sb_bytes(seq=6, label="new")
     sel = select(a, b)
     assert (sel.copy, sel.sb.label) == ("B", "new")
-    torn = b[:2000] + bytes(L.SB_SIZE - 2000)      # half-written copy B
+    torn = b[:2000] + bytes(layout.SB_SIZE - 2000)      # half-written copy B
     sel = select(a, torn)
     assert (sel.copy, sel.sb.label) == ("A", "old")
     assert "checksum" in sel.problems["B"]
@@ -76,7 +76,7 @@ def test_newer_version_refused():
 def test_unknown_incompat_refused_and_ro_compat_read_only():
     with pytest.raises(PoolIncompatible, match="incompatible features 0x10000000000"):
         decode(reencode(sb_bytes(), incompat=1 << 40))
-    sb = decode(reencode(sb_bytes(), ro_compat=8, compat=L.COMPAT_KV | 16))
+    sb = decode(reencode(sb_bytes(), ro_compat=8, compat=layout.COMPAT_KV | 16))
     assert sb.read_only_features == 8
 
 
@@ -97,8 +97,8 @@ def test_invalid_fields_are_corrupt(field, value):
 
 def test_misplaced_region_is_corrupt():
     buf = bytearray(sb_bytes())
-    s = L.SuperblockStruct.from_buffer(buf)
-    s.regions[L.REGION_INDEX["hash"]].off = 1 << 40
+    s = layout.SuperblockStruct.from_buffer(buf)
+    s.regions[layout.REGION_INDEX["hash"]].off = 1 << 40
     del s
     with pytest.raises(PoolCorrupt, match="hash"):
         decode(reencode(bytes(buf)))

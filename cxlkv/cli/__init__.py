@@ -14,18 +14,20 @@ import sys
 import click
 
 from cxlkv import __version__
-from cxlkv import errors as E
+from cxlkv import errors
 from cxlkv.cli.app import Application, exit_codes_epilog, log_to_stderr
 
 COMMANDS = {
     "init": ("cxlkv.cli.init", "init_cmd", "Create and format a pool in one step (idempotent)."),
     "format": ("cxlkv.cli.format", "format_cmd", "Format a pool file or device-dax device."),
     "inspect": ("cxlkv.cli.inspect", "inspect_cmd", "Show this host's CXL memory and a pool."),
-    "fsck": ("cxlkv.cli.fsck", "fsck_cmd", "Check a pool's shared state; --repair fixes what it can."),
+    "fsck": ("cxlkv.cli.fsck", "fsck_cmd",
+             "Check a pool's shared state; --repair fixes what it can."),
     "lock-manager": ("cxlkv.cli.lockmgr", "lockmgr_cmd",
                      "Run the lock manager of a pool in sync mode manager."),
     "bench": ("cxlkv.cli.bench", "bench_cmd", "Measure the pool against same-run baselines."),
-    "stress": ("cxlkv.cli.stress", "stress_cmd", "Torture-test a pool's shared state (kill -9 included)."),
+    "stress": ("cxlkv.cli.stress", "stress_cmd",
+               "Torture-test a pool's shared state (kill -9 included)."),
     "kv": ("cxlkv.cli.kv", "kv_group", "The KV cache in a pool: stats, ls, drop, secret."),
     "snapshot": ("cxlkv.cli.snapshot", "snapshot_cmd",
                  "Write a pool's KV blocks to a directory, while nodes keep serving."),
@@ -74,12 +76,12 @@ def cli():
     """
 
 
-def _os_error(e: OSError) -> E.CxlkvError:
+def _os_error(e: OSError) -> errors.CxlkvError:
     """An OSError from the environment (not a bug): a clean error with its path."""
     where = f"{e.filename}: " if e.filename else ""
-    cls = E.PoolNotFound if e.errno in (errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOTDIR,
+    cls = errors.PoolNotFound if e.errno in (errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOTDIR,
                                         errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP) \
-        else E.DeviceError
+        else errors.DeviceError
     return cls(f"{where}{e.strerror or e}")
 
 
@@ -97,10 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Exit as e:
         code = e.exit_code
     except click.ClickException as e:
-        code = app.fail(E.UsageError(f"{e.format_message()} (see {app.command} --help)"))
+        code = app.fail(errors.UsageError(f"{e.format_message()} (see {app.command} --help)"))
     except (click.exceptions.Abort, KeyboardInterrupt):
-        code = app.fail(E.CxlkvError("interrupted"), E.EXIT_INTERRUPTED)
-    except E.CxlkvError as e:
+        code = app.fail(errors.CxlkvError("interrupted"), errors.EXIT_INTERRUPTED)
+    except errors.CxlkvError as e:
         code = app.fail(e)
     except BrokenPipeError:
         code = 0

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import click
 from rich.console import Console
 
-from cxlkv import errors as E
+from cxlkv import errors
 
 
 class _StderrHandler(logging.Handler):
@@ -76,13 +76,14 @@ class Application:
         from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
                                    TimeRemainingColumn)
 
-        with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+        with Progress(TextColumn("{task.description}"), BarColumn(),
+                      DownloadColumn(binary_units=True),
                       TimeRemainingColumn(), console=self.err, transient=True) as p:
             task = p.add_task(description, total=total)
             yield lambda done, tot: p.update(task, completed=done, total=tot)
 
     # -- errors ----------------------------------------------------------
-    def fail(self, exc: E.CxlkvError, exit_code: int | None = None) -> int:
+    def fail(self, exc: errors.CxlkvError, exit_code: int | None = None) -> int:
         """Report an error; exit_code overrides the general table (fsck, health)."""
         code = exc.exit_code if exit_code is None else exit_code
         if self.json and not self._emitted:
@@ -95,18 +96,18 @@ class Application:
         msg = f"internal error: {type(exc).__name__}: {exc}"
         if self.json and not self._emitted:
             self.emit_json({"error": {"kind": "internal", "message": msg,
-                                      "exit_code": E.EXIT_INTERNAL}})
+                                      "exit_code": errors.EXIT_INTERNAL}})
         if os.environ.get("CXLKV_DEBUG"):
             traceback.print_exc()
         self.err.print(f"{self.command}: {msg} (a bug: rerun with CXLKV_DEBUG=1 for a "
                        "traceback and report it)")
-        return E.EXIT_INTERNAL
+        return errors.EXIT_INTERNAL
 
 
 pass_app = click.make_pass_decorator(Application)
 
 
-def exit_codes_epilog(rows=E.EXIT_CODES) -> str:
+def exit_codes_epilog(rows=errors.EXIT_CODES) -> str:
     """Exit-code table for a command's --help (kept verbatim by click via \\b)."""
     lines = ["\b", "Exit codes:"] + [f"  {code:<3} {text}" for code, text in rows]
     return "\n".join(lines)

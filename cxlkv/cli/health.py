@@ -65,16 +65,16 @@ def health_cmd(app: Application, pool, warn_used, crit_used, warn_temp, crit_tem
     unknown and the pool's verdict stands.  Any failure is UNKNOWN (3):
     the exit status is always 0-3.
     """
-    from cxlkv.ops import health as H
+    from cxlkv.ops import health
 
     if warn_used > crit_used or warn_temp > crit_temp:
         raise HealthUsage("a warning threshold is above its critical one "
                           "(see cxlkv health --help)")
-    th = H.Thresholds(warn_used, crit_used, warn_temp, crit_temp)
+    th = health.Thresholds(warn_used, crit_used, warn_temp, crit_temp)
     try:
-        h = H.run_checks(pool, th, timeout)
+        h = health.run_checks(pool, th, timeout)
     except (Exception, KeyboardInterrupt) as e:     # noqa: BLE001 - a plugin answers 0-3
-        h = H.internal_failure(pool, e)
+        h = health.internal_failure(pool, e)
     if app.json:
         app.emit_json(h.to_json())
     else:

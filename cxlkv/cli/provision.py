@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from cxlkv import errors as E
+from cxlkv import errors
 from cxlkv.cli.app import Application, exit_codes_epilog, json_option, pass_app
 
 PROVISION_CODES = (
@@ -76,11 +76,12 @@ def provision_group():
 def plan_cmd(app: Application, mode, memdevs, decoder, align, group, sync, no_format, teardown,
              region, as_json):
     """Print the steps apply (or teardown) would run; change nothing."""
-    from cxlkv.host import discovery as D
-    from cxlkv.ops import provision as P
+    from cxlkv.host import discovery
+    from cxlkv.ops import provision
 
     opts = make_options(mode, memdevs, decoder, align, group, sync, no_format, region)
-    plan = (P.plan_teardown if teardown else P.plan_apply)(D.discover(), opts)
+    plan = (provision.plan_teardown if teardown else provision.plan_apply)(discovery.discover(),
+                                                                           opts)
     if app.json:
         app.emit_json(plan.to_json())
         return 0
@@ -110,10 +111,10 @@ def apply_cmd(app: Application, mode, memdevs, decoder, align, group, sync, no_f
     failure stops the run with the tool's message, the state left behind and
     the commands that undo the steps already done.
     """
-    from cxlkv.ops import provision as P
+    from cxlkv.ops import provision
 
     opts = make_options(mode, memdevs, decoder, align, group, sync, no_format)
-    return run(app, P.plan_apply, opts, yes)
+    return run(app, provision.plan_apply, opts, yes)
 
 
 @provision_group.command("teardown", epilog=exit_codes_epilog(PROVISION_CODES))
@@ -128,17 +129,17 @@ def teardown_cmd(app: Application, region, memdevs, yes, as_json):
 
     Refuses while anything uses the memory.  The data stays on the media.
     """
-    from cxlkv.ops import provision as P
+    from cxlkv.ops import provision
 
-    opts = P.Options(memdevs=list(memdevs), region=region)
-    return run(app, P.plan_teardown, opts, yes)
+    opts = provision.Options(memdevs=list(memdevs), region=region)
+    return run(app, provision.plan_teardown, opts, yes)
 
 
 def run(app: Application, planner, opts, yes: bool) -> int:
-    from cxlkv.host import discovery as D
-    from cxlkv.ops import provision as P
+    from cxlkv.host import discovery
+    from cxlkv.ops import provision
 
-    plan = planner(D.discover(), opts)
+    plan = planner(discovery.discover(), opts)
     if not plan.todo:
         if app.json:
             app.emit_json({"action": plan.action, "changed": False, "ran": [],
@@ -149,14 +150,14 @@ def run(app: Application, planner, opts, yes: bool) -> int:
         return 0
     if not yes:
         if not sys.stdin.isatty():
-            raise E.RefusedError(f"not confirmed: {len(plan.todo)} step(s) would change this "
+            raise errors.RefusedError(f"not confirmed: {len(plan.todo)} step(s) would change this "
                                  "host; pass --yes (stdin is not a terminal, so nobody can "
                                  "be asked)", hint="cxlkv provision plan shows them")
         if not app.json:
             render_plan(app, plan)
         if not click.confirm(f"Run the {len(plan.todo)} step(s) marked 'will run'?",
                              default=False, err=True):
-            raise E.RefusedError("not confirmed: nothing was changed")
+            raise errors.RefusedError("not confirmed: nothing was changed")
 
     def on_step(event, step, i, n, seconds=0.0):
         if app.json:
@@ -167,8 +168,8 @@ def run(app: Application, planner, opts, yes: bool) -> int:
             app.err.print(f"      ok ({seconds:.1f} s)")
 
     try:
-        res = P.execute(planner, opts, on_step=on_step)
-    except P.ProvisionFailed as e:
+        res = provision.execute(planner, opts, on_step=on_step)
+    except provision.ProvisionFailed as e:
         if not app.json:
             render_failure(app, e)
         return app.fail(e)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from cxlkv import errors as E
+from cxlkv import errors
 from cxlkv.cli.app import Application, exit_codes_epilog, json_option, pass_app, pool_option
 from cxlkv.util.sizes import human_size
 
@@ -12,7 +12,7 @@ force_option = click.option("--force", is_flag=True,
                             help="Open a world-readable or world-writable pool.")
 
 SNAPSHOT_EXIT = exit_codes_epilog(((0, "success (blocks that changed while copied are "
-                                       "skipped and counted)"),) + E.EXIT_CODES[1:])
+                                       "skipped and counted)"),) + errors.EXIT_CODES[1:])
 RESTORE_EXIT = exit_codes_epilog((
     (0, "success (blocks left out for want of room are counted, not an error)"),
     (1, "corrupt blocks were skipped (and their descendants); or refused: the pool "

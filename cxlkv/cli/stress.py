@@ -7,13 +7,13 @@ from contextlib import contextmanager
 import click
 from rich.table import Table
 
-from cxlkv import errors as E
+from cxlkv import errors
 from cxlkv.cli.app import Application, exit_codes_epilog, json_option, pass_app, pool_option
 
 DEFAULT_MIX = "alloc=20,free=10,verify=10,lock=10,kv=40"
 STRESS_CODES = ((0, "all checks passed"),
                 (1, "a violation was found (each is named), or the pool is in use (refused)"),
-                *(row for row in E.EXIT_CODES if row[0] >= E.EXIT_USAGE))
+                *(row for row in errors.EXIT_CODES if row[0] >= errors.EXIT_USAGE))
 
 
 def parse_mix(text: str) -> dict[str, int]:
@@ -24,11 +24,11 @@ def parse_mix(text: str) -> dict[str, int]:
     for part in text.split(","):
         kind, _, weight = (s.strip() for s in part.partition("="))
         if kind not in mix or not weight.isdigit():
-            raise E.UsageError(f"invalid --mix {text!r}: use KIND=WEIGHT,... with kinds "
+            raise errors.UsageError(f"invalid --mix {text!r}: use KIND=WEIGHT,... with kinds "
                                f"{', '.join(OPS)} (e.g. {DEFAULT_MIX})")
         mix[kind] = int(weight)
     if not any(mix.values()):
-        raise E.UsageError(f"invalid --mix {text!r}: every weight is zero")
+        raise errors.UsageError(f"invalid --mix {text!r}: every weight is zero")
     return mix
 
 
@@ -42,7 +42,7 @@ def parse_pause(text: str | None) -> tuple[float, float] | None:
     except ValueError:
         pair = (0.0, -1.0)
     if not 0 < pair[0] <= pair[1] or not all(math.isfinite(x) for x in pair):
-        raise E.UsageError(f"invalid --pause-seconds {text!r}: use MIN:MAX, seconds with "
+        raise errors.UsageError(f"invalid --pause-seconds {text!r}: use MIN:MAX, seconds with "
                            "0 < MIN <= MAX (e.g. 1.5:3)")
     return pair
 
@@ -97,7 +97,7 @@ def stress_cmd(app: Application, pool, nodes, seconds, ops, kill_rate, pause_rat
     from cxlkv.ops import stress
 
     if (seconds is None) == (ops is None):
-        raise E.UsageError("give either --seconds or --ops")
+        raise errors.UsageError("give either --seconds or --ops")
     opts = stress.Options(pool, nodes, parse_mix(mix), seconds, ops, kill_rate, seed,
                           pause_rate=pause_rate, pause_seconds=parse_pause(pause_seconds))
     with _progress(app, opts) as progress:

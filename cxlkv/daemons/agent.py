@@ -72,14 +72,14 @@ from cxlkv.errors import CxlkvError, LockTimeout, ManagerExists, RefusedError, U
 from cxlkv.host import numa
 from cxlkv.kv.area import AGENT_BATCH, AGENT_WATERMARK, HIGH_WATERMARK, Area
 from cxlkv.kv.cache import kv_report
-from cxlkv.kv.tiers import spill as SP
+from cxlkv.kv.tiers import spill
 from cxlkv.kv.tiers.remote import Pusher
-from cxlkv.ops import health as H
+from cxlkv.ops import health
 from cxlkv.ops.health import ManagerWatch, Thresholds
-from cxlkv.pool import layout as L
+from cxlkv.pool import layout
 from cxlkv.remote import RemoteClient
-from cxlkv.state import locks as K
-from cxlkv.state import nodes as N
+from cxlkv.state import locks
+from cxlkv.state import nodes as node_table
 from cxlkv.state.locks import describe_owner
 
 DEVICE_REFRESH_S = 60.0
@@ -98,7 +98,7 @@ class _Stopping(Exception):
 _AGENTS: dict[int, "Agent"] = {}      # id(pool object) -> the agent it belongs to
 
 
-@N.register_recovery(order=99)
+@node_table.register_recovery(order=99)
 def _count_reap(pool, slot: int, epoch: int) -> None:
     agent = _AGENTS.get(id(pool))
     if agent is None:
@@ -284,14 +284,14 @@ class Agent:
             pool.close()
             raise
         self.own.add((pool.node.slot, pool.node.epoch))
-        self.observer = N.Observer(pool)
+        self.observer = node_table.Observer(pool)
         self.mgr_watch = ManagerWatch(pool) if pool.sb.sync == "manager" else None
         self.area = None
 
-        if pool.sb.compat & L.COMPAT_KV:
+        if pool.sb.compat & layout.COMPAT_KV:
             self.area = Area(pool)
         if self.spill is not None:
-            SP.use(pool, self.spill)                # the watermark's evictions spill
+            spill.use(pool, self.spill)                # the watermark's evictions spill
         if self.remote is not None and self.area is not None:
             self.pusher = Pusher(pool, self.remote, self.cfg.remote_push,
                                  self.cfg.remote_push_policy,
@@ -311,7 +311,7 @@ class Agent:
             return
 
         path, size, qbytes = self.spill_args
-        self.spill = SP.SpillStore(path, size, queue_bytes=qbytes, mode="owner", logger=self.log)
+        self.spill = spill.SpillStore(path, size, queue_bytes=qbytes, mode="owner", logger=self.log)
         st = self.spill.stats()
         self.event(logging.INFO, "spill store open", spill_dir=path, mode=st["mode"],
                    blocks=st["blocks"], used_bytes=st["used_bytes"], max_bytes=st["max_bytes"])
@@ -458,7 +458,7 @@ class Agent:
         if deadline is not None:
             end = min(end, deadline)
         while time.monotonic() < end and mt.active:
-            if N.read_slot(mt.mgr.pool, slot).state == "free":
+            if node_table.read_slot(mt.mgr.pool, slot).state == "free":
                 return
             time.sleep(0.005)
 
@@ -514,7 +514,7 @@ class Agent:
     def _device_loop(self) -> None:
         while not self.stop_event.is_set():
             try:
-                self.device = H.device_health(self.cfg.pool, timeout=DEVICE_TIMEOUT_S)
+                self.device = health.device_health(self.cfg.pool, timeout=DEVICE_TIMEOUT_S)
             except Exception as e:                 # noqa: BLE001 - figures unknown
                 self.device = {"device": self._dax, "memdevs": [], "temperature_c": None,
                                "alarms": [], "error": f"{type(e).__name__}: {e}"}
@@ -526,9 +526,9 @@ class Agent:
         self.metrics.ticks.inc()
         try:
             self._check_fenced()
-            u = H.usage(self.pool)                  # once per tick: the watermark and health
+            u = health.usage(self.pool)                  # once per tick: the watermark and health
             if self._keep_watermark(u):
-                u = H.usage(self.pool)              # evicted: the figures changed
+                u = health.usage(self.pool)              # evicted: the figures changed
             self._probe_lock()
             snap = self._snapshot(u)
         except _Stopping:
@@ -538,8 +538,8 @@ class Agent:
             if msg != self._last_error:
                 self._last_error = msg
                 self.event(logging.ERROR, f"tick failed: {msg}")
-            h = H.Health(self.cfg.pool)
-            h.add("agent", H.UNKNOWN, f"agent tick failed: {msg}")
+            h = health.Health(self.cfg.pool)
+            h.add("agent", health.UNKNOWN, f"agent tick failed: {msg}")
             self._agent_checks(h, ok=False)
             self.snapshot = {**self.snapshot, "health": h, "at": time.monotonic()}
             return
@@ -547,8 +547,8 @@ class Agent:
         self.snapshot = snap
         st = snap["health"].status
         if st != self._last_status:
-            self.event(logging.INFO if st == H.OK else logging.WARNING,
-                       f"health {H.STATUS_NAMES[st]}", summary=snap["health"].line())
+            self.event(logging.INFO if st == health.OK else logging.WARNING,
+                       f"health {health.STATUS_NAMES[st]}", summary=snap["health"].line())
             self._last_status = st
 
     def _check_fenced(self) -> None:
@@ -559,7 +559,7 @@ class Agent:
         try:
             node.check()
             return
-        except N.NodeFenced:
+        except node_table.NodeFenced:
             pass
         self.event(logging.ERROR, "this node was fenced (its heartbeat stopped for a lease); "
                                   "attaching again", node=node.slot)
@@ -643,11 +643,11 @@ class Agent:
         if pool.sb.sync != "cas" or pool.node is None or pool.node.slot < 0:
             return True
         m = pool.mapping
-        hdr, _ = K.lock_offsets(pool)
-        serving = hdr + L.field_offset(L.LockHdrStruct, "now_serving")
-        entry = K.entry_offset(pool, pool.node.slot)
+        hdr, _ = locks.lock_offsets(pool)
+        serving = hdr + layout.field_offset(layout.LockHdrStruct, "now_serving")
+        entry = locks.entry_offset(pool, pool.node.slot)
         m.invalidate(entry, 16)
-        if m.load64(entry) != L.LOCK_ABANDONED:
+        if m.load64(entry) != layout.LOCK_ABANDONED:
             return True
         ticket = m.load64(entry + 8)
         while True:
@@ -667,19 +667,19 @@ class Agent:
 
     def _snapshot(self, u: dict | None = None) -> dict:
         pool = self.pool
-        h = H.evaluate(pool, self.th, observer=self.observer, manager=self.mgr_watch,
+        h = health.evaluate(pool, self.th, observer=self.observer, manager=self.mgr_watch,
                        deadline=None, device=self.device, figures=u)
         self._agent_checks(h)
         nodes = dict(h.data["nodes"])
         nodes["free"] = pool.sb.max_nodes - sum(nodes[k] for k in ("alive", "dead", "unknown"))
         vers: dict = {}
-        for n in N.read_nodes(pool):
+        for n in node_table.read_nodes(pool):
             if n.state == "attached":
                 key = (n.sw_version, n.format_version)
                 vers[key] = vers.get(key, 0) + 1
         nodes["versions"] = vers
         kv = None
-        if pool.sb.compat & L.COMPAT_KV and not h.data["usage"].get("kv_error"):
+        if pool.sb.compat & layout.COMPAT_KV and not h.data["usage"].get("kv_error"):
             kv = kv_report(pool)
         return {"usage": h.data["usage"], "kv": kv, "nodes": nodes, "health": h,
                 "quarantine": h.data["quarantine"],
@@ -707,15 +707,15 @@ class Agent:
             bad.append("the lock manager this agent hosts stopped"
                        + (f": {mt.dead}" if mt.dead else ""))
         for text in bad:
-            h.add("agent", H.CRITICAL, text)
+            h.add("agent", health.CRITICAL, text)
         rc = self.remote
         st = rc.stats() if rc is not None else None
         if st is not None and (st["unavailable"] or st["failing"]):
-            h.add("remote", H.WARNING, "the remote tier's cluster is unreachable or failing "
+            h.add("remote", health.WARNING, "the remote tier's cluster is unreachable or failing "
                                        f"({st['last_error'] or 'backing off'}): pushes are "
                                        "dropped (cxlkv_remote_dropped_blocks_total)")
         if ok and not bad and node is not None:
-            h.add("agent", H.OK, f"attached as node {node.slot}")
+            h.add("agent", health.OK, f"attached as node {node.slot}")
 
     def max_snapshot_age(self) -> float:
         """How old the snapshot may get before /healthz stops believing it."""
@@ -735,7 +735,7 @@ class Agent:
             return False, (f"CXLKV UNKNOWN - {self.cfg.pool}: the agent's last check is "
                            f"{age:.1f} s old (its maintenance tick is stuck); last: "
                            f"{h.line()}")
-        return h.status in (H.OK, H.WARNING), h.line()
+        return h.status in (health.OK, health.WARNING), h.line()
 
 
 def serve(cfg: AgentConfig, log: logging.Logger | None = None) -> int:

@@ -56,11 +56,11 @@ import numpy as np
 
 from cxlkv.api import Pool
 from cxlkv.errors import CxlkvError, ManagerExists, PoolReformatted, RefusedError
-from cxlkv.pool import layout as L
-from cxlkv.pool import superblock as S
+from cxlkv.pool import layout
+from cxlkv.pool import superblock
 from cxlkv.pool.image import read_superblocks
-from cxlkv.state import nodes as N
-from cxlkv.state import protocol as P
+from cxlkv.state import nodes as node_table
+from cxlkv.state import protocol
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +113,9 @@ class LockManager:
         self.m = self.pool.mapping
         self.lease = self.pool.sb.lease_ms / 1000.0
         self.token = secrets.randbits(63) | 1
-        self.hdr = P.lock_header(self.pool)
+        self.hdr = protocol.lock_header(self.pool)
         self.log = log or logging.getLogger(__name__).info
-        self.observer = N.Observer(self.pool)
+        self.observer = node_table.Observer(self.pool)
         self.holder = -1                       # slot holding the lock, -1 = none
         self.recover_pending = False           # a fenced slot waits for the lock to be free
         self.beat_at = 0.0                     # monotonic time of the last heartbeat
@@ -148,7 +148,7 @@ class LockManager:
         seen = []
         for raw in raws:
             try:
-                sb = S.decode(raw)
+                sb = superblock.decode(raw)
             except CxlkvError as e:
                 seen.append(str(e))
                 continue
@@ -167,23 +167,24 @@ class LockManager:
 
     # -- the lease ---------------------------------------------------------------
     def _lease(self) -> tuple[int, int]:
-        self.m.invalidate(self.hdr + P.MGR_TOKEN, 64)
-        return self.m.load64(self.hdr + P.MGR_TOKEN), self.m.load64(self.hdr + P.MGR_HEARTBEAT)
+        self.m.invalidate(self.hdr + protocol.MGR_TOKEN, 64)
+        return (self.m.load64(self.hdr + protocol.MGR_TOKEN),
+                self.m.load64(self.hdr + protocol.MGR_HEARTBEAT))
 
     def acquire_lease(self) -> None:
         while not self.stop:
             self.check_superblock()
             token, _ = self._lease()
-            if token and P.heartbeating(self.pool, token):
+            if token and protocol.heartbeating(self.pool, token):
                 if not self.standby:
                     raise ManagerExists(
                         f"a lock manager is already active for {self.path} "
-                        f"({P.describe_manager(self.pool)}); run another with --standby to "
+                        f"({protocol.describe_manager(self.pool)}); run another with --standby to "
                         "take over when it stops", path=self.path)
                 continue                     # heartbeating() waited up to a lease
             # free, or its holder stopped heartbeating for a lease: contend
-            self.m.store64(self.hdr + P.MGR_TOKEN, self.token)
-            self.m.flush(self.hdr + P.MGR_TOKEN, 8)
+            self.m.store64(self.hdr + protocol.MGR_TOKEN, self.token)
+            self.m.flush(self.hdr + protocol.MGR_TOKEN, 8)
             time.sleep(CONTEND_WAIT_S)
             if self._lease()[0] == self.token:
                 self.check_superblock()
@@ -193,13 +194,13 @@ class LockManager:
 
     def _take_office(self) -> None:
         m, h = self.m, self.hdr
-        m.store64(h + P.MGR_EPOCH, m.load64(h + P.MGR_EPOCH) + 1)
-        m.store64(h + P.MGR_PID, os.getpid())
-        m.write(h + P.MGR_BOOT, uuidlib.UUID(self.observer.boot_id).bytes)
-        m.write(h + P.MGR_HOST, socket.gethostname().encode()[:63].ljust(64, b"\0"))
-        m.flush(h + P.MGR_TOKEN, 128)
-        self.holder = P.current_holder(self.pool)
-        self.log(f"active for {self.path} (epoch {m.load64(h + P.MGR_EPOCH)}"
+        m.store64(h + protocol.MGR_EPOCH, m.load64(h + protocol.MGR_EPOCH) + 1)
+        m.store64(h + protocol.MGR_PID, os.getpid())
+        m.write(h + protocol.MGR_BOOT, uuidlib.UUID(self.observer.boot_id).bytes)
+        m.write(h + protocol.MGR_HOST, socket.gethostname().encode()[:63].ljust(64, b"\0"))
+        m.flush(h + protocol.MGR_TOKEN, 128)
+        self.holder = protocol.current_holder(self.pool)
+        self.log(f"active for {self.path} (epoch {m.load64(h + protocol.MGR_EPOCH)}"
                  + (f", node {self.holder} holds the lock" if self.holder >= 0 else "") + ")")
 
     def still_active(self) -> bool:
@@ -207,7 +208,7 @@ class LockManager:
         return token == self.token
 
     def beat(self) -> None:
-        off = self.hdr + P.MGR_HEARTBEAT
+        off = self.hdr + protocol.MGR_HEARTBEAT
         self.m.store64(off, self.m.load64(off) + 1)
         self.m.flush(off, 8)
         self.beat_at = time.monotonic()
@@ -229,14 +230,14 @@ class LockManager:
         """One round: node slots (claims, liveness) when `slots`, then the lock.
         True if anything changed."""
         pool, m = self.pool, self.m
-        ents = P.read_entries(pool)
+        ents = protocol.read_entries(pool)
         changed = False
         if slots or self._nodes is None:
-            self._nodes = P.read_node_lines(pool)
+            self._nodes = protocol.read_node_lines(pool)
             for slot in range(pool.sb.max_nodes):
                 changed |= self._slot(slot, self._nodes[slot], ents[slot])
             if changed:
-                self._nodes = P.read_node_lines(pool)
+                self._nodes = protocol.read_node_lines(pool)
         nodes = self._nodes
         # the lock
         if self.holder >= 0:
@@ -250,7 +251,7 @@ class LockManager:
                 self.log(f"node {self.holder}'s lock line shows epoch {int(e['epoch'])}, "
                          f"granted to epoch {int(e['grant_epoch'])}: revoking the hold")
                 self.guard()
-                P.revoke(pool, self.holder, int(e["grant_seq"]))
+                protocol.revoke(pool, self.holder, int(e["grant_seq"]))
                 self.holder = -1
                 changed = True
             elif int(e["release_seq"]) >= int(e["grant_seq"]) or \
@@ -260,11 +261,11 @@ class LockManager:
         if self.holder < 0 and self.recover_pending:
             # a fenced node's quarantine may end: recover it before the next
             # grant (under contention the lock is never otherwise free)
-            self._nodes = P.read_node_lines(pool)
+            self._nodes = protocol.read_node_lines(pool)
             self.recover_pending = False
             for slot in range(pool.sb.max_nodes):
                 changed |= self._slot(slot, self._nodes[slot], ents[slot])
-            self._nodes = P.read_node_lines(pool)
+            self._nodes = protocol.read_node_lines(pool)
             nodes = self._nodes
         if self.holder < 0 and not self.recover_pending:
             req = ents["req_seq"]
@@ -276,12 +277,12 @@ class LockManager:
                 n = pool.sb.max_nodes
                 for slot in sorted(waiting.tolist(), key=lambda s: (s - self.last - 1) % n):
                     e = ents[slot]
-                    if P.mgr_state(nodes[slot]) != (L.NODE_ATTACHED, int(e["epoch"])):
+                    if protocol.mgr_state(nodes[slot]) != (layout.NODE_ATTACHED, int(e["epoch"])):
                         continue            # not (yet) an attached node of that epoch
                     if not self.still_active():
                         raise ManagerExists("another lock manager took over")
                     self.guard()
-                    P.grant(pool, slot, int(e["req_seq"]), int(e["epoch"]))
+                    protocol.grant(pool, slot, int(e["req_seq"]), int(e["epoch"]))
                     self.holder, self.last = slot, slot
                     self.grants += 1
                     changed = True
@@ -290,50 +291,52 @@ class LockManager:
 
     def _slot(self, slot: int, line, ent) -> bool:
         pool = self.pool
-        state, epoch = P.mgr_state(line)
+        state, epoch = protocol.mgr_state(line)
         claim, granted = int(line["claim_token"]), int(line["mgr_grant_token"])
-        ack_state, ack_epoch = L.node_state(int(line["control"]))
-        if state == L.NODE_FREE:
+        ack_state, ack_epoch = layout.node_state(int(line["control"]))
+        if state == layout.NODE_FREE:
             if claim and claim != granted:
                 self.guard()
-                P.set_mgr(pool, slot, L.node_control(L.NODE_CLAIMED, epoch + 1), claim)
+                protocol.set_mgr(pool, slot, layout.node_control(layout.NODE_CLAIMED, epoch + 1),
+                                 claim)
                 return True
             return False
-        if state == L.NODE_CLAIMED and (ack_state, ack_epoch) == (L.NODE_ATTACHED, epoch):
+        if state == layout.NODE_CLAIMED and (ack_state, ack_epoch) == (layout.NODE_ATTACHED, epoch):
             self.guard()
-            P.set_mgr(pool, slot, L.node_control(L.NODE_ATTACHED, epoch), granted)
+            protocol.set_mgr(pool, slot, layout.node_control(layout.NODE_ATTACHED, epoch), granted)
             return True
-        if state == L.NODE_ATTACHED and (ack_state, ack_epoch) == (L.NODE_FREE, epoch):
+        if state == layout.NODE_ATTACHED and (ack_state, ack_epoch) == (layout.NODE_FREE, epoch):
             self.guard()
-            P.set_mgr(pool, slot, L.node_control(L.NODE_FREE, epoch), granted)   # detached
+            protocol.set_mgr(pool, slot, layout.node_control(layout.NODE_FREE, epoch),
+                             granted)   # detached
             return True
         changed = False
-        if state in (L.NODE_CLAIMED, L.NODE_ATTACHED):
-            n = N.read_slot(pool, slot)
+        if state in (layout.NODE_CLAIMED, layout.NODE_ATTACHED):
+            n = node_table.read_slot(pool, slot)
             if self.observer.verdict(n) != "dead":
                 return False
             self.guard()
-            P.set_mgr(pool, slot, L.node_control(L.NODE_FENCED, epoch), granted)
-            if N.read_slot(pool, slot).heartbeat != n.heartbeat:
+            protocol.set_mgr(pool, slot, layout.node_control(layout.NODE_FENCED, epoch), granted)
+            if node_table.read_slot(pool, slot).heartbeat != n.heartbeat:
                 # it beat after the verdict was made (this manager was slow):
                 # alive after all - the fence is taken back before it counts
-                P.set_mgr(pool, slot, L.node_control(state, epoch), granted)
+                protocol.set_mgr(pool, slot, layout.node_control(state, epoch), granted)
                 return False
             self.log(f"node {slot} ({n.hostname} pid {n.pid}) is dead: fencing it")
-            state, changed = L.NODE_FENCED, True
-        if state != L.NODE_FENCED:
+            state, changed = layout.NODE_FENCED, True
+        if state != layout.NODE_FENCED:
             return changed
         # fenced: its hold of the lock (or its request) is revoked at once ...
         e = ent
         if int(e["grant_seq"]) > max(int(e["release_seq"]), int(e["revoke_seq"])) or \
                 int(e["req_seq"]) > max(int(e["grant_seq"]), int(e["revoke_seq"])):
             self.guard()
-            P.revoke(pool, slot, max(int(e["req_seq"]), int(e["grant_seq"])))
+            protocol.revoke(pool, slot, max(int(e["req_seq"]), int(e["grant_seq"])))
             if self.holder == slot:
                 self.holder = -1
             changed = True
         # ... what else it held stays quarantined until it may be reused
-        n = N.read_slot(pool, slot)
+        n = node_table.read_slot(pool, slot)
         reason = self.observer.release_reason(n)
         if reason is None:
             return changed
@@ -341,8 +344,8 @@ class LockManager:
             self.recover_pending = True             # recover only while nobody holds the
             return changed                          # lock: step() grants nothing until then
         self.guard()
-        N.run_recoveries(pool, slot, epoch)
-        P.set_mgr(pool, slot, L.node_control(L.NODE_FREE, epoch), granted)
+        node_table.run_recoveries(pool, slot, epoch)
+        protocol.set_mgr(pool, slot, layout.node_control(layout.NODE_FREE, epoch), granted)
         self.log(f"node {slot} recovered and freed ({_REASONS[reason]})")
         return True
 
@@ -445,12 +448,13 @@ class LockManager:
         monotonic clock), so its verdict is the one it would have reached
         watching every scan itself."""
         tb, seen = self._tb, self.observer._seen
-        for slot in np.flatnonzero((tb[:, _TB_CTL] >= 0) & ((tb[:, _TB_LOCAL] == 0) | (tb[:, _TB_LOCAL] == 3))).tolist():
+        local = tb[:, _TB_LOCAL]
+        for slot in np.flatnonzero((tb[:, _TB_CTL] >= 0) & ((local == 0) | (local == 3))).tolist():
             ctl, hb, since = (int(x) & 0xFFFFFFFFFFFFFFFF for x in tb[slot, :_TB_PIDFD])
             prev = seen.get(slot)
             if prev is None or (prev.control, prev.heartbeat) != (ctl, hb) or \
                     prev.since > since / 1e9:
-                seen[slot] = N._Seen(ctl, hb, since / 1e9)
+                seen[slot] = node_table._Seen(ctl, hb, since / 1e9)
 
     def close(self) -> None:
         for fd in self._tb[:, _TB_PIDFD].tolist():
@@ -458,8 +462,9 @@ class LockManager:
                 os.close(fd)
         self._tb[:, _TB_PIDFD] = -1
         if not self.reformatted and self.still_active():
-            self.m.store64(self.hdr + P.MGR_TOKEN, 0)   # hand over at once, not after a lease
-            self.m.flush(self.hdr + P.MGR_TOKEN, 8)
+            self.m.store64(self.hdr + protocol.MGR_TOKEN,
+                           0)   # hand over at once, not after a lease
+            self.m.flush(self.hdr + protocol.MGR_TOKEN, 8)
         self.pool.close()
 
 

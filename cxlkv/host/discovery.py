@@ -26,7 +26,7 @@ import stat
 from pathlib import Path
 
 from cxlkv.host import sysfs
-from cxlkv.host import tools as T
+from cxlkv.host import tools
 
 #: the commands discovery runs (tests/fixtures/lab/commands has each, per state)
 CXL_LIST = ["cxl", "list", "-vvv"]
@@ -360,7 +360,7 @@ def _nd_region_resources() -> dict[str, int]:
             if re.match(r"region\d+$", n)}
 
 
-def cxl_inventory(r: T.Runner) -> dict:
+def cxl_inventory(r: tools.Runner) -> dict:
     """CXL memdevs, ports, decoders, regions, namespaces and DAX devices via the tools."""
     out = {"tools": {t: r.available(t) for t in ("cxl", "ndctl", "daxctl")},
            "buses": [], "ports": [], "endpoints": [], "decoders": [], "memdevs": [],
@@ -370,16 +370,16 @@ def cxl_inventory(r: T.Runner) -> dict:
     def call(argv):
         try:
             return r.json(argv)
-        except T.ToolNotFound:
+        except tools.ToolNotFound:
             return None
-        except T.ToolFailed as e:
+        except tools.ToolFailed as e:
             out["errors"].append({"command": " ".join(argv), "message": e.message,
                                   "stderr": e.result.stderr.strip()})
             return None
 
     cx = call(CXL_LIST)
     if cx is not None:
-        flat = T.flatten_cxl(cx)
+        flat = tools.flatten_cxl(cx)
         decs = {d["decoder"]: d for d in flat["decoder"]}
         out["buses"] = [{"bus": b["bus"], "provider": b.get("provider"),
                          "dports": [p.get("dport") for p in b.get("dports") or []]}
@@ -396,7 +396,7 @@ def cxl_inventory(r: T.Runner) -> dict:
 
     nd = call(NDCTL_LIST)
     if nd is not None:
-        _, regs, nss = T.flatten_nd(nd)
+        _, regs, nss = tools.flatten_nd(nd)
         out["nd_regions"] = [{k: g.get(k) for k in ("dev", "size", "available_size", "align",
                                                      "type", "numa_node", "target_node",
                                                      "persistence_domain")} for g in regs]
@@ -415,7 +415,7 @@ def cxl_inventory(r: T.Runner) -> dict:
 
     dx = call(DAXCTL_LIST)
     if dx is not None:
-        dregs, ddevs = T.flatten_dax(dx)
+        dregs, ddevs = tools.flatten_dax(dx)
         out["dax_regions"] = dregs
         nd_to_cxl = {g["dev"]: g.get("cxl_region") for g in out["nd_regions"]}
         for dev in ddevs:
@@ -460,9 +460,9 @@ def _ns_chardev(ns: dict) -> str | None:
 
 # --------------------------------------------------------------------------
 
-def discover(r: T.Runner | None = None) -> dict:
+def discover(r: tools.Runner | None = None) -> dict:
     """Everything `cxlkv inspect` shows about the host, as one JSON-ready dict."""
-    r = r or T.runner()
+    r = r or tools.runner()
     tiers = memory_tiers()
     cxl = cxl_inventory(r)
     numa = numa_nodes(tiers)

@@ -38,10 +38,10 @@ import numpy as np
 from cxlkv.errors import CxlkvError, PoolIncompatible
 # KVPoolFull, KVTableFull, QuotaExceeded and TooManyPins are public here too (cxlkv.kv.area)
 from cxlkv.errors import KVError, KVPoolFull, KVTableFull, QuotaExceeded, TooManyPins  # noqa: F401
-from cxlkv.kv import journal as J
-from cxlkv.pool import layout as L
-from cxlkv.state import alloc as A
-from cxlkv.state import nodes as N
+from cxlkv.kv import journal
+from cxlkv.pool import layout
+from cxlkv.state import alloc
+from cxlkv.state import nodes as node_table
 from cxlkv.state.locks import entry_offset as lock_entry_offset
 from cxlkv.state.locks import guard, held_lock
 
@@ -50,15 +50,15 @@ log = logging.getLogger(__name__)
 ENTRY = np.dtype([("ctl", "<u8"), ("key_lo", "<u8"), ("key_hi", "<u8"), ("payload", "<u8"),
                   ("length", "<u4"), ("ns", "<u2"), ("tenant", "<u2"), ("parent", "<u4"),
                   ("children", "<u4"), ("owner", "<u8"), ("lru", "<u8")])
-assert ENTRY.itemsize == L.HASH_ENTRY_SIZE
-STATS = np.dtype([(n, "<u8") for n in L.KV_STAT_NAMES])
+assert ENTRY.itemsize == layout.HASH_ENTRY_SIZE
+STATS = np.dtype([(n, "<u8") for n in layout.KV_STAT_NAMES])
 TENANT = np.dtype([("salt", "V16"), ("state", "<u4"), ("reserved0", "<u4"), ("quota", "<u8"),
                    ("used", "<u8"), ("blocks", "<u8"), ("rejected", "<u8"), ("reserved1", "<u8")])
-assert TENANT.itemsize == L.KV_TENANT_SIZE
-_FREEING = L.field_offset(L.LockEntryStruct, "freeing")
-_MGR_CONTROL = L.field_offset(L.NodeStruct, "mgr_control")
-_LRU = L.field_offset(L.HashEntryStruct, "lru")
-_HDR = {f: L.field_offset(L.KVHdrStruct, f) for f, *_ in L.KVHdrStruct._fields_}
+assert TENANT.itemsize == layout.KV_TENANT_SIZE
+_FREEING = layout.field_offset(layout.LockEntryStruct, "freeing")
+_MGR_CONTROL = layout.field_offset(layout.NodeStruct, "mgr_control")
+_LRU = layout.field_offset(layout.HashEntryStruct, "lru")
+_HDR = {f: layout.field_offset(layout.KVHdrStruct, f) for f, *_ in layout.KVHdrStruct._fields_}
 
 #: free space (share of the data area) under which store evicts, and up to which
 LOW_WATERMARK = 0.05
@@ -98,7 +98,7 @@ class Area:
 
     def __init__(self, pool):
         sb = pool.sb
-        if not sb.compat & L.COMPAT_KV:
+        if not sb.compat & layout.COMPAT_KV:
             raise PoolIncompatible(
                 f"{pool.path} was formatted without a KV region (by cxlkv before 0.2)",
                 hint="back up what it holds and re-format it with `cxlkv format --force`")
@@ -108,7 +108,7 @@ class Area:
         self.nslots = sb.hash_slots
         self.max_used = max(1, self.nslots * sb.hash_max_load_pct // 100)
         self.kv_off, kv_size = sb.regions["kv"]
-        missing = L.missing_kv_features(sb.incompat)
+        missing = layout.missing_kv_features(sb.incompat)
         if missing:
             raise PoolIncompatible(
                 f"{pool.path} was formatted without the feature"
@@ -116,12 +116,12 @@ class Area:
                 "its KV cache cannot be used by this version", path=pool.path,
                 hint="snapshot its KV blocks with the cxlkv that formatted it, re-format "
                      "with `cxlkv format --force`, then restore them")
-        self.geo = L.kv_geometry(sb.max_nodes, sb.hash_slots)
+        self.geo = layout.kv_geometry(sb.max_nodes, sb.hash_slots)
         self.hdr = self.kv_off
         self.m.invalidate(self.hdr, 64)
         magic = self.m.load64(self.hdr)
-        stored = L.KVHdrStruct.from_buffer_copy(self.m.read(self.hdr, L.KV_HDR_SIZE))
-        if magic != L.KV_MAGIC or any(getattr(stored, f) != self.geo[f] for f in (
+        stored = layout.KVHdrStruct.from_buffer_copy(self.m.read(self.hdr, layout.KV_HDR_SIZE))
+        if magic != layout.KV_MAGIC or any(getattr(stored, f) != self.geo[f] for f in (
                 "max_namespaces", "max_tenants", "pins_per_node", "ring_per_node", "ns_off",
                 "tenant_off", "node_off", "node_stride", "lru_off")) or kv_size < self.geo["size"]:
             raise KVError(f"{pool.path}: the KV header is corrupt (magic or geometry)",
@@ -131,20 +131,20 @@ class Area:
         self.npins = self.geo["pins_per_node"]
         self.nring = self.geo["ring_per_node"]
         self.managed = sb.sync == "manager"
-        pool.mapping.set_geometry(*A.geometry(pool))      # payload frees go through C
+        pool.mapping.set_geometry(*alloc.geometry(pool))      # payload frees go through C
         # manager mode / emulation: flush what we write, invalidate what we read
         self.m.flush_meta = self.managed or self.m.noncoherent
         self.links = self.kv_off + self.geo["lru_off"]
-        self.smallest = A.slot_size_for(pool, 1)
+        self.smallest = alloc.slot_size_for(pool, 1)
         self.m.kv_lru_setup(self.table, self.nslots, self.hdr, self.links)
-        self.journal = J.Writer(pool)        # this node's change journal ring
+        self.journal = journal.Writer(pool)        # this node's change journal ring
 
     # -- offsets ----------------------------------------------------------
     def ns_off(self, i: int) -> int:
-        return self.kv_off + self.geo["ns_off"] + i * L.KV_NS_SIZE
+        return self.kv_off + self.geo["ns_off"] + i * layout.KV_NS_SIZE
 
     def tenant_off(self, i: int) -> int:
-        return self.kv_off + self.geo["tenant_off"] + i * L.KV_TENANT_SIZE
+        return self.kv_off + self.geo["tenant_off"] + i * layout.KV_TENANT_SIZE
 
     def node_base(self, slot: int) -> int:
         return self.kv_off + self.geo["node_off"] + slot * self.geo["node_stride"]
@@ -159,7 +159,7 @@ class Area:
         return self.node_base(slot) + self.geo["ring_off"]
 
     def entry_off(self, i: int) -> int:
-        return self.table + i * L.HASH_ENTRY_SIZE
+        return self.table + i * layout.HASH_ENTRY_SIZE
 
     # -- reads -------------------------------------------------------------
     def _read(self, off: int, size: int) -> bytes:
@@ -169,26 +169,27 @@ class Area:
 
     def entries(self) -> np.ndarray:
         """A snapshot (copy) of the whole hash table."""
-        return np.frombuffer(self._read(self.table, self.nslots * L.HASH_ENTRY_SIZE),
+        return np.frombuffer(self._read(self.table, self.nslots * layout.HASH_ENTRY_SIZE),
                              dtype=ENTRY)
 
-    def header(self) -> L.KVHdrStruct:
-        return L.KVHdrStruct.from_buffer_copy(self._read(self.hdr, L.KV_HDR_SIZE))
+    def header(self) -> layout.KVHdrStruct:
+        return layout.KVHdrStruct.from_buffer_copy(self._read(self.hdr, layout.KV_HDR_SIZE))
 
-    def ns_record(self, i: int) -> L.KVNsStruct:
-        return L.KVNsStruct.from_buffer_copy(self._read(self.ns_off(i), L.KV_NS_SIZE))
+    def ns_record(self, i: int) -> layout.KVNsStruct:
+        return layout.KVNsStruct.from_buffer_copy(self._read(self.ns_off(i), layout.KV_NS_SIZE))
 
-    def ns_records(self) -> list[L.KVNsStruct]:
-        raw = self._read(self.ns_off(0), self.max_ns * L.KV_NS_SIZE)
-        return [L.KVNsStruct.from_buffer_copy(raw, i * L.KV_NS_SIZE) for i in range(self.max_ns)]
+    def ns_records(self) -> list[layout.KVNsStruct]:
+        raw = self._read(self.ns_off(0), self.max_ns * layout.KV_NS_SIZE)
+        return [layout.KVNsStruct.from_buffer_copy(raw, i * layout.KV_NS_SIZE)
+                for i in range(self.max_ns)]
 
-    def tenant_record(self, i: int) -> L.KVTenantStruct:
-        return L.KVTenantStruct.from_buffer_copy(self._read(self.tenant_off(i),
-                                                            L.KV_TENANT_SIZE))
+    def tenant_record(self, i: int) -> layout.KVTenantStruct:
+        return layout.KVTenantStruct.from_buffer_copy(self._read(self.tenant_off(i),
+                                                            layout.KV_TENANT_SIZE))
 
-    def tenant_records(self) -> list[L.KVTenantStruct]:
-        raw = self._read(self.tenant_off(0), self.max_tenants * L.KV_TENANT_SIZE)
-        return [L.KVTenantStruct.from_buffer_copy(raw, i * L.KV_TENANT_SIZE)
+    def tenant_records(self) -> list[layout.KVTenantStruct]:
+        raw = self._read(self.tenant_off(0), self.max_tenants * layout.KV_TENANT_SIZE)
+        return [layout.KVTenantStruct.from_buffer_copy(raw, i * layout.KV_TENANT_SIZE)
                 for i in range(self.max_tenants)]
 
     def node_stats(self, slot: int) -> np.ndarray:
@@ -201,13 +202,13 @@ class Area:
         the lock manager's in sync mode manager, as state.nodes reads them),
         read in one pass over the node table."""
         base = self.pool.sb.regions["nodes"][0] + (_MGR_CONTROL if self.managed else 0)
-        n, step = self.pool.sb.max_nodes, L.NODE_SIZE // 8
-        span = (n - 1) * L.NODE_SIZE + 8
+        n, step = self.pool.sb.max_nodes, layout.NODE_SIZE // 8
+        span = (n - 1) * layout.NODE_SIZE + 8
         if self.m.flush_meta:
             self.m.invalidate(base, span)
         v = self.m.view(base, span)
         try:
-            words = np.frombuffer(v, dtype="<u8")[::step] & L.NODE_STATE_MASK
+            words = np.frombuffer(v, dtype="<u8")[::step] & layout.NODE_STATE_MASK
             hit = words == states[0]
             for st in states[1:]:
                 hit |= words == st
@@ -221,7 +222,7 @@ class Area:
         """Entry indices pinned by attached (or attaching) nodes, and by fenced
         ones: their pins are quarantined with them (views may still be open)."""
         out = []
-        for slot in self._slots(L.NODE_ATTACHED, L.NODE_CLAIMED, L.NODE_FENCED):
+        for slot in self._slots(layout.NODE_ATTACHED, layout.NODE_CLAIMED, layout.NODE_FENCED):
             p = np.frombuffer(self._read(self.pins_off(slot), self.npins * 8), dtype="<u8")
             out.append(p[p != 0] - 1)
         return np.unique(np.concatenate(out)) if out else np.zeros(0, dtype="<u8")
@@ -246,7 +247,7 @@ class Area:
         """Apply every node's recent touches to the entries' LRU stamps (a
         touched leaf moves to its list's tail): O(touches)."""
         now = stamp()
-        for slot in self._slots(L.NODE_ATTACHED, L.NODE_CLAIMED):
+        for slot in self._slots(layout.NODE_ATTACHED, layout.NODE_CLAIMED):
             base = self.node_base(slot)
             raw = self._read(base, 128)
             head = int.from_bytes(raw[0:8], "little")
@@ -347,11 +348,11 @@ class Area:
         subtree (so a parent never sorts before a child), then depth."""
         n = self.nslots
         st = t["ctl"] & 0xFF
-        live = (st == L.KV_PENDING) | (st == L.KV_PUBLISHED) | (st == L.KV_EVICTING)
+        live = (st == layout.KV_PENDING) | (st == layout.KV_PUBLISHED) | (st == layout.KV_EVICTING)
         par = t["parent"].astype(np.int64) - 1                 # -1: root
         par[~live | (par >= n)] = -1
         par[par >= 0] = np.where(live[par[par >= 0]], par[par >= 0], -1)
-        ok = st == L.KV_PUBLISHED
+        ok = st == layout.KV_PUBLISHED
         ok[self.pinned().astype(np.int64)] = False
         if keep is not None and len(keep):
             ok[np.asarray(keep, dtype=np.int64)] = False
@@ -389,13 +390,13 @@ class Area:
         return dist
 
     def _entry(self, i: int) -> np.void:
-        return np.frombuffer(self._read(self.entry_off(i), L.HASH_ENTRY_SIZE), dtype=ENTRY)[0]
+        return np.frombuffer(self._read(self.entry_off(i), layout.HASH_ENTRY_SIZE), dtype=ENTRY)[0]
 
     def _rows(self, idx: np.ndarray) -> np.ndarray:
         """Copies of the entries `idx` (pool lock held: they do not change)."""
         if self.m.flush_meta:                         # read through invalidated lines
             return np.array([self._entry(int(i)) for i in idx], dtype=ENTRY)
-        v = self.m.view(self.table, self.nslots * L.HASH_ENTRY_SIZE)
+        v = self.m.view(self.table, self.nslots * layout.HASH_ENTRY_SIZE)
         try:
             whole = np.frombuffer(v, dtype=ENTRY)
             rows = whole[idx.astype(np.int64)]
@@ -422,7 +423,8 @@ class Area:
         # the evictor records itself: a recovery finishes only its own node's
         # evictions (a fenced evictor's are its own quarantine's to finish)
         evictor = self.pool.node.owner_token if self.pool.node is not None else 0
-        m.kv_set_state(self.table, self.nslots, idx, L.KV_PUBLISHED, L.KV_EVICTING, 0, 0, evictor)
+        m.kv_set_state(self.table, self.nslots, idx, layout.KV_PUBLISHED, layout.KV_EVICTING, 0, 0,
+                       evictor)
         pinned = np.isin(idx, self.pinned())          # after the fence in kv_set_state
         if pinned.any():
             # a reader pinned it in the meantime: it and every ancestor stay
@@ -434,7 +436,8 @@ class Area:
                     p = int((t[p - 1] if isinstance(t, np.ndarray) else self._entry(p - 1))
                             ["parent"])
             go = np.array([int(i) not in stay for i in idx], dtype=bool)
-            m.kv_set_state(self.table, self.nslots, idx[~go], L.KV_EVICTING, L.KV_PUBLISHED, 0, 0)
+            m.kv_set_state(self.table, self.nslots, idx[~go], layout.KV_EVICTING,
+                           layout.KV_PUBLISHED, 0, 0)
             idx, rows = idx[go], rows[go]
         if spill and len(idx):
             sp = self.pool.tiers.get("spill")
@@ -452,7 +455,7 @@ class Area:
                     m.slab_mark_freeing(pays[k:k + 1])
                 except ValueError as err:
                     log.warning("evicting entry %d: %s (fsck will report it)", int(idx[k]), err)
-        self.journal.append(J.EVICTED, idx)          # the frees have begun: they go
+        self.journal.append(journal.EVICTED, idx)          # the frees have begun: they go
         # then each victim in C, in order: the free recorded in our lock
         # entry, the entry removed, the slot freed, the record cleared
         # from the frees to the counters: an exception in between (SIGINT,
@@ -547,19 +550,20 @@ class Area:
     def slot_sizes(self, lengths: np.ndarray) -> np.ndarray:
         """A.slot_size_for over an array of payload lengths (0 stays 0)."""
         lengths = lengths.astype(np.int64)
-        smallest = A.slot_size_for(self.pool, 1)
+        smallest = alloc.slot_size_for(self.pool, 1)
         return np.where(lengths > 0, np.maximum(smallest, -(-lengths // 64) * 64), 0)
 
     def tenants(self) -> np.ndarray:
         """A copy of every tenant record (shape (max_tenants,) of TENANT), one read."""
-        return np.frombuffer(self._read(self.tenant_off(0), self.max_tenants * L.KV_TENANT_SIZE),
+        return np.frombuffer(self._read(self.tenant_off(0),
+                                        self.max_tenants * layout.KV_TENANT_SIZE),
                              dtype=TENANT)
 
     def used_bytes(self, tenants: np.ndarray | None = None) -> int:
         """Bytes of slots the active tenants hold (from `tenants`, a copy
         tenants() made under the same lock hold, or read now)."""
         raw = self.tenants() if tenants is None else tenants
-        return int(raw["used"][raw["state"] == L.KV_REC_ACTIVE].sum())
+        return int(raw["used"][raw["state"] == layout.KV_REC_ACTIVE].sum())
 
     def data_size(self) -> int:
         return self.pool.sb.regions["data"][1]
@@ -588,25 +592,25 @@ class Area:
         idx = self.in_flight()
         rows = np.zeros(len(idx), dtype=ENTRY)
         for k, i in enumerate(idx):
-            rows[k] = np.frombuffer(self._read(self.entry_off(int(i)), L.HASH_ENTRY_SIZE),
+            rows[k] = np.frombuffer(self._read(self.entry_off(int(i)), layout.HASH_ENTRY_SIZE),
                                     dtype=ENTRY)[0]
         st = rows["ctl"] & 0xFF
         one = np.zeros(1, dtype=np.uint64)
         # entries another node's recovery must leave alone: a fenced node's
         # half-written or half-evicted ones are its own quarantine's to finish
-        others = {(n.slot + 1) | n.epoch << 16 for n in N.read_nodes(self.pool)
+        others = {(n.slot + 1) | n.epoch << 16 for n in node_table.read_nodes(self.pool)
                   if n.state in ("attached", "fenced")} - {token}
         mine = ~np.isin(rows["owner"], list(others))
         # a lock holder died writing an entry: nothing refers to it yet (its
         # payload is an unpublished reservation the allocator reclaims)
-        for k in np.flatnonzero((st == L.KV_WRITING) & mine):
+        for k in np.flatnonzero((st == layout.KV_WRITING) & mine):
             m.kv_remove(self.table, self.nslots, self.hdr, int(idx[k]))
         # blocks the node reserved and never published: mark the payload's
         # free begun, drop the entry, free - each step finishable after a crash
         guard(self.pool)
-        for k in np.flatnonzero((st == L.KV_PENDING) & (rows["owner"] == token)):
+        for k in np.flatnonzero((st == layout.KV_PENDING) & (rows["owner"] == token)):
             one[0] = int(rows["payload"][k])
-            bits = A.slot_bits(self.pool, int(one[0]))
+            bits = alloc.slot_bits(self.pool, int(one[0]))
             if bits is not None and bits[0]:
                 m.slab_mark_freeing(one)
             m.kv_remove(self.table, self.nslots, self.hdr, int(idx[k]))
@@ -619,9 +623,9 @@ class Area:
         # marked) the entry goes and the free is finished; otherwise the block
         # is published again, untouched (only this node's evictions, or an
         # unknown evictor's)
-        for k in np.flatnonzero((st == L.KV_EVICTING) & mine):
+        for k in np.flatnonzero((st == layout.KV_EVICTING) & mine):
             one[0] = int(rows["payload"][k])
-            bits = A.slot_bits(self.pool, int(one[0]))
+            bits = alloc.slot_bits(self.pool, int(one[0]))
             if bits is not None and bits[0] and bits[2]:
                 m.kv_remove(self.table, self.nslots, self.hdr, int(idx[k]))
                 try:
@@ -634,7 +638,7 @@ class Area:
                 m.kv_remove(self.table, self.nslots, self.hdr, int(idx[k]))
             else:
                 m.kv_set_state(self.table, self.nslots, idx[k:k + 1],
-                               L.KV_EVICTING, L.KV_PUBLISHED, 0, 0)
+                               layout.KV_EVICTING, layout.KV_PUBLISHED, 0, 0)
         self.fold_stats(slot)
         self.clear_node(slot)
         me = self.pool.node
@@ -648,9 +652,9 @@ class Area:
         st = self.node_stats(slot)
         for i in np.flatnonzero(st.view("<u8").reshape(self.max_ns, -1).any(axis=1)):
             r = self.ns_record(int(i))
-            if r.state != L.KV_REC_ACTIVE:
+            if r.state != layout.KV_REC_ACTIVE:
                 continue
-            for f in L.KV_STAT_NAMES:
+            for f in layout.KV_STAT_NAMES:
                 setattr(r.stats, f, getattr(r.stats, f) + int(st[f][i]))
             self.write_record(self.ns_off(int(i)), r)
 
@@ -660,23 +664,23 @@ class Area:
         m = self.m
         t = self.entries()
         st = t["ctl"] & 0xFF
-        live = (st == L.KV_PENDING) | (st == L.KV_PUBLISHED) | (st == L.KV_EVICTING)
+        live = (st == layout.KV_PENDING) | (st == layout.KV_PUBLISHED) | (st == layout.KV_EVICTING)
         par = t["parent"].astype(np.int64)
         # a parent that is gone (or corrupt) leaves its child a chain root
         dangling = live & (par > 0) & ((par > self.nslots)
                                        | ~live[np.clip(par - 1, 0, self.nslots - 1)])
         par = np.where(dangling, 0, par)
         counts = np.bincount(par[live & (par > 0)] - 1, minlength=self.nslots)
-        off = L.field_offset(L.HashEntryStruct, "parent")
+        off = layout.field_offset(layout.HashEntryStruct, "parent")
         for i in np.flatnonzero(live & ((counts != t["children"]) | dangling)):
             w = int(par[i]) | int(counts[i]) << 32
             m.invalidate(self.entry_off(int(i)), 64)
             m.store64(self.entry_off(int(i)) + off, w)
             m.flush(self.entry_off(int(i)), 64)
-        self.set_hdr(live=int(live.sum()), tombstones=int((st == L.KV_TOMBSTONE).sum()))
+        self.set_hdr(live=int(live.sum()), tombstones=int((st == layout.KV_TOMBSTONE).sum()))
         ns_blocks = np.bincount(t["ns"][live], minlength=self.max_ns)
         for i, r in enumerate(self.ns_records()):
-            if r.state == L.KV_REC_ACTIVE and r.blocks != ns_blocks[i]:
+            if r.state == layout.KV_REC_ACTIVE and r.blocks != ns_blocks[i]:
                 r.blocks = int(ns_blocks[i])
                 self.write_record(self.ns_off(i), r)
         sizes = self.slot_sizes(t["length"][live])
@@ -684,18 +688,18 @@ class Area:
         used = np.bincount(ten, weights=sizes, minlength=self.max_tenants)
         blocks = np.bincount(ten, minlength=self.max_tenants)
         for i, r in enumerate(self.tenant_records()):
-            if r.state == L.KV_REC_ACTIVE and (r.used != used[i] or r.blocks != blocks[i]):
+            if r.state == layout.KV_REC_ACTIVE and (r.used != used[i] or r.blocks != blocks[i]):
                 r.used, r.blocks = int(used[i]), int(blocks[i])
                 self.write_record(self.tenant_off(i), r)
         self.m.kv_lru_rebuild()                     # child counts may have changed
 
 
-@A.register_in_use
+@alloc.register_in_use
 def _evicting_payloads(pool) -> np.ndarray:
     """Payloads of entries still EVICTING: their frees may have begun (the
     slots marked), but only their evictor's KV recovery may finish them
     (alloc recovery leaves them; see alloc._in_use_hooks)."""
-    if not pool.sb.compat & L.COMPAT_KV or L.missing_kv_features(pool.sb.incompat):
+    if not pool.sb.compat & layout.COMPAT_KV or layout.missing_kv_features(pool.sb.incompat):
         return np.zeros(0, dtype=np.uint64)
     try:
         area = Area(pool)
@@ -704,21 +708,22 @@ def _evicting_payloads(pool) -> np.ndarray:
     idx = area.in_flight()
     pays = []
     for i in idx:
-        e = np.frombuffer(area._read(area.entry_off(int(i)), L.HASH_ENTRY_SIZE), dtype=ENTRY)[0]
-        if int(e["ctl"]) & 0xFF == L.KV_EVICTING:
+        e = np.frombuffer(area._read(area.entry_off(int(i)), layout.HASH_ENTRY_SIZE),
+                          dtype=ENTRY)[0]
+        if int(e["ctl"]) & 0xFF == layout.KV_EVICTING:
             pays.append(int(e["payload"]))
     return np.array(pays, dtype=np.uint64)
 
 
-def quarantine_report(pool, observer: N.Observer | None = None) -> dict:
+def quarantine_report(pool, observer: node_table.Observer | None = None) -> dict:
     """The fenced nodes and what their quarantine keeps from reuse: reserved
     payload slots, unpublished entries, pinned blocks (read only).  With an
     observer that watched them: how long each has been seen fenced."""
-    fenced = [n for n in N.read_nodes(pool) if n.state == "fenced"]
+    fenced = [n for n in node_table.read_nodes(pool) if n.state == "fenced"]
     tokens = {(n.slot + 1) | n.epoch << 16: n for n in fenced}
-    reserved = A.reserved_by_owner(pool, tokens)
+    reserved = alloc.reserved_by_owner(pool, tokens)
     area = None
-    if fenced and pool.sb.compat & L.COMPAT_KV:
+    if fenced and pool.sb.compat & layout.COMPAT_KV:
         try:
             area = Area(pool)
         except CxlkvError:
@@ -729,7 +734,7 @@ def quarantine_report(pool, observer: N.Observer | None = None) -> dict:
         slots, nbytes = reserved[token]
         pending = pinned = pinned_bytes = 0
         if area is not None:
-            pending = int((((t["ctl"] & 0xFF) == L.KV_PENDING) & (t["owner"] == token)).sum())
+            pending = int((((t["ctl"] & 0xFF) == layout.KV_PENDING) & (t["owner"] == token)).sum())
             pins = np.frombuffer(area._read(area.pins_off(n.slot), area.npins * 8), dtype="<u8")
             idx = pins[(pins > 0) & (pins <= area.nslots)].astype(np.int64) - 1
             pinned = int(len(idx))
@@ -747,9 +752,9 @@ def quarantine_report(pool, observer: N.Observer | None = None) -> dict:
             "bytes": sum(x["reserved_bytes"] + x["pinned_bytes"] for x in nodes)}
 
 
-@N.register_recovery(order=15, part="kv")
+@node_table.register_recovery(order=15, part="kv")
 def _recover_kv(pool, slot: int, epoch: int) -> None:
-    if not pool.sb.compat & L.COMPAT_KV:
+    if not pool.sb.compat & layout.COMPAT_KV:
         return
     try:
         area = Area(pool)

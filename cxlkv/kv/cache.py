@@ -22,16 +22,16 @@ import weakref
 
 import numpy as np
 
-from cxlkv import errors as E
+from cxlkv import errors
 from cxlkv._core import CRASH_ENABLED, crashpoint, gather
 from cxlkv.errors import StaleViews, UsageError
-from cxlkv.kv import journal as J
-from cxlkv.kv import keys as K
+from cxlkv.kv import journal
+from cxlkv.kv import keys as block_keys
 from cxlkv.kv.area import (ENTRY, INLINE_SLACK, LOW_WATERMARK, STATS, Area, KVPoolFull,
                            KVTableFull, QuotaExceeded, TooManyPins, stamp)
-from cxlkv.pool import layout as L
-from cxlkv.state import alloc as A
-from cxlkv.state import nodes as N
+from cxlkv.pool import layout
+from cxlkv.state import alloc
+from cxlkv.state import nodes
 from cxlkv.state.nodes import NodeFenced
 
 MIN_BLOCK_BYTES = 64
@@ -58,15 +58,16 @@ class KVCache:
         if not isinstance(model, str) or not model:
             raise UsageError("model (the namespace name) must be a non-empty string")
         name = model.encode("utf-8")
-        if len(name) >= L.KV_NS_NAME or b"\0" in name:
-            raise UsageError(f"namespace name must be under {L.KV_NS_NAME} bytes, without NUL")
+        if len(name) >= layout.KV_NS_NAME or b"\0" in name:
+            raise UsageError(f"namespace name must be under {layout.KV_NS_NAME} bytes, without NUL")
         if not isinstance(block_tokens, int) or not 1 <= block_tokens <= 1 << 20:
             raise UsageError("block_tokens must be an integer between 1 and 1048576")
-        if not isinstance(block_bytes, int) or not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
+        if not isinstance(block_bytes,
+                          int) or not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
             raise UsageError(f"block_bytes must be an integer between {MIN_BLOCK_BYTES} "
                              f"and {MAX_BLOCK_BYTES}")
-        if hash not in K.HASHES:
-            raise UsageError(f"hash must be one of {', '.join(K.HASHES)}, not {hash!r}")
+        if hash not in block_keys.HASHES:
+            raise UsageError(f"hash must be one of {', '.join(block_keys.HASHES)}, not {hash!r}")
         if quota is not None and (not isinstance(quota, int) or quota < 0):
             raise UsageError("quota must be a byte count >= 0 (0 = no quota)")
         if not isinstance(remote_read, bool):
@@ -84,10 +85,10 @@ class KVCache:
         self.block_tokens = block_tokens
         self.block_bytes = block_bytes
         self.hash = hash
-        self.slot_size = A.slot_size_for(pool, block_bytes)
-        self._none_hash = K.vllm_none_hash(hash_seed) if hash == "sha256_cbor" else None
-        self._digest = K.namespace_digest(model)
-        self._salt = K.derive_salt(pool.sb.tenant_secret, salt)
+        self.slot_size = alloc.slot_size_for(pool, block_bytes)
+        self._none_hash = block_keys.vllm_none_hash(hash_seed) if hash == "sha256_cbor" else None
+        self._digest = block_keys.namespace_digest(model)
+        self._salt = block_keys.derive_salt(pool.sb.tenant_secret, salt)
         self._prefix = self._digest + self._salt
         self._pin_hint = 0
         self._closed = False
@@ -125,28 +126,28 @@ class KVCache:
     def _open_namespace(self, name: bytes, quota) -> int:
         a = self.area
         free = -1
-        kind = L.KV_HASH_CODES[self.hash]
+        kind = layout.KV_HASH_CODES[self.hash]
         for i, r in enumerate(a.ns_records()):
-            if r.state == L.KV_REC_ACTIVE and r.name == name:
+            if r.state == layout.KV_REC_ACTIVE and r.name == name:
                 if (r.block_bytes, r.block_tokens, r.hash_kind) != (
                         self.block_bytes, self.block_tokens, kind):
                     raise UsageError(
                         f"namespace {self.name!r} exists with block_bytes={r.block_bytes}, "
                         f"block_tokens={r.block_tokens}, hash="
-                        f"{L.KV_HASH_NAMES.get(r.hash_kind, r.hash_kind)}; it was opened with "
+                        f"{layout.KV_HASH_NAMES.get(r.hash_kind, r.hash_kind)}; it was opened with "
                         f"block_bytes={self.block_bytes}, block_tokens={self.block_tokens}, "
                         f"hash={self.hash}",
                         hint="use the namespace's parameters, or drop it first "
                              "(cxlkv kv drop --namespace NAME)")
                 return i
-            if free < 0 and r.state == L.KV_REC_FREE:
+            if free < 0 and r.state == layout.KV_REC_FREE:
                 free = i
         if free < 0:
             raise KVTableFull(f"{self.pool.path}: all {a.max_ns} KV namespaces are in use",
                               hint="drop unused ones with `cxlkv kv drop --namespace NAME`")
-        r = L.KVNsStruct()
+        r = layout.KVNsStruct()
         r.name = name
-        r.state = L.KV_REC_ACTIVE
+        r.state = layout.KV_REC_ACTIVE
         r.hash_kind = kind
         r.block_tokens = self.block_tokens
         r.block_bytes = self.block_bytes
@@ -162,12 +163,12 @@ class KVCache:
         else:
             idx = free = idle = -1
             for i, r in enumerate(a.tenant_records()):
-                if i and r.state == L.KV_REC_ACTIVE and bytes(r.salt) == self._salt:
+                if i and r.state == layout.KV_REC_ACTIVE and bytes(r.salt) == self._salt:
                     idx = i
                     break
-                if i and free < 0 and r.state == L.KV_REC_FREE:
+                if i and free < 0 and r.state == layout.KV_REC_FREE:
                     free = i
-                if i and idle < 0 and r.state == L.KV_REC_ACTIVE and not r.blocks \
+                if i and idle < 0 and r.state == layout.KV_REC_ACTIVE and not r.blocks \
                         and not r.quota:
                     idle = i                  # a tenant with nothing stored and no quota
             if idx < 0:
@@ -176,9 +177,9 @@ class KVCache:
                     raise KVTableFull(f"{self.pool.path}: all {a.max_tenants - 1} tenant "
                                       "records hold blocks or quotas",
                                       hint="drop namespaces or clear quotas of old tenants")
-                r = L.KVTenantStruct()
+                r = layout.KVTenantStruct()
                 r.salt[:] = self._salt
-                r.state = L.KV_REC_ACTIVE
+                r.state = layout.KV_REC_ACTIVE
                 a.write_record(a.tenant_off(free), r)
                 idx = free
         if quota is not None:
@@ -196,7 +197,7 @@ class KVCache:
     def _check_namespace(self) -> None:
         """Under the lock: our record still names us (not dropped meanwhile)."""
         r = self.area.ns_record(self.ns)
-        if r.state != L.KV_REC_ACTIVE or r.name != self.name.encode():
+        if r.state != layout.KV_REC_ACTIVE or r.name != self.name.encode():
             self.ns = self._open_namespace(self.name.encode(), None)
             self._stats_off = self.area.stats_off(self.pool.node.slot, self.ns)
             _SHARED_COUNTERS.get(self.pool, {}).pop((self.ns, self._stats_off), None)
@@ -204,16 +205,17 @@ class KVCache:
     # -- keys --------------------------------------------------------------------------
     def _chain(self, toks: np.ndarray) -> np.ndarray:
         if self.hash == "xxh3_128":
-            return K.xxh3_chain(toks, self.block_tokens)
-        return K.sha256_cbor_chain(toks, self.block_tokens, self._none_hash)
+            return block_keys.xxh3_chain(toks, self.block_tokens)
+        return block_keys.sha256_cbor_chain(toks, self.block_tokens, self._none_hash)
 
     def block_hashes(self, tokens) -> list[bytes]:
         """Chain hashes of the full blocks of `tokens` (vLLM's block hashes
         for hash="sha256_cbor" with the same seed)."""
-        return [bytes(r) for r in self._chain(K.tokens_array(tokens))]
+        return [bytes(r) for r in self._chain(block_keys.tokens_array(tokens))]
 
     def _keys(self, tokens) -> np.ndarray:
-        return K.pool_keys(self._chain(K.tokens_array(tokens)), self._digest, self._salt)
+        return block_keys.pool_keys(self._chain(block_keys.tokens_array(tokens)), self._digest,
+                                    self._salt)
 
     def keys_for_hashes(self, hashes) -> np.ndarray:
         """Pool keys for chain hashes the caller computed (e.g. vLLM's)."""
@@ -228,7 +230,7 @@ class KVCache:
         if len({len(r) for r in rows}) != 1 or not 1 <= len(rows[0]) <= 64:
             raise UsageError("block hashes must all have the same length, 1 to 64 bytes")
         chain = np.frombuffer(b"".join(rows), dtype=np.uint8).reshape(len(rows), -1)
-        return K.pool_keys(chain, self._digest, self._salt)
+        return block_keys.pool_keys(chain, self._digest, self._salt)
 
     # -- lookups -----------------------------------------------------------------------
     def _lookup(self, keys: np.ndarray, stop: bool = True):
@@ -332,7 +334,7 @@ class KVCache:
         for attempt in range(4):
             try:
                 return self.pool.alloc_batch(self.block_bytes, count, zero=zero)
-            except A.PoolFullError:
+            except alloc.PoolFullError:
                 lk = self.pool.lock()
                 with contextlib.nullcontext() if lk.held_by_me() else lk:
                     got = self.area.evict(need_bytes=(count + INLINE_SLACK) * self.slot_size)[0]
@@ -461,10 +463,11 @@ class KVCache:
             with self.pool.lock():
                 node.guard()
                 self.pool.publish(pay)
-                m.kv_set_state(a.table, a.nslots, slots[new], L.KV_PENDING, L.KV_PUBLISHED,
+                m.kv_set_state(a.table, a.nslots, slots[new], layout.KV_PENDING,
+                               layout.KV_PUBLISHED,
                                token, stamp())
                 published = True
-                a.journal.append(J.STORED, slots[new])
+                a.journal.append(journal.STORED, slots[new])
         except BaseException:
             if not published:
                 self._abandon(slots[:pos][status[:pos] == 0], pay)
@@ -595,7 +598,7 @@ class KVCache:
                 m.invalidate(off, 8)
                 now[j] = m.load64(off)
         else:
-            v = m.view(a.table, a.nslots * L.HASH_ENTRY_SIZE)
+            v = m.view(a.table, a.nslots * layout.HASH_ENTRY_SIZE)
             arr = np.frombuffer(v, dtype=ENTRY)
             now = arr["ctl"][idx.astype(np.int64)]
             del arr
@@ -876,16 +879,16 @@ class Loaded:
 # -- operator views (no KVCache needed) ---------------------------------------------------
 def namespace_stats(area: Area, i: int) -> dict:
     r = area.ns_record(i)
-    totals = {f: getattr(r.stats, f) for f in L.KV_STAT_NAMES}
+    totals = {f: getattr(r.stats, f) for f in layout.KV_STAT_NAMES}
 
-    for n in N.read_nodes(area.pool):
+    for n in nodes.read_nodes(area.pool):
         if n.state in ("attached", "claimed", "fenced"):
             st = area.node_stats(n.slot)[i]
-            for f in L.KV_STAT_NAMES:
+            for f in layout.KV_STAT_NAMES:
                 totals[f] += int(st[f])
     return {
         "namespace": r.name.decode("utf-8", "replace"), "index": i,
-        "hash": L.KV_HASH_NAMES.get(r.hash_kind, str(r.hash_kind)),
+        "hash": layout.KV_HASH_NAMES.get(r.hash_kind, str(r.hash_kind)),
         "block_tokens": r.block_tokens, "block_bytes": r.block_bytes,
         "blocks": r.blocks, "bytes": r.blocks * r.block_bytes,
         "hits": totals["hit_blocks"], "misses": totals["miss_blocks"],
@@ -901,10 +904,10 @@ def kv_report(pool) -> dict:
     a = Area(pool)
     h = a.header()
     spaces = [namespace_stats(a, i) for i, r in enumerate(a.ns_records())
-              if r.state == L.KV_REC_ACTIVE]
+              if r.state == layout.KV_REC_ACTIVE]
     tenants = [{"index": i, "salted": i != 0, "quota": r.quota, "used": r.used,
                 "blocks": r.blocks, "rejected": r.rejected}
-               for i, r in enumerate(a.tenant_records()) if r.state == L.KV_REC_ACTIVE]
+               for i, r in enumerate(a.tenant_records()) if r.state == layout.KV_REC_ACTIVE]
     return {
         "hash_slots": a.nslots, "max_load_pct": pool.sb.hash_max_load_pct,
         "max_entries": a.max_used, "entries": h.live, "tombstones": h.tombstones,
@@ -913,7 +916,7 @@ def kv_report(pool) -> dict:
         "evictions": h.evictions, "evicted_bytes": h.evicted_bytes,
         "namespaces": spaces, "tenants": tenants,
         "pins_per_node": a.npins, "max_namespaces": a.max_ns,
-        "journal": J.report(pool),
+        "journal": journal.report(pool),
     }
 
 
@@ -928,7 +931,7 @@ def drop_namespace(pool, name: str) -> dict:
     a = Area(pool)
     with pool.lock():
         idx = [i for i, r in enumerate(a.ns_records())
-               if r.state == L.KV_REC_ACTIVE and r.name == name.encode("utf-8")]
+               if r.state == layout.KV_REC_ACTIVE and r.name == name.encode("utf-8")]
         if not idx:
             raise UsageError(f"{pool.path}: no KV namespace {name!r}")
         i = idx[0]
@@ -936,13 +939,14 @@ def drop_namespace(pool, name: str) -> dict:
         r = a.ns_record(i)
         left = r.blocks
         t = a.entries()
-        pending = int((((t["ctl"] & 0xFF) == L.KV_PENDING) & (t["ns"] == i)).sum())
+        pending = int((((t["ctl"] & 0xFF) == layout.KV_PENDING) & (t["ns"] == i)).sum())
         if not left:
             # the state word first: a crash mid-zeroing leaves a free record
-            a.m.store64(a.ns_off(i) + L.field_offset(L.KVNsStruct, "state"), L.KV_REC_FREE)
-            a.m.flush(a.ns_off(i), L.KV_NS_SIZE)
-            a.m.zero(a.ns_off(i), L.KV_NS_SIZE)
-            a.journal.append(J.NS_CLEARED, ns=i)
+            a.m.store64(a.ns_off(i) + layout.field_offset(layout.KVNsStruct, "state"),
+                        layout.KV_REC_FREE)
+            a.m.flush(a.ns_off(i), layout.KV_NS_SIZE)
+            a.m.zero(a.ns_off(i), layout.KV_NS_SIZE)
+            a.journal.append(journal.NS_CLEARED, ns=i)
     return {"namespace": name, "evicted": blocks, "evicted_bytes": nbytes,
             "pinned_left": left - pending, "pending_left": pending, "dropped": not left}
 
@@ -969,12 +973,12 @@ def set_tenant_secret(pool, secret: bytes, *, why: str = "") -> bool:
         if bytes(pool.sb.tenant_secret) == secret:
             return False
         area = Area(pool)
-        others = [n for n in N.read_nodes(pool) if n.state in ("attached", "claimed")
+        others = [n for n in nodes.read_nodes(pool) if n.state in ("attached", "claimed")
                   and n.slot != pool.node.slot]
-        salted = any(i and r.state == L.KV_REC_ACTIVE and r.blocks
+        salted = any(i and r.state == layout.KV_REC_ACTIVE and r.blocks
                      for i, r in enumerate(area.tenant_records()))
         if others or salted:
-            raise E.RefusedError(
+            raise errors.RefusedError(
                 f"{pool.path}: {why or 'the tenant secret'} cannot be replaced now "
                 f"({'other nodes are attached' if others else 'salted tenants hold blocks in it'})",
                 path=pool.path,

@@ -5,15 +5,15 @@ from __future__ import annotations
 import numpy as np
 
 from cxlkv.errors import CxlkvError
-from cxlkv.kv import journal as J
+from cxlkv.kv import journal
 from cxlkv.kv.area import Area
-from cxlkv.pool import layout as L
-from cxlkv.state import alloc as A
-from cxlkv.state import nodes as N
+from cxlkv.pool import layout
+from cxlkv.state import alloc
+from cxlkv.state import nodes
 
 
 def check_kv(pool, rep, live: set[int]) -> None:
-    if not pool.sb.compat & L.COMPAT_KV:
+    if not pool.sb.compat & layout.COMPAT_KV:
         rep.stats["kv"] = {"present": False}
         return
     try:
@@ -21,25 +21,25 @@ def check_kv(pool, rep, live: set[int]) -> None:
     except CxlkvError as e:
         rep.error("kv-header", "kv header", str(e))
         return
-    J.check(pool, rep)
+    journal.check(pool, rep)
     t = a.entries()
     st = (t["ctl"] & 0xFF).astype(np.int64)
     n = a.nslots
-    bad = np.flatnonzero(st > L.KV_TOMBSTONE)
+    bad = np.flatnonzero(st > layout.KV_TOMBSTONE)
     for i in bad[:20]:
         rep.error("kv-entry-state", f"entry {i}", f"invalid state {st[i]}")
-    livem = (st == L.KV_PENDING) | (st == L.KV_PUBLISHED) | (st == L.KV_EVICTING)
-    for s, name in ((L.KV_WRITING, "being written"), (L.KV_EVICTING, "being evicted")):
+    livem = (st == layout.KV_PENDING) | (st == layout.KV_PUBLISHED) | (st == layout.KV_EVICTING)
+    for s, name in ((layout.KV_WRITING, "being written"), (layout.KV_EVICTING, "being evicted")):
         for i in np.flatnonzero(st == s)[:20]:
             rep.error("kv-unrecovered", f"entry {i}", f"left {name} by a dead lock holder")
-    for i in np.flatnonzero((st == L.KV_PENDING) & ~np.isin(t["owner"], list(live)))[:20]:
+    for i in np.flatnonzero((st == layout.KV_PENDING) & ~np.isin(t["owner"], list(live)))[:20]:
         rep.error("kv-unrecovered", f"entry {i}",
                   f"reserved by token {int(t['owner'][i]):#x}, which is not an attached node")
     ns_recs = a.ns_records()
     ten_recs = a.tenant_records()
     idx = np.flatnonzero(livem)
     # every live entry reachable from its home slot (no EMPTY in between)
-    empty = st == L.KV_EMPTY
+    empty = st == layout.KV_EMPTY
     csum = np.concatenate([[0], np.cumsum(np.concatenate([empty, empty]))])
     home = (t["key_lo"][idx] & np.uint64(n - 1)).astype(np.int64)
     end = np.where(idx >= home, idx, idx + n)
@@ -63,43 +63,43 @@ def check_kv(pool, rep, live: set[int]) -> None:
         e = t[i]
         where = f"entry {i}"
         ns, tn = int(e["ns"]), int(e["tenant"])
-        if ns >= a.max_ns or ns_recs[ns].state != L.KV_REC_ACTIVE:
+        if ns >= a.max_ns or ns_recs[ns].state != layout.KV_REC_ACTIVE:
             rep.error("kv-namespace", where, f"belongs to namespace {ns}, which is not in use")
         else:
             ns_blocks[ns] += 1
             if int(e["length"]) != ns_recs[ns].block_bytes:
                 rep.error("kv-length", where, f"{int(e['length'])} bytes, its namespace's blocks "
                                               f"are {ns_recs[ns].block_bytes}")
-        if tn >= a.max_tenants or ten_recs[tn].state != L.KV_REC_ACTIVE:
+        if tn >= a.max_tenants or ten_recs[tn].state != layout.KV_REC_ACTIVE:
             rep.error("kv-tenant", where, f"belongs to tenant {tn}, which is not in use")
         else:
-            ten_used[tn] += A.slot_size_for(pool, max(1, int(e["length"])))
+            ten_used[tn] += alloc.slot_size_for(pool, max(1, int(e["length"])))
         par = int(e["parent"])
         if par > n or (par and not livem[par - 1]):
             rep.error("kv-parent", where, f"its parent entry {par - 1} is not live")
         if int(e["children"]) != int(children[i]):
             rep.error("kv-children", where, f"records {int(e['children'])} children, "
                                             f"{int(children[i])} point to it")
-        bits = A.slot_bits(pool, int(e["payload"]))
+        bits = alloc.slot_bits(pool, int(e["payload"]))
         if bits is None or not bits[0]:
             rep.error("kv-payload", where, f"payload {int(e['payload']):#x} is not an "
                                            "allocated slot")
-        elif st[i] == L.KV_PUBLISHED and not bits[1]:
+        elif st[i] == layout.KV_PUBLISHED and not bits[1]:
             rep.error("kv-payload", where, "published block in an unpublished slot")
     for slot in _dead_pin_slots(a):
         rep.error("kv-dead-pins", f"node {slot}", "pins blocks but the node is not attached "
                                                   "(its recovery did not finish)")
     h = a.header()
-    if h.live != len(idx) or h.tombstones != int((st == L.KV_TOMBSTONE).sum()):
+    if h.live != len(idx) or h.tombstones != int((st == layout.KV_TOMBSTONE).sum()):
         rep.error("kv-counters", "kv header", f"counts {h.live} live / {h.tombstones} "
                                               f"tombstones, the table holds {len(idx)} / "
-                                              f"{int((st == L.KV_TOMBSTONE).sum())}")
+                                              f"{int((st == layout.KV_TOMBSTONE).sum())}")
     for i, r in enumerate(ns_recs):
-        if r.state == L.KV_REC_ACTIVE and r.blocks != ns_blocks[i]:
+        if r.state == layout.KV_REC_ACTIVE and r.blocks != ns_blocks[i]:
             rep.error("kv-counters", f"namespace {i}", f"counts {r.blocks} blocks, the table "
                                                        f"holds {int(ns_blocks[i])}")
     for i, r in enumerate(ten_recs):
-        if r.state == L.KV_REC_ACTIVE and r.used != ten_used[i]:
+        if r.state == layout.KV_REC_ACTIVE and r.used != ten_used[i]:
             rep.error("kv-counters", f"tenant {i}", f"counts {r.used} bytes used, the table "
                                                     f"holds {int(ten_used[i])}")
     # the leaf LRU lists: every published leaf on exactly its tenant's list,
@@ -111,9 +111,9 @@ def check_kv(pool, rep, live: set[int]) -> None:
         rep.warn("kv-load", "hash table", f"{h.live} entries exceed the maximum load "
                                           f"({a.max_used})")
     rep.stats["kv"] = {"present": True, "entries": int(len(idx)),
-                       "published": int((st == L.KV_PUBLISHED).sum()),
-                       "tombstones": int((st == L.KV_TOMBSTONE).sum()),
-                       "namespaces": int(sum(r.state == L.KV_REC_ACTIVE for r in ns_recs)),
+                       "published": int((st == layout.KV_PUBLISHED).sum()),
+                       "tombstones": int((st == layout.KV_TOMBSTONE).sum()),
+                       "namespaces": int(sum(r.state == layout.KV_REC_ACTIVE for r in ns_recs)),
                        "hash_slots": n, "lru_leaves": int(on_lists)}
 
 
@@ -123,7 +123,7 @@ def _dead_pin_slots(a, placeholders=frozenset()) -> list[int]:
     slots, as far as pins go)."""
 
     out = []
-    for n in N.read_nodes(a.pool, include_free=True):
+    for n in nodes.read_nodes(a.pool, include_free=True):
         if n.state in ("attached", "claimed", "fenced") and n.slot not in placeholders:
             continue
         pins = np.frombuffer(a._read(a.pins_off(n.slot), a.npins * 8), dtype="<u8")
@@ -134,20 +134,20 @@ def _dead_pin_slots(a, placeholders=frozenset()) -> list[int]:
 
 def _slot_size(pool, off: int) -> int:
     """Slot size of the slab holding pool offset `off` (0 when none)."""
-    data_off, chunk, nchunks, base = A.geometry(pool)
+    data_off, chunk, nchunks, base = alloc.geometry(pool)
     if not data_off <= off < data_off + chunk * nchunks:
         return 0
     m = pool.mapping
     idx = (off - data_off) // chunk
-    m.invalidate(base + idx * L.CHUNK_DESC_SIZE, 8)
-    ctl = m.load64(base + idx * L.CHUNK_DESC_SIZE)
-    head = ctl >> 8 if ctl & 0xFF == L.CHUNK_TAIL else idx
+    m.invalidate(base + idx * layout.CHUNK_DESC_SIZE, 8)
+    ctl = m.load64(base + idx * layout.CHUNK_DESC_SIZE)
+    head = ctl >> 8 if ctl & 0xFF == layout.CHUNK_TAIL else idx
     if head > idx:
         return 0
-    m.invalidate(base + head * L.CHUNK_DESC_SIZE, L.CHUNK_DESC_SIZE)
-    if m.load64(base + head * L.CHUNK_DESC_SIZE) & 0xFF != L.CHUNK_HEAD:
+    m.invalidate(base + head * layout.CHUNK_DESC_SIZE, layout.CHUNK_DESC_SIZE)
+    if m.load64(base + head * layout.CHUNK_DESC_SIZE) & 0xFF != layout.CHUNK_HEAD:
         return 0
-    return int(m.load64(base + head * L.CHUNK_DESC_SIZE + A._F["slot_size"]))
+    return int(m.load64(base + head * layout.CHUNK_DESC_SIZE + alloc._F["slot_size"]))
 
 
 def repair_kv(pool, rep, live: set[int]) -> None:
@@ -159,7 +159,7 @@ def repair_kv(pool, rep, live: set[int]) -> None:
     slot no other entry uses), clears dead nodes' pins and recomputes every
     counter.  A corrupt KV header is left (fsck keeps reporting it: re-format)."""
 
-    if not pool.sb.compat & L.COMPAT_KV:
+    if not pool.sb.compat & layout.COMPAT_KV:
         return
     try:
         a = Area(pool)
@@ -167,11 +167,11 @@ def repair_kv(pool, rep, live: set[int]) -> None:
         return
     m, n = a.m, a.nslots
     one = np.zeros(1, dtype=np.uint64)
-    J.repair(pool, rep)
+    journal.repair(pool, rep)
     lru_problems, lru_first = m.kv_lru_check()[:2]
 
     def free_payload(off: int) -> bool:
-        bits = A.slot_bits(pool, off)
+        bits = alloc.slot_bits(pool, off)
         if bits is None or not bits[0]:
             return False
         one[0] = off
@@ -185,13 +185,13 @@ def repair_kv(pool, rep, live: set[int]) -> None:
         """Is entry i's payload a block only it refers to: an allocated,
         published slot of the size class of its namespace's blocks, which no
         other live entry uses?"""
-        bits = A.slot_bits(pool, off)
+        bits = alloc.slot_bits(pool, off)
         if bits is None or not (bits[0] and bits[1]) or refs.get(off, 0) != 1:
             return False
         ns = int(t["ns"][i])
-        if ns >= a.max_ns or ns_recs[ns].state != L.KV_REC_ACTIVE:
+        if ns >= a.max_ns or ns_recs[ns].state != layout.KV_REC_ACTIVE:
             return False
-        return _slot_size(pool, off) == A.slot_size_for(pool, max(1, ns_recs[ns].block_bytes))
+        return _slot_size(pool, off) == alloc.slot_size_for(pool, max(1, ns_recs[ns].block_bytes))
 
     def drop(i: int, code: str, why: str, free) -> None:
         off = int(t["payload"][i])
@@ -205,28 +205,28 @@ def repair_kv(pool, rep, live: set[int]) -> None:
     t = a.entries()
     st = (t["ctl"] & 0xFF).astype(np.int64)
     # what dead nodes (or dead lock holders) left
-    for i in np.flatnonzero(st > L.KV_TOMBSTONE):
+    for i in np.flatnonzero(st > layout.KV_TOMBSTONE):
         drop(int(i), "kv-entry-state", f"invalid state {int(st[i])}", False)
-    for i in np.flatnonzero(st == L.KV_WRITING):
+    for i in np.flatnonzero(st == layout.KV_WRITING):
         drop(int(i), "kv-unrecovered", "left being written by a dead lock holder", True)
-    for i in np.flatnonzero((st == L.KV_PENDING) & ~np.isin(t["owner"], list(live))):
+    for i in np.flatnonzero((st == layout.KV_PENDING) & ~np.isin(t["owner"], list(live))):
         drop(int(i), "kv-unrecovered", f"reserved by token {int(t['owner'][i]):#x}, which is "
                                        "not an attached node", True)
-    for i in np.flatnonzero(st == L.KV_EVICTING):
-        bits = A.slot_bits(pool, int(t["payload"][i]))
+    for i in np.flatnonzero(st == layout.KV_EVICTING):
+        bits = alloc.slot_bits(pool, int(t["payload"][i]))
         if bits is not None and bits[0] and bits[2]:
             drop(int(i), "kv-unrecovered", "left half evicted by a dead evictor", True)
         else:
-            m.kv_set_state(a.table, n, np.array([i], dtype=np.uint64), L.KV_EVICTING,
-                           L.KV_PUBLISHED, 0, 0)
+            m.kv_set_state(a.table, n, np.array([i], dtype=np.uint64), layout.KV_EVICTING,
+                           layout.KV_PUBLISHED, 0, 0)
             rep.did("kv-unrecovered", f"entry {int(i)}", "eviction a dead evictor had not "
                                                         "begun undone: published again")
     # inconsistent entries
     t = a.entries()
     st = (t["ctl"] & 0xFF).astype(np.int64)
-    livem = (st == L.KV_PENDING) | (st == L.KV_PUBLISHED)
+    livem = (st == layout.KV_PENDING) | (st == layout.KV_PUBLISHED)
     idx = np.flatnonzero(livem)
-    empty = st == L.KV_EMPTY
+    empty = st == layout.KV_EMPTY
     csum = np.concatenate([[0], np.cumsum(np.concatenate([empty, empty]))])
     home = (t["key_lo"][idx] & np.uint64(n - 1)).astype(np.int64)
     end = np.where(idx >= home, idx, idx + n)
@@ -259,18 +259,18 @@ def repair_kv(pool, rep, live: set[int]) -> None:
         if pay in shared:
             bad[i] = ("kv-shared-payload", f"payload {pay:#x} is shared with another entry",
                       False)
-        elif ns >= a.max_ns or ns_recs[ns].state != L.KV_REC_ACTIVE:
+        elif ns >= a.max_ns or ns_recs[ns].state != layout.KV_REC_ACTIVE:
             bad[i] = ("kv-namespace", f"namespace {ns} is not in use", True)
-        elif tn >= a.max_tenants or ten_recs[tn].state != L.KV_REC_ACTIVE:
+        elif tn >= a.max_tenants or ten_recs[tn].state != layout.KV_REC_ACTIVE:
             bad[i] = ("kv-tenant", f"tenant {tn} is not in use", True)
         elif int(e["length"]) != ns_recs[ns].block_bytes:
             bad[i] = ("kv-length", f"{int(e['length'])} bytes, its namespace's blocks are "
                                    f"{ns_recs[ns].block_bytes}", True)
         else:
-            bits = A.slot_bits(pool, pay)
+            bits = alloc.slot_bits(pool, pay)
             if bits is None or not bits[0]:
                 bad[i] = ("kv-payload", f"payload {pay:#x} is not an allocated slot", False)
-            elif st[i] == L.KV_PUBLISHED and not bits[1]:
+            elif st[i] == layout.KV_PUBLISHED and not bits[1]:
                 bad[i] = ("kv-payload", f"payload {pay:#x} is an unpublished slot (another "
                                         "node's reservation)", False)
     for i, (code, why, free) in sorted(bad.items()):

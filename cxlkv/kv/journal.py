@@ -52,27 +52,27 @@ import numpy as np
 
 from cxlkv._core import fence
 from cxlkv.errors import MetadataCorrupt, PoolIncompatible, UsageError
-from cxlkv.pool import layout as L
+from cxlkv.pool import layout
 
-STORED = L.JOURNAL_STORED
-EVICTED = L.JOURNAL_EVICTED
-NS_CLEARED = L.JOURNAL_NS_CLEARED
+STORED = layout.JOURNAL_STORED
+EVICTED = layout.JOURNAL_EVICTED
+NS_CLEARED = layout.JOURNAL_NS_CLEARED
 
 REC = np.dtype([("seq", "<u8"), ("key_lo", "<u8"), ("key_hi", "<u8"), ("parent_lo", "<u8"),
                 ("parent_hi", "<u8"), ("length", "<u4"), ("ns", "<u2"), ("tenant", "<u2"),
                 ("time_us", "<u8"), ("entry", "<u4"), ("op", "u1"), ("reserved", "u1", (3,))])
-assert REC.itemsize == L.JOURNAL_REC_SIZE
+assert REC.itemsize == layout.JOURNAL_REC_SIZE
 #: what poll() returns: a record, without its padding, with the node slot of its ring
 CHANGE = np.dtype([(n, REC.fields[n][0]) for n in REC.names if n != "reserved"]
                   + [("node", "<u2")])
-_ENTRY = np.dtype(L.HashEntryStruct)
-_RING_HDR = ctypes.sizeof(L.JournalRingStruct)
-_NEXT_SEQ = L.field_offset(L.JournalHdrStruct, "next_seq")
+_ENTRY = np.dtype(layout.HashEntryStruct)
+_RING_HDR = ctypes.sizeof(layout.JournalRingStruct)
+_NEXT_SEQ = layout.field_offset(layout.JournalHdrStruct, "next_seq")
 _RESYNC_REASONS = ("start", "overrun", "torn", "writer", "reset")
 
 
 def has_journal(pool) -> bool:
-    return bool(pool.sb.incompat & L.INCOMPAT_JOURNAL)
+    return bool(pool.sb.incompat & layout.INCOMPAT_JOURNAL)
 
 
 def require(pool) -> None:
@@ -95,16 +95,16 @@ class _Geometry:
         self.pool, self.m = pool, pool.mapping
         self.flush_meta = sb.sync == "manager" or self.m.noncoherent
         kv_off, kv_size = sb.regions["kv"]
-        g = L.journal_geometry(sb.max_nodes, sb.hash_slots)
+        g = layout.journal_geometry(sb.max_nodes, sb.hash_slots)
         self.nrec = g["records_per_node"]
         self.max_nodes = sb.max_nodes
         self.stride = g["ring_stride"]
         self.rings = kv_off + g["ring_off"]
         self.hdr = hdr = kv_off + g["hdr_off"]
-        raw = self._read(hdr, ctypes.sizeof(L.JournalHdrStruct))
-        h = L.JournalHdrStruct.from_buffer_copy(raw)
-        if (h.magic != L.JOURNAL_MAGIC or h.records_per_node != self.nrec
-                or h.rec_size != L.JOURNAL_REC_SIZE or h.ring_off != g["ring_off"]
+        raw = self._read(hdr, ctypes.sizeof(layout.JournalHdrStruct))
+        h = layout.JournalHdrStruct.from_buffer_copy(raw)
+        if (h.magic != layout.JOURNAL_MAGIC or h.records_per_node != self.nrec
+                or h.rec_size != layout.JOURNAL_REC_SIZE or h.ring_off != g["ring_off"]
                 or h.ring_stride != self.stride or h.max_nodes != sb.max_nodes
                 or kv_size < g["end"]):
             raise MetadataCorrupt(f"{pool.path}: the change journal's header is corrupt "
@@ -227,7 +227,7 @@ class JournalReader:
         for s in np.flatnonzero(heads).tolist():
             pos = (int(heads[s]) - 1) % self.geo.nrec
             self.last[s] = int.from_bytes(self.geo._read(
-                rec + s * self.geo.stride + pos * L.JOURNAL_REC_SIZE, 8), "little")
+                rec + s * self.geo.stride + pos * layout.JOURNAL_REC_SIZE, 8), "little")
 
     def poll(self) -> Changes:
         """Everything appended since the last poll, in sequence order, or a
@@ -289,7 +289,8 @@ class JournalReader:
 
         def copy():
             return np.concatenate([np.frombuffer(
-                self.geo._read(base + a * L.JOURNAL_REC_SIZE, k * L.JOURNAL_REC_SIZE), dtype=REC)
+                self.geo._read(base + a * layout.JOURNAL_REC_SIZE,
+                               k * layout.JOURNAL_REC_SIZE), dtype=REC)
                 for a, k in spans])
 
         a = copy()
@@ -310,9 +311,9 @@ class JournalReader:
         at the heads read before the table."""
         heads, writers = self.geo.heads()
         self._mark(heads, writers)
-        t = np.frombuffer(self.geo._read(self.geo.table, self.geo.nslots * L.HASH_ENTRY_SIZE),
+        t = np.frombuffer(self.geo._read(self.geo.table, self.geo.nslots * layout.HASH_ENTRY_SIZE),
                           dtype=_ENTRY)
-        idx = np.flatnonzero((t["ctl"] & 0xFF) == L.KV_PUBLISHED)
+        idx = np.flatnonzero((t["ctl"] & 0xFF) == layout.KV_PUBLISHED)
         e = t[idx]
         out = np.zeros(len(idx), dtype=CHANGE)
         for f in ("key_lo", "key_hi", "length", "ns", "tenant"):
@@ -342,7 +343,8 @@ def report(pool) -> dict | None:
     heads, writers = g.heads()
     return {"records_per_node": g.nrec,
             "appended": int(heads.sum()), "next_seq": g.next_seq(),
-            "rings": [{"slot": s, "head": int(heads[s]), "writer_slot": (int(writers[s]) & 0xFFFF) - 1,
+            "rings": [{"slot": s, "head": int(heads[s]),
+                       "writer_slot": (int(writers[s]) & 0xFFFF) - 1,
                        "writer_epoch": int(writers[s]) >> 16}
                       for s in np.flatnonzero(heads).tolist()]}
 
@@ -352,13 +354,14 @@ def _problems(pool) -> tuple[bool, int, list[tuple[str, str, str]]]:
     """(header corrupt, next_seq a repair sets, [(code, where, message)])."""
     sb, m = pool.sb, pool.mapping
     kv_off, _ = sb.regions["kv"]
-    g = L.journal_geometry(sb.max_nodes, sb.hash_slots)
+    g = layout.journal_geometry(sb.max_nodes, sb.hash_slots)
     hdr = kv_off + g["hdr_off"]
     m.invalidate(hdr, 128)
-    h = L.JournalHdrStruct.from_buffer_copy(m.read(hdr, ctypes.sizeof(L.JournalHdrStruct)))
+    h = layout.JournalHdrStruct.from_buffer_copy(m.read(hdr,
+                                                        ctypes.sizeof(layout.JournalHdrStruct)))
     out = []
-    corrupt = (h.magic != L.JOURNAL_MAGIC or h.records_per_node != g["records_per_node"]
-               or h.rec_size != L.JOURNAL_REC_SIZE or h.ring_off != g["ring_off"]
+    corrupt = (h.magic != layout.JOURNAL_MAGIC or h.records_per_node != g["records_per_node"]
+               or h.rec_size != layout.JOURNAL_REC_SIZE or h.ring_off != g["ring_off"]
                or h.ring_stride != g["ring_stride"] or h.max_nodes != sb.max_nodes)
     if corrupt:
         out.append(("kv-journal-header", "change journal", "its header is corrupt (magic or "
@@ -372,7 +375,7 @@ def _problems(pool) -> tuple[bool, int, list[tuple[str, str, str]]]:
             out.append(("kv-journal-ring", f"journal ring {s}",
                         f"names writer {writer:#x}, a token of another node slot"))
         if head:
-            last = ring + _RING_HDR + ((head - 1) % g["records_per_node"]) * L.JOURNAL_REC_SIZE
+            last = ring + _RING_HDR + ((head - 1) % g["records_per_node"]) * layout.JOURNAL_REC_SIZE
             m.invalidate(last, 8)
             top = max(top, m.load64(last))
     if not corrupt and h.next_seq <= top:
@@ -399,10 +402,11 @@ def repair(pool, rep) -> None:
     codes = {c for c, _, _ in found}
     if corrupt or "kv-journal-seq" in codes:
         sb, m = pool.sb, pool.mapping
-        g = L.journal_geometry(sb.max_nodes, sb.hash_slots)
+        g = layout.journal_geometry(sb.max_nodes, sb.hash_slots)
         hdr = sb.regions["kv"][0] + g["hdr_off"]
-        h = L.JournalHdrStruct(magic=L.JOURNAL_MAGIC, records_per_node=g["records_per_node"],
-                               rec_size=L.JOURNAL_REC_SIZE, ring_off=g["ring_off"],
+        h = layout.JournalHdrStruct(magic=layout.JOURNAL_MAGIC,
+                                    records_per_node=g["records_per_node"],
+                               rec_size=layout.JOURNAL_REC_SIZE, ring_off=g["ring_off"],
                                ring_stride=g["ring_stride"], max_nodes=sb.max_nodes,
                                next_seq=next_seq)
         m.write(hdr, bytes(h))

@@ -48,15 +48,15 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from cxlkv import errors as E
+from cxlkv import errors
 from cxlkv.errors import SnapshotError, SnapshotIncompatible
-from cxlkv.kv import journal as J
+from cxlkv.kv import journal
 from cxlkv.kv.area import ENTRY, Area, stamp
 from cxlkv.kv.cache import set_tenant_secret
 from cxlkv.kv.keys import namespace_digest
-from cxlkv.pool import layout as L
-from cxlkv.state import alloc as A
-from cxlkv.state import nodes as N
+from cxlkv.pool import layout
+from cxlkv.state import alloc
+from cxlkv.state import nodes
 
 FORMAT = "cxlkv-kv-snapshot"
 VERSION = 1
@@ -99,7 +99,7 @@ def _ctl(area: Area, idx: np.ndarray) -> np.ndarray:
             m.invalidate(off, 8)
             out[j] = m.load64(off)
         return out
-    v = m.view(area.table, area.nslots * L.HASH_ENTRY_SIZE)
+    v = m.view(area.table, area.nslots * layout.HASH_ENTRY_SIZE)
     try:
         arr = np.frombuffer(v, dtype="<u8").reshape(area.nslots, 8)
         out = arr[idx.astype(np.int64), 0].copy()
@@ -112,7 +112,7 @@ def _ctl(area: Area, idx: np.ndarray) -> np.ndarray:
 def _entries_at(area: Area, idx: np.ndarray):
     out = np.empty(len(idx), dtype=ENTRY)
     for j, i in enumerate(idx):
-        out[j] = np.frombuffer(area._read(area.entry_off(int(i)), L.HASH_ENTRY_SIZE),
+        out[j] = np.frombuffer(area._read(area.entry_off(int(i)), layout.HASH_ENTRY_SIZE),
                                dtype=ENTRY)[0]
     return out
 
@@ -120,7 +120,7 @@ def _entries_at(area: Area, idx: np.ndarray):
 def _ring_touched(area: Area) -> np.ndarray:
     """Entries touched by loads not yet applied to their LRU stamps (read only)."""
     out = []
-    for n in N.read_nodes(area.pool):
+    for n in nodes.read_nodes(area.pool):
         if n.state not in ("attached", "claimed"):
             continue
         raw = area._read(area.node_base(n.slot), 128)
@@ -140,13 +140,13 @@ def snapshot(pool, dest, progress=None) -> dict:
     gives) to the new or empty directory `dest`.  progress(done, total) is
     called with bytes.  Returns a report."""
     if pool.node is None:
-        raise E.UsageError("snapshot needs an attached node: use cxlkv.open_pool()")
+        raise errors.UsageError("snapshot needs an attached node: use cxlkv.open_pool()")
     dest = Path(dest)
     if dest.exists():
         if not dest.is_dir():
-            raise E.RefusedError(f"{dest} exists and is not a directory", path=str(dest))
+            raise errors.RefusedError(f"{dest} exists and is not a directory", path=str(dest))
         if any(dest.iterdir()):
-            raise E.RefusedError(f"{dest} is not empty: a snapshot goes into a new or empty "
+            raise errors.RefusedError(f"{dest} is not empty: a snapshot goes into a new or empty "
                                  "directory", path=str(dest),
                                  hint="choose another directory or remove this one")
     else:
@@ -158,7 +158,7 @@ def snapshot(pool, dest, progress=None) -> dict:
     t = area.entries()
     now = stamp()
     st = t["ctl"] & 0xFF
-    cand = np.flatnonzero(st == L.KV_PUBLISHED)
+    cand = np.flatnonzero(st == layout.KV_PUBLISHED)
     lru = t["lru"].copy()
     touched = _ring_touched(area)
     if len(touched):
@@ -202,7 +202,7 @@ def snapshot(pool, dest, progress=None) -> dict:
                     recs.append(rec[:n])
                     k += n
                     if full:
-                        raise E.RefusedError("this node's pin table is full", path=pool.path)
+                        raise errors.RefusedError("this node's pin table is full", path=pool.path)
                     if k < len(idx):
                         changed += 1          # evicted or replaced since the table was read
                         k += 1
@@ -276,7 +276,8 @@ def snapshot(pool, dest, progress=None) -> dict:
             f.flush()
             os.fsync(f.fileno())
         namespaces = [{"name": nsrec[n].name.decode("utf-8", "replace"),
-                       "hash": L.KV_HASH_NAMES.get(nsrec[n].hash_kind, str(nsrec[n].hash_kind)),
+                       "hash": layout.KV_HASH_NAMES.get(nsrec[n].hash_kind,
+                                                        str(nsrec[n].hash_kind)),
                        "block_tokens": nsrec[n].block_tokens,
                        "block_bytes": nsrec[n].block_bytes,
                        "digest": bytes(nsrec[n].digest).hex()} for n in used_ns]
@@ -320,7 +321,7 @@ def read_manifest(src) -> dict:
     """The manifest of snapshot directory `src`, checked (format, version, checksum)."""
     src = Path(src)
     if not src.is_dir():
-        raise E.PoolNotFound(f"{src}: no such snapshot directory", path=str(src))
+        raise errors.PoolNotFound(f"{src}: no such snapshot directory", path=str(src))
     mp = src / MANIFEST
     if not mp.exists():
         raise SnapshotError(f"{src}: no {MANIFEST}: not a snapshot, or an incomplete one "
@@ -399,34 +400,34 @@ def _ns_index(area: Area, ns: dict) -> int:
     """The target's record for a snapshot namespace, made if needed (lock held)."""
 
     name = ns["name"].encode("utf-8")
-    kind = L.KV_HASH_CODES.get(ns["hash"])
+    kind = layout.KV_HASH_CODES.get(ns["hash"])
     if kind is None:
         raise SnapshotError(f"namespace {ns['name']!r}: unknown hash {ns['hash']!r}")
     if namespace_digest(ns["name"]).hex() != ns["digest"]:
         raise SnapshotError(f"namespace {ns['name']!r}: digest does not match its name")
     free = -1
     for i, r in enumerate(area.ns_records()):
-        if r.state == L.KV_REC_ACTIVE and r.name == name:
+        if r.state == layout.KV_REC_ACTIVE and r.name == name:
             if (r.block_bytes, r.block_tokens, r.hash_kind) != (
                     ns["block_bytes"], ns["block_tokens"], kind):
-                raise E.RefusedError(
+                raise errors.RefusedError(
                     f"namespace {ns['name']!r} exists in the target with other parameters "
                     f"(block_bytes={r.block_bytes}, block_tokens={r.block_tokens})",
                     hint="drop it first (cxlkv kv drop --namespace NAME)")
             return i
-        if free < 0 and r.state == L.KV_REC_FREE:
+        if free < 0 and r.state == layout.KV_REC_FREE:
             free = i
     if free < 0:
-        raise E.RefusedError(f"all {area.max_ns} KV namespaces of the target are in use")
-    r = L.KVNsStruct()
+        raise errors.RefusedError(f"all {area.max_ns} KV namespaces of the target are in use")
+    r = layout.KVNsStruct()
     r.name = name
-    r.state = L.KV_REC_ACTIVE
+    r.state = layout.KV_REC_ACTIVE
     r.hash_kind = kind
     r.block_tokens = ns["block_tokens"]
     r.block_bytes = ns["block_bytes"]
     r.digest[:] = bytes.fromhex(ns["digest"])
     area.write_record(area.ns_off(free), r)
-    area.m.zero(area.stats_off(area.pool.node.slot, free), L.KV_NSTATS * 8)
+    area.m.zero(area.stats_off(area.pool.node.slot, free), layout.KV_NSTATS * 8)
     return free
 
 
@@ -436,15 +437,16 @@ def _tenant_index(area: Area, ten: dict) -> int:
         return 0
     free = -1
     for i, r in enumerate(area.tenant_records()):
-        if i and r.state == L.KV_REC_ACTIVE and bytes(r.salt) == salt:
+        if i and r.state == layout.KV_REC_ACTIVE and bytes(r.salt) == salt:
             return i
-        if i and free < 0 and r.state == L.KV_REC_FREE:
+        if i and free < 0 and r.state == layout.KV_REC_FREE:
             free = i
     if free < 0:
-        raise E.RefusedError(f"all {area.max_tenants - 1} tenant records of the target are in use")
-    r = L.KVTenantStruct()
+        raise errors.RefusedError(f"all {area.max_tenants - 1} tenant records of the target "
+                                  "are in use")
+    r = layout.KVTenantStruct()
     r.salt[:] = salt
-    r.state = L.KV_REC_ACTIVE
+    r.state = layout.KV_REC_ACTIVE
     r.quota = int(ten.get("quota", 0))
     area.write_record(area.tenant_off(free), r)
     return free
@@ -455,7 +457,7 @@ def _prepare_target(pool, area: Area, doc: dict) -> bool:
     whether the secret was carried (pool lock held)."""
     h = area.header()
     if h.live:
-        raise E.RefusedError(
+        raise errors.RefusedError(
             f"{pool.path} holds {h.live} KV entries: restore goes into a pool without KV "
             "blocks", path=pool.path,
             hint="restore into a freshly formatted pool (cxlkv format --force), or drop the "
@@ -475,7 +477,7 @@ def restore(pool, src, progress=None) -> dict:
     Returns a report: restored, left_out (no room), corrupt (checksum
     mismatch; their descendants are counted in corrupt_descendants)."""
     if pool.node is None:
-        raise E.UsageError("restore needs an attached node: use cxlkv.open_pool()")
+        raise errors.UsageError("restore needs an attached node: use cxlkv.open_pool()")
     t0 = time.monotonic()
     src = Path(src)
     doc = read_manifest(src)
@@ -567,9 +569,9 @@ def _insert(pool, area, idx, keep_a, src_buf, ln, ns_of, t_of, keys_all, slot_of
     pay = None
     while want:                          # all at once, or fewer when the pool is full
         try:
-            pay = pool.alloc_batch(ln, want, zero=A.slot_size_for(pool, ln) != ln)
+            pay = pool.alloc_batch(ln, want, zero=alloc.slot_size_for(pool, ln) != ln)
             break
-        except A.PoolFullError:
+        except alloc.PoolFullError:
             want //= 2
     if pay is None:
         return 0, "pool full"
@@ -624,14 +626,15 @@ def _insert(pool, area, idx, keep_a, src_buf, ln, ns_of, t_of, keys_all, slot_of
             pool.node.guard()
             pool.publish(pay)
             sl = slots[new]
-            m.kv_set_state(area.table, area.nslots, sl, L.KV_PENDING, L.KV_PUBLISHED, token,
+            m.kv_set_state(area.table, area.nslots, sl, layout.KV_PENDING, layout.KV_PUBLISHED,
+                           token,
                            stamp())
             lr = idx["lru"][keep_a[new]]
             for v in np.unique(lr):
                 if v:
                     m.kv_stamp(area.table, area.nslots, sl[lr == v], int(v))
             published = True
-            area.journal.append(J.STORED, sl)       # journal readers learn of them
+            area.journal.append(journal.STORED, sl)       # journal readers learn of them
     except BaseException:
         if not published:
             try:

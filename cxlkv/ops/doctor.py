@@ -26,13 +26,13 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from cxlkv import errors as E
+from cxlkv import errors
 from cxlkv.api import Pool
-from cxlkv.host import discovery as D
+from cxlkv.host import discovery
 from cxlkv.ops.init import DEFAULT_POOL_PATH
 from cxlkv.pool import device
-from cxlkv.state import nodes as N
-from cxlkv.state import protocol as P
+from cxlkv.state import nodes
+from cxlkv.state import protocol
 
 PASS, WARN, FAIL, SKIP, UNKNOWN = "pass", "warn", "fail", "skip", "unknown"
 TEMP_WARN_C = 70          # latency 200 -> 400+ ns above 70 C
@@ -129,7 +129,7 @@ def _kernel(k: dict) -> Check:
 def _cxl_stack(h: dict) -> list[Check]:
     cxl, mods = h["cxl"], h["modules"]
     out = []
-    missing = [m for m in D.CORE_MODULES if not mods.get(m)]
+    missing = [m for m in discovery.CORE_MODULES if not mods.get(m)]
     out.append(Check("modules", "CXL kernel modules", FAIL if missing else PASS,
                      (f"not loaded: {', '.join(missing)}" if missing else
                       "loaded: " + ", ".join(m for m, st in mods.items() if st)),
@@ -228,7 +228,7 @@ def _unk(v, unit="") -> str:
 def _dax(h: dict) -> list[Check]:
     cxl = h["cxl"]
     out = []
-    missing = [m for m in D.DAX_MODULES if not h["modules"].get(m)]
+    missing = [m for m in discovery.DAX_MODULES if not h["modules"].get(m)]
     if missing:
         out.append(Check("modules", "DAX kernel modules", FAIL, f"not loaded: {', '.join(missing)}",
                          f"modprobe -a {' '.join(missing)}"))
@@ -405,7 +405,7 @@ def check_pool(path: str | None) -> list[Check]:
     out = []
     try:
         t = device.probe(path)
-    except E.CxlkvError as e:
+    except errors.CxlkvError as e:
         return [Check("pool", "pool formatted and readable", FAIL, e.message,
                       e.hint or f"cxlkv init --pool {path}", path)]
     if t.kind == "file":
@@ -413,11 +413,11 @@ def check_pool(path: str | None) -> list[Check]:
                                 "gid": t.gid, "group": t.to_json()["group"]}, path, device=False))
     try:
         pool = Pool.open(path, writable=False, force=True)
-    except E.NotFormatted as e:
+    except errors.NotFormatted as e:
         return out + [Check("pool", "pool formatted and readable", FAIL, e.message,
                             f"cxlkv init {'--device' if t.kind == 'devdax' else '--pool'} {path}",
                             path)]
-    except E.CxlkvError as e:
+    except errors.CxlkvError as e:
         return out + [Check("pool", "pool formatted and readable", FAIL, e.message,
                             e.hint or f"cxlkv fsck --pool {path}", path)]
     with pool:
@@ -438,10 +438,10 @@ def check_pool(path: str | None) -> list[Check]:
 
 
 def _heartbeats(pool, path: str) -> Check:
-    table = [n for n in N.read_nodes(pool) if n.state == "attached"]
+    table = [n for n in nodes.read_nodes(pool) if n.state == "attached"]
     if not table:
         return Check("heartbeats", "node heartbeats fresh", PASS, "no nodes attached", None, path)
-    alive = {n.slot for n in N.live_nodes(pool, observe=True)}
+    alive = {n.slot for n in nodes.live_nodes(pool, observe=True)}
     stale = [n for n in table if n.slot not in alive]
     if stale:
         return Check("heartbeats", "node heartbeats fresh", WARN,
@@ -457,7 +457,7 @@ def _lock_manager(pool, path: str) -> Check:
         return Check("lock-manager", "lock manager running", SKIP,
                      f"sync mode {pool.sb.sync} needs no lock manager", None, path)
 
-    if P.manager_alive(pool):
+    if protocol.manager_alive(pool):
         return Check("lock-manager", "lock manager running", PASS,
                      "a lock manager is heartbeating", None, path)
     return Check("lock-manager", "lock manager running", FAIL,
@@ -468,7 +468,7 @@ def _lock_manager(pool, path: str) -> Check:
 
 def run(*, pool: str | None = None, host: dict | None = None) -> dict:
     """All checks; {"checks": [...], "summary": {...}, "pool": path, "exit_code": n}."""
-    h = host if host is not None else D.discover()
+    h = host if host is not None else discovery.discover()
     path = pool if pool is not None else default_pool(h)
     emulated = path is not None and not path.startswith("/dev/dax")
     checks = check_host(h, emulated=emulated) + check_pool(path)

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cxlkv.kv.check import check_kv  # the KV layer's own check (layered above state)
-from cxlkv.pool import layout as L
-from cxlkv.state import alloc as A
-from cxlkv.state import locks as K
-from cxlkv.state import nodes as N
+from cxlkv.pool import layout
+from cxlkv.state import alloc
+from cxlkv.state import locks
+from cxlkv.state import nodes
 
 
 @dataclass
@@ -73,8 +73,8 @@ def check(pool) -> Report:
 def _check_nodes(pool, rep: Report) -> set[int]:
     """Returns the owner tokens of attached nodes."""
     tokens, states = set(), {}
-    me, pidns = N.local_boot_id(), N.local_pidns()
-    for n in N.read_nodes(pool, include_free=True):
+    me, pidns = nodes.local_boot_id(), nodes.local_pidns()
+    for n in nodes.read_nodes(pool, include_free=True):
         states[n.state] = states.get(n.state, 0) + 1
         where = f"node {n.slot}"
         if n.state.startswith("unknown"):
@@ -94,7 +94,7 @@ def _check_nodes(pool, rep: Report) -> set[int]:
         elif n.state == "attached":
             if n.epoch == 0:
                 rep.error("node-epoch", where, "attached with epoch 0")
-            elif n.same_process_space(me, pidns) and not N.local_process_alive(
+            elif n.same_process_space(me, pidns) and not nodes.local_process_alive(
                     n.pid, n.start_time_ns):
                 rep.error("node-dead", where, f"{n.describe()} is gone from this host but was "
                                              "not reaped")
@@ -105,10 +105,10 @@ def _check_nodes(pool, rep: Report) -> set[int]:
 
 
 def _check_locks(pool, rep: Report, live: set[int]) -> None:
-    hdr_off, _ = K.lock_offsets(pool)
+    hdr_off, _ = locks.lock_offsets(pool)
     m = pool.mapping
     m.invalidate(hdr_off, 128)
-    h = L.LockHdrStruct.from_buffer_copy(m.read(hdr_off, L.LOCK_HDR_SIZE))
+    h = layout.LockHdrStruct.from_buffer_copy(m.read(hdr_off, layout.LOCK_HDR_SIZE))
     if pool.sb.sync == "cas":
         if h.now_serving > h.next_ticket:
             rep.error("lock-tickets", "lock", f"now serving {h.now_serving} is past the next "
@@ -116,29 +116,30 @@ def _check_locks(pool, rep: Report, live: set[int]) -> None:
         if h.owner and h.owner not in live:
             rep.error("lock-owner", "lock", f"held by token {h.owner:#x}, which is not an "
                                             "attached node")
-    ents = K.read_entries(pool)
+    ents = locks.read_entries(pool)
     if pool.sb.sync == "cas":
-        queued = ((ents["state"] == L.LOCK_WAITING) | (ents["state"] == L.LOCK_LOCKED)).any()
+        queued = np.isin(ents["state"], (layout.LOCK_WAITING, layout.LOCK_LOCKED)).any()
         if h.next_ticket > h.now_serving and not live and not queued:
             rep.error("lock-tickets", "lock", f"{h.next_ticket - h.now_serving} ticket(s) taken "
                       "by nodes that are gone: the next lock waits a lease for each")
-    for slot in np.flatnonzero(ents["state"] != L.LOCK_IDLE):
+    for slot in np.flatnonzero(ents["state"] != layout.LOCK_IDLE):
         st, ep = int(ents["state"][slot]), int(ents["epoch"][slot])
         where = f"lock entry {slot}"
-        if st not in (L.LOCK_WAITING, L.LOCK_LOCKED, L.LOCK_ABANDONED):
+        if st not in (layout.LOCK_WAITING, layout.LOCK_LOCKED, layout.LOCK_ABANDONED):
             rep.error("lock-entry-state", where, f"invalid state {st}")
-        elif st != L.LOCK_ABANDONED and ((int(slot) + 1) | ep << 16) not in live:
-            rep.error("lock-entry-dead", where, f"{'holds' if st == L.LOCK_LOCKED else 'waits for'}"
+        elif st != layout.LOCK_ABANDONED and ((int(slot) + 1) | ep << 16) not in live:
+            rep.error("lock-entry-dead", where,
+                      f"{'holds' if st == layout.LOCK_LOCKED else 'waits for'}"
                                                 " the lock but its node is not attached")
     rep.stats["lock"] = {"acquisitions": h.acquisitions, "next_ticket": h.next_ticket,
                          "now_serving": h.now_serving}
 
 
 def _check_allocator(pool, rep: Report, live: set[int]) -> None:
-    data_off, chunk, nchunks, _ = A.geometry(pool)
-    d = A.descriptors(pool)
+    data_off, chunk, nchunks, _ = alloc.geometry(pool)
+    d = alloc.descriptors(pool)
     try:
-        bits = A.bitmap(pool)
+        bits = alloc.bitmap(pool)
         kind = d["control"] & 0xFF
         covered = np.zeros(nchunks, dtype=bool)
         slabs = slots_used = slots_pub = 0
@@ -146,14 +147,15 @@ def _check_allocator(pool, rep: Report, live: set[int]) -> None:
         for i in range(nchunks):
             k = int(kind[i])
             where = f"chunk {i}"
-            if k not in (L.CHUNK_FREE, L.CHUNK_HEAD, L.CHUNK_TAIL, L.CHUNK_RELEASING):
+            if k not in (layout.CHUNK_FREE, layout.CHUNK_HEAD, layout.CHUNK_TAIL,
+                         layout.CHUNK_RELEASING):
                 rep.error("chunk-kind", where, f"invalid descriptor kind {k}")
                 continue
-            if k == L.CHUNK_FREE:
+            if k == layout.CHUNK_FREE:
                 if bits[i]:
                     rep.error("chunk-leaked", where, "marked used in the bitmap but in no slab")
                 continue
-            if k == L.CHUNK_TAIL:
+            if k == layout.CHUNK_TAIL:
                 head = int(d["control"][i]) >> 8
                 if not covered[i]:
                     rep.error("chunk-orphan-tail", where, f"tail of slab {head}, which does not "
@@ -161,9 +163,9 @@ def _check_allocator(pool, rep: Report, live: set[int]) -> None:
                 continue
             # a slab head (or one being released)
             ss, ns, nc = int(d["slot_size"][i]), int(d["nslots"][i]), int(d["nchunks"][i])
-            if k == L.CHUNK_RELEASING:
+            if k == layout.CHUNK_RELEASING:
                 rep.error("slab-releasing", where, "slab left half released")
-            if not (ss and ss % 64 == 0 and 0 < ns <= L.SLAB_MAX_SLOTS and 0 < nc
+            if not (ss and ss % 64 == 0 and 0 < ns <= layout.SLAB_MAX_SLOTS and 0 < nc
                     and i + nc <= nchunks and ns * ss <= nc * chunk):
                 rep.error("slab-geometry", where, f"bad geometry: slot {ss} x {ns} in {nc} chunks")
                 continue
@@ -172,7 +174,8 @@ def _check_allocator(pool, rep: Report, live: set[int]) -> None:
                 if covered[j]:
                     rep.error("slab-overlap", f"chunk {j}", "belongs to two slabs")
                 covered[j] = True
-                if j > i and not (int(kind[j]) == L.CHUNK_TAIL and int(d["control"][j]) >> 8 == i):
+                if j > i and not (int(kind[j]) == layout.CHUNK_TAIL
+                                  and int(d["control"][j]) >> 8 == i):
                     rep.error("slab-tail", f"chunk {j}", f"should be a tail of slab {i}")
                 if not bits[j]:
                     rep.error("slab-bitmap", f"chunk {j}", f"in slab {i} but free in the bitmap")

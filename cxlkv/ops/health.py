@@ -35,15 +35,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cxlkv import errors as E
+from cxlkv import errors
 from cxlkv.api import Pool
-from cxlkv.host import discovery as D
+from cxlkv.host import discovery
 from cxlkv.host import numa, tools
 from cxlkv.kv.area import Area, quarantine_report
-from cxlkv.pool import layout as L
-from cxlkv.state import alloc as A
-from cxlkv.state import nodes as N
-from cxlkv.state import protocol as P
+from cxlkv.pool import layout
+from cxlkv.state import alloc
+from cxlkv.state import nodes
+from cxlkv.state import protocol
 
 OK, WARNING, CRITICAL, UNKNOWN = 0, 1, 2, 3
 STATUS_NAMES = {OK: "OK", WARNING: "WARNING", CRITICAL: "CRITICAL", UNKNOWN: "UNKNOWN"}
@@ -135,29 +135,29 @@ def usage(pool) -> dict:
     """
 
     data_size = pool.sb.regions["data"][1]
-    d = A.descriptors(pool)
+    d = alloc.descriptors(pool)
     try:
         kind = d["control"] & 0xFF
-        heads = np.flatnonzero(kind == L.CHUNK_HEAD)
-        ok = (d["nslots"][heads] <= L.SLAB_MAX_SLOTS) & (d["slot_size"][heads] % 64 == 0)
+        heads = np.flatnonzero(kind == layout.CHUNK_HEAD)
+        ok = (d["nslots"][heads] <= layout.SLAB_MAX_SLOTS) & (d["slot_size"][heads] % 64 == 0)
         heads = heads[ok]
-        allocated = int((A.used_slots(d, heads).astype(np.int64)
+        allocated = int((alloc.used_slots(d, heads).astype(np.int64)
                          * d["slot_size"][heads].astype(np.int64)).sum()) if len(heads) else 0
     finally:
         del d
     out = {"data_bytes": data_size, "allocated_bytes": allocated, "kv_bytes": 0,
            "kv_evictable_bytes": 0, "kv_entries": 0, "kv_evictable_entries": 0}
-    if pool.sb.compat & L.COMPAT_KV:
+    if pool.sb.compat & layout.COMPAT_KV:
         try:
             a = Area(pool)
-        except E.CxlkvError as e:
+        except errors.CxlkvError as e:
             a = None
             out["kv_error"] = e.message
         if a is not None:
             t = a.entries()
             st = t["ctl"] & 0xFF
-            live = np.flatnonzero((st == L.KV_PENDING) | (st == L.KV_PUBLISHED)
-                                  | (st == L.KV_EVICTING))
+            live = np.flatnonzero((st == layout.KV_PENDING) | (st == layout.KV_PUBLISHED)
+                                  | (st == layout.KV_EVICTING))
             victims = a._victims(t, None, None, None)      # exactly what evict() may take
             out["kv_entries"] = int(len(live))
             out["kv_evictable_entries"] = int(len(victims))
@@ -186,9 +186,9 @@ class ManagerWatch:
         self.since = clock()
 
     def verdict(self) -> str:
-        m, h = self.pool.mapping, P.lock_header(self.pool)
-        m.invalidate(h + P.MGR_TOKEN, 64)
-        cur = (m.load64(h + P.MGR_TOKEN), m.load64(h + P.MGR_HEARTBEAT))
+        m, h = self.pool.mapping, protocol.lock_header(self.pool)
+        m.invalidate(h + protocol.MGR_TOKEN, 64)
+        cur = (m.load64(h + protocol.MGR_TOKEN), m.load64(h + protocol.MGR_HEARTBEAT))
         now = self.clock()
         if cur[0] == 0:
             return "dead"                     # the lease was handed back: nobody is active
@@ -210,7 +210,7 @@ def node_verdicts(pool, observer, deadline: float | None, clock=time.monotonic,
         sleep(min(0.02, max(0.0, deadline - clock())))
         for slot, (n, v) in list(res.items()):
             if v == "unknown":
-                n2 = N.read_slot(pool, slot)
+                n2 = nodes.read_slot(pool, slot)
                 res[slot] = (n2, observer.verdict(n2))
     return [res[s] for s in sorted(res)]
 
@@ -240,8 +240,8 @@ def device_health(path: str, timeout: float = 5.0) -> dict | None:
         try:
             r = copy.copy(tools.runner())      # the seam tests replace, with our time limit
             r.timeout = max(0.1, timeout)
-            box["inv"] = D.cxl_inventory(r)
-        except (E.CxlkvError, OSError, ValueError, KeyError) as e:
+            box["inv"] = discovery.cxl_inventory(r)
+        except (errors.CxlkvError, OSError, ValueError, KeyError) as e:
             box["e"] = str(e)
         except Exception as e:                 # noqa: BLE001 - figures unknown, not a crash
             box["e"] = f"{type(e).__name__}: {e}"
@@ -294,14 +294,14 @@ class Thresholds:
     crit_temp: float = CRIT_TEMP_C
 
 
-def open_failure(path: str, exc: E.CxlkvError) -> Health:
+def open_failure(path: str, exc: errors.CxlkvError) -> Health:
     """The verdict when the pool cannot be opened at all."""
     h = Health(path)
-    if isinstance(exc, (E.PoolIncompatible,)):
+    if isinstance(exc, (errors.PoolIncompatible,)):
         h.add("pool", UNKNOWN, f"cannot check: {exc.message}")
-    elif isinstance(exc, E.PoolNotFound) and os.path.lexists(path):
+    elif isinstance(exc, errors.PoolNotFound) and os.path.lexists(path):
         h.add("pool", UNKNOWN, f"cannot check: {exc.message}")   # permissions, not absence
-    elif isinstance(exc, (E.PoolNotFound, E.PoolInvalid)):
+    elif isinstance(exc, (errors.PoolNotFound, errors.PoolInvalid)):
         h.add("pool", CRITICAL, exc.message)
     else:
         h.add("pool", UNKNOWN, f"cannot check: {exc.message}")
@@ -443,7 +443,7 @@ def check_pool(path: str, th, start: float, limits: dict, derive: bool = False):
     what judging a node of another host takes (judge_timeout of the lease)."""
     try:
         p = Pool.open(path, writable=False, force=True)
-    except E.CxlkvError as e:
+    except errors.CxlkvError as e:
         return open_failure(path, e)
     with p:
         if derive:
@@ -461,7 +461,7 @@ def check_pool(path: str, th, start: float, limits: dict, derive: bool = False):
         dev_t = threading.Thread(target=device, name="cxlkv-health-device", daemon=True)
         dev_t.start()
         mgr = ManagerWatch(p) if p.sb.sync == "manager" else None
-        h = evaluate(p, th, observer=N.Observer(p), manager=mgr, device=None,
+        h = evaluate(p, th, observer=nodes.Observer(p), manager=mgr, device=None,
                        deadline=start + 0.8 * limit)
         dev_t.join(max(0.0, dev_end - time.monotonic()))
         if "d" in box:
@@ -515,6 +515,7 @@ def run_checks(path: str, th, timeout: float | None):
 def internal_failure(path: str, e: BaseException):
     """A check that failed in an unforeseen way: UNKNOWN (3), never another code."""
     h = Health(path)
-    what = e.message if isinstance(e, E.CxlkvError) else f"internal error: {type(e).__name__}: {e}"
+    what = (e.message if isinstance(e, errors.CxlkvError)
+            else f"internal error: {type(e).__name__}: {e}")
     h.add("internal", UNKNOWN, f"cannot check: {what}")
     return h

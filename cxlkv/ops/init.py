@@ -30,11 +30,11 @@ from cxlkv.errors import (CxlkvError, DeviceError, LiveNodesError, NotFormatted,
                           PoolExistsError, PoolIncompatible, PoolInvalid, PoolNotFound,
                           PoolTruncated, RefusedError, UnsafePermissions, UsageError, WrongMagic)
 from cxlkv.pool import device
-from cxlkv.pool import layout as L
+from cxlkv.pool import layout
 from cxlkv.pool.format import DEFAULT_SIZE, FormatParams, compute_layout, format_mapping
 from cxlkv.pool.image import read_superblocks
 from cxlkv.pool.superblock import Superblock, select
-from cxlkv.state import protocol as P
+from cxlkv.state import protocol
 from cxlkv.state.nodes import live_nodes
 from cxlkv.util.sizes import human_size
 
@@ -129,7 +129,7 @@ def examine(path: str, progress=None) -> Examination:
     t = device.probe(path)
     if t.size == 0:
         return Examination(path, "blank", t)
-    if t.size < L.SB_COPIES * L.SB_SIZE:
+    if t.size < layout.SB_COPIES * layout.SB_SIZE:
         m = device.map_target(t, writable=False, length=t.size)
         try:
             return Examination(path, "blank" if _all_zero(t, m) else "foreign", t)
@@ -195,7 +195,7 @@ def _resolve_params(given: dict, default_size: int | None, size_source: str = ""
     if "size" not in kw:
         if default_size is None:
             raise UsageError("--size is required to create a new pool file")
-        if default_size % L.PAGE:
+        if default_size % layout.PAGE:
             raise UsageError(f"{size_source or 'the target'} is {default_size} bytes, not a "
                              "multiple of 4 KiB: give --size (the file is resized to it)")
         kw["size"] = default_size
@@ -228,10 +228,10 @@ def _refuse_manager(pool, path: str) -> None:
     lease) would carry on with the old geometry - writing its words into
     what the new format puts there.  Refused, even with --force."""
 
-    if P.manager_alive(pool):
+    if protocol.manager_alive(pool):
         raise RefusedError(
             f"refusing to reformat {path}: a lock manager is active for it "
-            f"({P.describe_manager(pool)})", path=path,
+            f"({protocol.describe_manager(pool)})", path=path,
             hint="stop the lock managers on every host first (systemctl stop "
                  "cxlkv-lock-manager@POOL and cxlkv-serve@POOL when it runs one with "
                  "--with-lock-manager), then retry")
@@ -298,7 +298,8 @@ def create_pool_file(path: str, size: int, group: str | None = None) -> device.T
         raise DeviceError(
             f"not enough space for a {human_size(size)} pool in {parent}: "
             f"{human_size(avail)} available", path=path, hint="choose a smaller --size")
-    tmp = os.path.join(parent, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    tmp = os.path.join(parent,
+                       f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, POOL_MODE)
     except PermissionError:
@@ -464,7 +465,7 @@ def _make_existing(ex: Examination, given: dict, *, verb, force, group, progress
             if group is not None:
                 _check_owner(path, t, force, warnings)
                 t = _apply_group(t, group, warnings)
-            if not ex.sb.compat & L.COMPAT_KV:
+            if not ex.sb.compat & layout.COMPAT_KV:
                 warnings.append("this pool was made by a cxlkv from before the KV cache (no KV "
                                 "region): the KV cache refuses it; back up what it holds and "
                                 "re-create it with `cxlkv format --force`")

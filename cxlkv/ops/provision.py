@@ -28,11 +28,11 @@ from dataclasses import asdict, dataclass, field
 from cxlkv.api import Pool
 from cxlkv.errors import CxlkvError, InUse, NotFormatted, PlanError, ProvisionFailed, UsageError
 from cxlkv.errors import CxlkvError as Err
-from cxlkv.host import discovery as D
+from cxlkv.host import discovery
 from cxlkv.host import sysfs
-from cxlkv.host import tools as T
+from cxlkv.host import tools as host_tools
 from cxlkv.ops.init import init_pool
-from cxlkv.state import nodes as N
+from cxlkv.state import nodes
 from cxlkv.util.sizes import human_size
 
 MODES = ("devdax", "system-ram")
@@ -150,7 +150,7 @@ def live_pool_nodes(path: str) -> list[str]:
 
     try:
         with Pool.open(path, writable=False, force=True) as pool:
-            return [n.describe() for n in N.live_nodes(pool, observe=True)]
+            return [n.describe() for n in nodes.live_nodes(pool, observe=True)]
     except (Err, OSError):
         return []
 
@@ -158,7 +158,7 @@ def live_pool_nodes(path: str) -> list[str]:
 def node_memory_used(node: int | None) -> int | None:
     if node is None:
         return None
-    mi = D.meminfo(sysfs.sys_path("devices", "system", "node", f"node{node}", "meminfo"))
+    mi = discovery.meminfo(sysfs.sys_path("devices", "system", "node", f"node{node}", "meminfo"))
     if "MemUsed" in mi:
         return mi["MemUsed"]
     if "MemTotal" in mi and "MemFree" in mi:
@@ -202,7 +202,7 @@ def refuse_if_in_use(dev: dict, *, what: str, pool_check: bool = True) -> None:
 def _need_tools(h: dict, tools=("cxl", "ndctl", "daxctl")) -> None:
     missing = [t for t in tools if not h["cxl"]["tools"][t]]
     if missing:
-        raise T.not_found(missing[0])
+        raise host_tools.not_found(missing[0])
 
 
 def _memdevs(h: dict, opts: Options) -> list[dict]:
@@ -484,15 +484,15 @@ def _undo_list(completed: list[Step]) -> list[str]:
     return [s.undo for s in reversed(completed) if s.undo]
 
 
-def execute(planner, opts: Options, *, runner: T.Runner | None = None, discover=None,
+def execute(planner, opts: Options, *, runner: host_tools.Runner | None = None, discover=None,
             on_step=None) -> dict:
     """Run the plan step by step (re-planning after each), verifying each took effect.
 
     planner: plan_apply or plan_teardown.  on_step(event, step, i, n) reports
     progress ("start", "done").  Returns {"changed", "ran", "plan"}.
     """
-    r = runner or T.runner()
-    discover = discover or (lambda: D.discover(r))
+    r = runner or host_tools.runner()
+    discover = discover or (lambda: discovery.discover(r))
     first = planner(discover(), opts)
     total = len(first.todo)
     ran: list[Step] = []
@@ -537,8 +537,8 @@ def execute(planner, opts: Options, *, runner: T.Runner | None = None, discover=
     return {"changed": bool(ran), "ran": [s.to_json() for s in ran], "plan": plan.to_json()}
 
 
-def _run_step(step: Step, r: T.Runner, opts: Options, plan: Plan, ran: list[Step],
-              discover) -> T.ToolResult | None:
+def _run_step(step: Step, r: host_tools.Runner, opts: Options, plan: Plan, ran: list[Step],
+              discover) -> host_tools.ToolResult | None:
     def fail(msg, res=None, hint=None):
         return ProvisionFailed(msg, step=step.to_json(), result=res,
                                completed=[s.to_json() for s in ran],

@@ -58,16 +58,16 @@ from cxlkv.api import Pool
 from cxlkv.errors import LiveNodesError, PoolChanged
 from cxlkv.kv.check import repair_kv
 from cxlkv.ops import fsck
-from cxlkv.pool import layout as L
-from cxlkv.state import alloc as A
-from cxlkv.state import locks as K
-from cxlkv.state import nodes as N
-from cxlkv.state import protocol as P
+from cxlkv.pool import layout
+from cxlkv.state import alloc
+from cxlkv.state import locks
+from cxlkv.state import nodes
+from cxlkv.state import protocol
 
-_F = A._F
-_CONTROL = L.field_offset(L.NodeStruct, "control")
-_HEARTBEAT = L.field_offset(L.NodeStruct, "heartbeat")
-_MGR_LINE = L.field_offset(L.NodeStruct, "mgr_control")
+_F = alloc._F
+_CONTROL = layout.field_offset(layout.NodeStruct, "control")
+_HEARTBEAT = layout.field_offset(layout.NodeStruct, "heartbeat")
+_MGR_LINE = layout.field_offset(layout.NodeStruct, "mgr_control")
 
 
 @dataclass
@@ -122,7 +122,7 @@ def repair(path: str, *, force: bool = False, notice=None) -> Repair:
                 hint="stop them (systemctl stop cxlkv-serve@POOL, the serving engines) and "
                      "run again, or add --force to repair under the pool lock")
         m = pool.mapping
-        m.set_geometry(*A.geometry(pool))
+        m.set_geometry(*alloc.geometry(pool))
         m.flush_meta = pool.sb.sync == "manager" or m.noncoherent
         _superblock(pool, rep)
         try:
@@ -141,7 +141,7 @@ def repair(path: str, *, force: bool = False, notice=None) -> Repair:
             if lock is not None:
                 lock.acquire()
             try:
-                tokens = A._live_tokens(pool) - _placeholder_tokens(pool, rep)
+                tokens = alloc._live_tokens(pool) - _placeholder_tokens(pool, rep)
                 _locks(pool, rep, tokens, offline=not rep.attached)
                 _allocator(pool, rep, tokens)
 
@@ -173,7 +173,7 @@ def judge_nodes(pool, *, notice=None, clock=time.monotonic,
     treated as dead).  The NodeInfo of a dead verdict carries the control
     word that was judged dead.
     """
-    obs = N.Observer(pool, clock=clock)
+    obs = nodes.Observer(pool, clock=clock)
     res = {n.slot: (n, v) for n, v in obs.scan()}
     pending = {s for s, (_, v) in res.items() if v == "unknown"}
     lease = pool.sb.lease_ms / 1000.0
@@ -183,7 +183,7 @@ def judge_nodes(pool, *, notice=None, clock=time.monotonic,
     while pending and clock() < deadline:
         sleep(min(0.05, lease / 20))
         for slot in list(pending):
-            n = N.read_slot(pool, slot)
+            n = nodes.read_slot(pool, slot)
             v = obs.verdict(n)
             res[slot] = (n, v)
             if v != "unknown":
@@ -212,7 +212,7 @@ def _verify_unchanged(pool, rep: Repair, judged: dict, after_reaping: bool = Fal
     epoch (left for the check after), or a placeholder of ours.
     """
     own = pool.node.slot if pool.node is not None else -1
-    for n in N.read_nodes(pool):
+    for n in nodes.read_nodes(pool):
         if n.slot == own or n.slot in rep.blocked:
             continue
         was = judged.get(n.slot)
@@ -237,29 +237,29 @@ def _block_attaches(pool, rep: Repair) -> None:
     """Offline repair, sync mode cas: take every free slot with a placeholder
     node (this process's identity), so nothing attaches while we repair."""
     m = pool.mapping
-    pid, start = N.my_identity()
-    boot, pidns = N.local_boot_id(), N.local_pidns()
+    pid, start = nodes.my_identity()
+    boot, pidns = nodes.local_boot_id(), nodes.local_pidns()
     for slot in range(pool.sb.max_nodes):
-        off = N.node_offset(pool, slot)
+        off = nodes.node_offset(pool, slot)
         m.invalidate(off, 64)
         cur = m.load64(off + _CONTROL)
-        state, epoch = L.node_state(cur)
-        if state != L.NODE_FREE or epoch + 1 >= N.MAX_EPOCH:
+        state, epoch = layout.node_state(cur)
+        if state != layout.NODE_FREE or epoch + 1 >= nodes.MAX_EPOCH:
             continue
-        claimed = L.node_control(L.NODE_CLAIMED, epoch + 1)
+        claimed = layout.node_control(layout.NODE_CLAIMED, epoch + 1)
         if m.cas64(off + _CONTROL, cur, claimed) != cur:
             continue                            # taken meanwhile: _verify_unchanged says so
-        s = L.NodeStruct()
+        s = layout.NodeStruct()
         s.pidns, s.ident_epoch = pidns, epoch + 1
         s.pid, s.start_time_ns, s.attach_time_ns = pid, start, time.time_ns()
-        s.format_version = L.FORMAT_VERSION
+        s.format_version = layout.FORMAT_VERSION
         s.boot_id[:] = uuidlib.UUID(boot).bytes
         s.hostname = socket.gethostname().encode()[:63]
         s.sw_version = f"cxlkv {__version__} fsck".encode()[:31]
         m.write(off + 64, bytes(s)[64:_MGR_LINE])
         m.store64(off + _HEARTBEAT, 0)
-        m.flush(off, L.NODE_SIZE)
-        attached = L.node_control(L.NODE_ATTACHED, epoch + 1)
+        m.flush(off, layout.NODE_SIZE)
+        attached = layout.node_control(layout.NODE_ATTACHED, epoch + 1)
         m.cas64(off + _CONTROL, claimed, attached)
         m.flush(off, 64)
         rep.blocked.add(slot)
@@ -268,19 +268,19 @@ def _block_attaches(pool, rep: Repair) -> None:
 def _placeholder_tokens(pool, rep: Repair) -> set[int]:
     """Owner tokens of our placeholders: they own nothing, and phases 3-6 must
     not take a stray token that happens to equal one for a live node's."""
-    return {(n.slot + 1) | n.epoch << 16 for n in N.read_nodes(pool)
+    return {(n.slot + 1) | n.epoch << 16 for n in nodes.read_nodes(pool)
             if n.slot in rep.blocked}
 
 
 def _unblock_attaches(pool, rep: Repair) -> None:
     m = pool.mapping
     for slot in sorted(rep.blocked):
-        off = N.node_offset(pool, slot) + _CONTROL
+        off = nodes.node_offset(pool, slot) + _CONTROL
         m.invalidate(off, 8)
         cur = m.load64(off)
-        state, epoch = L.node_state(cur)
-        if state == L.NODE_ATTACHED:
-            m.cas64(off, cur, L.node_control(L.NODE_FREE, epoch))
+        state, epoch = layout.node_state(cur)
+        if state == layout.NODE_ATTACHED:
+            m.cas64(off, cur, layout.node_control(layout.NODE_FREE, epoch))
             m.flush(off, 8)
     rep.blocked.clear()
 
@@ -290,9 +290,9 @@ def _unblock_attaches(pool, rep: Repair) -> None:
 def _superblock(pool, rep: Repair) -> None:
     good, copy = pool.sb, pool.superblock_copy
     for bad, problem in sorted(pool.superblock_problems.items()):
-        off = L.SB_OFFSETS["AB".index(bad)]
+        off = layout.SB_OFFSETS["AB".index(bad)]
         pool.mapping.write(off, good.encode())
-        pool.mapping.flush(off, L.SB_SIZE)
+        pool.mapping.flush(off, layout.SB_SIZE)
         rep.did("superblock-copy", f"superblock {bad}",
                 f"rewritten from copy {copy} (generation {good.seq}); it was: {problem}")
 
@@ -312,13 +312,13 @@ def _nodes(pool, rep: Repair, judged: dict) -> None:
         if pool.sb.sync == "manager":
             done = _reap_managed(pool, n)
         else:
-            cur = N.read_slot(pool, n.slot)
+            cur = nodes.read_slot(pool, n.slot)
             if cur.epoch == n.epoch and cur.state == "fenced":
-                done = N.reap(pool, n.slot, cur.control)    # another reaper stopped half way
+                done = nodes.reap(pool, n.slot, cur.control)    # another reaper stopped half way
             else:
-                done = N.reap(pool, n.slot, n.control)
+                done = nodes.reap(pool, n.slot, n.control)
             if not done:
-                cur = N.read_slot(pool, n.slot)
+                cur = nodes.read_slot(pool, n.slot)
                 if rep.attached and cur.epoch != n.epoch:
                     continue            # reaped by a live node's reaper, taken by a new node
                 if cur.epoch != n.epoch or cur.state not in ("free", "fenced"):
@@ -334,15 +334,15 @@ def _force_free(pool, n) -> bool:
     """Free a slot with an invalid state word, unless the word changed since
     it was judged."""
     m = pool.mapping
-    off = N.node_offset(pool, n.slot)
-    free = L.node_control(L.NODE_FREE, n.epoch)
+    off = nodes.node_offset(pool, n.slot)
+    free = layout.node_control(layout.NODE_FREE, n.epoch)
     if pool.sb.sync == "manager":
-        if N.read_slot(pool, n.slot).control != n.control:
+        if nodes.read_slot(pool, n.slot).control != n.control:
             raise _changed(pool, n, "changed")
-        P.set_mgr(pool, n.slot, free, 0)
+        protocol.set_mgr(pool, n.slot, free, 0)
         m.store64(off + _CONTROL, free)
     elif m.cas64(off + _CONTROL, n.control, free) != n.control:
-        raise _changed(pool, N.read_slot(pool, n.slot), "changed")
+        raise _changed(pool, nodes.read_slot(pool, n.slot), "changed")
     m.flush(off, 64)
     return True
 
@@ -352,22 +352,22 @@ def _reap_managed(pool, n) -> bool:
     with none, do what it would (we are the only writer of its lines then)."""
 
     lease = pool.sb.lease_ms / 1000.0
-    if P.manager_alive(pool):
+    if protocol.manager_alive(pool):
         deadline = time.monotonic() + 2 * lease + 1.0
         while time.monotonic() < deadline:
-            if N.read_slot(pool, n.slot).state == "free":
+            if nodes.read_slot(pool, n.slot).state == "free":
                 return True
             time.sleep(min(0.05, lease / 10))
         return False
-    line = P.read_node_lines(pool)[n.slot]
+    line = protocol.read_node_lines(pool)[n.slot]
     granted = int(line["mgr_grant_token"])
-    P.set_mgr(pool, n.slot, L.node_control(L.NODE_FENCED, n.epoch), granted)
-    e = P.read_entries(pool)[n.slot]
+    protocol.set_mgr(pool, n.slot, layout.node_control(layout.NODE_FENCED, n.epoch), granted)
+    e = protocol.read_entries(pool)[n.slot]
     if int(e["grant_seq"]) > max(int(e["release_seq"]), int(e["revoke_seq"])) or \
             int(e["req_seq"]) > max(int(e["grant_seq"]), int(e["revoke_seq"])):
-        P.revoke(pool, n.slot, int(e["req_seq"]))
-    N.run_recoveries(pool, n.slot, n.epoch)
-    P.set_mgr(pool, n.slot, L.node_control(L.NODE_FREE, n.epoch), granted)
+        protocol.revoke(pool, n.slot, int(e["req_seq"]))
+    nodes.run_recoveries(pool, n.slot, n.epoch)
+    protocol.set_mgr(pool, n.slot, layout.node_control(layout.NODE_FREE, n.epoch), granted)
     return True
 
 
@@ -375,35 +375,35 @@ def _reap_managed(pool, n) -> bool:
 
 def _locks(pool, rep: Repair, live: set[int], offline: bool) -> None:
     m = pool.mapping
-    hdr, _ = K.lock_offsets(pool)
+    hdr, _ = locks.lock_offsets(pool)
     m.invalidate(hdr, 128)
-    h = L.LockHdrStruct.from_buffer_copy(m.read(hdr, L.LOCK_HDR_SIZE))
+    h = layout.LockHdrStruct.from_buffer_copy(m.read(hdr, layout.LOCK_HDR_SIZE))
     if pool.sb.sync == "cas":
-        own_off = L.field_offset(L.LockHdrStruct, "owner")
+        own_off = layout.field_offset(layout.LockHdrStruct, "owner")
         if h.owner and h.owner not in live:
             m.cas64(hdr + own_off, h.owner, 0)
             rep.did("lock-owner", "lock", f"owner token {h.owner:#x} (not an attached node) "
                                           "cleared")
         if offline and h.now_serving != h.next_ticket:
             top = max(h.now_serving, h.next_ticket)
-            m.store64(hdr + L.field_offset(L.LockHdrStruct, "now_serving"), top)
-            m.store64(hdr + L.field_offset(L.LockHdrStruct, "next_ticket"), top)
+            m.store64(hdr + layout.field_offset(layout.LockHdrStruct, "now_serving"), top)
+            m.store64(hdr + layout.field_offset(layout.LockHdrStruct, "next_ticket"), top)
             m.flush(hdr, 128)
             rep.did("lock-tickets", "lock", f"ticket counters set to {top} (nobody holds or "
                                             "waits)")
-    ents = K.read_entries(pool)
-    for slot in np.flatnonzero(ents["state"] != L.LOCK_IDLE):
+    ents = locks.read_entries(pool)
+    for slot in np.flatnonzero(ents["state"] != layout.LOCK_IDLE):
         slot = int(slot)
         st, ep = int(ents["state"][slot]), int(ents["epoch"][slot])
-        if st == L.LOCK_ABANDONED and not offline:
+        if st == layout.LOCK_ABANDONED and not offline:
             continue
-        if ((slot + 1) | ep << 16) in live and st in (L.LOCK_WAITING, L.LOCK_LOCKED):
+        if ((slot + 1) | ep << 16) in live and st in (layout.LOCK_WAITING, layout.LOCK_LOCKED):
             continue
-        off = K.entry_offset(pool, slot)
-        new = L.LOCK_IDLE if offline else L.LOCK_ABANDONED
+        off = locks.entry_offset(pool, slot)
+        new = layout.LOCK_IDLE if offline else layout.LOCK_ABANDONED
         m.store64(off, new)
         m.flush(off, 64)
-        if st != L.LOCK_ABANDONED:
+        if st != layout.LOCK_ABANDONED:
             rep.did("lock-entry-dead", f"lock entry {slot}", f"state {st} of a node that is "
                                                              "not attached cleared")
 
@@ -411,89 +411,90 @@ def _locks(pool, rep: Repair, live: set[int], offline: bool) -> None:
 # -- 4. the allocator -----------------------------------------------------------------------
 
 def _desc(pool, i: int) -> int:
-    return A.geometry(pool)[3] + i * L.CHUNK_DESC_SIZE
+    return alloc.geometry(pool)[3] + i * layout.CHUNK_DESC_SIZE
 
 
 def _good_geometry(pool, d, i: int) -> bool:
     chunk, nchunks = pool.sb.chunk_size, pool.sb.nchunks
     ss, ns, nc = int(d["slot_size"][i]), int(d["nslots"][i]), int(d["nchunks"][i])
-    return bool(ss and ss % 64 == 0 and 0 < ns <= L.SLAB_MAX_SLOTS and 0 < nc
+    return bool(ss and ss % 64 == 0 and 0 < ns <= layout.SLAB_MAX_SLOTS and 0 < nc
                 and i + nc <= nchunks and ns * ss <= nc * chunk)
 
 
 def _allocator(pool, rep: Repair, live: set[int]) -> None:
     m = pool.mapping
-    data_off, chunk, nchunks, _ = A.geometry(pool)
-    d = A.descriptors(pool)
+    data_off, chunk, nchunks, _ = alloc.geometry(pool)
+    d = alloc.descriptors(pool)
     kind = (d["control"] & 0xFF).copy()
     try:
-        for i in np.flatnonzero(~np.isin(kind, (L.CHUNK_FREE, L.CHUNK_HEAD, L.CHUNK_TAIL,
-                                                 L.CHUNK_RELEASING))):
+        for i in np.flatnonzero(~np.isin(kind,
+                                         (layout.CHUNK_FREE, layout.CHUNK_HEAD, layout.CHUNK_TAIL,
+                                                 layout.CHUNK_RELEASING))):
             i = int(i)
-            m.zero(_desc(pool, i), L.CHUNK_DESC_SIZE)
-            m.flush(_desc(pool, i), L.CHUNK_DESC_SIZE)
+            m.zero(_desc(pool, i), layout.CHUNK_DESC_SIZE)
+            m.flush(_desc(pool, i), layout.CHUNK_DESC_SIZE)
             rep.did("chunk-kind", f"chunk {i}", f"invalid descriptor kind {int(kind[i])} "
                                                 "cleared")
-        bad_heads = [int(i) for i in np.flatnonzero((kind == L.CHUNK_HEAD)
-                                                    | (kind == L.CHUNK_RELEASING))
+        bad_heads = [int(i) for i in np.flatnonzero((kind == layout.CHUNK_HEAD)
+                                                    | (kind == layout.CHUNK_RELEASING))
                      if not _good_geometry(pool, d, int(i))]
-        releasing = [int(i) for i in np.flatnonzero(kind == L.CHUNK_RELEASING)
+        releasing = [int(i) for i in np.flatnonzero(kind == layout.CHUNK_RELEASING)
                      if int(i) not in bad_heads]
     finally:
         del d
     for head in releasing:
-        A.release_slab(pool, head, resume=True)
+        alloc.release_slab(pool, head, resume=True)
         rep.did("slab-releasing", f"chunk {head}", "half-released slab: release finished")
     for head in bad_heads:
         _dissolve(pool, head)
         rep.did("slab-geometry", f"chunk {head}", "slab with impossible geometry dissolved "
                                                   "(its chunks zeroed and freed)")
     # good slabs: their tails and bitmap bits
-    d = A.descriptors(pool)
+    d = alloc.descriptors(pool)
     try:
         kind = (d["control"] & 0xFF).copy()
-        heads = [int(i) for i in np.flatnonzero(kind == L.CHUNK_HEAD)]
+        heads = [int(i) for i in np.flatnonzero(kind == layout.CHUNK_HEAD)]
         spans = {h: int(d["nchunks"][h]) for h in heads}
     finally:
         del d
-    bits = A.bitmap(pool)
+    bits = alloc.bitmap(pool)
 
     def covered_by_other(j: int, named: int) -> bool:
         return named in spans and named < j < named + spans[named]
 
     for h, k in spans.items():
         for j in range(h + 1, h + k):
-            if kind[j] == L.CHUNK_FREE:
-                m.store64(_desc(pool, j), L.CHUNK_TAIL | h << 8)
+            if kind[j] == layout.CHUNK_FREE:
+                m.store64(_desc(pool, j), layout.CHUNK_TAIL | h << 8)
                 m.flush(_desc(pool, j), 8)
-                kind[j] = L.CHUNK_TAIL
+                kind[j] = layout.CHUNK_TAIL
                 rep.did("slab-tail", f"chunk {j}", f"missing tail of slab {h} restored")
-            elif kind[j] == L.CHUNK_TAIL:
+            elif kind[j] == layout.CHUNK_TAIL:
                 named = int(m.load64(_desc(pool, j))) >> 8
                 if named != h and not covered_by_other(j, named):
-                    m.store64(_desc(pool, j), L.CHUNK_TAIL | h << 8)
+                    m.store64(_desc(pool, j), layout.CHUNK_TAIL | h << 8)
                     m.flush(_desc(pool, j), 8)
                     rep.did("slab-tail", f"chunk {j}", f"tail of slab {h} named chunk {named} "
                                                        "instead: restored")
         missing = [j for j in range(h, h + k) if not bits[j]
-                   and (j == h or int(m.load64(_desc(pool, j))) == L.CHUNK_TAIL | h << 8)]
+                   and (j == h or int(m.load64(_desc(pool, j))) == layout.CHUNK_TAIL | h << 8)]
         for j in missing:
-            A.set_bits(pool, j, 1, True)
+            alloc.set_bits(pool, j, 1, True)
             rep.did("slab-bitmap", f"chunk {j}", f"slab {h}'s chunk marked used in the bitmap")
-    before_tails = int(((A.descriptors(pool)["control"] & 0xFF) == L.CHUNK_TAIL).sum())
-    leaked = int((A.bitmap(pool) & ((A.descriptors(pool)["control"] & 0xFF)
-                                    == L.CHUNK_FREE)).sum())
-    A._repair_dangling(pool)
-    after_tails = int(((A.descriptors(pool)["control"] & 0xFF) == L.CHUNK_TAIL).sum())
+    before_tails = int(((alloc.descriptors(pool)["control"] & 0xFF) == layout.CHUNK_TAIL).sum())
+    leaked = int((alloc.bitmap(pool) & ((alloc.descriptors(pool)["control"] & 0xFF)
+                                    == layout.CHUNK_FREE)).sum())
+    alloc._repair_dangling(pool)
+    after_tails = int(((alloc.descriptors(pool)["control"] & 0xFF) == layout.CHUNK_TAIL).sum())
     if before_tails != after_tails:
         rep.did("chunk-orphan-tail", "chunks", f"{before_tails - after_tails} tail(s) without "
                                                "a head freed")
     if leaked:
         rep.did("chunk-leaked", "bitmap", f"{leaked} chunk(s) marked used with no slab freed")
     # slot bits
-    d = A.descriptors(pool)
+    d = alloc.descriptors(pool)
     try:
-        heads = [int(i) for i in np.flatnonzero((d["control"] & 0xFF) == L.CHUNK_HEAD)]
+        heads = [int(i) for i in np.flatnonzero((d["control"] & 0xFF) == layout.CHUNK_HEAD)]
         words = {h: ([int(x) for x in d["alloc_bits"][h]], [int(x) for x in d["pub_bits"][h]],
                      int(d["nslots"][h])) for h in heads}
     finally:
@@ -509,17 +510,17 @@ def _allocator(pool, rep: Repair, live: set[int]) -> None:
             if p[w] & ~a[w]:
                 m.store64(base + _F["pub_bits"] + 8 * w, p[w] & a[w])
                 rep.did("slab-pub", f"chunk {h}", "published bits of free slots cleared")
-        m.flush(base, L.CHUNK_DESC_SIZE)
+        m.flush(base, layout.CHUNK_DESC_SIZE)
     dirty_before = _count_dirty(pool, live)
-    A._finish_interrupted_frees(pool, live_owner=live)
+    alloc._finish_interrupted_frees(pool, live_owner=live)
     if dirty_before:
         rep.did("slab-dirty", "slabs", f"{dirty_before} interrupted free(s) finished")
 
 
 def _count_dirty(pool, live) -> int:
-    d = A.descriptors(pool)
+    d = alloc.descriptors(pool)
     try:
-        heads = np.flatnonzero((d["control"] & 0xFF) == L.CHUNK_HEAD)
+        heads = np.flatnonzero((d["control"] & 0xFF) == layout.CHUNK_HEAD)
         heads = [h for h in heads if int(d["owner"][h]) not in live]
         return int(sum((int(a) & int(b)).bit_count() for h in heads
                        for a, b in zip(d["alloc_bits"][h], d["dirty_bits"][h])))
@@ -530,29 +531,30 @@ def _count_dirty(pool, live) -> int:
 def _dissolve(pool, head: int) -> None:
     """Free a slab whose descriptor cannot be believed: its own tails, its
     chunks (zeroed) and bitmap bits."""
-    data_off, chunk, nchunks, base = A.geometry(pool)
+    data_off, chunk, nchunks, base = alloc.geometry(pool)
     m = pool.mapping
     ours = [head]
     j = head + 1
-    while j < nchunks and m.load64(base + j * L.CHUNK_DESC_SIZE) == L.CHUNK_TAIL | head << 8:
+    tail = layout.CHUNK_TAIL | head << 8
+    while j < nchunks and m.load64(base + j * layout.CHUNK_DESC_SIZE) == tail:
         ours.append(j)
         j += 1
     for i in reversed(ours):
         m.zero(data_off + i * chunk, chunk)
-        m.zero(base + i * L.CHUNK_DESC_SIZE, L.CHUNK_DESC_SIZE)
-        m.flush(base + i * L.CHUNK_DESC_SIZE, L.CHUNK_DESC_SIZE)
+        m.zero(base + i * layout.CHUNK_DESC_SIZE, layout.CHUNK_DESC_SIZE)
+        m.flush(base + i * layout.CHUNK_DESC_SIZE, layout.CHUNK_DESC_SIZE)
     for i in ours:
-        A.set_bits(pool, i, 1, False)
+        alloc.set_bits(pool, i, 1, False)
 
 
 # -- 6. slabs of nodes that are gone ------------------------------------------------------
 
 def _dead_owner_slabs(pool, rep: Repair, live: set[int]) -> None:
     m = pool.mapping
-    data_off, chunk, _, base = A.geometry(pool)
-    d = A.descriptors(pool)
+    data_off, chunk, _, base = alloc.geometry(pool)
+    d = alloc.descriptors(pool)
     try:
-        heads = np.flatnonzero((d["control"] & 0xFF) == L.CHUNK_HEAD)
+        heads = np.flatnonzero((d["control"] & 0xFF) == layout.CHUNK_HEAD)
         todo = []
         for h in heads:
             owner = int(d["owner"][h])
@@ -561,7 +563,7 @@ def _dead_owner_slabs(pool, rep: Repair, live: set[int]) -> None:
             ss, ns = int(d["slot_size"][h]), int(d["nslots"][h])
             a = [int(x) for x in d["alloc_bits"][h]]
             p = [int(x) for x in d["pub_bits"][h]]
-            res = [i for i in range(min(ns, L.SLAB_MAX_SLOTS))
+            res = [i for i in range(min(ns, layout.SLAB_MAX_SLOTS))
                    if (a[i // 64] & ~p[i // 64]) >> (i % 64) & 1]
             todo.append((int(h), owner, [data_off + int(h) * chunk + i * ss for i in res]))
     finally:
@@ -569,9 +571,9 @@ def _dead_owner_slabs(pool, rep: Repair, live: set[int]) -> None:
     for h, owner, offs in todo:
         if offs:
             m.slab_free(np.array(offs, dtype=np.uint64), True, 0)
-        m.store64(base + h * L.CHUNK_DESC_SIZE + _F["owner"], 0)
-        m.flush(base + h * L.CHUNK_DESC_SIZE, 64)
-        released = A.release_slab(pool, h)
+        m.store64(base + h * layout.CHUNK_DESC_SIZE + _F["owner"], 0)
+        m.flush(base + h * layout.CHUNK_DESC_SIZE, 64)
+        released = alloc.release_slab(pool, h)
         rep.did("slab-dead-owner", f"chunk {h}",
                 f"slab of token {owner:#x} (not an attached node): {len(offs)} unpublished "
                 f"slot(s) freed, " + ("empty slab released" if released else

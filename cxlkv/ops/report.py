@@ -9,8 +9,8 @@ from cxlkv.host.discovery import discover
 from cxlkv.kv.area import Area, quarantine_report
 from cxlkv.kv.cache import kv_report
 from cxlkv.ops.doctor import host_mode
-from cxlkv.pool import layout as L
-from cxlkv.state import nodes as N
+from cxlkv.pool import layout
+from cxlkv.state import nodes as node_table
 
 
 def used_chunks(pool) -> int:
@@ -24,7 +24,7 @@ def used_chunks(pool) -> int:
 
 def pool_report(pool) -> dict:
     sb = pool.sb
-    attached = N.read_nodes(pool)
+    attached = node_table.read_nodes(pool)
     used = used_chunks(pool)
     data_off, data_size = sb.regions["data"]
     return {
@@ -62,7 +62,7 @@ def _versions(nodes) -> dict[str, int]:
     return out
 
 
-__all__ = ["pool_report", "used_chunks", "L"]
+__all__ = ["pool_report", "used_chunks", "host_report", "full_report", "kv_blocks"]
 
 
 def host_report() -> dict:
@@ -78,7 +78,7 @@ def full_report(path: str, force: bool = False) -> dict:
     pool formatted before the KV region) and the quarantine.  Read-only."""
     with Pool.open(path, writable=False, force=force) as p:
         rep = pool_report(p)
-        rep["kv"] = kv_report(p) if p.sb.compat & L.COMPAT_KV else None
+        rep["kv"] = kv_report(p) if p.sb.compat & layout.COMPAT_KV else None
         rep["quarantine"] = quarantine_report(p)
     return rep
 
@@ -88,7 +88,7 @@ def kv_blocks(pool, ns: int, limit: int = 0) -> list[dict]:
     order, at most `limit` (0: all)."""
     t = Area(pool).entries()
     st = t["ctl"] & 0xFF
-    sel = np.flatnonzero((t["ns"] == ns) & (st != L.KV_EMPTY) & (st != L.KV_TOMBSTONE))
+    sel = np.flatnonzero((t["ns"] == ns) & (st != layout.KV_EMPTY) & (st != layout.KV_TOMBSTONE))
     if limit:
         sel = sel[:limit]
     out = []
@@ -96,7 +96,7 @@ def kv_blocks(pool, ns: int, limit: int = 0) -> list[dict]:
         e = t[i]
         key = int(e["key_lo"]).to_bytes(8, "little") + int(e["key_hi"]).to_bytes(8, "little")
         out.append({"entry": int(i), "key": key.hex(),
-                    "state": L.KV_STATE_NAMES.get(int(st[i]), str(int(st[i]))),
+                    "state": layout.KV_STATE_NAMES.get(int(st[i]), str(int(st[i]))),
                     "bytes": int(e["length"]), "payload": int(e["payload"]),
                     "parent": int(e["parent"]) - 1 if e["parent"] else None,
                     "children": int(e["children"]), "tenant": int(e["tenant"]),

@@ -75,9 +75,9 @@ from cxlkv.host import spawn
 from cxlkv.kv.area import Area
 from cxlkv.kv.cache import drop_namespace, kv_report
 from cxlkv.ops import fsck, lockmgr
-from cxlkv.pool import layout as L
-from cxlkv.state import alloc as A
-from cxlkv.state import nodes as N
+from cxlkv.pool import layout
+from cxlkv.state import alloc as allocator
+from cxlkv.state import nodes as node_table
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ TICK_S = 0.05
 CHECKS = ("workers", "hang", "fsck", "overlap", "payloads", "ownership", "lock-counter",
           "kv-blocks", "quarantine", "empty")
 #: what a worker treats as "this node was reaped": close the pool, attach again
-FENCED = (N.NodeFenced, LockLost)
+FENCED = (node_table.NodeFenced, LockLost)
 #: default pause, in leases: long enough to be judged dead, shorter than the grace
 PAUSE_LEASES = (1.5, 3.0)
 
@@ -197,12 +197,12 @@ def read_payload(m, off: int, room: int) -> tuple[str, Payload | None]:
 
 def allocated_slots(pool) -> list[tuple[int, int, bool]]:
     """(offset, slot size, published) of every allocated slot, from the slab descriptors."""
-    data_off, chunk, _, _ = A.geometry(pool)
-    d = A.descriptors(pool)
+    data_off, chunk, _, _ = allocator.geometry(pool)
+    d = allocator.descriptors(pool)
     try:
         slabs = [(int(h), int(d["slot_size"][h]), int(d["nslots"][h]),
                   d["alloc_bits"][h].copy(), d["pub_bits"][h].copy())
-                 for h in np.flatnonzero((d["control"] & 0xFF) == L.CHUNK_HEAD)]
+                 for h in np.flatnonzero((d["control"] & 0xFF) == layout.CHUNK_HEAD)]
     finally:
         del d
     out = []
@@ -369,7 +369,7 @@ class Worker:
         t0 = perf_counter_ns()
         try:
             off = self.pool.alloc(length)
-        except A.PoolFullError:
+        except allocator.PoolFullError:
             self.full += 1
             return self._free()
         self.lat["alloc"].add(perf_counter_ns() - t0)
@@ -656,7 +656,7 @@ class NodeWatch:
         self.reaps = 0
 
     def poll(self) -> None:
-        now = {n.slot: n for n in N.read_nodes(self.pool)}
+        now = {n.slot: n for n in node_table.read_nodes(self.pool)}
         for slot, epoch in list(self.seen.items()):
             n = now.get(slot)
             if n is None or (n.state, n.epoch) != ("attached", epoch):
@@ -668,7 +668,7 @@ class NodeWatch:
         """Is the node (slot, epoch) no longer attached with that epoch?"""
         if node is None:
             return False
-        n = N.read_slot(self.pool, node[0])
+        n = node_table.read_slot(self.pool, node[0])
         return (n.state, n.epoch) != ("attached", node[1])
 
     def close(self) -> None:
@@ -722,7 +722,7 @@ class Supervisor:
         if self.opts.nodes > pool.sb.max_nodes:
             raise UsageError(f"{self.opts.nodes} worker nodes asked for, but the node table of "
                              f"{pool.path} has {pool.sb.max_nodes} slots")
-        others = [n.describe() for n in N.read_nodes(pool) if n.slot != pool.node.slot]
+        others = [n.describe() for n in node_table.read_nodes(pool) if n.slot != pool.node.slot]
         if others:
             raise RefusedError(f"{pool.path} is in use by {', '.join(others)}; stress needs a "
                                "pool nobody else is attached to", path=pool.path)
@@ -954,7 +954,7 @@ class Supervisor:
                 if self.opts.mix.get("kv"):
                     self.res.kv["evictions"] = kv_report(pool)["evictions"]
                     drop_namespace(pool, KV_NAMESPACE)
-            except (A.AllocError, CxlkvError) as e:
+            except (allocator.AllocError, CxlkvError) as e:
                 self.fail("empty", "free-failed", str(e))
         with Pool.open(self.opts.pool, writable=False) as pool:
             rep = fsck.check(pool)
@@ -972,7 +972,7 @@ class Supervisor:
         bound = self.grace + 2 * self.lease
         deadline = time.monotonic() + bound
         while True:
-            left = [n for n in N.read_nodes(pool) if n.slot != pool.node.slot]
+            left = [n for n in node_table.read_nodes(pool) if n.slot != pool.node.slot]
             if not left or time.monotonic() >= deadline:
                 break
             time.sleep(min(0.05, self.lease / 10))
@@ -985,12 +985,12 @@ class Supervisor:
         """Every published KV entry's payload holds its key's pattern, in a
         published slot of its own; returns the payload offsets of live entries."""
         payloads: set[int] = set()
-        if not pool.sb.compat & L.COMPAT_KV:
+        if not pool.sb.compat & layout.COMPAT_KV:
             return payloads
         area = Area(pool)
         t = area.entries()
         st = t["ctl"] & 0xFF
-        live = np.flatnonzero((st != L.KV_EMPTY) & (st != L.KV_TOMBSTONE))
+        live = np.flatnonzero((st != layout.KV_EMPTY) & (st != layout.KV_TOMBSTONE))
         alloc = {off: (ss, pub) for off, ss, pub in slots}
         seen: dict[int, int] = {}
         m = pool.mapping
@@ -1000,9 +1000,9 @@ class Supervisor:
             key = int(e["key_lo"]).to_bytes(8, "little") + int(e["key_hi"]).to_bytes(8, "little")
             where = f"KV entry {int(i)} (key {key.hex()}, payload {off:#x})"
             payloads.add(off)
-            if state != L.KV_PUBLISHED:
+            if state != layout.KV_PUBLISHED:
                 self.fail("kv-blocks", "kv-entry-left", f"{where} is "
-                          f"{L.KV_STATE_NAMES.get(state, state)} after every node stopped")
+                          f"{layout.KV_STATE_NAMES.get(state, state)} after every node stopped")
                 continue
             if off in seen:
                 self.fail("kv-blocks", "kv-shared-payload",

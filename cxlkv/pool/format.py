@@ -17,7 +17,7 @@ from typing import Callable
 from cxlkv.version import __version__
 from cxlkv._core import Mapping
 from cxlkv.errors import UsageError
-from cxlkv.pool import layout as L
+from cxlkv.pool import layout
 from cxlkv.pool.superblock import MAX_GRACE_MS, Superblock
 from cxlkv.util.sizes import GiB, KiB, MiB, human_size
 
@@ -53,8 +53,8 @@ class FormatParams:
     label: str = ""
 
     def validate(self) -> None:
-        if self.sync not in L.SYNC_CODES:
-            raise UsageError(f"sync mode must be one of {', '.join(L.SYNC_CODES)}, "
+        if self.sync not in layout.SYNC_CODES:
+            raise UsageError(f"sync mode must be one of {', '.join(layout.SYNC_CODES)}, "
                              f"not {self.sync!r}")
         if not _is_pow2(self.chunk_size) or not 64 * KiB <= self.chunk_size <= 1 * GiB:
             raise UsageError(f"chunk size {self.chunk_size} must be a power of two "
@@ -77,7 +77,7 @@ class FormatParams:
             raise UsageError("label must be valid UTF-8 text") from None
         if len(label) > 63 or "\0" in self.label:
             raise UsageError("label must be at most 63 bytes, without NUL")
-        if self.size % L.PAGE:
+        if self.size % layout.PAGE:
             raise UsageError(f"size {self.size} is not a multiple of 4 KiB")
 
     def effective_hash_slots(self) -> int:
@@ -102,17 +102,18 @@ def compute_layout(p: FormatParams) -> Layout:
     # starts at the first chunk boundary after it.
     max_chunks = p.size // p.chunk_size
     sizes = {
-        "nodes": p.max_nodes * L.NODE_SIZE,
-        "locks": L.LOCK_HDR_SIZE + p.max_nodes * L.LOCK_ENTRY_SIZE,
+        "nodes": p.max_nodes * layout.NODE_SIZE,
+        "locks": layout.LOCK_HDR_SIZE + p.max_nodes * layout.LOCK_ENTRY_SIZE,
         "bitmap": _align((max_chunks + 63) // 64 * 8, 8),
-        "heaps": p.max_nodes * L.HEAP_SIZE + max_chunks * L.CHUNK_DESC_SIZE,
-        "hash": hash_slots * L.HASH_ENTRY_SIZE,
-        "kv": L.kv_region_size(p.max_nodes, hash_slots, L.INCOMPAT_KV_LRU | L.INCOMPAT_JOURNAL),
+        "heaps": p.max_nodes * layout.HEAP_SIZE + max_chunks * layout.CHUNK_DESC_SIZE,
+        "hash": hash_slots * layout.HASH_ENTRY_SIZE,
+        "kv": layout.kv_region_size(p.max_nodes, hash_slots,
+                                    layout.INCOMPAT_KV_LRU | layout.INCOMPAT_JOURNAL),
     }
-    off = L.SB_COPIES * L.SB_SIZE
+    off = layout.SB_COPIES * layout.SB_SIZE
     regions: dict[str, tuple[int, int]] = {}
-    for name in L.POOL_ORDER[:-1]:
-        size = _align(max(sizes[name], 1), L.PAGE)
+    for name in layout.POOL_ORDER[:-1]:
+        size = _align(max(sizes[name], 1), layout.PAGE)
         regions[name] = (off, size)
         off += size
     data_off = _align(off, p.chunk_size)
@@ -141,8 +142,8 @@ def build_superblock(p: FormatParams, *, pool_uuid: uuidlib.UUID | None = None,
         uuid=pool_uuid or uuidlib.uuid4(),
         ctime_ns=time.time_ns() if ctime_ns is None else ctime_ns,
         tenant_secret=os.urandom(32) if secret is None else secret,
-        label=p.label, creator=creator or f"cxlkv {__version__}", seq=1, compat=L.COMPAT_KV,
-        incompat=L.INCOMPAT_KV_LRU | L.INCOMPAT_JOURNAL)
+        label=p.label, creator=creator or f"cxlkv {__version__}", seq=1, compat=layout.COMPAT_KV,
+        incompat=layout.INCOMPAT_KV_LRU | layout.INCOMPAT_JOURNAL)
 
 
 Progress = Callable[[int, int], None]   # (bytes done, bytes total)
@@ -150,7 +151,7 @@ Progress = Callable[[int, int], None]   # (bytes done, bytes total)
 
 def destroy_superblocks(m) -> None:
     """Zero and flush both superblock copies: the pool stops being a pool."""
-    m.zero(0, L.SB_COPIES * L.SB_SIZE)
+    m.zero(0, layout.SB_COPIES * layout.SB_SIZE)
 
 
 def format_mapping(m, p: FormatParams, *, zero_data: bool = True,
@@ -171,7 +172,7 @@ def format_mapping(m, p: FormatParams, *, zero_data: bool = True,
     data_off, data_size = sb.regions["data"]
     meta_end = data_off
     total = meta_end + (data_size if zero_data else 0)
-    done = L.SB_COPIES * L.SB_SIZE
+    done = layout.SB_COPIES * layout.SB_SIZE
     step = 64 * MiB
     for off in range(done, total, step):
         n = min(step, total - off)
@@ -184,8 +185,8 @@ def format_mapping(m, p: FormatParams, *, zero_data: bool = True,
         m.write(kv_off + off, rec)
     raw = sb.encode()
     # copy B first, then A: the same image with seq 1 in both
-    m.write(L.SB_OFFSETS[1], raw)
-    m.write(L.SB_OFFSETS[0], raw)
+    m.write(layout.SB_OFFSETS[1], raw)
+    m.write(layout.SB_OFFSETS[0], raw)
     if progress:
         progress(total, total)
     return sb
@@ -196,18 +197,18 @@ def kv_initial_records(max_nodes: int, hash_slots: int) -> list[tuple[int, bytes
     its header (with the leaf LRU lists empty and the place of their link
     array), tenant record 0 (the unsalted tenant) active, and the change
     journal's header (its rings start empty: heads 0)."""
-    g = L.kv_geometry(max_nodes, hash_slots)
-    h = L.KVHdrStruct()
-    h.magic = L.KV_MAGIC
+    g = layout.kv_geometry(max_nodes, hash_slots)
+    h = layout.KVHdrStruct()
+    h.magic = layout.KV_MAGIC
     for f in ("max_namespaces", "max_tenants", "pins_per_node", "ring_per_node", "ns_off",
               "tenant_off", "node_off", "node_stride"):
         setattr(h, f, g[f])
     h.lru_off = g["lru_off"]
-    t = L.KVTenantStruct()
-    t.state = L.KV_REC_ACTIVE
-    j = L.journal_geometry(max_nodes, hash_slots)
-    jh = L.JournalHdrStruct(magic=L.JOURNAL_MAGIC, records_per_node=j["records_per_node"],
-                            rec_size=L.JOURNAL_REC_SIZE, ring_off=j["ring_off"],
+    t = layout.KVTenantStruct()
+    t.state = layout.KV_REC_ACTIVE
+    j = layout.journal_geometry(max_nodes, hash_slots)
+    jh = layout.JournalHdrStruct(magic=layout.JOURNAL_MAGIC, records_per_node=j["records_per_node"],
+                            rec_size=layout.JOURNAL_REC_SIZE, ring_off=j["ring_off"],
                             ring_stride=j["ring_stride"], max_nodes=max_nodes, next_seq=1)
     return [(0, bytes(h)), (g["tenant_off"], bytes(t)), (j["hdr_off"], bytes(jh))]
 

@@ -24,9 +24,9 @@ import xxhash
 from cxlkv.version import __version__
 from cxlkv.errors import (CxlkvError, NotFormatted, PoolCorrupt, PoolIncompatible,
                           PoolTruncated, WrongMagic)
-from cxlkv.pool import layout as L
+from cxlkv.pool import layout
 
-_CSUM_OFF = L.field_offset(L.SuperblockStruct, "checksum")
+_CSUM_OFF = layout.field_offset(layout.SuperblockStruct, "checksum")
 #: default quarantine grace (grace_ms 0), in leases
 GRACE_LEASES = 6
 MAX_GRACE_MS = 7 * 24 * 3600 * 1000
@@ -34,7 +34,7 @@ MAX_GRACE_MS = 7 * 24 * 3600 * 1000
 
 def checksum(raw: bytes | bytearray | memoryview) -> int:
     """xxh64 of a superblock image with its checksum field taken as zero."""
-    mv = memoryview(raw)[: L.SB_SIZE]
+    mv = memoryview(raw)[: layout.SB_SIZE]
     h = xxhash.xxh64(seed=0)
     h.update(mv[:_CSUM_OFF])
     h.update(b"\0" * 8)
@@ -61,7 +61,7 @@ class Superblock:
     label: str = ""
     creator: str = ""
     seq: int = 1
-    version: int = L.FORMAT_VERSION
+    version: int = layout.FORMAT_VERSION
     compat: int = 0
     incompat: int = 0
     ro_compat: int = 0
@@ -76,22 +76,22 @@ class Superblock:
     @property
     def read_only_features(self) -> int:
         """ro_compat bits this software does not know (force read-only)."""
-        return self.ro_compat & ~L.RO_COMPAT_SUPPORTED
+        return self.ro_compat & ~layout.RO_COMPAT_SUPPORTED
 
     def replace(self, **changes) -> "Superblock":
         return dataclasses.replace(self, **changes)
 
     def encode(self) -> bytes:
-        s = L.SuperblockStruct()
-        s.magic = L.MAGIC
+        s = layout.SuperblockStruct()
+        s.magic = layout.MAGIC
         s.version = self.version
-        s.sb_size = L.SB_SIZE
+        s.sb_size = layout.SB_SIZE
         s.seq = self.seq
         s.compat, s.incompat, s.ro_compat = self.compat, self.incompat, self.ro_compat
         s.uuid[:] = self.uuid.bytes
         s.pool_size = self.pool_size
         s.ctime_ns = self.ctime_ns
-        s.sync_mode = L.SYNC_CODES[self.sync]
+        s.sync_mode = layout.SYNC_CODES[self.sync]
         s.max_nodes = self.max_nodes
         s.chunk_size = self.chunk_size
         s.lease_ms = self.lease_ms
@@ -100,7 +100,7 @@ class Superblock:
         s.hash_max_load_pct = self.hash_max_load_pct
         s.nchunks = self.nchunks
         for name, (off, size) in self.regions.items():
-            r = s.regions[L.REGION_INDEX[name]]
+            r = s.regions[layout.REGION_INDEX[name]]
             r.off, r.size = off, size
         s.tenant_secret[:] = self.tenant_secret
         s.label = _cstr(self.label, 64, "label")
@@ -151,33 +151,33 @@ def decode(raw: bytes | bytearray | memoryview, *, copy: str = "A") -> Superbloc
     field out of range), PoolTruncated (short input) or PoolIncompatible
     (a newer format version or an unknown incompat feature).
     """
-    raw = bytes(memoryview(raw)[: L.SB_SIZE])
+    raw = bytes(memoryview(raw)[: layout.SB_SIZE])
     where = f"superblock copy {copy}"
-    if len(raw) < L.SB_SIZE:
-        raise PoolTruncated(f"{where}: only {len(raw)} of {L.SB_SIZE} bytes present")
+    if len(raw) < layout.SB_SIZE:
+        raise PoolTruncated(f"{where}: only {len(raw)} of {layout.SB_SIZE} bytes present")
     if not any(raw):
         raise NotFormatted(f"{where} is all zeros: not formatted")
-    if raw[:8] != L.MAGIC:
-        raise WrongMagic(f"{where}: wrong magic {raw[:8]!r} (expected {L.MAGIC!r})")
-    s = L.SuperblockStruct.from_buffer_copy(raw)
+    if raw[:8] != layout.MAGIC:
+        raise WrongMagic(f"{where}: wrong magic {raw[:8]!r} (expected {layout.MAGIC!r})")
+    s = layout.SuperblockStruct.from_buffer_copy(raw)
     stored = s.checksum
     if stored != checksum(raw):
         raise PoolCorrupt(f"{where}: checksum mismatch (stored {stored:#018x}, "
                           f"computed {checksum(raw):#018x})")
-    if s.version != L.FORMAT_VERSION:
-        if s.version > L.FORMAT_VERSION:
+    if s.version != layout.FORMAT_VERSION:
+        if s.version > layout.FORMAT_VERSION:
             raise PoolIncompatible(
                 f"{where}: format version {s.version} is newer than this cxlkv supports "
-                f"({L.FORMAT_VERSION}); {_needs(s)}")
+                f"({layout.FORMAT_VERSION}); {_needs(s)}")
         raise PoolCorrupt(f"{where}: invalid format version {s.version}")
-    unknown = s.incompat & ~L.INCOMPAT_SUPPORTED
+    unknown = s.incompat & ~layout.INCOMPAT_SUPPORTED
     if unknown:
         raise PoolIncompatible(
             f"{where}: unknown incompatible features {unknown:#x}; {_needs(s)}")
     return _validate(s, where)
 
 
-def _needs(s: L.SuperblockStruct) -> str:
+def _needs(s: layout.SuperblockStruct) -> str:
     """Which cxlkv a pool needs: the one that formatted it (its `creator`,
     trusted once the checksum holds) when that is newer than this one, else
     (an older or unparsable creator: it cannot be what is missing) at least a
@@ -210,13 +210,13 @@ def _version_key(text: str):
     return tuple(int(x) for x in m.group(1).split(".")) if m else None
 
 
-def _validate(s: L.SuperblockStruct, where: str) -> Superblock:
+def _validate(s: layout.SuperblockStruct, where: str) -> Superblock:
     def bad(msg: str) -> PoolCorrupt:
         return PoolCorrupt(f"{where}: {msg}")
 
-    if s.sb_size != L.SB_SIZE:
-        raise bad(f"sb_size {s.sb_size} != {L.SB_SIZE}")
-    if s.sync_mode not in L.SYNC_NAMES:
+    if s.sb_size != layout.SB_SIZE:
+        raise bad(f"sb_size {s.sb_size} != {layout.SB_SIZE}")
+    if s.sync_mode not in layout.SYNC_NAMES:
         raise bad(f"unknown sync mode {s.sync_mode}")
     if not _is_pow2(s.chunk_size) or not (4096 <= s.chunk_size <= 1 << 40):
         raise bad(f"chunk size {s.chunk_size} is not a power of two >= 4096")
@@ -230,35 +230,35 @@ def _validate(s: L.SuperblockStruct, where: str) -> Superblock:
         raise bad(f"hash_slots {s.hash_slots} is not a power of two")
     if not 1 <= s.hash_max_load_pct <= 100:
         raise bad(f"hash_max_load_pct {s.hash_max_load_pct} out of range")
-    if s.pool_size < 2 * L.SB_SIZE or s.pool_size % L.PAGE:
+    if s.pool_size < 2 * layout.SB_SIZE or s.pool_size % layout.PAGE:
         raise bad(f"pool size {s.pool_size} invalid")
     regions: dict[str, tuple[int, int]] = {}
-    has_kv = bool(s.compat & L.COMPAT_KV)
-    prev_end = L.SB_COPIES * L.SB_SIZE
-    for name in L.POOL_ORDER:
-        i = L.REGION_INDEX[name]
+    has_kv = bool(s.compat & layout.COMPAT_KV)
+    prev_end = layout.SB_COPIES * layout.SB_SIZE
+    for name in layout.POOL_ORDER:
+        i = layout.REGION_INDEX[name]
         off, size = s.regions[i].off, s.regions[i].size
         if name == "kv" and not has_kv:        # formatted before the KV region existed
             if off or size:
                 raise bad("region slot 6 is set but the pool has no KV feature bit")
             regions[name] = (0, 0)
             continue
-        if off % L.PAGE or off < prev_end or size > s.pool_size or off > s.pool_size - size:
+        if off % layout.PAGE or off < prev_end or size > s.pool_size or off > s.pool_size - size:
             raise bad(f"region {name} [{off}, +{size}) is misplaced")
         regions[name] = (off, size)
         prev_end = off + size
-    for i in range(len(L.REGION_NAMES), L.REGION_COUNT):
+    for i in range(len(layout.REGION_NAMES), layout.REGION_COUNT):
         if s.regions[i].off or s.regions[i].size:
             raise bad(f"reserved region slot {i} is not empty")
     need = {
-        "nodes": s.max_nodes * L.NODE_SIZE,
-        "locks": L.LOCK_HDR_SIZE + s.max_nodes * L.LOCK_ENTRY_SIZE,
+        "nodes": s.max_nodes * layout.NODE_SIZE,
+        "locks": layout.LOCK_HDR_SIZE + s.max_nodes * layout.LOCK_ENTRY_SIZE,
         "bitmap": (s.nchunks + 7) // 8,
-        "heaps": s.max_nodes * L.HEAP_SIZE + s.nchunks * L.CHUNK_DESC_SIZE,
-        "hash": s.hash_slots * L.HASH_ENTRY_SIZE,
+        "heaps": s.max_nodes * layout.HEAP_SIZE + s.nchunks * layout.CHUNK_DESC_SIZE,
+        "hash": s.hash_slots * layout.HASH_ENTRY_SIZE,
     }
     if has_kv:
-        need["kv"] = L.kv_region_size(s.max_nodes, s.hash_slots, s.incompat)
+        need["kv"] = layout.kv_region_size(s.max_nodes, s.hash_slots, s.incompat)
     for name, n in need.items():
         if regions[name][1] < n:
             raise bad(f"region {name} is {regions[name][1]} bytes, needs {n}")
@@ -272,7 +272,7 @@ def _validate(s: L.SuperblockStruct, where: str) -> Superblock:
     except UnicodeDecodeError:
         raise bad("label or creator is not UTF-8") from None
     return Superblock(
-        pool_size=s.pool_size, sync=L.SYNC_NAMES[s.sync_mode], chunk_size=s.chunk_size,
+        pool_size=s.pool_size, sync=layout.SYNC_NAMES[s.sync_mode], chunk_size=s.chunk_size,
         max_nodes=s.max_nodes, lease_ms=s.lease_ms, hash_slots=s.hash_slots,
         hash_max_load_pct=s.hash_max_load_pct, nchunks=s.nchunks, regions=regions,
         uuid=uuidlib.UUID(bytes=bytes(s.uuid)), ctime_ns=s.ctime_ns,
@@ -291,8 +291,8 @@ class Selection:
 
 
 def _seq_if_checksummed(raw: bytes) -> int | None:
-    if len(raw) >= L.SB_SIZE and raw[:8] == L.MAGIC:
-        s = L.SuperblockStruct.from_buffer_copy(raw[: L.SB_SIZE])
+    if len(raw) >= layout.SB_SIZE and raw[:8] == layout.MAGIC:
+        s = layout.SuperblockStruct.from_buffer_copy(raw[: layout.SB_SIZE])
         if s.checksum == checksum(raw):
             return s.seq
     return None

@@ -34,7 +34,7 @@ import threading
 import time
 
 from cxlkv.errors import CorruptValue, RemoteError, RemoteUnavailable
-from cxlkv.remote import value as V
+from cxlkv.remote import value
 from cxlkv.remote.config import RemoteConfig
 
 log = logging.getLogger(__name__)
@@ -295,7 +295,7 @@ class RemoteClient:
             self._bump("misses", n)
             return out
         names = [self._name(ns_digest, k) for k in keys]
-        per = max(1, self.chunk_bytes // (block_bytes + V.HEADER_SIZE))
+        per = max(1, self.chunk_bytes // (block_bytes + value.HEADER_SIZE))
         raw = self._fetch(names, per, deadline, "get_many")
         bad = []
         hits = 0
@@ -303,7 +303,7 @@ class RemoteClient:
             if v is None:
                 continue
             try:
-                out[i] = V.decode(keys[i], ns_digest, block_bytes, v)
+                out[i] = value.decode(keys[i], ns_digest, block_bytes, v)
                 hits += 1
             except CorruptValue as e:
                 if e.damaged:
@@ -413,7 +413,7 @@ class RemoteClient:
                 if v is None:
                     continue
                 try:
-                    V.decode(key, ns_digest, block_bytes, v)
+                    value.decode(key, ns_digest, block_bytes, v)
                 except CorruptValue as e:
                     if e.damaged:
                         gone.append(nm)
@@ -451,7 +451,7 @@ class RemoteClient:
         queued."""
         key = _keys16([key])[0]
         ns_digest = _digest16(ns_digest)
-        size = V.HEADER_SIZE + memoryview(payload).nbytes
+        size = value.HEADER_SIZE + memoryview(payload).nbytes
         with self._mu:
             if self._closed:
                 self.counters["dropped_closed"] += 1
@@ -469,7 +469,7 @@ class RemoteClient:
             self._drop(kind)
             return False
         try:
-            val = V.encode(key, ns_digest, payload)
+            val = value.encode(key, ns_digest, payload)
         except Exception:
             self._release([(None, key, size)])
             raise
@@ -573,7 +573,7 @@ class RemoteClient:
         for (_, key, val), ok, r in zip(batch, res, rep):
             if ok is True:
                 stored += 1
-                stored_bytes += len(val) - V.HEADER_SIZE
+                stored_bytes += len(val) - value.HEADER_SIZE
                 repl += bool(r)
                 if self.on_written is not None:
                     try:

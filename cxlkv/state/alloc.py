@@ -63,25 +63,26 @@ import numpy as np
 from cxlkv._core import crashpoint, fence
 # PoolFullError is public here too (cxlkv.state.alloc, named in the README)
 from cxlkv.errors import AllocError, CxlkvError, MetadataCorrupt, PoolFullError, UsageError
-from cxlkv.pool import layout as L
-from cxlkv.state import nodes as N
+from cxlkv.pool import layout
+from cxlkv.state import nodes
 from cxlkv.state.locks import entry_offset as lock_entry_offset
 from cxlkv.state.locks import guard, held_lock
 
 _DESC = np.dtype([("control", "<u8"), ("owner", "<u8"), ("slot_size", "<u8"),
                   ("nslots", "<u8"), ("nchunks", "<u8"), ("pad", "V24"),
                   ("alloc_bits", "<u8", 8), ("pub_bits", "<u8", 8), ("dirty_bits", "<u8", 8)])
-assert _DESC.itemsize == L.CHUNK_DESC_SIZE
+assert _DESC.itemsize == layout.CHUNK_DESC_SIZE
 
-_F = {name: L.field_offset(L.ChunkStruct, name) for name, *_ in L.ChunkStruct._fields_}
-_FREEING = L.field_offset(L.LockEntryStruct, "freeing")
+_F = {name: layout.field_offset(layout.ChunkStruct, name) for name,
+      *_ in layout.ChunkStruct._fields_}
+_FREEING = layout.field_offset(layout.LockEntryStruct, "freeing")
 MAX_SLAB_CHUNKS = 64          # slabs.c MAX_SPAN
 SWEEP_CHUNKS = 16384          # descriptors one _sweep looks at
 
 
 def heap_offset(pool, slot: int) -> int:
     """Pool offset of node slot `slot`'s heap header (its hazard words)."""
-    return pool.region("heaps")[0] + slot * L.HEAP_SIZE
+    return pool.region("heaps")[0] + slot * layout.HEAP_SIZE
 
 
 def _hazard_on(pool, head: int, owner: int) -> bool:
@@ -92,16 +93,16 @@ def _hazard_on(pool, head: int, owner: int) -> bool:
     if not 0 <= slot < pool.sb.max_nodes:
         return False                          # orphan (0), or no node's token
     m, off = pool.mapping, heap_offset(pool, slot)
-    m.invalidate(off, 8 * L.HEAP_HAZARDS)
-    return any(m.load64(off + 8 * i) == head + 1 for i in range(L.HEAP_HAZARDS))
+    m.invalidate(off, 8 * layout.HEAP_HAZARDS)
+    return any(m.load64(off + 8 * i) == head + 1 for i in range(layout.HEAP_HAZARDS))
 
 
 def clear_hazards(pool, slot: int) -> None:
     """Drop every hazard word of node slot `slot` (its node is gone)."""
     m, off = pool.mapping, heap_offset(pool, slot)
-    for i in range(L.HEAP_HAZARDS):
+    for i in range(layout.HEAP_HAZARDS):
         m.store64(off + 8 * i, 0)
-    m.flush(off, 8 * L.HEAP_HAZARDS)
+    m.flush(off, 8 * layout.HEAP_HAZARDS)
 
 
 def geometry(pool) -> tuple[int, int, int, int]:
@@ -109,14 +110,14 @@ def geometry(pool) -> tuple[int, int, int, int]:
     sb = pool.sb
     heaps_off, _ = pool.region("heaps")
     return (pool.region("data")[0], sb.chunk_size, sb.nchunks,
-            heaps_off + sb.max_nodes * L.HEAP_SIZE)
+            heaps_off + sb.max_nodes * layout.HEAP_SIZE)
 
 
 def descriptors(pool) -> np.ndarray:
     """The chunk descriptor table as a numpy view of pool memory (zero-copy)."""
     _, _, n, base = geometry(pool)
-    pool.mapping.invalidate(base, n * L.CHUNK_DESC_SIZE)
-    return np.frombuffer(pool.mapping.view(base, n * L.CHUNK_DESC_SIZE), dtype=_DESC)
+    pool.mapping.invalidate(base, n * layout.CHUNK_DESC_SIZE)
+    return np.frombuffer(pool.mapping.view(base, n * layout.CHUNK_DESC_SIZE), dtype=_DESC)
 
 
 def used_slots(d: np.ndarray, idx: np.ndarray | None = None) -> np.ndarray:
@@ -147,18 +148,18 @@ def slot_bits(pool, off: int) -> tuple[bool, bool, bool] | None:
         return None
     m = pool.mapping
     idx = (off - data_off) // chunk
-    m.invalidate(base + idx * L.CHUNK_DESC_SIZE, L.CHUNK_DESC_SIZE)
-    ctl = m.load64(base + idx * L.CHUNK_DESC_SIZE)
-    head = ctl >> 8 if ctl & 0xFF == L.CHUNK_TAIL else idx
+    m.invalidate(base + idx * layout.CHUNK_DESC_SIZE, layout.CHUNK_DESC_SIZE)
+    ctl = m.load64(base + idx * layout.CHUNK_DESC_SIZE)
+    head = ctl >> 8 if ctl & 0xFF == layout.CHUNK_TAIL else idx
     if head > idx:                                  # corrupt tail
         return None
-    h = base + head * L.CHUNK_DESC_SIZE
-    m.invalidate(h, L.CHUNK_DESC_SIZE)
-    if m.load64(h) & 0xFF != L.CHUNK_HEAD:
+    h = base + head * layout.CHUNK_DESC_SIZE
+    m.invalidate(h, layout.CHUNK_DESC_SIZE)
+    if m.load64(h) & 0xFF != layout.CHUNK_HEAD:
         return None
     ss, ns = m.load64(h + _F["slot_size"]), m.load64(h + _F["nslots"])
     rel = off - (data_off + head * chunk)
-    if not ss or rel % ss or rel // ss >= min(ns, L.SLAB_MAX_SLOTS):
+    if not ss or rel % ss or rel // ss >= min(ns, layout.SLAB_MAX_SLOTS):
         return None
     i = rel // ss
     w, b = i // 64, 1 << (i % 64)
@@ -170,7 +171,7 @@ def slot_size_for(pool, nbytes: int) -> int:
     """The slot size a request of nbytes gets; UsageError for nbytes <= 0."""
     if nbytes <= 0:
         raise UsageError(f"cannot allocate {nbytes} bytes")
-    min_slot = max(64, -(-pool.sb.chunk_size // L.SLAB_MAX_SLOTS))
+    min_slot = max(64, -(-pool.sb.chunk_size // layout.SLAB_MAX_SLOTS))
     min_slot = -(-min_slot // 64) * 64
     return max(min_slot, -(-nbytes // 64) * 64)
 
@@ -180,7 +181,7 @@ def slab_shape(chunk: int, slot: int, max_chunks: int) -> tuple[int, int]:
     best = None
     kmin = max(1, -(-slot // chunk))
     for k in range(kmin, min(max_chunks, max(kmin * 4, 8), MAX_SLAB_CHUNKS) + 1):
-        n = min(k * chunk // slot, L.SLAB_MAX_SLOTS)
+        n = min(k * chunk // slot, layout.SLAB_MAX_SLOTS)
         if n == 0:
             continue
         waste = (k * chunk - n * slot) / (k * chunk)
@@ -199,7 +200,8 @@ def head_spans(d: np.ndarray, releasing: bool = True) -> np.ndarray:
     is tested against, not used on any allocation path."""
     n = len(d)
     kind = d["control"] & 0xFF
-    heads = np.flatnonzero((kind == L.CHUNK_HEAD) | (releasing & (kind == L.CHUNK_RELEASING)))
+    heads = np.flatnonzero((kind == layout.CHUNK_HEAD)
+                           | (releasing & (kind == layout.CHUNK_RELEASING)))
     cover = np.zeros(n + 1, dtype=np.int64)
     if len(heads):
         k = np.clip(d["nchunks"][heads].astype(np.int64), 1, None)
@@ -411,7 +413,7 @@ class Allocator:
                 if head < 0:
                     head = self._new_slab(None, ss)
             if head >= 0 and want > 1:
-                per = self.m.load64(self.desc_base + head * L.CHUNK_DESC_SIZE + _F["nslots"])
+                per = self.m.load64(self.desc_base + head * layout.CHUNK_DESC_SIZE + _F["nslots"])
                 more = []
                 for _ in range(min(64, -(-want // max(1, per)) - 1)):
                     h = self._new_slab(None, ss)
@@ -439,7 +441,7 @@ class Allocator:
             freed = np.array(sorted(set(np.frombuffer(raw, dtype=np.uint64).tolist())),
                              dtype=np.int64)
             rows = self._rows(freed)
-            ours = (((rows["control"] & 0xFF) == L.CHUNK_HEAD) & (rows["owner"] == self.token))
+            ours = (((rows["control"] & 0xFF) == layout.CHUNK_HEAD) & (rows["owner"] == self.token))
             for h, size in zip(freed[ours].tolist(), rows["slot_size"][ours].tolist()):
                 self._mine.setdefault(int(size), set()).add(h)
         mine = self._mine.get(ss)
@@ -451,7 +453,7 @@ class Allocator:
         if not len(idx):
             return -1
         rows = self._rows(idx)
-        room = (((rows["control"] & 0xFF) == L.CHUNK_HEAD) & (rows["owner"] == self.token)
+        room = (((rows["control"] & 0xFF) == layout.CHUNK_HEAD) & (rows["owner"] == self.token)
                 & (rows["slot_size"] == ss) & (used_slots(rows) < rows["nslots"]))
         mine.difference_update(idx[~room].tolist())
         hit = np.flatnonzero(room)
@@ -469,13 +471,13 @@ class Allocator:
         lo = self._sweep_at if self._sweep_at < self.nchunks else 0
         hi = min(self.nchunks, lo + SWEEP_CHUNKS)
         self._sweep_at = hi
-        base = self.desc_base + lo * L.CHUNK_DESC_SIZE
+        base = self.desc_base + lo * layout.CHUNK_DESC_SIZE
         if self.m.flush_meta:
-            self.m.invalidate(base, (hi - lo) * L.CHUNK_DESC_SIZE)
-        view = self.m.view(base, (hi - lo) * L.CHUNK_DESC_SIZE)
+            self.m.invalidate(base, (hi - lo) * layout.CHUNK_DESC_SIZE)
+        view = self.m.view(base, (hi - lo) * layout.CHUNK_DESC_SIZE)
         try:
             d = np.frombuffer(view, dtype=_DESC)
-            heads = np.flatnonzero((d["control"] & 0xFF) == L.CHUNK_HEAD)
+            heads = np.flatnonzero((d["control"] & 0xFF) == layout.CHUNK_HEAD)
             used = used_slots(d, heads)
             empty = heads[used == 0] + lo
             some = (used > 0) & (used < d["nslots"][heads])
@@ -503,18 +505,18 @@ class Allocator:
         m, base = self.m, self.desc_base
         # head first (it names the owner, so recovery can find a half-made slab),
         # then the tails, then the bitmap
-        h = base + head * L.CHUNK_DESC_SIZE
-        m.zero(h + 8, L.CHUNK_DESC_SIZE - 8)
+        h = base + head * layout.CHUNK_DESC_SIZE
+        m.zero(h + 8, layout.CHUNK_DESC_SIZE - 8)
         m.store64(h + _F["owner"], self.token)
         m.store64(h + _F["slot_size"], ss)
         m.store64(h + _F["nslots"], nslots)
         m.store64(h + _F["nchunks"], k)
-        m.store64(h + _F["control"], L.CHUNK_HEAD)
-        m.flush(h, L.CHUNK_DESC_SIZE)
+        m.store64(h + _F["control"], layout.CHUNK_HEAD)
+        m.flush(h, layout.CHUNK_DESC_SIZE)
         crashpoint("slab.head")
         for i in range(head + 1, head + k):
-            m.store64(base + i * L.CHUNK_DESC_SIZE, L.CHUNK_TAIL | head << 8)
-        m.flush(h, k * L.CHUNK_DESC_SIZE)
+            m.store64(base + i * layout.CHUNK_DESC_SIZE, layout.CHUNK_TAIL | head << 8)
+        m.flush(h, k * layout.CHUNK_DESC_SIZE)
         crashpoint("slab.tails")
         set_bits(self.pool, head, k, True)
         self._hint = head + k if head + k < self.nchunks else 0
@@ -600,39 +602,39 @@ def release_slab(pool, head: int, *, resume: bool = False) -> bool:
     """
     data_off, chunk, nchunks, base = geometry(pool)
     m = pool.mapping
-    h = base + head * L.CHUNK_DESC_SIZE
-    if not (resume and m.load64(h) & 0xFF == L.CHUNK_RELEASING):
-        m.invalidate(h, L.CHUNK_DESC_SIZE)
-        d = np.frombuffer(m.read(h, L.CHUNK_DESC_SIZE), dtype=_DESC)
-        if m.load64(h) & 0xFF == L.CHUNK_HEAD and not _geometry_ok(d[0], head, nchunks, chunk):
+    h = base + head * layout.CHUNK_DESC_SIZE
+    if not (resume and m.load64(h) & 0xFF == layout.CHUNK_RELEASING):
+        m.invalidate(h, layout.CHUNK_DESC_SIZE)
+        d = np.frombuffer(m.read(h, layout.CHUNK_DESC_SIZE), dtype=_DESC)
+        if m.load64(h) & 0xFF == layout.CHUNK_HEAD and not _geometry_ok(d[0], head, nchunks, chunk):
             raise MetadataCorrupt(
                 f"{pool.path}: chunk {head}: slab descriptor is corrupt (slot "
                 f"{int(d['slot_size'][0])} x {int(d['nslots'][0])} in "
                 f"{int(d['nchunks'][0])} chunks)", path=pool.path)
-        if m.cas64(h, L.CHUNK_HEAD, L.CHUNK_RELEASING) != L.CHUNK_HEAD:
+        if m.cas64(h, layout.CHUNK_HEAD, layout.CHUNK_RELEASING) != layout.CHUNK_HEAD:
             return False
     fence()                 # RELEASING is visible before the hazards are read
     m.flush(h, 8)
     crashpoint("release.releasing")
-    m.invalidate(h, L.CHUNK_DESC_SIZE)
+    m.invalidate(h, layout.CHUNK_DESC_SIZE)
     if _hazard_on(pool, head, m.load64(h + _F["owner"])) or any(m.read(h + _F["alloc_bits"], 64)):
-        m.store64(h, L.CHUNK_HEAD)
+        m.store64(h, layout.CHUNK_HEAD)
         m.flush(h, 8)
         return False
     k = max(1, min(m.load64(h + _F["nchunks"]), nchunks - head))
     # only this slab's own tails: a chunk in the span may already belong to
     # someone else if this slab was never finished
     ours = [i for i in range(head + 1, head + k)
-            if m.load64(base + i * L.CHUNK_DESC_SIZE) == L.CHUNK_TAIL | head << 8]
+            if m.load64(base + i * layout.CHUNK_DESC_SIZE) == layout.CHUNK_TAIL | head << 8]
     if any(m.read(h + _F["dirty_bits"], 64)):
         for i in [head] + ours:                  # stale bytes never outlive a slab
             m.zero(data_off + i * chunk, chunk)
     for i in reversed(ours):
-        m.store64(base + i * L.CHUNK_DESC_SIZE, L.CHUNK_FREE)
-    m.flush(h, k * L.CHUNK_DESC_SIZE)
+        m.store64(base + i * layout.CHUNK_DESC_SIZE, layout.CHUNK_FREE)
+    m.flush(h, k * layout.CHUNK_DESC_SIZE)
     crashpoint("release.tails")
-    m.zero(h + 8, L.CHUNK_DESC_SIZE - 8)
-    m.store64(h, L.CHUNK_FREE)
+    m.zero(h + 8, layout.CHUNK_DESC_SIZE - 8)
+    m.store64(h, layout.CHUNK_FREE)
     m.flush(h, 8)
     crashpoint("release.head")
     for i in [head] + ours:
@@ -643,11 +645,11 @@ def release_slab(pool, head: int, *, resume: bool = False) -> bool:
 def _geometry_ok(desc, i: int, nchunks: int, chunk: int) -> bool:
     """Whether one descriptor (a _DESC record) at chunk i has a possible slab geometry."""
     ss, ns, nc = int(desc["slot_size"]), int(desc["nslots"]), int(desc["nchunks"])
-    return bool(ss and ss % 64 == 0 and 0 < ns <= L.SLAB_MAX_SLOTS and 0 < nc
+    return bool(ss and ss % 64 == 0 and 0 < ns <= layout.SLAB_MAX_SLOTS and 0 < nc
                 and i + nc <= nchunks and ns * ss <= nc * chunk)
 
 
-@N.register_recovery(order=20, part="alloc")
+@nodes.register_recovery(order=20, part="alloc")
 def _recover_allocations(pool, slot: int, epoch: int) -> None:
     """What a dead node left in the allocator, under the pool lock:
     its hazard words are dropped, its unpublished slots freed (zeroed), its
@@ -681,7 +683,7 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
         releasing, mine, interrupted, dangling, leaked, empty = census(pool, token, live)
         for head in releasing:                  # only a dead lock holder leaves these
             if not release_slab(pool, int(head), resume=True) and \
-                    m.load64(base + int(head) * L.CHUNK_DESC_SIZE + _F["owner"]) == token:
+                    m.load64(base + int(head) * layout.CHUNK_DESC_SIZE + _F["owner"]) == token:
                 mine = np.append(mine, head)    # back to HEAD: slots remain
         rows = desc_rows(pool, mine)            # a copy: what the dead node left
         ok = _geometry_ok_all(rows, np.arange(len(mine)), nchunks - mine, chunk)
@@ -729,8 +731,8 @@ def desc_rows(pool, idx: np.ndarray) -> np.ndarray:
     m = pool.mapping
     if m.flush_meta or m.noncoherent:
         for h in idx:
-            m.invalidate(base + int(h) * L.CHUNK_DESC_SIZE, L.CHUNK_DESC_SIZE)
-    view = m.view(base, n * L.CHUNK_DESC_SIZE)
+            m.invalidate(base + int(h) * layout.CHUNK_DESC_SIZE, layout.CHUNK_DESC_SIZE)
+    view = m.view(base, n * layout.CHUNK_DESC_SIZE)
     try:
         return np.frombuffer(view, dtype=_DESC)[np.asarray(idx, dtype=np.int64)]
     finally:
@@ -781,7 +783,7 @@ def _geometry_ok_all(d: np.ndarray, idx: np.ndarray, nchunks, chunk: int) -> np.
     if room.ndim == 0:
         room = int(room) - np.asarray(idx, dtype=np.int64)
     with np.errstate(over="ignore"):
-        return ((ss > 0) & (ss % 64 == 0) & (ns > 0) & (ns <= L.SLAB_MAX_SLOTS) & (nc > 0)
+        return ((ss > 0) & (ss % 64 == 0) & (ns > 0) & (ns <= layout.SLAB_MAX_SLOTS) & (nc > 0)
                 & (nc <= room.astype(np.uint64))
                 & (ss <= nc * np.uint64(chunk) // np.maximum(ns, np.uint64(1))))
 
@@ -832,7 +834,7 @@ def _release_batch(pool, heads) -> int:
 def _live_tokens(pool) -> set[int]:
     """Owner tokens of nodes that still hold what they own: attached ones and
     fenced ones (quarantined: a fenced node may still be finishing a step)."""
-    return {(n.slot + 1) | n.epoch << 16 for n in N.read_nodes(pool)
+    return {(n.slot + 1) | n.epoch << 16 for n in nodes.read_nodes(pool)
             if n.state in ("attached", "fenced")}
 
 
@@ -846,7 +848,7 @@ def _finish_interrupted_frees(pool, live_owner: set[int], heads=None) -> None:
     if heads is None:
         heads = census(pool, 0, live_owner)[2]
     rows = desc_rows(pool, heads)
-    ok = ((rows["control"] & 0xFF) == L.CHUNK_HEAD) & \
+    ok = ((rows["control"] & 0xFF) == layout.CHUNK_HEAD) & \
         _geometry_ok_all(rows, np.arange(len(heads)), nchunks - heads, chunk)
     heads, rows = heads[ok], rows[ok]           # corrupt: left for fsck to report
     hit = rows["alloc_bits"] & rows["dirty_bits"]
@@ -872,8 +874,8 @@ def _repair_dangling(pool, dangling=None, leaked=None) -> None:
     if dangling is None:
         _, _, _, dangling, leaked, _ = census(pool)
     for i in dangling:
-        m.store64(base + int(i) * L.CHUNK_DESC_SIZE, L.CHUNK_FREE)
-        m.flush(base + int(i) * L.CHUNK_DESC_SIZE, 8)
+        m.store64(base + int(i) * layout.CHUNK_DESC_SIZE, layout.CHUNK_FREE)
+        m.flush(base + int(i) * layout.CHUNK_DESC_SIZE, 8)
     for i in leaked:
         set_bits(pool, int(i), 1, False)
 
@@ -897,10 +899,10 @@ def reserved_by_owner(pool, tokens) -> dict[int, tuple[int, int]]:
     d = descriptors(pool)
     try:
         kind = d["control"] & 0xFF
-        heads = np.flatnonzero((kind == L.CHUNK_HEAD) & np.isin(d["owner"], list(want)))
+        heads = np.flatnonzero((kind == layout.CHUNK_HEAD) & np.isin(d["owner"], list(want)))
         for h in heads:
             ns, ss = int(d["nslots"][h]), int(d["slot_size"][h])
-            if not 0 < ns <= L.SLAB_MAX_SLOTS:
+            if not 0 < ns <= layout.SLAB_MAX_SLOTS:
                 continue                        # corrupt: fsck's to report
             n = sum((int(a) & ~int(p)).bit_count()
                     for a, p in zip(d["alloc_bits"][h], d["pub_bits"][h]))

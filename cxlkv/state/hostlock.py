@@ -53,7 +53,7 @@ import time
 
 from cxlkv._core import Mapping
 from cxlkv.errors import HostLockError
-from cxlkv.state import nodes as N
+from cxlkv.state import nodes
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class HostLock:
     # -- records ---------------------------------------------------------------
     def _write_record(self) -> None:
         off = RECORDS + self.node.slot * RECORD_SIZE
-        pid, start = N.my_identity()
+        pid, start = nodes.my_identity()
         m = self.m
         m.store64(off, 0)                       # changing
         m.store64(off + 8, pid)
@@ -179,12 +179,12 @@ class HostLock:
         slot, elo = (word & 0xFFFF) - 1, word >> 32
         if not 0 <= slot < self.max_nodes:
             return f"the word names no node slot ({word:#x})"
-        n = N.read_slot(self.pool, slot)
+        n = nodes.read_slot(self.pool, slot)
         if n.state not in ("attached", "claimed") or n.epoch & _M32 != elo:
             return f"node {slot} epoch {elo} is {n.state} now (epoch {n.epoch})"
         rec = self.record(slot)
         if rec is not None and rec[0] & _M32 == elo and \
-                not N.local_process_alive(rec[1], rec[2]):
+                not nodes.local_process_alive(rec[1], rec[2]):
             return f"its process {rec[1]} is gone"
         return None
 
@@ -202,7 +202,7 @@ class HostLock:
             return "nobody"
         slot, elo = (word & 0xFFFF) - 1, word >> 32
         try:
-            return f"{N.read_slot(self.pool, slot).describe()} epoch {elo}"
+            return f"{nodes.read_slot(self.pool, slot).describe()} epoch {elo}"
         except Exception:   # noqa: BLE001 - a damaged word still gets a message
             return f"node {slot} epoch {elo}"
 

@@ -45,10 +45,10 @@ import numpy as np
 from cxlkv._core import CRASH_ENABLED, crashpoint
 # LockLost is public here too (cxlkv.state.locks, named in the README)
 from cxlkv.errors import CxlkvError, LockLost, LockTimeout, PoolCorrupt
-from cxlkv.pool import layout as L
-from cxlkv.state import hostlock as H
-from cxlkv.state import nodes as N
-from cxlkv.state import protocol as P
+from cxlkv.pool import layout
+from cxlkv.state import hostlock
+from cxlkv.state import nodes
+from cxlkv.state import protocol
 from cxlkv.state.protocol import entry_offset, lock_offsets, read_entries
 
 log = logging.getLogger(__name__)
@@ -65,12 +65,12 @@ MGR_WAIT_SLICE_S = 0.1
 #: them; a larger gap is a corrupt word
 MAX_QUEUE = 1 << 20
 
-_SERVING = L.field_offset(L.LockHdrStruct, "now_serving")
-_OWNER = L.field_offset(L.LockHdrStruct, "owner")
-_NEXT = L.field_offset(L.LockHdrStruct, "next_ticket")
+_SERVING = layout.field_offset(layout.LockHdrStruct, "now_serving")
+_OWNER = layout.field_offset(layout.LockHdrStruct, "owner")
+_NEXT = layout.field_offset(layout.LockHdrStruct, "next_ticket")
 
 
-def _take_local(local: threading.Lock, host: H.HostLock | None, path: str,
+def _take_local(local: threading.Lock, host: hostlock.HostLock | None, path: str,
                 timeout: float | None) -> float | None:
     """Tier 1: the process-local lock, then this host's lock (state.hostlock)
     when there is one; returns the deadline for tier 2.  On any failure
@@ -95,7 +95,7 @@ def _take_local(local: threading.Lock, host: H.HostLock | None, path: str,
     return deadline
 
 
-def _leave_local(local: threading.Lock, host: H.HostLock | None) -> None:
+def _leave_local(local: threading.Lock, host: hostlock.HostLock | None) -> None:
     """Leave tier 1: this host's lock (a no-op when it was taken over from
     us - our node was fenced, and the pool lock's release says so), then the
     process-local lock."""
@@ -106,12 +106,12 @@ def _leave_local(local: threading.Lock, host: H.HostLock | None) -> None:
         local.release()
 
 
-def _host_lock(pool) -> H.HostLock | None:
+def _host_lock(pool) -> hostlock.HostLock | None:
     """This node's host lock, or None (tier 1 is then process-local only)
     when the host lock file cannot be used - the pool lock stays correct,
     the processes of this host just all compete for it."""
     try:
-        return H.HostLock(pool, pool.node)
+        return hostlock.HostLock(pool, pool.node)
     except (OSError, CxlkvError) as e:
         log.warning("%s: no host-local lock tier (%s); every process of this host "
                     "competes for the pool lock", pool.path, e)
@@ -172,32 +172,32 @@ def held_lock(pool, slot: int):
         yield
 
 
-N.register_held_lock(held_lock)
+nodes.register_held_lock(held_lock)
 
 
-def _holder_alive(pool, slot: int, epoch: int, observer: N.Observer | None) -> bool:
+def _holder_alive(pool, slot: int, epoch: int, observer: nodes.Observer | None) -> bool:
     """Is the node that took a ticket still the live holder of that slot?
 
     Fences it (so recovery runs) when this waiter can tell it is dead: a
     local process that is gone, or - with an observer - a node whose control
     word and heartbeat have not moved for a whole lease on our clock.
     """
-    off = N.node_offset(pool, slot) + L.field_offset(L.NodeStruct, "control")
+    off = nodes.node_offset(pool, slot) + layout.field_offset(layout.NodeStruct, "control")
     pool.mapping.invalidate(off, 8)
-    control = L.node_control(L.NODE_ATTACHED, epoch)
+    control = layout.node_control(layout.NODE_ATTACHED, epoch)
     if pool.mapping.load64(off) != control:
         return False
-    n = N.read_slot(pool, slot)
-    verdict = (observer or N.Observer(pool)).verdict(n)
+    n = nodes.read_slot(pool, slot)
+    verdict = (observer or nodes.Observer(pool)).verdict(n)
     if verdict == "dead" and n.control == control:
         # fenced unless it beat meanwhile (a stale verdict): then it lives on
-        return not N.fence(pool, slot, control, n.heartbeat) and \
-            N.read_slot(pool, slot).control == control
+        return not nodes.fence(pool, slot, control, n.heartbeat) and \
+            nodes.read_slot(pool, slot).control == control
     return True
 
 
 def skip_dead_ticket(pool, serving: int, unclaimed_for: float,
-                     observer: N.Observer | None = None) -> bool:
+                     observer: nodes.Observer | None = None) -> bool:
     """Advance now_serving past `serving` if its holder is certainly gone.
 
     unclaimed_for: how long (observer's clock) now_serving has shown this
@@ -208,8 +208,8 @@ def skip_dead_ticket(pool, serving: int, unclaimed_for: float,
     if serving >= pool.mapping.load64(hdr + _NEXT):
         return False                     # nobody holds that ticket yet: nothing to skip
     ents = read_entries(pool)
-    holders = np.nonzero((ents["ticket"] == serving) &
-                         ((ents["state"] == L.LOCK_WAITING) | (ents["state"] == L.LOCK_LOCKED)))[0]
+    holders = np.nonzero((ents["ticket"] == serving)
+                         & np.isin(ents["state"], (layout.LOCK_WAITING, layout.LOCK_LOCKED)))[0]
     m = pool.mapping
     for slot in holders:
         slot = int(slot)
@@ -220,13 +220,13 @@ def skip_dead_ticket(pool, serving: int, unclaimed_for: float,
         m.cas64(hdr + _OWNER, token, 0)
         return m.cas64(hdr + _SERVING, serving, serving + 1) == serving
     abandoned = np.nonzero((ents["ticket"] == serving) &
-                           (ents["state"] == L.LOCK_ABANDONED))[0]
+                           (ents["state"] == layout.LOCK_ABANDONED))[0]
     if len(abandoned) == 0 and unclaimed_for < pool.sb.lease_ms / 1000.0:
         return False
     return m.cas64(hdr + _SERVING, serving, serving + 1) == serving
 
 
-@N.register_recovery(order=10, at_fence=True, part="locks")
+@nodes.register_recovery(order=10, at_fence=True, part="locks")
 def _recover_lock_entry(pool, slot: int, epoch: int) -> None:
     """A dead node's lock entry: pass its turn on if it is up, else mark its
     ticket abandoned so the waiters skip it when it comes up."""
@@ -234,12 +234,12 @@ def _recover_lock_entry(pool, slot: int, epoch: int) -> None:
         return
     off = entry_offset(pool, slot)
     m = pool.mapping
-    e = L.LockEntryStruct.from_buffer_copy(m.read(off, L.LOCK_ENTRY_SIZE))
-    if e.epoch != epoch or e.state == L.LOCK_IDLE:
+    e = layout.LockEntryStruct.from_buffer_copy(m.read(off, layout.LOCK_ENTRY_SIZE))
+    if e.epoch != epoch or e.state == layout.LOCK_IDLE:
         return
     hdr, _ = lock_offsets(pool)
     m.cas64(hdr + _OWNER, (slot + 1) | epoch << 16, 0)
-    m.store64(off, L.LOCK_ABANDONED)
+    m.store64(off, layout.LOCK_ABANDONED)
     m.cas64(hdr + _SERVING, e.ticket, e.ticket + 1)
 
 
@@ -251,7 +251,7 @@ def describe_owner(pool) -> str:
         return "nobody"
     slot, epoch = (owner & 0xFFFF) - 1, owner >> 16
     try:
-        n = N.read_slot(pool, slot)
+        n = nodes.read_slot(pool, slot)
     except Exception:   # noqa: BLE001 - a damaged owner word still gets a message
         return f"slot {slot} epoch {epoch}"
     return f"{n.describe()} epoch {epoch}"
@@ -277,18 +277,20 @@ class PoolLock:
         self._entry = entry_offset(pool, node.slot)
         self._token = node.owner_token
         self._epoch = node.epoch
-        self._ctl = N.node_offset(pool, node.slot) + L.field_offset(L.NodeStruct, "control")
+        self._ctl = nodes.node_offset(pool, node.slot) + layout.field_offset(layout.NodeStruct,
+                                                                             "control")
         self._ctl_val = node.control
         self._acquire = pool.mapping.ticket_acquire
         self._release = pool.mapping.ticket_release
         self._ticket = None
         self._holder = 0                        # thread id holding it, 0 = none
-        self._observer = N.Observer(pool)
+        self._observer = nodes.Observer(pool)
 
     def acquire(self, timeout: float | None = None) -> "PoolLock":
         if timeout is None:                  # the hot path: no helper call
             self._local.acquire()
-            if self._hl_acq is not None and self._hl_acq(H.WORD, self._hl_mine, H.SPINS,
+            if self._hl_acq is not None and self._hl_acq(hostlock.WORD, self._hl_mine,
+                                                         hostlock.SPINS,
                                                          self._hl_wait, 0):
                 self._wait_host()
             deadline = None
@@ -330,7 +332,7 @@ class PoolLock:
         lock protects; cxlkv's own critical sections do."""
         try:
             self.pool.node.guard()
-        except N.NodeFenced as e:
+        except nodes.NodeFenced as e:
             raise self._lost() from e
         m = self.pool.mapping
         if m.load64(self._hdr + _SERVING) != self._ticket or \
@@ -361,7 +363,7 @@ class PoolLock:
                 try:
                     check_tickets(self.pool, serving)
                 except PoolCorrupt:
-                    m.store64(self._entry, L.LOCK_ABANDONED)    # give the ticket up
+                    m.store64(self._entry, layout.LOCK_ABANDONED)    # give the ticket up
                     m.cas64(self._hdr + _SERVING, t, t + 1)
                     raise
                 # our turn went by: we were judged dead (paused past our lease)
@@ -385,7 +387,7 @@ class PoolLock:
                     continue
             if deadline is not None and now >= deadline:
                 # give the ticket up: waiters skip it; if our turn came meanwhile, pass it on
-                m.store64(self._entry, L.LOCK_ABANDONED)
+                m.store64(self._entry, layout.LOCK_ABANDONED)
                 m.cas64(self._hdr + _SERVING, t, t + 1)
                 raise LockTimeout(
                     f"{self.pool.path}: timed out waiting for the pool lock (ticket {t}, "
@@ -401,13 +403,14 @@ class PoolLock:
         try:
             ok = t is None or (not node.fenced and self._release(
                 self._hdr, self._entry, t, self._token, self._ctl, self._ctl_val))
-        except N.NodeFenced:                # found fenced before anything was written
+        except nodes.NodeFenced:                # found fenced before anything was written
             ok = False
         finally:
             self._holder = 0
             try:
                 if self._hl_rel is not None:
-                    self._hl_rel(H.WORD, self._hl_mine)     # False: taken over (we were fenced)
+                    self._hl_rel(hostlock.WORD,
+                                 self._hl_mine)     # False: taken over (we were fenced)
             finally:
                 self._local.release()
         if not ok:
@@ -435,18 +438,19 @@ class ManagerLock:
         node = pool.node
         if node is None:
             raise CxlkvError("pool.lock() needs an attached node: use cxlkv.open_pool()")
-        self.pool, self.P = pool, P
+        self.pool, self.P = pool, protocol
         self.m = pool.mapping
-        self.e = P.entry_offset(pool, node.slot)
-        self.m.invalidate(self.e, L.LOCK_ENTRY_SIZE)
-        self.seq = max(self.m.load64(self.e + o) for o in (P.E_REQ, P.E_RELEASE, P.E_GRANT,
-                                                            P.E_REVOKE))
+        self.e = protocol.entry_offset(pool, node.slot)
+        self.m.invalidate(self.e, layout.LOCK_ENTRY_SIZE)
+        self.seq = max(self.m.load64(self.e + o) for o in (protocol.E_REQ, protocol.E_RELEASE,
+                                                           protocol.E_GRANT,
+                                                            protocol.E_REVOKE))
         self._local = threading.Lock()          # tier 1: one thread per node ...
         self._host = _host_lock(pool)           # ... then one process per host
         self._holder = 0
 
     def acquire(self, timeout: float | None = None) -> "ManagerLock":
-        P, m, e = self.P, self.m, self.e
+        protocol, m, e = self.P, self.m, self.e
         deadline = _take_local(self._local, self._host, self.pool.path, timeout)
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
@@ -455,8 +459,8 @@ class ManagerLock:
             self._holder = get_ident()      # in flight (Attachment._in_flight) until release
             self.seq += 1
             req = self.seq
-            m.store64(e + P.E_EPOCH, node.epoch)
-            m.store64(e + P.E_REQ, req)
+            m.store64(e + protocol.E_EPOCH, node.epoch)
+            m.store64(e + protocol.E_REQ, req)
             m.flush(e, 64)
             start = time.monotonic()
             deadline = None if timeout is None else start + timeout
@@ -483,7 +487,7 @@ class ManagerLock:
                     raise LockTimeout(f"{self.pool.path}: timed out waiting for the pool lock "
                                       "(sync mode manager)")
                 if now >= next_check:
-                    if not P.manager_alive(self.pool):
+                    if not protocol.manager_alive(self.pool):
                         self._withdraw(req)
                         raise LockTimeout(
                             f"{self.pool.path}: no lock manager is running (sync mode "
@@ -504,7 +508,7 @@ class ManagerLock:
         holds the lock (not revoked) and may write (see Attachment.guard)."""
         try:
             self.pool.node.guard()
-        except N.NodeFenced as e:
+        except nodes.NodeFenced as e:
             raise self._lost() from e
         self.m.invalidate(self.e + self.P.E_REVOKE, 8)
         if self.m.load64(self.e + self.P.E_REVOKE) >= self.seq:
@@ -524,17 +528,17 @@ class ManagerLock:
         """Write the release (with our epoch: the manager ignores lines of
         another epoch); LockLost if the hold had been revoked or this node
         fenced - a fenced node writes nothing."""
-        node, P, m = self.pool.node, self.P, self.m
+        node, protocol, m = self.pool.node, self.P, self.m
         lost = True
         try:
             try:
                 node.check()
-                m.invalidate(self.e + P.E_REVOKE, 8)
-                lost = m.load64(self.e + P.E_REVOKE) >= self.seq
-                m.store64(self.e + P.E_EPOCH, node.epoch)
-                m.store64(self.e + P.E_RELEASE, self.seq)
+                m.invalidate(self.e + protocol.E_REVOKE, 8)
+                lost = m.load64(self.e + protocol.E_REVOKE) >= self.seq
+                m.store64(self.e + protocol.E_EPOCH, node.epoch)
+                m.store64(self.e + protocol.E_RELEASE, self.seq)
                 m.flush(self.e, 64)
-            except N.NodeFenced:            # nothing of a fenced node's is written
+            except nodes.NodeFenced:            # nothing of a fenced node's is written
                 lost = True
         finally:
             self._holder = 0

@@ -54,15 +54,15 @@ from cxlkv.version import __version__
 # NodeFenced is public here too (cxlkv.state.nodes, named in the README)
 from cxlkv.errors import CxlkvError, NodeFenced, NodeTableFull, RefusedError
 from cxlkv.host import procs, sysfs
-from cxlkv.pool import layout as L
-from cxlkv.state import protocol as P
+from cxlkv.pool import layout
+from cxlkv.state import protocol
 
-_CONTROL = L.field_offset(L.NodeStruct, "control")
+_CONTROL = layout.field_offset(layout.NodeStruct, "control")
 #: owner tokens are (slot + 1) | epoch << 16 in 64 bits
 MAX_EPOCH = 1 << 48
-_MGR_LINE = L.field_offset(L.NodeStruct, "mgr_control")
-_HEARTBEAT = L.field_offset(L.NodeStruct, "heartbeat")
-_ACK = L.field_offset(L.NodeStruct, "ack_epoch")
+_MGR_LINE = layout.field_offset(layout.NodeStruct, "mgr_control")
+_HEARTBEAT = layout.field_offset(layout.NodeStruct, "heartbeat")
+_ACK = layout.field_offset(layout.NodeStruct, "ack_epoch")
 #: a node writes only while its last heartbeat is younger than this share of the lease
 FRESH_SHARE = 0.5
 #: claim tokens (os.urandom; the secrets module would load OpenSSL at attach)
@@ -145,7 +145,7 @@ def _fallback_boot_id() -> str:
 
 def node_offset(pool, slot: int) -> int:
     off, _ = pool.sb.regions["nodes"]
-    return off + slot * L.NODE_SIZE
+    return off + slot * layout.NODE_SIZE
 
 
 def _decode_str(b: bytes) -> str:
@@ -155,17 +155,17 @@ def _decode_str(b: bytes) -> str:
 def read_slot(pool, slot: int) -> NodeInfo:
     off = node_offset(pool, slot)
     m = pool.mapping
-    m.invalidate(off, L.NODE_SIZE)
-    return _decode_slot(pool, slot, m.read(off, L.NODE_SIZE))
+    m.invalidate(off, layout.NODE_SIZE)
+    return _decode_slot(pool, slot, m.read(off, layout.NODE_SIZE))
 
 
 def _decode_slot(pool, slot: int, raw, base: int = 0) -> NodeInfo:
-    s = L.NodeStruct.from_buffer_copy(raw, base)
+    s = layout.NodeStruct.from_buffer_copy(raw, base)
     # manager mode: the lock manager's word (line 7) is the slot's state
     control = s.mgr_control if pool.sb.sync == "manager" else s.control
-    state, epoch = L.node_state(control)
+    state, epoch = layout.node_state(control)
     return NodeInfo(
-        slot=slot, state=L.NODE_STATE_NAMES.get(state, f"unknown({state})"), epoch=epoch,
+        slot=slot, state=layout.NODE_STATE_NAMES.get(state, f"unknown({state})"), epoch=epoch,
         heartbeat=s.heartbeat, pid=s.pid, start_time_ns=s.start_time_ns,
         attach_time_ns=s.attach_time_ns, format_version=s.format_version,
         boot_id=str(uuidlib.UUID(bytes=bytes(s.boot_id))), hostname=_decode_str(s.hostname),
@@ -178,13 +178,13 @@ def read_nodes(pool, include_free: bool = False) -> list[NodeInfo]:
     that are not free.  Free slots are skipped before they are decoded: an
     attach scans the table, and it must cost what the live nodes cost."""
     off, _ = pool.sb.regions["nodes"]
-    n, size, m = pool.sb.max_nodes, L.NODE_SIZE, pool.mapping
+    n, size, m = pool.sb.max_nodes, layout.NODE_SIZE, pool.mapping
     m.invalidate(off, n * size)
     raw = m.read(off, n * size)
     word = _MGR_LINE if pool.sb.sync == "manager" else _CONTROL
     return [_decode_slot(pool, i, raw, i * size) for i in range(n)
-            if include_free or L.node_state(int.from_bytes(
-                raw[i * size + word:i * size + word + 8], "little"))[0] != L.NODE_FREE]
+            if include_free or layout.node_state(int.from_bytes(
+                raw[i * size + word:i * size + word + 8], "little"))[0] != layout.NODE_FREE]
 
 
 def process_start_ns(pid: int) -> int | None:
@@ -330,7 +330,7 @@ def _missing_parts(pool) -> set[str]:
     """The parts a recovery of this pool needs that nobody registered: the
     lock and the allocator always, the KV cache on a pool that has one.
     cxlkv.api imports every one of them, so a Pool always has them all."""
-    need = {"locks", "alloc"} | ({"kv"} if pool.sb.compat & L.COMPAT_KV else set())
+    need = {"locks", "alloc"} | ({"kv"} if pool.sb.compat & layout.COMPAT_KV else set())
     return need - _parts
 
 
@@ -395,12 +395,12 @@ def fence(pool, slot: int, control: int, heartbeat: int | None = None) -> bool:
     on - if it moved by the time the fence lands, the verdict was stale (the
     reaper was slow, the node had resumed and beaten), and the fence is taken
     back before anyone acts on it.  True when this call fenced it."""
-    state, epoch = L.node_state(control)
-    if state not in (L.NODE_ATTACHED, L.NODE_CLAIMED):
+    state, epoch = layout.node_state(control)
+    if state not in (layout.NODE_ATTACHED, layout.NODE_CLAIMED):
         return False
     m = pool.mapping
     off = node_offset(pool, slot)
-    fenced = L.node_control(L.NODE_FENCED, epoch)
+    fenced = layout.node_control(layout.NODE_FENCED, epoch)
     if m.cas64(off + _CONTROL, control, fenced) != control:
         return False
     if heartbeat is not None:
@@ -418,8 +418,8 @@ def release(pool, slot: int, control: int) -> bool:
     still holds `control` (FENCED, same epoch), run every recovery, free the
     slot.  The caller decided the quarantine may end (Observer.release_reason).
     True when this call freed the slot."""
-    state, epoch = L.node_state(control)
-    if state != L.NODE_FENCED:
+    state, epoch = layout.node_state(control)
+    if state != layout.NODE_FENCED:
         return False
     off = node_offset(pool, slot) + _CONTROL
     m = pool.mapping
@@ -429,19 +429,19 @@ def release(pool, slot: int, control: int) -> bool:
         if m.load64(off) != control:
             return False                # another reaper finished it, or it changed
         run_recoveries(pool, slot, epoch)
-        return m.cas64(off, control, L.node_control(L.NODE_FREE, epoch)) == control
+        return m.cas64(off, control, layout.node_control(layout.NODE_FREE, epoch)) == control
 
 
 def reap(pool, slot: int, control: int) -> bool:
     """Fence a dead node and end its quarantine at once: for callers that know
     it is gone, or a repair the operator ordered (fsck --repair).  Returns
     True when this call freed the slot."""
-    state, epoch = L.node_state(control)
-    if state in (L.NODE_ATTACHED, L.NODE_CLAIMED):
+    state, epoch = layout.node_state(control)
+    if state in (layout.NODE_ATTACHED, layout.NODE_CLAIMED):
         if not fence(pool, slot, control):
             return False
-        control = L.node_control(L.NODE_FENCED, epoch)
-    elif state != L.NODE_FENCED:
+        control = layout.node_control(layout.NODE_FENCED, epoch)
+    elif state != layout.NODE_FENCED:
         return False
     return release(pool, slot, control)
 
@@ -515,28 +515,29 @@ class Attachment:
     def _claim_managed(self) -> None:
         pool, m = self.pool, self.pool.mapping
         token = _RNG.getrandbits(62) | 1
-        lines = P.read_node_lines(pool)
+        lines = protocol.read_node_lines(pool)
         free = [s for s in range(pool.sb.max_nodes)
-                if P.mgr_state(lines[s])[0] == L.NODE_FREE]
+                if protocol.mgr_state(lines[s])[0] == layout.NODE_FREE]
         random.shuffle(free)
         deadline = time.monotonic() + pool.sb.lease_ms / 1000.0 + 2.0
         for slot in free:
-            off = P.node(pool, slot)
-            m.store64(off + P.N_CLAIM, token)
-            m.flush(off + P.N_CLAIM, 8)
+            off = protocol.node(pool, slot)
+            m.store64(off + protocol.N_CLAIM, token)
+            m.flush(off + protocol.N_CLAIM, 8)
             while True:
-                m.invalidate(off + P.N_MGR_CONTROL, 16)
-                state, epoch = L.node_state(m.load64(off + P.N_MGR_CONTROL))
-                granted = m.load64(off + P.N_MGR_GRANT)
-                if state == L.NODE_CLAIMED and granted == token:
+                m.invalidate(off + protocol.N_MGR_CONTROL, 16)
+                state, epoch = layout.node_state(m.load64(off + protocol.N_MGR_CONTROL))
+                granted = m.load64(off + protocol.N_MGR_GRANT)
+                if state == layout.NODE_CLAIMED and granted == token:
                     if epoch >= MAX_EPOCH:
                         break
                     self._write_identity(off, epoch)
-                    m.store64(off + P.N_CONTROL, L.node_control(L.NODE_ATTACHED, epoch))
+                    m.store64(off + protocol.N_CONTROL,
+                              layout.node_control(layout.NODE_ATTACHED, epoch))
                     m.flush(off, 64)
                     self.slot, self.epoch = slot, epoch
                     return
-                if state != L.NODE_FREE:
+                if state != layout.NODE_FREE:
                     break                       # granted to another claimant
                 if time.monotonic() > deadline:
                     raise CxlkvError(
@@ -566,21 +567,21 @@ class Attachment:
                 off = node_offset(self.pool, slot)
                 m.invalidate(off, 64)
                 cur = m.load64(off + _CONTROL)
-                state, epoch = L.node_state(cur)
-                if state != L.NODE_FREE and (slot not in dead or dead[slot].control != cur):
+                state, epoch = layout.node_state(cur)
+                if state != layout.NODE_FREE and (slot not in dead or dead[slot].control != cur):
                     continue
                 new_epoch = epoch + 1
                 if new_epoch >= MAX_EPOCH:
                     continue                # owner tokens hold 48 epoch bits: slot worn out
-                claimed = L.node_control(L.NODE_CLAIMED, new_epoch)
+                claimed = layout.node_control(layout.NODE_CLAIMED, new_epoch)
                 if m.cas64(off + _CONTROL, cur, claimed) != cur:
                     continue
                 self._write_identity(off, new_epoch)
-                attached = L.node_control(L.NODE_ATTACHED, new_epoch)
+                attached = layout.node_control(layout.NODE_ATTACHED, new_epoch)
                 if m.cas64(off + _CONTROL, claimed, attached) != claimed:
                     continue      # reaped while claiming (took longer than a lease)
                 self.slot, self.epoch = slot, new_epoch
-                if state != L.NODE_FREE:
+                if state != layout.NODE_FREE:
                     self._pending.append((slot, epoch))
                 return
         fenced = sum(1 for nd in read_nodes(self.pool) if nd.state == "fenced")
@@ -592,11 +593,11 @@ class Attachment:
 
     def _write_identity(self, off: int, epoch: int) -> None:
         """Lines 1-6 (node-owned identity); line 7 belongs to the lock manager."""
-        s = L.NodeStruct()
+        s = layout.NodeStruct()
         pid, start = my_identity()
         s.pidns, s.ident_epoch = self.observer.pidns, epoch
         s.pid, s.start_time_ns, s.attach_time_ns = pid, start, time.time_ns()
-        s.format_version = L.FORMAT_VERSION
+        s.format_version = layout.FORMAT_VERSION
         s.boot_id[:] = uuidlib.UUID(self.observer.boot_id).bytes
         s.hostname = os.uname().nodename.encode()[:63]
         s.sw_version = f"cxlkv {__version__}".encode()[:31]
@@ -604,7 +605,7 @@ class Attachment:
         m = self.pool.mapping
         m.write(off + 64, ident)
         m.store64(off + _HEARTBEAT, 0)
-        m.flush(off, L.NODE_SIZE)
+        m.flush(off, layout.NODE_SIZE)
 
     def check(self) -> None:
         """Raise NodeFenced if this node was fenced (reads its state word now)."""
@@ -615,8 +616,8 @@ class Attachment:
         if self.managed:                        # the manager's word is the authority
             off = node_offset(self.pool, self.slot) + _MGR_LINE
             m.invalidate(off, 8)
-            ok = m.load64(off) in (L.node_control(L.NODE_CLAIMED, self.epoch),
-                                   L.node_control(L.NODE_ATTACHED, self.epoch))
+            ok = m.load64(off) in (layout.node_control(layout.NODE_CLAIMED, self.epoch),
+                                   layout.node_control(layout.NODE_ATTACHED, self.epoch))
         else:
             off = node_offset(self.pool, self.slot) + _CONTROL
             m.invalidate(off, 8)
@@ -732,7 +733,7 @@ class Attachment:
         try:
             m.set_guard(None)               # the one write a fenced node makes ...
             m.invalidate(word, 8)
-            if m.load64(word) == L.node_control(L.NODE_FENCED, self.epoch):
+            if m.load64(word) == layout.node_control(layout.NODE_FENCED, self.epoch):
                 m.store64(off + _ACK, self.epoch)
                 m.flush(off, 64)
         except (ValueError, OSError):       # the mapping was closed under us
@@ -747,7 +748,7 @@ class Attachment:
     # -- run time -----------------------------------------------------------
     @property
     def control(self) -> int:
-        return L.node_control(L.NODE_ATTACHED, self.epoch)
+        return layout.node_control(layout.NODE_ATTACHED, self.epoch)
 
     @property
     def owner_token(self) -> int:
@@ -844,7 +845,7 @@ class Attachment:
                         "recovered by the next one", self.pool.path, e, self.slot)
             self.slot = -1
             return
-        free = L.node_control(L.NODE_FREE, self.epoch)
+        free = layout.node_control(layout.NODE_FREE, self.epoch)
         try:
             if self.managed:                # ask the manager to free the slot
                 self.pool.mapping.store64(off, free)

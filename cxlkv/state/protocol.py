@@ -12,49 +12,49 @@ import uuid as uuidlib
 
 import numpy as np
 
-from cxlkv.pool import layout as L
+from cxlkv.pool import layout
 
-MGR_TOKEN = L.field_offset(L.LockHdrStruct, "mgr_token")
-MGR_EPOCH = L.field_offset(L.LockHdrStruct, "mgr_epoch")
-MGR_HEARTBEAT = L.field_offset(L.LockHdrStruct, "mgr_heartbeat")
-MGR_PID = L.field_offset(L.LockHdrStruct, "mgr_pid")
-MGR_BOOT = L.field_offset(L.LockHdrStruct, "mgr_boot_id")
-MGR_HOST = L.field_offset(L.LockHdrStruct, "mgr_hostname")
+MGR_TOKEN = layout.field_offset(layout.LockHdrStruct, "mgr_token")
+MGR_EPOCH = layout.field_offset(layout.LockHdrStruct, "mgr_epoch")
+MGR_HEARTBEAT = layout.field_offset(layout.LockHdrStruct, "mgr_heartbeat")
+MGR_PID = layout.field_offset(layout.LockHdrStruct, "mgr_pid")
+MGR_BOOT = layout.field_offset(layout.LockHdrStruct, "mgr_boot_id")
+MGR_HOST = layout.field_offset(layout.LockHdrStruct, "mgr_hostname")
 
-N_CONTROL = L.field_offset(L.NodeStruct, "control")
-N_HEARTBEAT = L.field_offset(L.NodeStruct, "heartbeat")
-N_CLAIM = L.field_offset(L.NodeStruct, "claim_token")
-N_MGR_CONTROL = L.field_offset(L.NodeStruct, "mgr_control")
-N_MGR_GRANT = L.field_offset(L.NodeStruct, "mgr_grant_token")
+N_CONTROL = layout.field_offset(layout.NodeStruct, "control")
+N_HEARTBEAT = layout.field_offset(layout.NodeStruct, "heartbeat")
+N_CLAIM = layout.field_offset(layout.NodeStruct, "claim_token")
+N_MGR_CONTROL = layout.field_offset(layout.NodeStruct, "mgr_control")
+N_MGR_GRANT = layout.field_offset(layout.NodeStruct, "mgr_grant_token")
 
-E_EPOCH = L.field_offset(L.LockEntryStruct, "epoch")
-E_REQ = L.field_offset(L.LockEntryStruct, "req_seq")
-E_RELEASE = L.field_offset(L.LockEntryStruct, "release_seq")
-E_GRANT = L.field_offset(L.LockEntryStruct, "grant_seq")
-E_REVOKE = L.field_offset(L.LockEntryStruct, "revoke_seq")
-E_GRANT_EPOCH = L.field_offset(L.LockEntryStruct, "grant_epoch")
+E_EPOCH = layout.field_offset(layout.LockEntryStruct, "epoch")
+E_REQ = layout.field_offset(layout.LockEntryStruct, "req_seq")
+E_RELEASE = layout.field_offset(layout.LockEntryStruct, "release_seq")
+E_GRANT = layout.field_offset(layout.LockEntryStruct, "grant_seq")
+E_REVOKE = layout.field_offset(layout.LockEntryStruct, "revoke_seq")
+E_GRANT_EPOCH = layout.field_offset(layout.LockEntryStruct, "grant_epoch")
 
 _NODE_LINES = np.dtype([("control", "<u8"), ("heartbeat", "<u8"), ("claim_token", "<u8"),
                         ("grant_token", "<u8"), ("pad", "V416"), ("mgr_control", "<u8"),
                         ("mgr_grant_token", "<u8"), ("pad7", "V48")])
-assert _NODE_LINES.itemsize == L.NODE_SIZE
+assert _NODE_LINES.itemsize == layout.NODE_SIZE
 #: a node's lock entry (cas mode's ticket words and manager mode's lines)
 ENTRY_DTYPE = np.dtype([("state", "<u8"), ("ticket", "<u8"), ("epoch", "<u8"),
                         ("req_seq", "<u8"), ("release_seq", "<u8"), ("freeing", "<u8"),
                         ("pad0", "V16"),
                         ("grant_seq", "<u8"), ("revoke_seq", "<u8"), ("grant_epoch", "<u8"),
                         ("pad1", "V40")])
-assert ENTRY_DTYPE.itemsize == L.LOCK_ENTRY_SIZE
+assert ENTRY_DTYPE.itemsize == layout.LOCK_ENTRY_SIZE
 
 
 def lock_offsets(pool) -> tuple[int, int]:
     """(header offset, first entry offset) of the lock area."""
     off, _ = pool.region("locks")
-    return off, off + L.LOCK_HDR_SIZE
+    return off, off + layout.LOCK_HDR_SIZE
 
 
 def entry_offset(pool, slot: int) -> int:
-    return lock_offsets(pool)[1] + slot * L.LOCK_ENTRY_SIZE
+    return lock_offsets(pool)[1] + slot * layout.LOCK_ENTRY_SIZE
 
 
 def lock_header(pool) -> int:
@@ -62,12 +62,12 @@ def lock_header(pool) -> int:
 
 
 def node(pool, slot: int) -> int:
-    return pool.region("nodes")[0] + slot * L.NODE_SIZE
+    return pool.region("nodes")[0] + slot * layout.NODE_SIZE
 
 
 def read_node_lines(pool) -> np.ndarray:
     off, _ = pool.region("nodes")
-    n = pool.sb.max_nodes * L.NODE_SIZE
+    n = pool.sb.max_nodes * layout.NODE_SIZE
     pool.mapping.invalidate(off, n)
     return np.frombuffer(pool.mapping.read(off, n), dtype=_NODE_LINES)
 
@@ -75,13 +75,13 @@ def read_node_lines(pool) -> np.ndarray:
 def read_entries(pool) -> np.ndarray:
     """Every node's lock entry (both modes' words), read after an invalidate."""
     _, first = lock_offsets(pool)
-    n = pool.sb.max_nodes * L.LOCK_ENTRY_SIZE
+    n = pool.sb.max_nodes * layout.LOCK_ENTRY_SIZE
     pool.mapping.invalidate(first, n)
     return np.frombuffer(pool.mapping.read(first, n), dtype=ENTRY_DTYPE)
 
 
 def mgr_state(line) -> tuple[int, int]:
-    return L.node_state(int(line["mgr_control"]))
+    return layout.node_state(int(line["mgr_control"]))
 
 
 def set_mgr(pool, slot: int, control: int, grant_token: int) -> None:

@@ -39,7 +39,7 @@ from cxlkv.errors import UsageError
 from cxlkv.kv.area import ENTRY, Area
 from cxlkv.kv.journal import EVICTED, NS_CLEARED, STORED, JournalReader
 from cxlkv.kv.tiers.base import Tier
-from cxlkv.pool import layout as L
+from cxlkv.pool import layout
 from cxlkv.remote import RemoteClient, RemoteConfig
 from cxlkv.remote.metrics import Collector
 
@@ -158,7 +158,7 @@ class Pusher:
     def _namespaces(self) -> dict[int, tuple[bytes, str, int]]:
         out = {}
         for i, r in enumerate(self.area.ns_records()):
-            if r.state != L.KV_REC_ACTIVE:
+            if r.state != layout.KV_REC_ACTIVE:
                 continue
             name = r.name.decode("utf-8", "replace")
             if any(fnmatch.fnmatchcase(name, p) for p in self.patterns):
@@ -201,9 +201,9 @@ class Pusher:
         """The current hash entries at `idx` (a copy)."""
         a, m = self.area, self.pool.mapping
         if m.flush_meta:
-            return np.frombuffer(b"".join(a._read(a.entry_off(int(i)), L.HASH_ENTRY_SIZE)
+            return np.frombuffer(b"".join(a._read(a.entry_off(int(i)), layout.HASH_ENTRY_SIZE)
                                           for i in idx), dtype=ENTRY)
-        v = m.view(a.table, a.nslots * L.HASH_ENTRY_SIZE)
+        v = m.view(a.table, a.nslots * layout.HASH_ENTRY_SIZE)
         try:
             t = np.frombuffer(v, dtype=ENTRY)
             out = t[idx]
@@ -244,7 +244,7 @@ class Pusher:
             for (k, i), e in zip(part, ents):
                 if len(todo) >= self.max_blocks:
                     break
-                if (int(e["ctl"]) & 0xFF != L.KV_PUBLISHED
+                if (int(e["ctl"]) & 0xFF != layout.KV_PUBLISHED
                         or int(e["key_lo"]).to_bytes(8, "little")
                         + int(e["key_hi"]).to_bytes(8, "little") != k):
                     continue                     # its eviction's record is on its way
