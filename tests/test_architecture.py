@@ -184,3 +184,19 @@ def test_library_code_does_not_write_to_stderr():
                 bad.append(f"{rel}:{node.lineno}: sys.{node.value.attr}.write")
     assert not bad, ("library code writing to stderr (log through "
                      "logging.getLogger(__name__)):\n" + "\n".join(bad))
+
+
+def test_the_tiers_old_names_still_import_with_a_warning():
+    """cxlkv.kv.spill / hot / remote moved to cxlkv.kv.tiers: `from cxlkv.kv
+    import spill` keeps working (deprecated) and gives the same module."""
+    import warnings
+
+    from cxlkv.kv.tiers import hot, remote, spill
+
+    for name, mod in (("spill", spill), ("hot", hot), ("remote", remote)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            old = getattr(__import__("cxlkv.kv", fromlist=[name]), name)
+        assert old is mod
+        assert any(issubclass(w.category, DeprecationWarning) and "cxlkv.kv.tiers" in
+                   str(w.message) for w in seen)

@@ -302,12 +302,17 @@ def test_metrics_after_a_known_workload(spool, serve):
         assert q.call(op="kv_match", tokens=list(range(28)))["matched"] == 20
         assert q.call(op="kv_hold", tokens=list(range(8))) == {"blocks": 2}
 
+        # a snapshot taken wholly after the workload: two ticks after now (one
+        # taken between the store and the match would show the store alone)
+        after = (sample(s.metrics(), "cxlkv_agent_ticks_total") or 0) + 2
+
         def settled():
             m = s.metrics()
-            return m if sample(m, "cxlkv_kv_stores_total", namespace="llama") == 5 and \
+            return m if (sample(m, "cxlkv_agent_ticks_total") or 0) >= after and \
                 sample(m, "cxlkv_nodes", state="alive") == 2 else None
 
         m = wait_for(settled, what="the workload in the metrics")
+        assert sample(m, "cxlkv_kv_stores_total", namespace="llama") == 5
         ns = dict(namespace="llama")
         assert sample(m, "cxlkv_kv_hits_total", **ns) == 5 + 2      # match, then load
         assert sample(m, "cxlkv_kv_misses_total", **ns) == 2

@@ -484,8 +484,11 @@ def serve(mgr: LockManager) -> None:
 def log_to_stderr() -> None:
     """The process's log lines on stderr: this manager's as "cxlkv lock-manager:
     MSG" (its first line says "active": cxlkv.ops.lockmgr waits for it), the
-    library's warnings as "cxlkv: MSG"."""
+    library's warnings as "cxlkv: MSG".  Once per process."""
+    if any(getattr(h, "_cxlkv_lockmgr", False) for h in log.handlers):
+        return
     mine = logging.StreamHandler()
+    mine._cxlkv_lockmgr = True
     mine.setFormatter(logging.Formatter("cxlkv lock-manager: %(message)s"))
     log.addHandler(mine)
     log.setLevel(logging.INFO)
