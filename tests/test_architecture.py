@@ -39,8 +39,6 @@ LAZY_CXLKV = {
 }
 #: where subprocess may be used: the seams that start processes
 SUBPROCESS_SEAMS = ("cxlkv/host/", "cxlkv/testing/", "cxlkv/bench/")
-#: modules on their way into cxlkv/bench and cxlkv/testing (issue 20)
-MOVING: set[str] = set()
 
 
 def _sources():
@@ -77,7 +75,7 @@ def test_imports_are_at_module_top():
     names listed above, and optional or heavy third-party modules."""
     bad = []
     for rel, tree in _sources():
-        if rel.startswith("cxlkv/cli/") or rel in MOVING:
+        if rel.startswith("cxlkv/cli/"):
             continue
         for fn in ast.walk(tree):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -98,7 +96,7 @@ def test_imports_are_at_module_top():
 def test_subprocess_only_behind_its_seams():
     bad = []
     for rel, tree in _sources():
-        if rel.startswith(SUBPROCESS_SEAMS) or rel in MOVING:
+        if rel.startswith(SUBPROCESS_SEAMS):
             continue
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
