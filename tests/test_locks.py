@@ -157,18 +157,20 @@ def test_ticket_lock_is_fair_under_contention(lease_pool, remote_env):
     """While four nodes (hosts of their own) keep asking, each gets the lock
     again within a few turns of the others: tickets are served in order,
     nobody starves."""
-    gaps = lock_turn_gaps(lease_pool, n=200, hosts=remote_env)
+    t = lock_turn_gaps(lease_pool, n=200, hosts=remote_env)
     # round-robin makes the mean gap the number of nodes; a lock that lets the
     # releasing node straight back in drags it towards 1 and starves the others
-    mean = sum(gaps) / len(gaps)
-    assert 3 <= mean <= 5, f"mean gap {mean:.2f} turns (4 nodes)"
-    assert max(gaps) <= 40, f"a node waited {max(gaps)} turns while others went"
+    assert 3 <= t.mean_gap <= 5, f"mean gap {t.mean_gap:.2f} turns (4 nodes)"
+    # in order, a request waits for the three others at most (a node taken off
+    # the CPU between reading the turn counter and asking can add a few)
+    assert t.wait(95) <= 4, f"waits {sorted(t.waits)[-40:]}"
+    assert max(t.waits) <= 100, f"a node waited {max(t.waits)} turns while others went"
 
 
 def test_processes_of_one_host_do_not_starve_behind_its_host_lock(lease_pool):
     """Four processes of one host keep asking: the host lock lets a running
     process in first (not in order), but a waiter that has waited 4 ms gets
     a hand-off, so each still gets its turns."""
-    gaps = lock_turn_gaps(lease_pool, n=200)
-    assert 2 <= sum(gaps) / len(gaps) <= 6
-    assert max(gaps) <= 100, f"a process waited {max(gaps)} turns while others went"
+    t = lock_turn_gaps(lease_pool, n=200)
+    assert 2 <= t.mean_gap <= 6
+    assert max(t.waits) <= 100, f"a process waited {max(t.waits)} turns while others went"

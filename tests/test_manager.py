@@ -177,8 +177,9 @@ def test_manager_grants_round_robin(mpool, manager, remote_env):
     """Four nodes (hosts of their own) keep asking: the manager serves them in
     turn, none starves."""
     manager()
-    gaps = lock_turn_gaps(mpool, n=150, hosts=remote_env)
-    assert 3 <= sum(gaps) / len(gaps) <= 5 and max(gaps) <= 40, gaps[:50]
+    t = lock_turn_gaps(mpool, n=150, hosts=remote_env)
+    assert 3 <= t.mean_gap <= 5, t
+    assert t.wait(95) <= 4 and max(t.waits) <= 75, sorted(t.waits)[-40:]
 
 
 def test_detach_without_a_manager_leaves_recovery_to_the_next(mpool, manager):

@@ -14,6 +14,7 @@ import random
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -82,9 +83,11 @@ def main() -> None:
                 while m.load64(cmd["go"]) == 0:        # start together
                     time.sleep(0.0005)
                 for _ in range(n):
+                    asked = m.load64(ctr)              # turns begun before this request
                     with pool.lock():
                         i = m.load64(ctr)
                         m.store64(log + 8 * i, me)     # who got the lock, in order
+                        m.store64(cmd["waits"] + 8 * i, i - asked)  # turns others had meanwhile
                         m.store64(ctr, i + 1)
                         t = time.perf_counter() + cmd.get("hold", 0)
                         while time.perf_counter() < t:  # a critical section of some length
@@ -208,22 +211,40 @@ class NodeProc:
         self.p.wait(30)
 
 
+class Turns(NamedTuple):
+    """What `lock_turn_gaps` saw.  gaps: for the stretch where all nodes
+    contend, how many turns passed between two turns of the same node (the
+    time a node spent off the CPU between its turns counts too).  waits: for
+    every turn, how many turns other nodes had between its request and its
+    grant (a node off the CPU before asking does not count: only order)."""
+    gaps: list[int]
+    waits: list[int]
+
+    @property
+    def mean_gap(self) -> float:
+        return sum(self.gaps) / len(self.gaps)
+
+    def wait(self, q: float) -> float:
+        """The q-th percentile of `waits`."""
+        return float(np.percentile(self.waits, q))
+
+
 def lock_turn_gaps(path: str, nodes: int = 4, n: int = 150, hold: float = 0.001,
-                   hosts=None) -> list[int]:
+                   hosts=None) -> Turns:
     """Run `nodes` processes that keep taking the pool lock (each holding it
-    `hold` seconds) and return, for the stretch where all of them contend, how
-    many turns passed between two turns of the same node.  hosts: a
-    remote_env, to make each process a host of its own (the pool lock's
-    order then); without it they share this host's host-local lock."""
+    `hold` seconds) and return the `Turns` they saw.  hosts: a remote_env, to
+    make each process a host of its own (the pool lock's order then); without
+    it they share this host's host-local lock."""
     procs = [NodeProc(hosts() if hosts else None) for _ in range(nodes)]
     with Pool.open(path) as p:
         go = p.region("data")[0]
         ctr, log = go + 64, go + 128
+        waits = log + 8 * nodes * n
     try:
         for q in procs:
             q.attach(path)
         for q in procs:
-            q.send(op="fair", counter=ctr, log=log, n=n, go=go, hold=hold)
+            q.send(op="fair", counter=ctr, log=log, waits=waits, n=n, go=go, hold=hold)
         assert [q.reply() for q in procs] == [{"ready": True}] * nodes
         with Pool.open(path) as p:
             p.mapping.store64(go, 1)
@@ -233,6 +254,7 @@ def lock_turn_gaps(path: str, nodes: int = 4, n: int = 150, hold: float = 0.001,
             q.close()
     with Pool.open(path) as p:
         order = [p.mapping.load64(log + 8 * i) for i in range(nodes * n)]
+        waited = [p.mapping.load64(waits + 8 * i) for i in range(nodes * n)]
     assert sorted(set(order)) == sorted(q.slot + 1 for q in procs)
     # between the last first turn and the first last turn, all of them contend
     start = max(order.index(s) for s in set(order))
@@ -243,7 +265,7 @@ def lock_turn_gaps(path: str, nodes: int = 4, n: int = 150, hold: float = 0.001,
         if order[i] in last:
             gaps.append(i - last[order[i]])
         last[order[i]] = i
-    return gaps
+    return Turns(gaps, waited[start:end + 1])
 
 
 def lock_manager(path: str) -> subprocess.Popen:
