@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import threading
+import uuid as uuidlib
 
+from cxlkv.errors import UsageError, WrongPool
 from cxlkv.host import numa
 from cxlkv.kv import area  # noqa: F401  (registers the KV part of a dead node's recovery)
 from cxlkv.kv.cache import KVCache
@@ -23,6 +25,10 @@ from cxlkv.state.nodes import Attachment
 
 #: makes the first pool.lock() of a pool once, when threads race to it
 _LOCK_INIT = threading.Lock()
+
+
+#: the pool this host pins: attaches to any other pool are refused
+POOL_UUID_ENV = "CXLKV_POOL_UUID"
 
 
 class Pool(PoolImage):
@@ -112,14 +118,19 @@ class Pool(PoolImage):
             return self._lock
         return _TimedLock(self._lock, timeout)
 
-    def attach(self, numa_node=None, **kw):
+    def attach(self, numa_node=None, expect_uuid: str | None = None, **kw):
         """Attach as a node: claim a slot and start heartbeating (see state.nodes).
 
         numa_node: first bind this process's CPUs and memory policy to a NUMA
         node - a number, or "auto" for the node of the pool's DAX device - and
         verify it (cxlkv.host.numa; the result is `pool.numa`).  Threads started
         afterwards (the heartbeat among them) inherit the binding.
+        expect_uuid: the pool this host pins (default: $CXLKV_POOL_UUID, when
+        set); any other pool at the path is refused (WrongPool) before a slot
+        is claimed.
         """
+        if self.node is None:
+            check_uuid(self, expect_uuid)
         if numa_node is not None and self.node is None:
             self.numa = numa.bind(numa_node, pool_path=self.path)
             numa.bind_mapping(self.numa, self.mapping, self.target.kind)
@@ -157,16 +168,37 @@ class _TimedLock:
         self._lock.release()
 
 
+def check_uuid(pool: PoolImage, expect: str | None = None) -> None:
+    """WrongPool unless the pool's uuid is `expect` (default: $CXLKV_POOL_UUID;
+    nothing pinned: nothing to check).  UsageError for a pin that is no uuid."""
+    source = "the pin given" if expect else f"${POOL_UUID_ENV}"
+    expect = expect or os.environ.get(POOL_UUID_ENV, "").strip()
+    if not expect:
+        return
+    try:
+        want = uuidlib.UUID(expect)
+    except ValueError:
+        raise UsageError(f"{source}: {expect!r} is not a pool uuid (cxlkv inspect shows "
+                         "the pool's)") from None
+    if pool.sb.uuid != want:
+        raise WrongPool(f"{pool.path} holds pool {pool.sb.uuid}, not pool {want} that this "
+                        f"host pins ({source}): another region, device or format is mapped "
+                        "at this path", path=pool.path,
+                        hint="check the path (cxlkv doctor --pool), or pin the new uuid "
+                             "after a deliberate re-format")
+
+
 def open_pool(path: str | os.PathLike, *, force: bool = False, heartbeat: bool = True,
-              populate: bool = False, numa_node=None) -> Pool:
+              populate: bool = False, numa_node=None, expect_uuid: str | None = None) -> Pool:
     """Open a pool read-write and attach this process as a node.
 
     The returned Pool is a context manager; leaving it (or close()) detaches.
     numa_node (a node number or "auto"): bind first, see Pool.attach.
+    expect_uuid: refuse any other pool (default $CXLKV_POOL_UUID), see Pool.attach.
     """
     pool = Pool.open(path, writable=True, force=force, populate=populate)
     try:
-        pool.attach(heartbeat=heartbeat, numa_node=numa_node)
+        pool.attach(heartbeat=heartbeat, numa_node=numa_node, expect_uuid=expect_uuid)
     except BaseException:
         pool.close()
         raise

@@ -139,6 +139,13 @@ class PoolCorrupt(PoolInvalid):
     kind = "corrupt"
 
 
+class WrongPool(PoolInvalid):
+    """The pool at the path is not the one this host pins (CXLKV_POOL_UUID,
+    the serve config's pool-uuid): another region, device or format."""
+
+    kind = "wrong-pool"
+
+
 class MetadataCorrupt(PoolCorrupt, ValueError):
     """Shared state in the pool that cannot be right (a chunk descriptor of
     unknown kind, a slab of impossible geometry, ...), met by an operation

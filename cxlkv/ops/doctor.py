@@ -3,7 +3,9 @@
 Each check is pass / warn / fail (with a remedy: a command or a sentence),
 skip (does not apply here) or unknown (the host does not say: a device that
 reports no health).  The inputs are host discovery (cxlkv.host.discovery)
-and, when there is one, the pool - nothing here changes anything.
+and, when there is one, the pool - nothing here changes anything, but for
+the visibility challenge: a nonce in each other node's challenge line, which
+only probers write (challenge=False: none).
 
 Pitfalls, and why each is checked:
   kernel, modules       memory tiers from HMAT/CDAT need kernel >= 6.6 (6.1 runs a pool)
@@ -20,19 +22,22 @@ Pitfalls, and why each is checked:
   life-used, alarms     cxl-list(1) -H health fields
   pool, heartbeats,
   lock-manager          cxlkv's own: formatted and readable, nodes alive, manager running
+  visibility            the other hosts' nodes seen from here both ways (heartbeats
+                        advancing here, a challenge written here echoed): the same
+                        memory, not a wrong region or a stale mapping
 """
 from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
 
-from cxlkv import errors
+from cxlkv import api, errors
 from cxlkv.api import Pool
 from cxlkv.host import discovery
 from cxlkv.ops.init import DEFAULT_POOL_PATH
 from cxlkv.pool import device
-from cxlkv.state import nodes
-from cxlkv.state import protocol
+from cxlkv.pool.image import PoolImage
+from cxlkv.state import nodes, protocol, visibility
 
 PASS, WARN, FAIL, SKIP, UNKNOWN = "pass", "warn", "fail", "skip", "unknown"
 TEMP_WARN_C = 70          # latency 200 -> 400+ ns above 70 C
@@ -50,9 +55,13 @@ class Check:
     detail: str
     remedy: str | None = None
     subject: str | None = None     # the device or object checked, when there are several
+    data: dict | None = None       # what the check saw, for --json (visibility: every node)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["data"] is None:
+            del d["data"]
+        return d
 
 
 def exit_code(checks: list[Check]) -> int:
@@ -397,7 +406,7 @@ def default_pool(h: dict) -> str | None:
     return None
 
 
-def check_pool(path: str | None) -> list[Check]:
+def check_pool(path: str | None, *, challenge: bool = True) -> list[Check]:
     if path is None:
         return [Check("pool", "pool formatted and readable", SKIP,
                       "no pool given and none found (--pool PATH or CXLKV_POOL)")]
@@ -432,9 +441,62 @@ def check_pool(path: str | None) -> list[Check]:
                              f"cxlkv fsck --pool {path}", path))
         else:
             out.append(Check("pool", "pool formatted and readable", PASS, detail, None, path))
+        out.append(_pinned_uuid(pool, path))
         out.append(_heartbeats(pool, path))
         out.append(_lock_manager(pool, path))
+        out.append(shared_visibility(pool, path, challenge=challenge))
     return out
+
+
+def shared_visibility(pool, path: str, *, challenge: bool = True,
+                      timeout: float | None = None) -> Check:
+    """Every other attached node seen from this host both ways: its heartbeat
+    advancing here, and a challenge written here echoed (state.visibility).
+    challenge=False (or no write access): heartbeats only."""
+    writer = None
+    if challenge and visibility.writable(path):
+        try:
+            writer = PoolImage.open(path, writable=True, force=True)
+        except errors.CxlkvError:
+            writer = None
+    try:
+        pr = visibility.probe(pool, timeout=timeout, challenge_pool=writer)
+    finally:
+        if writer is not None:
+            writer.close()
+    data = pr.to_json()
+    if not pr.sights:
+        return Check("visibility", "same pool memory as the other hosts", PASS,
+                     "no other node attached: nothing to compare with", None, path, data=data)
+    lines = "; ".join(s.describe() for s in pr.sights)
+    hosts = len({s.boot_id for s in pr.sights if not s.same_host})
+    if all(s.proven for s in pr.sights):
+        return Check("visibility", "same pool memory as the other hosts", PASS,
+                     f"{len(pr.sights)} node(s) ({hosts} other host(s)) proven both ways "
+                     f"in {pr.seconds:.2f} s: {lines}", None, path, data=data)
+    if not challenge and all(s.advanced for s in pr.sights):
+        return Check("visibility", "same pool memory as the other hosts", PASS,
+                     f"heartbeats of {len(pr.sights)} node(s) seen advancing here (not "
+                     f"challenged): {lines}", None, path, data=data)
+    return Check("visibility", "same pool memory as the other hosts", WARN, lines,
+                 "run cxlkv doctor --pool on the other hosts too: a node every other host "
+                 "sees but this one does not means this host maps other memory (check the "
+                 "region and device with cxlkv inspect; pin the pool with CXLKV_POOL_UUID)",
+                 path, data=data)
+
+
+def _pinned_uuid(pool, path: str) -> Check:
+    pin = os.environ.get(api.POOL_UUID_ENV, "").strip()
+    if not pin:
+        return Check("pool-uuid", "the pool this host pins", SKIP,
+                     f"no pool uuid pinned (${api.POOL_UUID_ENV}); this pool is {pool.sb.uuid}",
+                     None, path)
+    try:
+        api.check_uuid(pool)
+    except errors.CxlkvError as e:
+        return Check("pool-uuid", "the pool this host pins", FAIL, e.message, e.hint, path)
+    return Check("pool-uuid", "the pool this host pins", PASS, f"pool {pool.sb.uuid}, as pinned",
+                 None, path)
 
 
 def _heartbeats(pool, path: str) -> Check:
@@ -466,12 +528,13 @@ def _lock_manager(pool, path: str) -> Check:
                  "the others)", path)
 
 
-def run(*, pool: str | None = None, host: dict | None = None) -> dict:
-    """All checks; {"checks": [...], "summary": {...}, "pool": path, "exit_code": n}."""
+def run(*, pool: str | None = None, host: dict | None = None, challenge: bool = True) -> dict:
+    """All checks; {"checks": [...], "summary": {...}, "pool": path, "exit_code": n}.
+    challenge=False: the visibility check writes no challenge into the pool."""
     h = host if host is not None else discovery.discover()
     path = pool if pool is not None else default_pool(h)
     emulated = path is not None and not path.startswith("/dev/dax")
-    checks = check_host(h, emulated=emulated) + check_pool(path)
+    checks = check_host(h, emulated=emulated) + check_pool(path, challenge=challenge)
     summary = {s: sum(c.status == s for c in checks) for s in (PASS, WARN, FAIL, SKIP, UNKNOWN)}
     return {"checks": [c.to_json() for c in checks], "summary": summary, "pool": path,
             "exit_code": exit_code(checks)}

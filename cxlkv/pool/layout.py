@@ -136,7 +136,17 @@ class NodeStruct(ctypes.LittleEndianStructure):
         ("sw_version", c_char * 32),
         ("pidns", c_uint64),
         ("ident_epoch", c_uint64),
-        ("reserved", c_uint8 * 224),
+        ("reserved", c_uint8 * 32),
+        # line 4: written only by probers (the visibility challenge, state.visibility)
+        ("challenge", c_uint64),
+        ("challenge_epoch", c_uint64),
+        ("line4_pad", c_uint8 * 48),
+        # line 5: written only by the node, with its heartbeat: the challenge echoed
+        ("answer", c_uint64),
+        ("answer_epoch", c_uint64),
+        ("answer_heartbeat", c_uint64),
+        ("line5_pad", c_uint8 * 40),
+        ("reserved6", c_uint8 * 64),
         ("mgr_control", c_uint64),
         ("mgr_grant_token", c_uint64),
         ("line7_pad", c_uint8 * 48),

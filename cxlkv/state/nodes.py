@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import struct
 import threading
 import time
 import uuid as uuidlib
@@ -63,6 +64,8 @@ MAX_EPOCH = 1 << 48
 _MGR_LINE = layout.field_offset(layout.NodeStruct, "mgr_control")
 _HEARTBEAT = layout.field_offset(layout.NodeStruct, "heartbeat")
 _ACK = layout.field_offset(layout.NodeStruct, "ack_epoch")
+_CHALLENGE = layout.field_offset(layout.NodeStruct, "challenge")
+_ANSWER = layout.field_offset(layout.NodeStruct, "answer")
 #: a node writes only while its last heartbeat is younger than this share of the lease
 FRESH_SHARE = 0.5
 #: claim tokens (os.urandom; the secrets module would load OpenSSL at attach)
@@ -481,6 +484,7 @@ class Attachment:
         # acknowledgement waits for are counted in the C core (enter / leave)
         self._state = threading.Lock()
         self._heartbeat = heartbeat
+        self._answered = 0                  # the last challenge echoed (see _answer)
         self.managed = pool.sb.sync == "manager"
         if self.managed:
             self._claim_managed()
@@ -601,9 +605,12 @@ class Attachment:
         s.boot_id[:] = uuidlib.UUID(self.observer.boot_id).bytes
         s.hostname = os.uname().nodename.encode()[:63]
         s.sw_version = f"cxlkv {__version__}".encode()[:31]
-        ident = bytes(s)[64:_MGR_LINE]
+        ident = bytes(s)
         m = self.pool.mapping
-        m.write(off + 64, ident)
+        # lines 1-3, and 5-6 (answers start empty); line 4 is the probers' (a
+        # challenge written meanwhile is answered only if meant for this epoch)
+        m.write(off + 64, ident[64:_CHALLENGE])
+        m.write(off + _ANSWER, ident[_ANSWER:_MGR_LINE])
         m.store64(off + _HEARTBEAT, 0)
         m.flush(off, layout.NODE_SIZE)
 
@@ -641,6 +648,23 @@ class Attachment:
             m.flush(off, 64)
         self.check()
         self._fresh(t0)
+
+    def _answer(self) -> None:
+        """Echo a prober's challenge meant for this incarnation (line 4) into
+        this node's answer line (line 5), once: the proof, for a prober on
+        another host, that its writes reach this node and this node's writes
+        reach it (cxlkv.state.visibility).  The heartbeat thread's, after a
+        successful beat (the node is fresh)."""
+        m, off = self.pool.mapping, node_offset(self.pool, self.slot)
+        m.invalidate(off + _CHALLENGE, 16)
+        nonce = m.load64(off + _CHALLENGE)
+        if not nonce or nonce == self._answered or m.load64(off + _CHALLENGE + 8) != self.epoch:
+            return
+        with self._beat_lock:
+            m.write(off + _ANSWER, struct.pack("<QQQ", nonce, self.epoch,
+                                               m.load64(off + _HEARTBEAT)))
+            m.flush(off + _ANSWER, 64)
+        self._answered = nonce
 
     def guard(self) -> None:
         """Prove this node may write shared memory now, or raise NodeFenced.
@@ -785,6 +809,7 @@ class Attachment:
                         return              # until then, again every interval
                 else:
                     self.beat()
+                    self._answer()
             except NodeFenced:
                 continue                    # acknowledged above once nothing is in flight
             except (ValueError, OSError):   # mapping closed under us

@@ -124,7 +124,19 @@ struct cxlkv_node {
     char     sw_version[32];    /*  176 */
     uint64_t pidns;             /*  208 pid namespace inode: pids compare only within one */
     uint64_t ident_epoch;       /*  216 epoch this identity was written for */
-    uint8_t  reserved[224];     /*  224 */
+    uint8_t  reserved[32];      /*  224 */
+    /* line 4: written only by probers (cxlkv doctor's visibility challenge):
+     * a nonce for this node's incarnation ident_epoch to echo */
+    uint64_t challenge;         /*  256 nonce, 0 = none */
+    uint64_t challenge_epoch;   /*  264 the epoch it is meant for */
+    uint8_t  line4_pad[48];     /*  272 */
+    /* line 5: written only by the node, with its heartbeat: the last
+     * challenge it saw, echoed */
+    uint64_t answer;            /*  320 the challenge's nonce */
+    uint64_t answer_epoch;      /*  328 the answering node's epoch */
+    uint64_t answer_heartbeat;  /*  336 its heartbeat counter when it answered */
+    uint8_t  line5_pad[40];     /*  344 */
+    uint8_t  reserved6[64];     /*  384 */
     /* line 7: written only by the lock manager (manager mode), so that no
      * cache line has two writers on non-coherent memory */
     uint64_t mgr_control;       /*  448 manager mode: state | epoch << 8 */

@@ -96,6 +96,14 @@ mod_layout(PyObject *self, PyObject *Py_UNUSED(ignored))
     FIELD(f, cxlkv_node, pidns);
     FIELD(f, cxlkv_node, ident_epoch);
     FIELD(f, cxlkv_node, reserved);
+    FIELD(f, cxlkv_node, challenge);
+    FIELD(f, cxlkv_node, challenge_epoch);
+    FIELD(f, cxlkv_node, line4_pad);
+    FIELD(f, cxlkv_node, answer);
+    FIELD(f, cxlkv_node, answer_epoch);
+    FIELD(f, cxlkv_node, answer_heartbeat);
+    FIELD(f, cxlkv_node, line5_pad);
+    FIELD(f, cxlkv_node, reserved6);
     FIELD(f, cxlkv_node, mgr_control);
     FIELD(f, cxlkv_node, mgr_grant_token);
     FIELD(f, cxlkv_node, line7_pad);
