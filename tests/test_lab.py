@@ -301,6 +301,104 @@ def test_two_guests_share_kv_blocks_through_one_cxl_memory(lab, tmp_path):
         assert n["device"] == "dax0.0" and n["cpus"]
 
 
+# -- same pool on every host: visibility proven both ways; another memory refused by its pin ---
+
+SEE = r"""
+import json, sys, time
+import cxlkv
+from cxlkv import errors as E
+from cxlkv.api import Pool
+from cxlkv.ops import doctor
+from cxlkv.state import visibility
+
+role, dev = sys.argv[1], "/dev/dax0.0"
+deadline = time.monotonic() + 240
+out = {"role": role}
+done = [4242, 4243]                       # the prover's "done" mark, as a KV block of 2 tokens
+if role == "stayer":
+    with cxlkv.open_pool(dev) as pool:
+        out["uuid"], out["slot"] = str(pool.sb.uuid), pool.node.slot
+        kv = pool.kv(model="mark", block_tokens=2, block_bytes=64)
+        while kv.match(done) < 2:         # attached, heartbeating, answering, until proven
+            if time.monotonic() > deadline:
+                raise SystemExit("the prover never finished")
+            time.sleep(0.2)
+else:
+    while True:                           # the other host formats the pool and attaches
+        try:
+            with Pool.open(dev) as p:
+                if visibility.probe(p, timeout=0.5).sights:
+                    break
+        except (E.PoolInvalid, E.PoolNotFound):
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit("the other host never attached")
+        time.sleep(0.2)
+    checks = {c.id: c for c in doctor.check_pool(dev)}
+    out["visibility"] = checks["visibility"].to_json()
+    with cxlkv.open_pool(dev, expect_uuid=sys.argv[2] if len(sys.argv) > 2 else None) as pool:
+        out["uuid"] = str(pool.sb.uuid)
+        pool.kv(model="mark", block_tokens=2, block_bytes=64).store(done, bytes(64))
+print(json.dumps(out, default=str))
+"""
+
+GUEST_SEE = RUN + r"""
+cat > /tmp/see.py <<'PYEOF'
+""" + SEE + r"""
+PYEOF
+mkdir -p /host/run/cxl-lab/tmp && cp /tmp/see.py /host/run/cxl-lab/tmp/see.py
+if [ "$LAB_GUEST" = 0 ]; then
+    run apply provision apply --yes --sync manager --group disk --json
+    hostrun -C "$REPO" "$REPO/.venv/bin/cxlkv" lock-manager --pool /dev/dax0.0 \
+        2> $LAB_OUT/mgr.err &
+    hostrun -C "$REPO" "$REPO/.venv/bin/python" /run/cxl-lab/tmp/see.py stayer \
+        > $LAB_OUT/see.json 2> $LAB_OUT/see.err
+else
+    run apply provision apply --yes --no-format --group disk --json
+    hostrun -C "$REPO" "$REPO/.venv/bin/python" /run/cxl-lab/tmp/see.py prover \
+        > $LAB_OUT/see.json 2> $LAB_OUT/see.err
+fi
+echo $? > $LAB_OUT/see.rc
+"""
+
+GUEST_PINNED = RUN + r"""
+run apply provision apply --yes --sync cas --group disk --json
+pinned() { name=$1; shift        # run() with the pin (hostrun resets the environment)
+    hostrun -C "$REPO" /usr/bin/env CXLKV_POOL_UUID=$PIN "$REPO/.venv/bin/cxlkv" "$@" \
+        > $LAB_OUT/$name.json 2> $LAB_OUT/$name.err
+    echo $? > $LAB_OUT/$name.rc; }
+pinned pinned stress --pool /dev/dax0.0 --seconds 1 --json
+pinned doctor doctor --pool /dev/dax0.0 --json
+"""
+
+
+def test_two_hosts_prove_they_see_one_pool_and_a_pin_refuses_another(lab, tmp_path):
+    """Two guests on one CXL memory, a manager-mode pool (flushes and
+    invalidates on the way): the prover sees the other host's node both ways
+    and the pin of that pool admits it.  Then a guest on another memory file
+    with the same pin: its pool is refused, naming both uuids."""
+    g0, g1 = (Out(d) for d in boot(tmp_path / "two", GUEST_SEE, guests=2, timeout=480))
+    for o in (g0, g1):
+        assert o.rc("apply") == 0, o.err("apply")
+        assert o.rc("see") == 0, o.err("see")
+    stay, prove = g0.json("see"), g1.json("see")
+    assert stay["uuid"] == prove["uuid"]
+    v = prove["visibility"]
+    assert v["status"] == "pass", v
+    (n,) = v["data"]["nodes"]
+    assert n["slot"] == stay["slot"] and not n["same_host"]
+    assert n["heartbeat_advanced"] and n["challenge"] == "answered" and n["proven"]
+    assert v["data"]["lock_manager_heartbeat"] == "advancing"
+    # another guest, another CXL memory file, the first pool's uuid pinned
+    (d,) = boot(tmp_path / "other", f'PIN="{stay["uuid"]}"\n' + GUEST_PINNED)
+    o = Out(d)
+    assert o.rc("apply") == 0, o.err("apply")
+    assert o.rc("pinned") == 4, o.err("pinned")
+    assert stay["uuid"] in o.err("pinned") and "pins" in o.err("pinned")
+    by = {c["id"]: c for c in o.json("doctor")["checks"]}
+    assert by["pool-uuid"]["status"] == "fail" and stay["uuid"] in by["pool-uuid"]["detail"]
+
+
 # -- the fixtures regenerate from a guest, and still match --------------------------------
 
 def _strip(doc):

@@ -5,7 +5,6 @@ emulation; a stalled node and a node whose flushes are lost are not proven;
 a pinned pool uuid refuses any other pool."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import struct
