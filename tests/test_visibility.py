@@ -211,3 +211,18 @@ def test_the_pin_in_the_cli_and_doctor(pool_path, tmp_path, cli, monkeypatch):
     assert c.status == "fail" and mine in c.detail
     (c,) = [c for c in doctor.check_pool(path, challenge=False) if c.id == "pool-uuid"]
     assert c.status == "pass"
+
+
+def test_serve_and_the_lock_manager_refuse_a_pool_not_pinned(pool_path, tmp_path, cli,
+                                                             monkeypatch):
+    path = _pool(pool_path)
+    other = _pool(str(tmp_path / "other.pool"), sync="manager")
+    with Pool.open(path) as p:
+        mine = str(p.sb.uuid)
+    r = cli("serve", "--pool", other, "--pool-uuid", mine)
+    assert r.code == errors.EXIT_INVALID and mine in r.err and "--pool-uuid" not in r.err
+    with Pool.open(other) as p:
+        assert nodes.read_nodes(p) == []
+    monkeypatch.setenv("CXLKV_POOL_UUID", mine)
+    r = cli("lock-manager", "--pool", other)
+    assert r.code == errors.EXIT_INVALID and mine in r.err, r.err

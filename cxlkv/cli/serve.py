@@ -40,6 +40,9 @@ def _numa(ctx, param, value):
                    "names, top level or in a [serve] table); flags win.")
 @click.option("--pool", "pool", metavar="PATH", envvar="CXLKV_POOL",
               help="Pool file or /dev/daxX.Y device [env: CXLKV_POOL].")
+@click.option("--pool-uuid", metavar="UUID", envvar="CXLKV_POOL_UUID",
+              help="The pool this host pins: refuse to attach to any other pool at the path "
+                   "(a wrong region, device or format) [env: CXLKV_POOL_UUID].")
 @click.option("--metrics-addr", metavar="HOST:PORT",
               help="Serve Prometheus /metrics and /healthz here (e.g. 127.0.0.1:9464; port 0 "
                    "picks one and logs it).  Default: no HTTP server.")

@@ -277,7 +277,7 @@ class Agent:
             numa = None
             if cfg.numa_node is not None:
                 numa = int(cfg.numa_node) if str(cfg.numa_node).isdigit() else cfg.numa_node
-            pool.attach(numa_node=numa)
+            pool.attach(numa_node=numa, expect_uuid=cfg.pool_uuid)
         except BaseException:
             _AGENTS.pop(id(pool), None)
             self.pool = None

@@ -15,6 +15,7 @@ from cxlkv.util.toml import read_toml
 @dataclass
 class AgentConfig:
     pool: str | None = None
+    pool_uuid: str | None = None            # the pool this host pins (cxlkv.api.check_uuid)
     metrics_addr: str | None = None
     with_lock_manager: bool = False
     numa_node: str | None = None
@@ -73,7 +74,7 @@ def load_config(path: str) -> dict:
         if not ok:
             raise UsageError(f"--config {path}: {key} = {value!r} has the wrong type "
                              f"(expected {want.split(' |')[0]})")
-        out[name] = str(value) if name in ("numa_node", "pool", "metrics_addr",
+        out[name] = str(value) if name in ("numa_node", "pool", "pool_uuid", "metrics_addr",
                                            "spill_dir", "remote_nodes",
                                            "remote_push_policy") else value
     return out

@@ -54,7 +54,7 @@ import uuid as uuidlib
 
 import numpy as np
 
-from cxlkv.api import Pool
+from cxlkv.api import Pool, check_uuid
 from cxlkv.errors import CxlkvError, ManagerExists, PoolReformatted, RefusedError
 from cxlkv.pool import layout
 from cxlkv.pool import superblock
@@ -104,6 +104,11 @@ R_BEAT, R_SLOTS, R_GUARD, R_STEPDOWN, R_PYSTEP = range(5)
 class LockManager:
     def __init__(self, path: str, *, standby: bool = False, log=None):
         self.pool = Pool.open(path, writable=True)
+        try:
+            check_uuid(self.pool)               # the pool this host pins, if it pins one
+        except BaseException:
+            self.pool.close()
+            raise
         if self.pool.sb.sync != "manager":
             self.pool.close()
             raise RefusedError(f"{path} is a pool in sync mode {self.pool.sb.sync!r}; the lock "
