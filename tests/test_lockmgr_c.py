@@ -53,8 +53,8 @@ def mpool(pool_path):
 def manager(mpool, mode):
     mgrs = []
 
-    def start(*args, env=None, wait=True):
-        m = Manager(mpool, *args, env={**_env(mode), **(env or {})})
+    def start(*args, env=None, wait=True, pool=None):
+        m = Manager(pool or mpool, *args, env={**_env(mode), **(env or {})})
         mgrs.append(m)
         if wait:
             assert "active" in m.line()
@@ -173,8 +173,16 @@ def test_mutual_exclusion_and_grants_in_turn(mpool, manager, mode, remote_env):
         assert p.mapping.load64(off) == 1500
     if mode == "noncoherent":
         return                  # the order log below is written without flushes
-    # four nodes (hosts of their own) that keep asking are served in turn
-    t = lock_turn_gaps(mpool, n=120, hosts=remote_env)
+    # four nodes (hosts of their own) that keep asking are served in turn; a
+    # pool with a long lease: order is measured, not liveness
+    path = os.path.join(os.path.dirname(mpool), "fair.pool")
+    init_pool(path, {"size": 16 << 20, "chunk_size": 1 << 20, "max_nodes": 8,
+                     "sync": "manager", "lease_ms": 10_000})
+    m = manager(pool=path)
+    try:
+        t = lock_turn_gaps(path, n=120, hosts=remote_env)
+    finally:
+        m.stop()
     assert 3 <= t.mean_gap <= 5, t
     assert t.wait(95) <= 4 and max(t.waits) <= 60, sorted(t.waits)[-40:]
 

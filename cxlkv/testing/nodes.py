@@ -248,7 +248,8 @@ def lock_turn_gaps(path: str, nodes: int = 4, n: int = 150, hold: float = 0.001,
         assert [q.reply() for q in procs] == [{"ready": True}] * nodes
         with Pool.open(path) as p:
             p.mapping.store64(go, 1)
-        assert [q.reply() for q in procs] == [{"done": n}] * nodes
+        replies = [q.reply() for q in procs]
+        assert replies == [{"done": n}] * nodes, replies
     finally:
         for q in procs:
             q.close()
