@@ -232,7 +232,7 @@ class SpillStore(Tier):
                 key = raw[16:32]
                 if state == files.WRITING:
                     pid = int(sf.stamps[slot])
-                    if pid == me or pid <= 0 or not _alive(pid):
+                    if pid == me or not 0 < pid < 1 << 22 or not _alive(pid):
                         sf.release(slot, key)
                     else:
                         total += fp            # still being written by a live reader
@@ -624,13 +624,17 @@ class SpillStore(Tier):
                 todo.append((key, nsd, payload))
         if not todo:
             return
-        try:
-            if not owner:
+        full = []
+        if not owner:
+            try:
                 claimed, full, already = self._claim(todo)
                 self._already(already)
                 self._write_claimed(claimed)
-            full = full if not owner else []
-            while owner and todo:
+            except OSError as e:
+                self._fail("disk", e, n=len(todo))
+                return
+            todo = []
+        while todo:
                 # a chunk that is small against the target (a batch is, but
                 # for tiny stores): room made for it by the LRU, its slots
                 # claimed, written and indexed before the next chunk
@@ -641,26 +645,31 @@ class SpillStore(Tier):
                     size += files.footprint(len(todo[n][2]))
                     n += 1
                 chunk, todo = todo[:n], todo[n:]
-                self._make_room(size, target)
-                claimed, left, already = self._claim(chunk, target)
-                for it in left:                      # one by one, as before
-                    fp = files.footprint(len(it[2]))
-                    c, f, a = self._claim([it], target) if self._make_room(fp, target) \
-                        else ([], [it], [])
-                    if f and self._make_room(fp, self.max_bytes):   # others took the room
-                        c, f, a = self._claim([it])
-                    if f and self._free_room(files.slot_bytes(len(it[2]))):   # no free slot
-                        c, f, a = self._claim([it])
-                    claimed += c
-                    already += a
-                    full += f
-                self._already(already)
-                self._write_claimed(claimed)
-        except OSError as e:
-            self._fail("disk", e, n=len(todo))
-            return
+                try:
+                    self._chunk(chunk, size, target, full)
+                except OSError as e:
+                    self._fail("disk", e, n=len(chunk))
         if full:
             self._fail("store-full", n=len(full))
+
+    def _chunk(self, chunk, size: int, target: int, full: list) -> None:
+        """Owner: write a chunk of blocks, making room for them first (the
+        ones that do not fit are added to `full`)."""
+        self._make_room(size, target)
+        claimed, left, already = self._claim(chunk, target)
+        for it in left:                      # one by one, as before
+            fp = files.footprint(len(it[2]))
+            c, f, a = self._claim([it], target) if self._make_room(fp, target) \
+                else ([], [it], [])
+            if f and self._make_room(fp, self.max_bytes):   # others took the room
+                c, f, a = self._claim([it])
+            if f and self._free_room(files.slot_bytes(len(it[2]))):   # no free slot
+                c, f, a = self._claim([it])
+            claimed += c
+            already += a
+            full += f
+        self._already(already)
+        self._write_claimed(claimed)
 
     def _already(self, already) -> None:
         """Blocks another process stored meanwhile: a reader marks them used."""
