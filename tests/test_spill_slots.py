@@ -187,10 +187,13 @@ d, limit = sys.argv[1], int(sys.argv[2])
 armed = threading.Event()
 if sys.argv[4] == "in-write":      # once armed: stop a writer between payload and header
     real = files.write_all
+    told = threading.Lock()
     def write_all(fd, bufs, off):
         real(fd, bufs, off)
         if armed.is_set():
-            print("in-write", flush=True)
+            if told.acquire(blocking=False):   # one line, from the first writer held
+                sys.stdout.write("in-write\n")     # one write: lines do not interleave
+                sys.stdout.flush()
             threading.Event().wait()          # held there until killed
     files.write_all = write_all
 st = spill.SpillStore(d, limit, mode=sys.argv[3], writers=2, queue_bytes=4 << 20)
@@ -205,7 +208,8 @@ while True:                        # spill until killed
         i += 1
     if i % 256 == 0:
         st.flush()
-        print(st.stats()["written"], flush=True)
+        sys.stdout.write(f"{st.stats()['written']}\n")
+        sys.stdout.flush()
         if i == 3 * 256:
             armed.set()
 """
