@@ -14,8 +14,8 @@ import pytest
 
 import cxlkv
 from cxlkv.errors import UsageError
-from cxlkv.kv.tiers import spill
 from cxlkv.kv.cache import KVCache
+from cxlkv.kv.tiers import spill
 from cxlkv.ops.init import init_pool
 from cxlkv.testing.checks import fsck_clean
 from cxlkv.testing.data import pattern

@@ -4,12 +4,19 @@ larger than the pool without the spill tier, with it (this process owns the
 store) and as a reader of a store another process owns (as under
 `cxlkv serve --spill-dir`).
 
-    cxlkv bench run spill [--dir DIR] [--mib N] [--json]
+The store alone and the raw baselines run in `--rounds` interleaved rounds
+(raw write + read, the store's write + get, raw O_DIRECT write + read): a
+shared disk stalls for seconds at a time, so each round's ratio is of
+figures taken a moment apart, and the median ratio is reported.
+
+    cxlkv bench run spill [--dir DIR] [--mib N] [--rounds R] [--json]
 """
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
+import statistics
 import subprocess
 import time
 
@@ -17,8 +24,8 @@ import numpy as np
 
 import cxlkv
 from cxlkv.bench import harness
-from cxlkv.kv.tiers import spill
 from cxlkv.kv.cache import KVCache
+from cxlkv.kv.tiers import spill
 
 MiB = harness.MiB
 BB = 256 * 1024
@@ -44,6 +51,36 @@ def raw_io(d, nbytes):
             pass
     r = time.perf_counter() - t0
     os.unlink(f)
+    return nbytes / w, nbytes / r
+
+
+def raw_direct(d, nbytes):
+    """raw_io with O_DIRECT (page-aligned buffer, no page cache): what the
+    store would get writing and reading around the page cache.  (0, 0)
+    where the file system refuses O_DIRECT."""
+    buf = mmap.mmap(-1, BB)
+    buf.write(os.urandom(BB))
+    f = os.path.join(d, "direct.dat")
+    try:
+        fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    except OSError:
+        return 0.0, 0.0
+    try:
+        t0 = time.perf_counter()
+        for i in range(nbytes // BB):
+            os.pwritev(fd, [buf], i * BB)
+        w = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+    fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
+    try:
+        t0 = time.perf_counter()
+        for i in range(nbytes // BB):
+            os.preadv(fd, [buf], i * BB)
+        r = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        os.unlink(f)
     return nbytes / w, nbytes / r
 
 
@@ -191,6 +228,8 @@ def add_arguments(ap) -> None:
     ap.add_argument("--dir", default=None,
                     help="directory on the disk to measure (default /var/tmp)")
     ap.add_argument("--mib", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interleaved rounds of the raw baselines and the store alone")
 
 
 def run(a, progress) -> dict:
@@ -199,27 +238,41 @@ def run(a, progress) -> dict:
             harness.scratch("cxlkv-spill-bench-pool-") as pd:
         pool_path = os.path.join(pd, "bench.pool")
         nbytes = a.mib * MiB
+        rounds = []
+        for i in range(max(1, a.rounds)):
+            progress(f"round {i + 1}: raw I/O, the spill store alone, raw O_DIRECT")
+            rw, rr = raw_io(d, nbytes)
+            sw, sr = store_only(d, nbytes)
+            dw, dr = raw_direct(d, nbytes)
+            rounds.append({"raw_write_Bps": rw, "raw_read_Bps": rr, "store_write_Bps": sw,
+                           "store_read_Bps": sr, "direct_write_Bps": dw, "direct_read_Bps": dr,
+                           "store_vs_raw_write": sw / rw, "store_vs_raw_read": sr / rr,
+                           "direct_vs_raw_write": dw / rw, "direct_vs_raw_read": dr / rr})
         progress("raw I/O")
         rw, rr = raw_io(d, nbytes)
         progress("spill and promote")
         sp = spill_throughput(d, pool_path, nbytes)
-        progress("raw I/O, one file per block")
-        fw, fr = raw_files(d, nbytes)
-        progress("the spill store alone")
-        sw, sr = store_only(d, nbytes)
         progress("raw I/O again")
         rw2, rr2 = raw_io(d, nbytes)
+        progress("raw I/O, one file per block")
+        fw, fr = raw_files(d, nbytes)
         progress("hit rate without spill")
         h0 = hit_rate(d, pool_path, False)
         progress("hit rate with spill")
         h1 = hit_rate(d, pool_path, True)
         progress("hit rate, spill as a reader")
         h2 = hit_rate(d, pool_path, True, reader=True)
-        return {"dir": d, "raw_write_Bps": (rw, rw2), "raw_read_Bps": (rr, rr2), **sp,
+        med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+        return {"dir": d, "rounds": rounds,
+                "store_vs_raw_write": med["store_vs_raw_write"],
+                "store_vs_raw_read": med["store_vs_raw_read"],
+                "direct_vs_raw_write": med["direct_vs_raw_write"],
+                "direct_vs_raw_read": med["direct_vs_raw_read"],
+                "store_write_Bps": med["store_write_Bps"], "store_read_Bps": med["store_read_Bps"],
+                "raw_write_Bps": (rw, rw2), "raw_read_Bps": (rr, rr2), **sp,
                 "spill_vs_raw_write": sp["spill_write_Bps"] / ((rw + rw2) / 2),
                 "promote_vs_raw_read": sp["promote_Bps"] / ((rr + rr2) / 2),
                 "raw_files_write_Bps": fw, "raw_files_read_Bps": fr,
-                "store_write_Bps": sw, "store_read_Bps": sr,
                 "hit_rate_no_spill": h0["hit_rate"], "hit_rate_spill": h1["hit_rate"],
                 "trace_s_no_spill": h0["seconds"], "trace_s_spill": h1["seconds"],
                 "trace_spill_stats": h1["spill"], "hit_rate_spill_reader": h2["hit_rate"],
@@ -230,15 +283,24 @@ def render(rep: dict) -> str:
     G = 1 << 30
     (rw, rw2), (rr, rr2) = rep["raw_write_Bps"], rep["raw_read_Bps"]
     fw, fr = rep["raw_files_write_Bps"], rep["raw_files_read_Bps"]
-    sw, sr = rep["store_write_Bps"], rep["store_read_Bps"]
-    return "\n".join([
-        f"disk dir {rep['dir']}",
-        f"raw sequential write {rw / G:.2f} / {rw2 / G:.2f} GiB/s (before/after), "
-        f"read {rr / G:.2f} / {rr2 / G:.2f} GiB/s",
-        f"raw one file per block: write {fw / G:.2f} GiB/s, read {fr / G:.2f} GiB/s",
-        f"SpillStore alone: write {sw / G:.2f} GiB/s = {sw / ((rw + rw2) / 2):.2f}x raw "
-        f"sequential, {sw / fw:.2f}x raw per-file; get+verify {sr / G:.2f} GiB/s = "
-        f"{sr / ((rr + rr2) / 2):.2f}x raw read, {sr / fr:.2f}x raw per-file",
+    lines = [f"disk dir {rep['dir']}"]
+    for i, r in enumerate(rep["rounds"]):
+        lines.append(
+            f"round {i + 1}: raw write {r['raw_write_Bps'] / G:.2f} GiB/s, store write "
+            f"{r['store_write_Bps'] / G:.2f} ({r['store_vs_raw_write']:.2f}x), O_DIRECT write "
+            f"{r['direct_write_Bps'] / G:.2f} ({r['direct_vs_raw_write']:.2f}x); raw read "
+            f"{r['raw_read_Bps'] / G:.2f}, store get+verify {r['store_read_Bps'] / G:.2f} "
+            f"({r['store_vs_raw_read']:.2f}x), O_DIRECT read {r['direct_read_Bps'] / G:.2f} "
+            f"({r['direct_vs_raw_read']:.2f}x)")
+    lines += [
+        f"SpillStore alone (median of {len(rep['rounds'])} rounds): write "
+        f"{rep['store_vs_raw_write']:.2f}x a raw sequential write of the same bytes, "
+        f"get+verify {rep['store_vs_raw_read']:.2f}x a raw read; O_DIRECT "
+        f"{rep['direct_vs_raw_write']:.2f}x / {rep['direct_vs_raw_read']:.2f}x buffered",
+        f"raw sequential write {rw / G:.2f} / {rw2 / G:.2f} GiB/s (before/after the end to end "
+        f"run), read {rr / G:.2f} / {rr2 / G:.2f} GiB/s",
+        f"raw one file per block (the old layout): write {fw / G:.2f} GiB/s, "
+        f"read {fr / G:.2f} GiB/s",
         f"end to end, pool store -> evict -> disk: spill write "
         f"{rep['spill_write_Bps'] / G:.2f} GiB/s ({rep['spilled_bytes'] / MiB:.0f} MiB, "
         f"dropped {rep['dropped']}) = {rep['spill_vs_raw_write']:.2f}x raw write",
@@ -249,4 +311,5 @@ def render(rep: dict) -> str:
         f"{rep['hit_rate_no_spill']:.3f} without spill, {rep['hit_rate_spill']:.3f} with, "
         f"{rep['hit_rate_spill_reader']:.3f} as a reader of another process's store "
         f"({rep['trace_s_no_spill']:.1f} s / {rep['trace_s_spill']:.1f} s / "
-        f"{rep['trace_s_spill_reader']:.1f} s)"])
+        f"{rep['trace_s_spill_reader']:.1f} s)"]
+    return "\n".join(lines)

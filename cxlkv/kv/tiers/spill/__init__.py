@@ -57,8 +57,8 @@ local disk instead of being dropped, and come back on a later hit.
   oldest stamp first, when it opens the store) touched by its hits and
   writes.  Readers' hits set the slot's stamp; when the owner's least
   recently used block turns out newer than the owner recorded, it gets a
-  second chance (moved to the most recent end) instead of being freed.  While readers
-  are attached (each holds a shared flock on ``DIR/.readers``; the owner
+  second chance (moved to the most recent end) instead of being freed.
+  While readers are attached (each holds a shared flock on ``DIR/.readers``; the owner
   probes it every ``MAINTAIN_S``) the owner keeps ``reader_room`` (1/8) of
   the limit free for their writes; a reader's write that does not fit is
   dropped (``store-full``).

@@ -820,7 +820,7 @@ class SpillStore(Tier):
                 self._remove(key, sf, slot, raw)
                 self._corrupt(sf, slot)
                 return None
-            buf = bytearray(length)
+            buf = np.empty(length, dtype=np.uint8)   # not zeroed: read over at once
             whole = sf.read(slot, length, buf)
             if sf.raw_header(slot) != raw:          # freed or rewritten while read: a miss
                 with self._mu:

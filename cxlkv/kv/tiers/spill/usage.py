@@ -1,12 +1,13 @@
 """``DIR/.usage``: the spill store's shared byte count and the readers'
 journal, one file the processes of the host share.
 
-A 64-byte header (magic, version, the generation of the slot files - bumped
-whenever one is made, so that every process opens it -, published bytes
-(slots and their headers), the owner's limit, the owner's pid), then the readers' journal: 24-byte records
-of (key, bytes) of the blocks they published, which the owner folds
-into its index.  Every change is made under an exclusive flock of the file
-(`Usage.locked`), held briefly and by one thread of the process at a time.
+A 64-byte header (magic, version, the generation of the slot files -
+bumped whenever one is made, so that every process opens it -, published
+bytes (slots and their headers), the owner's limit, the owner's pid), then
+the readers' journal: 24-byte records of (key, bytes) of the blocks they
+published, which the owner folds into its index.  Every change is made
+under an exclusive flock of the file (`Usage.locked`), held briefly and by
+one thread of the process at a time.
 """
 from __future__ import annotations
 
