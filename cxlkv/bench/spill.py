@@ -162,9 +162,13 @@ def spill_throughput(d, pool_path, nbytes):
         st2 = sp.stats()
         spill.disable(pool)
     shutil.rmtree(sdir, ignore_errors=True)
-    return {"stored_bytes": nseq * 8 * BB, "store_s": store_t, "spilled_bytes": written,
-            "spill_write_Bps": written / spill_t, "dropped": st["dropped"],
-            "promoted_bytes": got * BB, "promote_Bps": got * BB / prom_t,
+    fetched = (st2["hits"] - st["hits"]) * BB
+    fetch_s = st2["read_s"] - st["read_s"]
+    return {"stored_bytes": nseq * 8 * BB, "store_s": store_t, "drain_s": spill_t - store_t,
+            "spilled_bytes": written, "spill_write_Bps": written / spill_t,
+            "writers_busy_s": st["write_s"], "dropped": st["dropped"],
+            "promoted_bytes": got * BB, "promote_Bps": got * BB / prom_t, "promote_s": prom_t,
+            "promote_fetch_s": fetch_s, "promote_fetch_Bps": fetched / fetch_s if fetch_s else 0.0,
             "promoted": st2["promoted"], "corrupt": st2["corrupt"]}
 
 
@@ -228,7 +232,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--dir", default=None,
                     help="directory on the disk to measure (default /var/tmp)")
     ap.add_argument("--mib", type=int, default=512)
-    ap.add_argument("--rounds", type=int, default=3,
+    ap.add_argument("--rounds", type=int, default=5,
                     help="interleaved rounds of the raw baselines and the store alone")
 
 
@@ -272,6 +276,7 @@ def run(a, progress) -> dict:
                 "raw_write_Bps": (rw, rw2), "raw_read_Bps": (rr, rr2), **sp,
                 "spill_vs_raw_write": sp["spill_write_Bps"] / ((rw + rw2) / 2),
                 "promote_vs_raw_read": sp["promote_Bps"] / ((rr + rr2) / 2),
+                "promote_fetch_vs_raw_read": sp["promote_fetch_Bps"] / ((rr + rr2) / 2),
                 "raw_files_write_Bps": fw, "raw_files_read_Bps": fr,
                 "hit_rate_no_spill": h0["hit_rate"], "hit_rate_spill": h1["hit_rate"],
                 "trace_s_no_spill": h0["seconds"], "trace_s_spill": h1["seconds"],
@@ -303,10 +308,14 @@ def render(rep: dict) -> str:
         f"read {fr / G:.2f} GiB/s",
         f"end to end, pool store -> evict -> disk: spill write "
         f"{rep['spill_write_Bps'] / G:.2f} GiB/s ({rep['spilled_bytes'] / MiB:.0f} MiB, "
-        f"dropped {rep['dropped']}) = {rep['spill_vs_raw_write']:.2f}x raw write",
+        f"dropped {rep['dropped']}) = {rep['spill_vs_raw_write']:.2f}x raw write; the stores "
+        f"took {rep['store_s']:.2f} s, the queue drained {rep['drain_s']:.2f} s after (writers "
+        f"busy {rep['writers_busy_s']:.2f} s)",
         f"end to end promote (disk -> verify -> pool store, evicting): "
         f"{rep['promote_Bps'] / G:.2f} GiB/s ({rep['promoted_bytes'] / MiB:.0f} MiB) = "
-        f"{rep['promote_vs_raw_read']:.2f}x raw read",
+        f"{rep['promote_vs_raw_read']:.2f}x raw read; of its {rep['promote_s']:.2f} s the spill "
+        f"tier's read + verify took {rep['promote_fetch_s']:.2f} s "
+        f"({rep['promote_fetch_vs_raw_read']:.2f}x raw read), the pool's store the rest",
         f"hit rate, trace of 1.2 GiB distinct blocks through a 256 MiB pool: "
         f"{rep['hit_rate_no_spill']:.3f} without spill, {rep['hit_rate_spill']:.3f} with, "
         f"{rep['hit_rate_spill_reader']:.3f} as a reader of another process's store "

@@ -560,12 +560,14 @@ class SpillStore(Tier):
                         break
                     nb += len(nxt[2])
             items = [b for b in batch if b is not None]
+            t0 = time.perf_counter()
             try:
                 if items:
                     self._write_batch(items)
             except Exception as e:                     # pragma: no cover - never raise
                 self._fail("disk", e, n=len(items))
             finally:
+                self._bump("write_s", time.perf_counter() - t0)
                 with self._mu:
                     for it in items:
                         self._pending -= len(it[2])
@@ -798,6 +800,13 @@ class SpillStore(Tier):
     def get(self, key: bytes, ns_digest: bytes, length: int) -> memoryview | None:
         """The payload of `key`, verified, or None (a block that fails
         verification is removed)."""
+        t0 = time.perf_counter()
+        try:
+            return self._get(key, ns_digest, length)
+        finally:
+            self._bump("read_s", time.perf_counter() - t0)
+
+    def _get(self, key: bytes, ns_digest: bytes, length: int) -> memoryview | None:
         where = self._where(key, length)
         if where is None:
             self._bump("misses", 1)
@@ -891,6 +900,10 @@ class SpillStore(Tier):
         for k in COUNTERS:
             out[k] = counters.get(k, 0)
         out["dropped"] = sum(v for k, v in counters.items() if k.startswith("dropped_"))
+        # seconds this process's writers spent writing batches (summed over
+        # threads) and its readers reading and verifying blocks
+        out["write_s"] = counters.get("write_s", 0.0)
+        out["read_s"] = counters.get("read_s", 0.0)
         return out
 
     def close(self, timeout: float | None = None) -> bool:
