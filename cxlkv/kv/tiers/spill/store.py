@@ -38,6 +38,9 @@ WRITERS = 2
 #: claim their slots, one to publish them; adjacent slots in one pwritev)
 BATCH_BLOCKS = 32
 BATCH_BYTES = 8 << 20
+#: adjacent slots are written with one pwritev up to this many bytes (larger
+#: single writes met the kernel's dirty-page throttling harder here)
+WRITE_BYTES = 1 << 20
 #: disk blocks of a slot file are reserved (posix_fallocate) this much at a time
 PREALLOC = 64 << 20
 #: share of the limit the owner keeps free for readers' writes while any is attached
@@ -699,7 +702,8 @@ class SpillStore(Tier):
             sf = claimed[i][0]
             while (j < len(claimed) and claimed[j][0] is sf
                    and claimed[j][1] == claimed[j - 1][1] + 1
-                   and len(claimed[j - 1][4]) == sf.sbytes):
+                   and len(claimed[j - 1][4]) == sf.sbytes
+                   and (j - i + 1) * sf.sbytes <= WRITE_BYTES):
                 j += 1
             run = claimed[i:j]
             try:
