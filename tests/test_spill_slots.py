@@ -412,3 +412,29 @@ def test_a_directory_of_the_old_format_is_migrated(tmp_path, caplog):
             key(i) for i in range(5))
     finally:
         st.close()
+
+
+# -- promotion reads runs --------------------------------------------------------------------
+
+def test_fetch_reads_a_run_and_stops_at_a_block_that_does_not_verify(tmp_path):
+    """fetch (what promotion calls) reads adjacent slots in one go and
+    verifies each block: it returns the run up to the first block that is
+    missing or damaged (freed, counted), bit-exact."""
+    st = spill.SpillStore(tmp_path / "s", 64 * FP, writers=1)
+    try:
+        ks = [key(i) for i in range(8)]
+        for k in ks:
+            st.offer(k, NSD, payload(k))
+        st.flush()
+        got = st.fetch(ks, NSD, BB)
+        assert [bytes(b) for b in got] == [payload(k) for k in ks]
+        path, off, _ = st.locate(ks[5], BB)
+        poke(path, off + 4096, b"\xff" * 8)                 # block 5 damaged
+        got = st.fetch(ks, NSD, BB)
+        assert [bytes(b) for b in got] == [payload(k) for k in ks[:5]]
+        s = st.stats()
+        assert s["corrupt"] == 1 and s["hits"] == 13 and st.locate(ks[5], BB) is None
+        assert len(st.fetch(ks[:3] + [key(99)] + ks[3:], NSD, BB)) == 3   # a missing block
+        assert st.fetch(ks, b"x" * 16, BB) == []            # another namespace: nothing
+    finally:
+        st.close()

@@ -867,15 +867,65 @@ class SpillStore(Tier):
 
     def fetch(self, keys, ns_digest: bytes, block_bytes: int,
               budget_s: float | None = None) -> list:
-        """The leading run of `keys` the store holds, read and verified."""
+        """The leading run of `keys` the store holds, read and verified:
+        blocks in adjacent slots are read with one preadv into one buffer,
+        each verified as get() does; the first block that does not verify
+        goes through get() (a miss, freed when corrupt) and ends the run."""
         out: list = []
         if not self.run(keys[:1]):
             return out
+        t0 = time.perf_counter()
+        try:
+            return self._fetch([bytes(k) for k in keys], ns_digest, block_bytes)
+        finally:
+            self._bump("read_s", time.perf_counter() - t0)
+
+    def _fetch(self, keys: list, ns_digest: bytes, length: int) -> list:
+        out: list = []
+        locs = []                                  # (slot file, slot, header, payload sum)
         for k in keys:
-            b = self.get(bytes(k), ns_digest, block_bytes)
-            if b is None:
+            where = self._where(k, length)
+            if where is None:
                 break
-            out.append(b)
+            sf, slot = where
+            raw = sf.raw_header(slot)
+            p = files.parse(raw)
+            if p is None or p[0] != k or p[1] != ns_digest or p[2] != length:
+                break
+            locs.append((sf, slot, raw, p[3]))
+        buf = np.empty(max(1, len(locs)) * length, dtype=np.uint8)
+        i = 0
+        while i < len(locs):                       # runs of adjacent slots: one preadv
+            sf, j = locs[i][0], i + 1
+            while (j < len(locs) and locs[j][0] is sf and locs[j][1] == locs[j - 1][1] + 1
+                   and length == sf.sbytes):
+                j += 1
+            try:
+                n = os.preadv(sf.fd, [memoryview(buf)[i * length:j * length]],
+                              sf.payload_off(locs[i][1]))
+            except OSError:
+                n = 0
+            for m in range(i, j):
+                sfm, slot, raw, psum = locs[m]
+                view = memoryview(buf)[m * length:(m + 1) * length]
+                if (n < (m - i + 1) * length or sfm.raw_header(slot) != raw
+                        or xxhash.xxh3_64_intdigest(view) != psum):
+                    b = self._get(keys[m], ns_digest, length)    # the careful path
+                    if b is not None:
+                        out.append(b)
+                    self._bump("hits", len(out) - (1 if b is not None else 0))
+                    return out
+                if self.mode == "reader":
+                    sfm.touch(slot)
+                    self._remember(keys[m], files.HDR_SIZE + sfm.sbytes, 0, (sfm.sbytes, slot))
+                out.append(view)
+            i = j
+        self._bump("hits", len(out))
+        if len(locs) < len(keys):                  # the run ends: as get() would tell
+            b = self._get(keys[len(locs)], ns_digest, length)
+            if b is not None:
+                out.append(b)
+                out.extend(self._fetch(keys[len(out):], ns_digest, length))
         return out
 
     def promoted(self, blocks: int) -> None:
