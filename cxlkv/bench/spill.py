@@ -62,7 +62,8 @@ def interleaved(d, nbytes, chunk=32 * MiB):
     appends to one file (no fsync, as the spill writers), the store's offer
     of the chunk's 256 KiB blocks and its writers drained, O_DIRECT appends;
     reads: the raw file read back, the store's fetch (read + verify) of runs
-    of 8 blocks as promotion asks for them, the O_DIRECT file read back.  Returns bytes/s for each."""
+    of 8 blocks as promotion asks for them, the O_DIRECT file read back.
+    Returns bytes/s for each."""
     buf = os.urandom(BB)
     al = mmap.mmap(-1, BB)                             # page aligned, for O_DIRECT
     al.write(buf)
