@@ -15,6 +15,7 @@ import fcntl
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from pathlib import Path
@@ -41,6 +42,8 @@ BATCH_BYTES = 8 << 20
 #: adjacent slots are written with one pwritev up to this many bytes (larger
 #: single writes met the kernel's dirty-page throttling harder here)
 WRITE_BYTES = 1 << 20
+#: buffers fetch keeps per block size for reuse (see SpillStore._buffers)
+FETCH_BUFFERS = 64
 #: disk blocks of a slot file are reserved (posix_fallocate) this much at a time
 PREALLOC = 64 << 20
 #: share of the limit the owner keeps free for readers' writes while any is attached
@@ -94,6 +97,8 @@ class SpillStore(Tier):
         self._files: dict[int, files.SlotFile] = {}   # slot bytes -> its slot file
         self._retired: list[files.SlotFile] = []      # replaced (made again): closed at close
         self._gen = -1                          # DIR/.usage's slot-file generation seen
+        self._bmu = threading.Lock()            # guards _bufs
+        self._bufs: dict[int, list] = {}        # fetch's reusable buffers, by size
         try:
             self._open(mode)
         except SpillDirBusy:
@@ -880,6 +885,27 @@ class SpillStore(Tier):
         finally:
             self._bump("read_s", time.perf_counter() - t0)
 
+    def _buffers(self, length: int, n: int) -> list:
+        """n buffers of `length` bytes for fetch: reused ones no view of
+        which is alive any more (a returned memoryview holds a reference to
+        its array), else new ones (kept up to FETCH_BUFFERS per size).
+        Fresh buffers for a run of blocks would be fresh pages, faulted in
+        on every read: slower than the read itself."""
+        out = []
+        with self._bmu:
+            pool = self._bufs.setdefault(length, [])
+            for a in pool:
+                if len(out) == n:
+                    break
+                if sys.getrefcount(a) <= 3:          # the pool, `a`, the call's argument
+                    out.append(a)
+            while len(out) < n:
+                a = np.empty(length, dtype=np.uint8)
+                if len(pool) < FETCH_BUFFERS:
+                    pool.append(a)
+                out.append(a)
+        return out
+
     def _fetch(self, keys: list, ns_digest: bytes, length: int) -> list:
         out: list = []
         locs = []                                  # (slot file, slot, header, payload sum)
@@ -893,7 +919,7 @@ class SpillStore(Tier):
             if p is None or p[0] != k or p[1] != ns_digest or p[2] != length:
                 break
             locs.append((sf, slot, raw, p[3]))
-        buf = np.empty(max(1, len(locs)) * length, dtype=np.uint8)
+        bufs = self._buffers(length, len(locs))
         i = 0
         while i < len(locs):                       # runs of adjacent slots: one preadv
             sf, j = locs[i][0], i + 1
@@ -901,13 +927,12 @@ class SpillStore(Tier):
                    and length == sf.sbytes):
                 j += 1
             try:
-                n = os.preadv(sf.fd, [memoryview(buf)[i * length:j * length]],
-                              sf.payload_off(locs[i][1]))
+                n = os.preadv(sf.fd, bufs[i:j], sf.payload_off(locs[i][1]))
             except OSError:
                 n = 0
             for m in range(i, j):
                 sfm, slot, raw, psum = locs[m]
-                view = memoryview(buf)[m * length:(m + 1) * length]
+                view = memoryview(bufs[m])
                 if (n < (m - i + 1) * length or sfm.raw_header(slot) != raw
                         or xxhash.xxh3_64_intdigest(view) != psum):
                     b = self._get(keys[m], ns_digest, length)    # the careful path
