@@ -147,6 +147,7 @@ class SlotFile:
         self.data_off = geo["data_off"]
         self.index_off = geo["index_off"]
         self.ino = os.fstat(fd).st_ino
+        self.writable = writable
         self.mm = mmap.mmap(fd, geo["hdr_off"] + _up(self.nslots * HDR_SIZE),
                             prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
         self.index = np.frombuffer(self.mm, dtype="<u8", count=geo["entries"] + self.window,
@@ -235,7 +236,10 @@ class SlotFile:
         return self.mm[o + 5] == LIVE and self.mm[o + 16:o + 32] == key
 
     def touch(self, slot: int) -> None:
-        """A use of `slot` (a reader's hit): its stamp past any recorded."""
+        """A use of `slot` (a reader's hit): its stamp past any recorded
+        (not by a process that may only read the store)."""
+        if not self.writable:
+            return
         t = time.time_ns()
         old = int(self.stamps[slot])
         self.stamps[slot] = t if t > old else old + 1
