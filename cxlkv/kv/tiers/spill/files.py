@@ -386,10 +386,12 @@ class SlotFile:
             self._index_put(key, slot)
 
     def preallocate(self, slot: int, step: int) -> None:
-        """Reserve disk blocks up to past `slot`'s payload, `step` bytes at a time."""
+        """Reserve disk blocks up to past `slot`'s payload, `step` bytes (at
+        most a sixteenth of the payload area) at a time."""
         end = self.payload_off(slot + 1)
         if end <= self.prealloc:
             return
+        step = min(step, max(self.sbytes, self.nslots * self.sbytes // 16))
         new = min(self.geo["size"], max(end, self.prealloc + step))
         try:
             os.posix_fallocate(self.fd, self.prealloc, new - self.prealloc)
