@@ -691,19 +691,20 @@ def test_agent_spills_its_evictions_and_a_reader_promotes_them(spool, serve, tmp
     finally:
         q.close()
     assert s.stop() == 0
-    assert list(d.rglob("*.blk"))                          # the store outlives the agent
+    assert list(d.glob("slots-*.dat"))                     # the store outlives the agent
 
 
 def test_agent_spill_metrics_and_a_failing_disk(spool, serve, tmp_path):
-    """A known workload: the first evictions meet a failing disk (each
-    <2 hex> directory is a file: writes fail with an OSError), dropped with
+    """A known workload: the first evictions meet a failing disk (a
+    directory where the slot file goes: writes fail with an OSError), dropped with
     reason "disk" and one warning through the agent's JSON log; once the
     disk works again the next evictions are written.  The size options come
     from the config file, the flag wins."""
     d = tmp_path / "spill"
+    from cxlkv.kv.tiers import spill
+
     d.mkdir()
-    for i in range(256):
-        (d / f"{i:02x}").write_text("in the way")
+    (d / spill.file_name(spill.slot_bytes(BLOCK))).mkdir()     # in the way
     cfg = tmp_path / "serve.toml"
     cfg.write_text(f'spill-dir = "{d}"\nspill-bytes = "1G"\nspill_queue_bytes = 8388608\n')
     s = serve(spool, "--config", str(cfg), "--spill-bytes", "32M")
@@ -724,8 +725,7 @@ def test_agent_spill_metrics_and_a_failing_disk(spool, serve, tmp_path):
         warn = s.wait_log(lambda x: x["level"] == "warning" and x.get("reason") == "disk")
         assert warn["msg"].startswith("spill: ") and warn["spill_dir"] == str(d)
         mark = len(s.log)
-        for i in range(256):                             # the disk works again
-            (d / f"{i:02x}").unlink()
+        (d / spill.file_name(spill.slot_bytes(BLOCK))).rmdir()   # the disk works again
         # more blocks: free space under the watermark again, the agent evicts again
         # (free is 10 % after the agent's eviction; 2 sequences leave about 4 %)
         _fill_and_squeeze(q, spool, 1000, 1 + int(0.06 * data) // (8 * BLOCK), 0)

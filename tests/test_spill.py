@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import errno
 import os
+import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import cxlkv
 from cxlkv.errors import UsageError
-from cxlkv.kv.tiers import spill
 from cxlkv.kv.cache import KVCache
+from cxlkv.kv.tiers import spill
 from cxlkv.ops.init import init_pool
 from cxlkv.testing.checks import fsck_clean
 from cxlkv.testing.data import pattern
@@ -38,6 +40,38 @@ def seqs(n, blocks=4):
 def in_pool(kv, toks) -> np.ndarray:
     _, _, ctl, _ = kv._lookup(kv._keys(toks), stop=False)
     return ctl != 0
+
+
+def on_disk(d) -> tuple[int, int]:
+    """(blocks, bytes) of the LIVE slots whose headers verify in the slot
+    files of directory `d`."""
+    n = b = 0
+    for f in Path(d).glob("slots-*.dat"):
+        sf = spill.SlotFile.open(f, writable=False)
+        live = sf.live()
+        n += len(live)
+        b += len(live) * (spill.HDR_SIZE + sf.sbytes)
+        sf.close()
+    return n, b
+
+
+def poke(path, off, data: bytes) -> None:
+    """Write `data` at `off` in the file at `path` (damage from outside)."""
+    with open(path, "r+b") as f:
+        f.seek(off)
+        f.write(data)
+
+
+def peek(path, off, n) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(off)
+        return f.read(n)
+
+
+def stamp(store, key) -> int:
+    """The stamp in the header of the slot holding `key`."""
+    path, _, hoff = store.locate(key)
+    return struct.unpack("<Q", peek(path, hoff + 64, 8))[0]
 
 
 def fill(kv, n=60):
@@ -75,7 +109,7 @@ def test_spill_and_promote_round_trip_is_bit_exact(spill_pool, tmp_path):
         assert kv2.match(evicted[-1]) == 64
         spill.disable(pool)                     # writes what is queued
         assert spill.store_of(pool) is None
-        blocks = len(list(d.rglob("*.blk")))
+        blocks = on_disk(d)[0]
     fsck_clean(spill_pool)
     # the directory survives the process: a new store indexes it again
     with cxlkv.open_pool(spill_pool) as pool:
@@ -112,23 +146,18 @@ def test_corrupt_and_truncated_spill_files_are_misses_and_removed(spill_pool, tm
         cand = _spilled_only(kv, sp, ss)
         assert len(cand) >= 3
         (t1, j1), (t2, j2), (t3, j3) = cand[:3]
-        f1 = sp._file(bytes(kv._keys(t1)[j1]))
-        f2 = sp._file(bytes(kv._keys(t2)[j2]))
-        f3 = sp._file(bytes(kv._keys(t3)[j3]))
-        raw = bytearray(f1.read_bytes())
-        raw[spill.HDR_SIZE + 1000] ^= 0x40                  # one bit of the payload
-        f1.write_bytes(bytes(raw))
-        with open(f2, "r+b") as f:
-            f.truncate(spill.HDR_SIZE + BB // 2)
-        raw = bytearray(f3.read_bytes())
-        raw[20] ^= 1                                      # the header (its key)
-        f3.write_bytes(bytes(raw))
-        for t, j, f in ((t1, j1, f1), (t2, j2, f2), (t3, j3, f3)):
+        k1, k2, k3 = (bytes(kv._keys(t)[j]) for t, j in cand[:3])
+        (p1, o1, _), (p2, o2, _), (p3, _, h3) = (sp.locate(k, BB) for k in (k1, k2, k3))
+        poke(p1, o1 + 1000, bytes([peek(p1, o1 + 1000, 1)[0] ^ 0x40]))   # one payload bit
+        poke(p3, h3 + 20, bytes([peek(p3, h3 + 20, 1)[0] ^ 1]))          # the header (its key)
+        with open(p2, "r+b") as f:                    # the slot file cut in a payload
+            f.truncate(o2 + BB // 2)
+        for t, j, k in ((t1, j1, k1), (t2, j2, k2), (t3, j3, k3)):
             out = bytearray(len(t) // 16 * BB)
             got = kv.load_into(t, out)
             assert got == j                              # the bad block is a miss
             assert bytes(out[:got * BB]) == b"".join(pattern(kv, t)[:got])
-            assert not f.exists()
+            assert sp.locate(k, BB) is None             # its slot freed
             assert kv.match(t) == j * 16                 # and stays one
         assert sp.stats()["corrupt"] == 3
     fsck_clean(spill_pool)
@@ -149,21 +178,20 @@ def test_store_full_degrades_to_drop(spill_pool, tmp_path, caplog):
 
 
 def test_failing_disk_degrades_to_drop(spill_pool, tmp_path, monkeypatch, caplog):
-    def enospc(fd, data):
+    def enospc(fd, bufs, off):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with cxlkv.open_pool(spill_pool) as pool:
         kv = KVCache(pool, **ARGS, spill_dir=tmp_path / "spill", spill_bytes=64 * MiB)
         sp = spill.store_of(pool)
-        monkeypatch.setattr(os, "write", enospc)
+        monkeypatch.setattr(os, "pwritev", enospc)
         ss = fill(kv)
         sp.flush()
         monkeypatch.undo()
         st = sp.stats()
         assert st["written"] == 0 and st["dropped_disk"] > 0
         assert st["blocks"] == 0 and st["used_bytes"] == 0
-        assert not list((tmp_path / "spill").rglob("*.tmp"))
-        assert not list((tmp_path / "spill").rglob("*.blk"))
+        assert on_disk(tmp_path / "spill") == (0, 0)     # claimed slots freed again
         assert any(kv.match(t) < len(t) for t in ss)
         for t in ss[:5]:
             kv.load_into(t, bytearray(4 * BB))
@@ -209,7 +237,7 @@ def test_one_directory_one_owner_and_one_store_per_pool(spill_pool, tmp_path):
 
 def test_own_size_limit_and_lru(tmp_path):
     n = 1000
-    size = spill.HDR_SIZE + n
+    size = spill.footprint(n)
     # one writer: blocks reach the index in the order they were offered (with
     # two, concurrent writes finish in either order - an LRU tie)
     st = spill.SpillStore(tmp_path / "s", 3 * size, writers=1)
@@ -227,7 +255,7 @@ def test_own_size_limit_and_lru(tmp_path):
     st.flush()
     assert st.run([keys[3]]) == 1 and st.run([keys[1]]) == 0
     assert st.run([keys[2]]) == 1 and st.run([keys[0]]) == 1
-    assert not st._file(keys[1]).exists()
+    assert st.locate(keys[1]) is None
     st.get(keys[2], nsd, n)
     st.offer(keys[4], nsd, keys[4][:1] * n)
     st.offer(keys[5], nsd, keys[5][:1] * n)
@@ -235,7 +263,7 @@ def test_own_size_limit_and_lru(tmp_path):
     s = st.stats()
     assert s["used_bytes"] <= 3 * size and s["blocks"] == 3 and s["evicted"] == 3
     assert [st.run([k]) for k in keys] == [0, 0, 1, 0, 1, 1]
-    assert sum(f.stat().st_size for f in (tmp_path / "s").rglob("*.blk")) == s["used_bytes"]
+    assert on_disk(tmp_path / "s") == (3, s["used_bytes"])
     assert st.offer(keys[0], nsd, b"z" * (4 * size)) and (st.flush() or True)
     assert st.stats()["dropped_store-full"] == 1           # bigger than the whole store
     st.close()
@@ -321,7 +349,7 @@ def test_pool_kv_passes_the_spill_options(tmp_path):
 
 NSD = b"n" * 16
 N = 1000
-SIZE = spill.HDR_SIZE + N
+SIZE = spill.footprint(N)
 
 
 def blk(i: int) -> tuple[bytes, bytes]:
@@ -331,7 +359,7 @@ def blk(i: int) -> tuple[bytes, bytes]:
 
 
 def blk_bytes(d) -> int:
-    return sum(f.stat().st_size for f in d.rglob("*.blk"))
+    return on_disk(d)[1]
 
 
 def test_reader_sees_the_owners_blocks_and_removes_a_corrupt_one(tmp_path):
@@ -346,15 +374,13 @@ def test_reader_sees_the_owners_blocks_and_removes_a_corrupt_one(tmp_path):
         own.flush()
         keys = [blk(i)[0] for i in range(5)]
         assert rd.run(keys) == 4 and rd.run(keys[4:] + keys[:4]) == 0   # stops at a miss
-        before = own._file(keys[0]).stat().st_mtime_ns
+        before = stamp(own, keys[0])
         assert rd.get(keys[0], NSD, N) == blk(0)[1]
-        assert own._file(keys[0]).stat().st_mtime_ns > before   # the owner can see the use
-        # a corrupt file seen by the reader: a miss, removed, its bytes off the count
-        f = own._file(keys[1])
-        raw = bytearray(f.read_bytes())
-        raw[spill.HDR_SIZE + 7] ^= 1
-        f.write_bytes(bytes(raw))
-        assert rd.get(keys[1], NSD, N) is None and not f.exists()
+        assert stamp(own, keys[0]) > before                    # the owner can see the use
+        # a corrupt block seen by the reader: a miss, freed, its bytes off the count
+        path, off, _ = own.locate(keys[1])
+        poke(path, off + 7, bytes([peek(path, off + 7, 1)[0] ^ 1]))
+        assert rd.get(keys[1], NSD, N) is None and own.locate(keys[1]) is None
         assert rd.stats()["corrupt"] == 1
         assert rd.stats()["used_bytes"] == own.stats()["used_bytes"] == 3 * SIZE == blk_bytes(d)
         assert rd.run(keys[1:2]) == 0
@@ -370,13 +396,14 @@ def test_reader_sees_the_owners_blocks_and_removes_a_corrupt_one(tmp_path):
         assert own.stats()["used_bytes"] == 4 * SIZE == blk_bytes(d)
         # an evicted block the reader has seen on disk is not copied nor written
         # again, only touched; one the owner removed meanwhile is dropped ("gone")
-        f2 = own._file(keys[2])
-        os.utime(f2, ns=(1, 1))
+        path, _, hoff = own.locate(keys[2])
+        poke(path, hoff + 64, struct.pack("<Q", 1))
         assert not rd.offer(*blk(2)[:1], NSD, blk(2)[1])
         rd.flush()
         assert rd.stats()["already"] == 1 and rd.stats()["written"] == 1
-        assert f2.stat().st_mtime_ns > 1
-        os.unlink(own._file(keys[3]))
+        assert stamp(own, keys[2]) > 1
+        path, _, hoff = own.locate(keys[3])
+        poke(path, hoff + 5, b"\0")                  # its slot freed behind the reader's back
         assert not rd.offer(*blk(3)[:1], NSD, blk(3)[1])
         rd.flush()
         assert rd.stats()["dropped_gone"] == 1 and rd.stats()["already"] == 1
@@ -406,8 +433,8 @@ def test_second_chance_for_a_file_a_reader_used(tmp_path):
         own.flush()
         s = own.stats()
         assert s["second_chance"] == 1 and s["evicted"] == 1, s
-        assert own._file(blk(0)[0]).exists()               # A survived
-        assert not own._file(blk(1)[0]).exists()           # B, untouched and older, went
+        assert own.locate(blk(0)[0]) is not None           # A survived
+        assert own.locate(blk(1)[0]) is None               # B, untouched and older, went
         assert s["used_bytes"] == 7 * SIZE == blk_bytes(d)
         # A is now the most recent: the next two writes take C and D
         own.offer(*blk(8)[:1], NSD, blk(8)[1])
@@ -464,9 +491,8 @@ def test_size_limit_holds_with_owner_and_reader_writing(tmp_path):
         s = own.stats()
         assert s["discovered"] > 0 and s["evicted"] > 0
         assert s["used_bytes"] == blk_bytes(d) <= limit - limit // 8
-        assert not list(d.rglob("*.tmp"))
-        # every file is known to the owner: it can empty the store entirely
-        assert len(list(d.rglob("*.blk"))) == s["blocks"]
+        # every block is known to the owner: it can empty the store entirely
+        assert on_disk(d)[0] == s["blocks"]
     finally:
         rd.close()
         own.close()
@@ -560,23 +586,32 @@ def test_drops_go_to_a_given_logger_once_per_kind(tmp_path):
     assert "store-full" in records[0].getMessage()
 
 
-def test_owner_start_removes_temporaries_of_dead_writers_only(tmp_path):
+def test_owner_start_frees_the_slots_of_dead_writers_only(tmp_path):
+    """A slot claimed (WRITING) by a writer that is gone is freed by the next
+    owner's recount; one of a live writer stays claimed and counted."""
     import subprocess
     import sys
 
     d = tmp_path / "s"
-    (d / "ab").mkdir(parents=True)
+    st = spill.SpillStore(d, 16 * SIZE, writers=1)
+    st.offer(*blk(0)[:1], NSD, blk(0)[1])
+    st.flush()
+    st.close()
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
-    dead = d / "ab" / f"{'ab' * 16}.{int(gone.stdout)}.1.1.tmp"
-    live = d / "ab" / f"{'cd' * 16}.1.1.1.tmp"                # pid 1 is alive
-    old = d / "ab" / f"{'ef' * 16}.tmp"                       # an older cxlkv's name
-    for f in (dead, live, old):
-        f.write_bytes(b"x" * 100)
-    st = spill.SpillStore(d, MiB)
+    sf = spill.SlotFile.open(d / spill.file_name(spill.slot_bytes(N)))
+    dead = sf.claim(blk(1)[0], int(gone.stdout))
+    live = sf.claim(blk(2)[0], 1)                              # pid 1 is alive
+    assert isinstance(dead, int) and isinstance(live, int)
+    sf.close()
+    st = spill.SpillStore(d, 16 * SIZE)
     try:
-        assert not dead.exists() and not old.exists() and live.exists()
-        assert st.stats()["used_bytes"] == 0                  # temporaries are not counted
+        sf = st._files[spill.slot_bytes(N)]
+        assert sf.states[dead] == 0 and sf.states[live] == 1  # FREE, WRITING
+        assert st.stats()["blocks"] == 1                        # only the published block
+        assert st.stats()["used_bytes"] == 2 * SIZE             # ... and the live claim
+        assert st.get(blk(0)[0], NSD, N) == blk(0)[1]
+        assert st.get(blk(1)[0], NSD, N) is None
     finally:
         st.close()
 
@@ -592,7 +627,7 @@ def test_a_readers_stale_index_entry_is_a_miss_then_forgotten(tmp_path):
         own.maintain()                                       # readers attached: room kept
         own.offer(*blk(1)[:1], NSD, blk(1)[1])
         own.flush()                                          # 0 went to make room
-        assert not own._file(blk(0)[0]).exists()
+        assert own.locate(blk(0)[0]) is None
         assert rd.run([blk(0)[0]]) == 1                     # stale: the reader's index
         assert rd.get(blk(0)[0], NSD, N) is None            # a miss...
         assert rd.run([blk(0)[0]]) == 0                     # ... and forgotten

@@ -4,12 +4,19 @@ larger than the pool without the spill tier, with it (this process owns the
 store) and as a reader of a store another process owns (as under
 `cxlkv serve --spill-dir`).
 
-    cxlkv bench run spill [--dir DIR] [--mib N] [--json]
+The store alone and the raw baselines (buffered and O_DIRECT) run in
+alternating 32 MiB chunks, `--rounds` times: a shared disk stalls for a
+while now and then, and each stall then lands on all of them alike; the
+median of the rounds' ratios is reported.
+
+    cxlkv bench run spill [--dir DIR] [--mib N] [--rounds R] [--json]
 """
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
+import statistics
 import subprocess
 import time
 
@@ -17,11 +24,12 @@ import numpy as np
 
 import cxlkv
 from cxlkv.bench import harness
-from cxlkv.kv.tiers import spill
 from cxlkv.kv.cache import KVCache
+from cxlkv.kv.tiers import spill
 
 MiB = harness.MiB
 BB = 256 * 1024
+RUN = 8                      # blocks per sequence (a promotion fetches such a run)
 
 
 def mkpool(path, size):
@@ -47,6 +55,74 @@ def raw_io(d, nbytes):
     return nbytes / w, nbytes / r
 
 
+def interleaved(d, nbytes, chunk=32 * MiB):
+    """The spill store alone against raw sequential I/O and raw O_DIRECT I/O
+    of the same bytes, in alternating chunks (a shared disk stalls for a
+    while now and then: each stall lands on all three alike).  Writes: raw
+    appends to one file (no fsync, as the spill writers), the store's offer
+    of the chunk's 256 KiB blocks and its writers drained, O_DIRECT appends;
+    reads: the raw file read back, the store's fetch (read + verify) of runs
+    of 8 blocks as promotion asks for them, the O_DIRECT file read back.
+    Returns bytes/s for each."""
+    buf = os.urandom(BB)
+    al = mmap.mmap(-1, BB)                             # page aligned, for O_DIRECT
+    al.write(buf)
+    raw_f, dir_f = os.path.join(d, "raw.dat"), os.path.join(d, "direct.dat")
+    st = spill.SpillStore(os.path.join(d, "direct"), 4 * nbytes, queue_bytes=2 * chunk)
+    keys = [os.urandom(16) for _ in range(nbytes // BB)]
+    per = chunk // BB
+    t = dict.fromkeys(("raw_w", "store_w", "dir_w", "raw_r", "store_r", "dir_r"), 0.0)
+    rfd = os.open(raw_f, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        dfd = os.open(dir_f, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    except OSError:                                    # no O_DIRECT on this file system
+        dfd = None
+    try:
+        for c in range(0, len(keys), per):
+            t0 = time.perf_counter()
+            for _ in range(per):
+                os.write(rfd, buf)
+            t1 = time.perf_counter()
+            for k in keys[c:c + per]:
+                st.offer(k, b"n" * 16, buf)
+            st.flush()
+            t2 = time.perf_counter()
+            if dfd is not None:
+                for i in range(c, c + per):
+                    os.pwritev(dfd, [al], i * BB)
+            t3 = time.perf_counter()
+            t["raw_w"] += t1 - t0
+            t["store_w"] += t2 - t1
+            t["dir_w"] += t3 - t2
+        for c in range(0, len(keys), per):
+            t0 = time.perf_counter()
+            for i in range(c, c + per):
+                if len(os.pread(rfd, BB, i * BB)) != BB:
+                    raise RuntimeError("spill bench: short raw read")
+            t1 = time.perf_counter()
+            for r in range(c, c + per, RUN):           # runs of blocks, as promotion asks
+                if len(st.fetch(keys[r:r + RUN], b"n" * 16, BB)) != len(keys[r:r + RUN]):
+                    raise RuntimeError("spill bench: a block offered to the store is not there")
+            t2 = time.perf_counter()
+            if dfd is not None:
+                for i in range(c, c + per):
+                    os.preadv(dfd, [al], i * BB)
+            t3 = time.perf_counter()
+            t["raw_r"] += t1 - t0
+            t["store_r"] += t2 - t1
+            t["dir_r"] += t3 - t2
+    finally:
+        os.close(rfd)
+        os.unlink(raw_f)
+        if dfd is not None:
+            os.close(dfd)
+        os.unlink(dir_f)
+        st.close()
+        shutil.rmtree(os.path.join(d, "direct"))
+    n = len(keys) * BB
+    return {k: (n / v if v else 0.0) for k, v in t.items()}
+
+
 def raw_files(d, nbytes):
     """One file per 256 KiB block (the spill store's layout, without its header,
     checksum and rename), then read back."""
@@ -67,27 +143,6 @@ def raw_files(d, nbytes):
             fh.read()
     r = time.perf_counter() - t0
     shutil.rmtree(root)
-    return nbytes / w, nbytes / r
-
-
-def store_only(d, nbytes):
-    """The SpillStore alone: offer nbytes of 256 KiB blocks, wait for the
-    writers; then get (read + verify) them all."""
-    st = spill.SpillStore(os.path.join(d, "direct"), 4 * nbytes, queue_bytes=2 * nbytes)
-    blk = os.urandom(BB)
-    keys = [os.urandom(16) for _ in range(nbytes // BB)]
-    t0 = time.perf_counter()
-    for k in keys:
-        st.offer(k, b"n" * 16, blk)
-    st.flush()
-    w = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for k in keys:
-        if st.get(k, b"n" * 16, BB) is None:
-            raise RuntimeError("spill bench: a block offered to the store is not there")
-    r = time.perf_counter() - t0
-    st.close()
-    shutil.rmtree(os.path.join(d, "direct"))
     return nbytes / w, nbytes / r
 
 
@@ -125,9 +180,13 @@ def spill_throughput(d, pool_path, nbytes):
         st2 = sp.stats()
         spill.disable(pool)
     shutil.rmtree(sdir, ignore_errors=True)
-    return {"stored_bytes": nseq * 8 * BB, "store_s": store_t, "spilled_bytes": written,
-            "spill_write_Bps": written / spill_t, "dropped": st["dropped"],
-            "promoted_bytes": got * BB, "promote_Bps": got * BB / prom_t,
+    fetched = (st2["hits"] - st["hits"]) * BB
+    fetch_s = st2["read_s"] - st["read_s"]
+    return {"stored_bytes": nseq * 8 * BB, "store_s": store_t, "drain_s": spill_t - store_t,
+            "spilled_bytes": written, "spill_write_Bps": written / spill_t,
+            "writers_busy_s": st["write_s"], "dropped": st["dropped"],
+            "promoted_bytes": got * BB, "promote_Bps": got * BB / prom_t, "promote_s": prom_t,
+            "promote_fetch_s": fetch_s, "promote_fetch_Bps": fetched / fetch_s if fetch_s else 0.0,
             "promoted": st2["promoted"], "corrupt": st2["corrupt"]}
 
 
@@ -191,6 +250,8 @@ def add_arguments(ap) -> None:
     ap.add_argument("--dir", default=None,
                     help="directory on the disk to measure (default /var/tmp)")
     ap.add_argument("--mib", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="interleaved rounds of the raw baselines and the store alone")
 
 
 def run(a, progress) -> dict:
@@ -199,27 +260,43 @@ def run(a, progress) -> dict:
             harness.scratch("cxlkv-spill-bench-pool-") as pd:
         pool_path = os.path.join(pd, "bench.pool")
         nbytes = a.mib * MiB
+        rounds = []
+        for i in range(max(1, a.rounds)):
+            progress(f"round {i + 1}: raw I/O, the spill store alone, raw O_DIRECT, interleaved")
+            f = interleaved(d, nbytes)
+            rounds.append({"raw_write_Bps": f["raw_w"], "raw_read_Bps": f["raw_r"],
+                           "store_write_Bps": f["store_w"], "store_read_Bps": f["store_r"],
+                           "direct_write_Bps": f["dir_w"], "direct_read_Bps": f["dir_r"],
+                           "store_vs_raw_write": f["store_w"] / f["raw_w"],
+                           "store_vs_raw_read": f["store_r"] / f["raw_r"],
+                           "direct_vs_raw_write": f["dir_w"] / f["raw_w"],
+                           "direct_vs_raw_read": f["dir_r"] / f["raw_r"]})
         progress("raw I/O")
         rw, rr = raw_io(d, nbytes)
         progress("spill and promote")
         sp = spill_throughput(d, pool_path, nbytes)
-        progress("raw I/O, one file per block")
-        fw, fr = raw_files(d, nbytes)
-        progress("the spill store alone")
-        sw, sr = store_only(d, nbytes)
         progress("raw I/O again")
         rw2, rr2 = raw_io(d, nbytes)
+        progress("raw I/O, one file per block")
+        fw, fr = raw_files(d, nbytes)
         progress("hit rate without spill")
         h0 = hit_rate(d, pool_path, False)
         progress("hit rate with spill")
         h1 = hit_rate(d, pool_path, True)
         progress("hit rate, spill as a reader")
         h2 = hit_rate(d, pool_path, True, reader=True)
-        return {"dir": d, "raw_write_Bps": (rw, rw2), "raw_read_Bps": (rr, rr2), **sp,
+        med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+        return {"dir": d, "rounds": rounds,
+                "store_vs_raw_write": med["store_vs_raw_write"],
+                "store_vs_raw_read": med["store_vs_raw_read"],
+                "direct_vs_raw_write": med["direct_vs_raw_write"],
+                "direct_vs_raw_read": med["direct_vs_raw_read"],
+                "store_write_Bps": med["store_write_Bps"], "store_read_Bps": med["store_read_Bps"],
+                "raw_write_Bps": (rw, rw2), "raw_read_Bps": (rr, rr2), **sp,
                 "spill_vs_raw_write": sp["spill_write_Bps"] / ((rw + rw2) / 2),
                 "promote_vs_raw_read": sp["promote_Bps"] / ((rr + rr2) / 2),
+                "promote_fetch_vs_raw_read": sp["promote_fetch_Bps"] / ((rr + rr2) / 2),
                 "raw_files_write_Bps": fw, "raw_files_read_Bps": fr,
-                "store_write_Bps": sw, "store_read_Bps": sr,
                 "hit_rate_no_spill": h0["hit_rate"], "hit_rate_spill": h1["hit_rate"],
                 "trace_s_no_spill": h0["seconds"], "trace_s_spill": h1["seconds"],
                 "trace_spill_stats": h1["spill"], "hit_rate_spill_reader": h2["hit_rate"],
@@ -230,23 +307,37 @@ def render(rep: dict) -> str:
     G = 1 << 30
     (rw, rw2), (rr, rr2) = rep["raw_write_Bps"], rep["raw_read_Bps"]
     fw, fr = rep["raw_files_write_Bps"], rep["raw_files_read_Bps"]
-    sw, sr = rep["store_write_Bps"], rep["store_read_Bps"]
-    return "\n".join([
-        f"disk dir {rep['dir']}",
-        f"raw sequential write {rw / G:.2f} / {rw2 / G:.2f} GiB/s (before/after), "
-        f"read {rr / G:.2f} / {rr2 / G:.2f} GiB/s",
-        f"raw one file per block: write {fw / G:.2f} GiB/s, read {fr / G:.2f} GiB/s",
-        f"SpillStore alone: write {sw / G:.2f} GiB/s = {sw / ((rw + rw2) / 2):.2f}x raw "
-        f"sequential, {sw / fw:.2f}x raw per-file; get+verify {sr / G:.2f} GiB/s = "
-        f"{sr / ((rr + rr2) / 2):.2f}x raw read, {sr / fr:.2f}x raw per-file",
+    lines = [f"disk dir {rep['dir']}"]
+    for i, r in enumerate(rep["rounds"]):
+        lines.append(
+            f"round {i + 1}: raw write {r['raw_write_Bps'] / G:.2f} GiB/s, store write "
+            f"{r['store_write_Bps'] / G:.2f} ({r['store_vs_raw_write']:.2f}x), O_DIRECT write "
+            f"{r['direct_write_Bps'] / G:.2f} ({r['direct_vs_raw_write']:.2f}x); raw read "
+            f"{r['raw_read_Bps'] / G:.2f}, store fetch+verify {r['store_read_Bps'] / G:.2f} "
+            f"({r['store_vs_raw_read']:.2f}x), O_DIRECT read {r['direct_read_Bps'] / G:.2f} "
+            f"({r['direct_vs_raw_read']:.2f}x)")
+    lines += [
+        f"SpillStore alone (median of {len(rep['rounds'])} rounds): write "
+        f"{rep['store_vs_raw_write']:.2f}x a raw sequential write of the same bytes, "
+        f"fetch+verify {rep['store_vs_raw_read']:.2f}x a raw read; O_DIRECT "
+        f"{rep['direct_vs_raw_write']:.2f}x / {rep['direct_vs_raw_read']:.2f}x buffered",
+        f"raw sequential write {rw / G:.2f} / {rw2 / G:.2f} GiB/s (before/after the end to end "
+        f"run), read {rr / G:.2f} / {rr2 / G:.2f} GiB/s",
+        f"raw one file per block (the old layout): write {fw / G:.2f} GiB/s, "
+        f"read {fr / G:.2f} GiB/s",
         f"end to end, pool store -> evict -> disk: spill write "
         f"{rep['spill_write_Bps'] / G:.2f} GiB/s ({rep['spilled_bytes'] / MiB:.0f} MiB, "
-        f"dropped {rep['dropped']}) = {rep['spill_vs_raw_write']:.2f}x raw write",
+        f"dropped {rep['dropped']}) = {rep['spill_vs_raw_write']:.2f}x raw write; the stores "
+        f"took {rep['store_s']:.2f} s, the queue drained {rep['drain_s']:.2f} s after (writers "
+        f"busy {rep['writers_busy_s']:.2f} s)",
         f"end to end promote (disk -> verify -> pool store, evicting): "
         f"{rep['promote_Bps'] / G:.2f} GiB/s ({rep['promoted_bytes'] / MiB:.0f} MiB) = "
-        f"{rep['promote_vs_raw_read']:.2f}x raw read",
+        f"{rep['promote_vs_raw_read']:.2f}x raw read; of its {rep['promote_s']:.2f} s the spill "
+        f"tier's read + verify took {rep['promote_fetch_s']:.3f} s "
+        f"({rep['promote_fetch_vs_raw_read']:.2f}x raw read), the pool's store the rest",
         f"hit rate, trace of 1.2 GiB distinct blocks through a 256 MiB pool: "
         f"{rep['hit_rate_no_spill']:.3f} without spill, {rep['hit_rate_spill']:.3f} with, "
         f"{rep['hit_rate_spill_reader']:.3f} as a reader of another process's store "
         f"({rep['trace_s_no_spill']:.1f} s / {rep['trace_s_spill']:.1f} s / "
-        f"{rep['trace_s_spill_reader']:.1f} s)"])
+        f"{rep['trace_s_spill_reader']:.1f} s)"]
+    return "\n".join(lines)

@@ -1,74 +1,444 @@
-"""The spill store's files: ``DIR/<2 hex>/<32 hex key>.blk``, a 72-byte
-header then the payload, written to a temporary ``KEY.PID.THREAD.N.tmp``
-beside it and renamed into place.
+"""The spill store's slot files: one preallocated file per slot size,
+``DIR/slots-<slot bytes>.dat``, holding fixed-size slots, their headers and
+a hash index of them.
 
-The header: magic, format version, reserved, the pool key, the namespace
-digest, the payload length, the xxh3-64 of the payload; then the xxh3-64 of
-those 64 bytes.
+A slot file::
+
+    0           file header (FILE_HDR, padded to 4 KiB): magic, version,
+                slot bytes, slots, index entries, probe window
+    4096        the index: `entries + window` u64 words, each 0 (empty) or
+                (key fingerprint << 32 | slot + 1); a key's entry is in the
+                `window` words from (key's first 8 bytes mod entries)
+    ...         the slot headers: `slots` x 72 bytes (HDR)
+    ...         the payloads: `slots` x slot bytes, 4 KiB aligned
+
+The first three parts (the metadata) are mapped by every process of the
+store; payloads are read and written with preadv / pwritev.
+
+A slot header (HDR, 72 bytes): magic, format version, state (FREE,
+WRITING, LIVE), reserved, payload length, reserved, the pool key, the
+namespace digest, the xxh3-64 of the payload; the xxh3-64 of those 56
+bytes (state LIVE); and the stamp (outside the checksum): for a LIVE slot
+when it was last written or used (ns), for a WRITING one the writer's pid.
+
+Every change to the metadata (claiming, publishing and freeing slots, the
+index) is made under the exclusive flock of DIR/.usage; reads take no lock
+and verify: a slot is a block only when its header is LIVE, its checksum
+verifies, its key, namespace and length are the ones asked for and the
+payload's checksum verifies, with the header unchanged across the payload
+read.  A torn write is therefore a miss, never a wrong block: the payload
+is written before its header turns LIVE, and a crash between the two leaves
+a WRITING slot, freed by the next owner's recount.
+
+The old format (one ``DIR/<2 hex>/<32 hex key>.blk`` file per block,
+version 1) is migrated by the owner when it opens the directory (`legacy`).
 """
 from __future__ import annotations
 
+import mmap
 import os
 import struct
+import time
 from pathlib import Path
 
+import numpy as np
 import xxhash
 
-MAGIC = b"CXLKVSP\0"
-VERSION = 1
-# magic, version, reserved, key, ns digest, length, xxh3-64 of the payload; then
-# an xxh3-64 of those 64 bytes: a 72-byte header
-HDR = struct.Struct("<8sII16s16sQQ")
-HDR_SIZE = HDR.size + 8
+#: a slot file's header: magic, version, reserved, slot bytes, slots, index
+#: entries (a power of two), probe window
+FILE_MAGIC = b"CXLKVSF\0"
+FILE_HDR = struct.Struct("<8sIIQQQQ")
+#: a slot header's magic and the format version (1 was one file per block)
+MAGIC = b"CXSB"
+VERSION = 2
+FREE, WRITING, LIVE = 0, 1, 2
+#: magic, version, state, reserved, length, reserved, key, ns digest, xxh3-64 of
+#: the payload | xxh3-64 of those 56 bytes | stamp
+HDR = struct.Struct("<4sBBHII16s16sQ")
+HDR_SIZE = HDR.size + 16                     # 72
+_SUM = HDR.size                              # offset of the header checksum
+_STAMP = HDR.size + 8                        # offset of the stamp
+ALIGN = 4096
+#: index entries per slot (a load of at most 1/4) and the probe window
+INDEX_PER_SLOT = 4
+WINDOW = 64
+PREFIX = "slots-"
+SUFFIX = ".dat"
 
 
-def block_path(root: Path, key: bytes) -> Path:
-    """Where the file of `key` lives under the store's directory."""
-    h = key.hex()
-    return root / h[:2] / (h + ".blk")
+def slot_bytes(length: int) -> int:
+    """The slot size of a payload of `length` bytes (4 KiB aligned)."""
+    return max(ALIGN, -(-length // ALIGN) * ALIGN)
 
 
-def block_key(name: str) -> bytes | None:
-    """The key of a block file's name, or None for another name."""
-    if not name.endswith(".blk") or len(name) != 36:
+def footprint(length: int) -> int:
+    """The bytes a block of `length` payload bytes counts against the size
+    limit: its slot and its header."""
+    return HDR_SIZE + slot_bytes(length)
+
+
+def file_name(sbytes: int) -> str:
+    return f"{PREFIX}{sbytes}{SUFFIX}"
+
+
+def file_slot_bytes(name: str) -> int | None:
+    """The slot size in a slot file's name, or None for another name."""
+    if not (name.startswith(PREFIX) and name.endswith(SUFFIX)):
         return None
-    return bytes.fromhex(name[:32])          # ValueError: not hex
+    mid = name[len(PREFIX):-len(SUFFIX)]
+    return int(mid) if mid.isdigit() and int(mid) % ALIGN == 0 and int(mid) > 0 else None
 
 
-def header(key: bytes, ns_digest: bytes, payload) -> bytes:
-    """The 72-byte header of a block file."""
-    hdr = HDR.pack(MAGIC, VERSION, 0, key, ns_digest, len(payload),
-                   xxhash.xxh3_64_intdigest(payload))
-    return hdr + struct.pack("<Q", xxhash.xxh3_64_intdigest(hdr))
+def _up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
-def verify(raw: bytes, key: bytes, ns_digest: bytes, length: int) -> bool:
-    """Whether `raw` (a whole file) is the block `key` of namespace
-    `ns_digest`, `length` payload bytes, intact."""
-    if len(raw) != HDR_SIZE + length:
+def geometry(sbytes: int, nslots: int) -> dict:
+    """Offsets of a slot file of `nslots` slots of `sbytes`."""
+    entries = 1
+    while entries < INDEX_PER_SLOT * max(1, nslots):
+        entries <<= 1
+    window = min(WINDOW, entries)
+    tbl = ALIGN
+    hdr = tbl + _up((entries + window) * 8)
+    data = hdr + _up(nslots * HDR_SIZE)
+    return {"slot_bytes": sbytes, "slots": nslots, "entries": entries, "window": window,
+            "index_off": tbl, "hdr_off": hdr, "data_off": data,
+            "size": data + nslots * sbytes}
+
+
+def header(key: bytes, ns_digest: bytes, length: int, psum: int, stamp: int) -> bytes:
+    """The 72-byte header of a LIVE slot."""
+    h = HDR.pack(MAGIC, VERSION, LIVE, 0, length, 0, key, ns_digest, psum)
+    return h + struct.pack("<QQ", xxhash.xxh3_64_intdigest(h), stamp)
+
+
+def parse(raw) -> tuple | None:
+    """(key, ns digest, length, payload checksum) of a LIVE header that
+    verifies, else None."""
+    magic, ver, state, _, length, _, key, nsd, psum = HDR.unpack_from(raw)
+    if magic != MAGIC or ver != VERSION or state != LIVE:
+        return None
+    if struct.unpack_from("<Q", raw, _SUM)[0] != xxhash.xxh3_64_intdigest(bytes(raw[:_SUM])):
+        return None
+    return key, nsd, length, psum
+
+
+#: a key's index position comes from its first 8 bytes, its fingerprint is
+#: bytes 8-12 (keys are uniform hashes); an index word: slot + 1, fingerprint
+_POS = struct.Struct("<Q")
+_WORD = struct.Struct("<I4s")
+_EMPTY = bytes(8)
+
+
+class SlotFile:
+    """One slot file open in this process: its metadata mapped, its
+    payloads read and written through `fd`.  Changes to the metadata are
+    made under DIR/.usage's flock (the callers hold it); reads take none."""
+
+    def __init__(self, path: Path, fd: int, geo: dict, writable: bool):
+        self.path = path
+        self.fd = fd
+        self.geo = geo
+        self.sbytes = geo["slot_bytes"]
+        self.nslots = geo["slots"]
+        self.mask = geo["entries"] - 1
+        self.window = geo["window"]
+        self.data_off = geo["data_off"]
+        self.index_off = geo["index_off"]
+        self.ino = os.fstat(fd).st_ino
+        self.writable = writable
+        self.mm = mmap.mmap(fd, geo["hdr_off"] + _up(self.nslots * HDR_SIZE),
+                            prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+        self.index = np.frombuffer(self.mm, dtype="<u8", count=geo["entries"] + self.window,
+                                   offset=geo["index_off"])
+        raw = np.frombuffer(self.mm, dtype=np.uint8, count=self.nslots * HDR_SIZE,
+                            offset=geo["hdr_off"])
+        self.states = raw[5::HDR_SIZE]
+        self.stamps = np.frombuffer(self.mm, dtype="<u8", count=self.nslots * HDR_SIZE // 8,
+                                    offset=geo["hdr_off"])[_STAMP // 8::HDR_SIZE // 8]
+        self.cursor = 0                       # where this process looks for a free slot next
+        self.prealloc = geo["data_off"]       # payload bytes this process preallocated up to
+
+    # -- opening --------------------------------------------------------------------------
+    @classmethod
+    def create(cls, path: Path, sbytes: int, nslots: int) -> "SlotFile":
+        """A new slot file (DIR/.usage locked): written under a temporary
+        name, its metadata zeroed (a sparse file), renamed into place."""
+        geo = geometry(sbytes, nslots)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o660)
+        try:
+            os.ftruncate(fd, geo["size"])
+            os.pwrite(fd, FILE_HDR.pack(FILE_MAGIC, VERSION, 0, sbytes, nslots, geo["entries"],
+                                        geo["window"]), 0)
+            os.replace(tmp, path)
+        except BaseException:
+            os.close(fd)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        return cls(path, fd, geo, True)
+
+    @classmethod
+    def open(cls, path: Path, writable: bool = True) -> "SlotFile":
+        """An existing slot file; OSError when it is not one (or truncated)."""
+        try:
+            fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        except PermissionError:
+            fd, writable = os.open(path, os.O_RDONLY), False
+        try:
+            raw = os.pread(fd, FILE_HDR.size, 0)
+            if len(raw) < FILE_HDR.size:
+                raise OSError(f"{path}: not a spill slot file (truncated header)")
+            magic, ver, _, sb, ns, ent, win = FILE_HDR.unpack(raw)
+            if magic != FILE_MAGIC or ver != VERSION:
+                raise OSError(f"{path}: not a spill slot file of version {VERSION}")
+            geo = geometry(sb, ns)
+            if (sb, ent, win) != (file_slot_bytes(path.name), geo["entries"], geo["window"]):
+                raise OSError(f"{path}: inconsistent slot file header")
+            if os.fstat(fd).st_size < geo["data_off"]:
+                raise OSError(f"{path}: truncated slot file")
+            return cls(path, fd, geo, writable)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def close(self) -> None:
+        self.index = self.states = self.stamps = None
+        try:
+            self.mm.close()
+        except (BufferError, ValueError):        # a view still exported: left to the GC
+            pass
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+    # -- reading ----------------------------------------------------------------------------
+    def hdr_off(self, slot: int) -> int:
+        return self.geo["hdr_off"] + slot * HDR_SIZE
+
+    def payload_off(self, slot: int) -> int:
+        return self.data_off + slot * self.sbytes
+
+    def raw_header(self, slot: int) -> bytes:
+        o = self.hdr_off(slot)
+        return self.mm[o:o + _STAMP]
+
+    def holds(self, slot: int, key: bytes) -> bool:
+        """Whether `slot`'s header is LIVE with `key` (not verified)."""
+        if not 0 <= slot < self.nslots:
+            return False
+        o = self.hdr_off(slot)
+        return self.mm[o + 5] == LIVE and self.mm[o + 16:o + 32] == key
+
+    def touch(self, slot: int) -> None:
+        """A use of `slot` (a reader's hit): its stamp past any recorded
+        (not by a process that may only read the store)."""
+        if not self.writable:
+            return
+        t = time.time_ns()
+        old = int(self.stamps[slot])
+        self.stamps[slot] = t if t > old else old + 1
+
+    def _stale(self, w: int) -> bool:
+        """An index word that points at no block of its fingerprint."""
+        s = (w & 0xFFFFFFFF) - 1
+        if not 0 <= s < self.nslots:
+            return True
+        o = self.hdr_off(s)
+        return self.mm[o + 5] == FREE or int.from_bytes(self.mm[o + 24:o + 28], "little") != w >> 32
+
+    def find(self, key: bytes) -> int | None:
+        """The slot whose LIVE header has `key`, through the index, or None."""
+        for slot in self._candidates(key):
+            if self.holds(slot, key):
+                return slot
+        return None
+
+    def _window(self, key: bytes) -> tuple[int, bytes]:
+        """(offset, bytes) of `key`'s window of the index."""
+        a = self.index_off + (_POS.unpack_from(key)[0] & self.mask) * 8
+        return a, self.mm[a:a + self.window * 8]
+
+    def _candidates(self, key: bytes) -> list[int]:
+        """The slots the index words of `key`'s window with its fingerprint
+        point at (a byte search: the fingerprint is each word's high half)."""
+        _, raw = self._window(key)
+        fpb = key[8:12]
+        out = []
+        i = raw.find(fpb, 4)
+        while i >= 0:
+            if i % 8 == 4:
+                w = int.from_bytes(raw[i - 4:i], "little")
+                if w:
+                    out.append(w - 1)
+                i = raw.find(fpb, i + 8)
+            else:
+                i = raw.find(fpb, i + 1)
+        return out
+
+    def read(self, slot: int, length: int, buf) -> bool:
+        """Read `length` payload bytes of `slot` into `buf`; False: short (truncated)."""
+        return os.preadv(self.fd, [memoryview(buf)[:length]], self.payload_off(slot)) == length
+
+    def live(self) -> list[tuple[bytes, int, int, int]]:
+        """(key, slot, length, stamp) of every LIVE slot whose header verifies."""
+        out = []
+        for slot in np.flatnonzero(self.states == LIVE).tolist():
+            p = parse(self.raw_header(slot))
+            if p is not None and p[2] <= self.sbytes:
+                out.append((p[0], slot, p[2], int(self.stamps[slot])))
+        return out
+
+    # -- changing (DIR/.usage locked) ---------------------------------------------------
+    def _index_put(self, key: bytes, slot: int) -> bool:
+        a, raw = self._window(key)
+        word = _WORD.pack(slot + 1, key[8:12])
+        i = raw.find(_EMPTY)
+        while i >= 0 and i % 8:
+            i = raw.find(_EMPTY, i + 1)
+        if i < 0:                                 # no empty word: a stale one
+            i = next((j * 8 for j in range(self.window)
+                      if self._stale(int.from_bytes(raw[j * 8:j * 8 + 8], "little"))), -1)
+        if i < 0:
+            return False
+        self.mm[a + i:a + i + 8] = word
+        return True
+
+    def _index_drop(self, key: bytes, slot: int) -> None:
+        a, raw = self._window(key)
+        word = _WORD.pack(slot + 1, key[8:12])
+        i = raw.find(word)
+        while i >= 0:
+            if i % 8 == 0:
+                self.mm[a + i:a + i + 8] = _EMPTY
+            i = raw.find(word, i + 1)
+
+    def claim(self, key: bytes, pid: int) -> int | str:
+        """A FREE slot for `key`, marked WRITING (stamp: the writer's pid)
+        and indexed; or "already" (a LIVE or WRITING slot has the key) or
+        "full" (no free slot, or the index window is full)."""
+        if self._busy(key):
+            return "already"
+        slot = self._free_slot()
+        if slot is None:
+            return "full"
+        o = self.hdr_off(slot)
+        self.mm[o:o + HDR_SIZE] = HDR.pack(MAGIC, VERSION, WRITING, 0, 0, 0, key, bytes(16), 0) \
+            + struct.pack("<QQ", 0, pid)
+        if not self._index_put(key, slot):
+            self.mm[o + 5] = FREE
+            return "full"
+        self.cursor = slot + 1 if slot + 1 < self.nslots else 0
+        return slot
+
+    def _free_slot(self) -> int | None:
+        """The first FREE slot from this process's cursor on (wrapping)."""
+        c = self.cursor
+        if self.states[c] == FREE:               # filling: the next slot
+            return c
+        start, seen = c, 0
+        while seen < self.nslots:
+            end = min(self.nslots, start + 4096)
+            free = np.flatnonzero(self.states[start:end] == FREE)
+            if len(free):
+                return start + int(free[0])
+            seen += end - start
+            start = 0 if end == self.nslots else end
+        return None
+
+    def _busy(self, key: bytes) -> bool:
+        for s in self._candidates(key):
+            if 0 <= s < self.nslots:
+                o = self.hdr_off(s)
+                if self.mm[o + 5] in (LIVE, WRITING) and self.mm[o + 16:o + 32] == key:
+                    return True
         return False
-    magic, ver, _, k, nsd, ln, xs = HDR.unpack_from(raw)
-    hsum = struct.unpack_from("<Q", raw, HDR.size)[0]
-    return (magic == MAGIC and ver == VERSION and k == key and nsd == ns_digest
-            and ln == length and hsum == xxhash.xxh3_64_intdigest(raw[:HDR.size])
-            and xs == xxhash.xxh3_64_intdigest(memoryview(raw)[HDR_SIZE:]))
+
+    def publish(self, slot: int, hdr: bytes) -> None:
+        """A claimed slot's payload is written: its LIVE header."""
+        o = self.hdr_off(slot)
+        self.mm[o:o + HDR_SIZE] = hdr
+
+    def release(self, slot: int, key: bytes) -> None:
+        """Free a slot this process claimed or whose block it removes."""
+        o = self.hdr_off(slot)
+        self.mm[o + 5] = FREE
+        self._index_drop(key, slot)
+
+    def free_if(self, slot: int, key: bytes) -> bool:
+        """Free `slot` if it still holds `key` (LIVE or not verifying);
+        False: it holds another block now (or nothing)."""
+        o = self.hdr_off(slot)
+        if self.mm[o + 16:o + 32] != key or self.mm[o + 5] == FREE:
+            return False
+        self.release(slot, key)
+        return True
+
+    def reindex(self) -> None:
+        """Rebuild the index from the slot headers (owner, at its start)."""
+        self.index[:] = 0
+        for key, slot, _, _ in self.live():
+            self._index_put(key, slot)
+
+    def preallocate(self, slot: int, step: int) -> None:
+        """Reserve disk blocks up to past `slot`'s payload, `step` bytes (at
+        most a sixteenth of the payload area) at a time."""
+        end = self.payload_off(slot + 1)
+        if end <= self.prealloc:
+            return
+        step = min(step, max(self.sbytes, self.nslots * self.sbytes // 16))
+        new = min(self.geo["size"], max(end, self.prealloc + step))
+        try:
+            os.posix_fallocate(self.fd, self.prealloc, new - self.prealloc)
+        except OSError:                       # not supported here (a sparse file then)
+            pass
+        self.prealloc = new
 
 
-def tmp_path(path: Path, thread: int, n: int) -> Path:
-    """The temporary a writer thread writes `path` to first."""
-    return path.with_name(f"{path.name[:-4]}.{os.getpid()}.{thread}.{n}.tmp")
+def write_all(fd: int, bufs, off: int) -> None:
+    """pwritev all of `bufs` at `off` (short writes continued)."""
+    views = [memoryview(b) for b in bufs]
+    while views:
+        n = os.pwritev(fd, views, off)
+        off += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
 
 
-def tmp_pid(name: str) -> int | None:
-    """The writer's pid in a temporary's name (KEY.PID.THREAD.N.tmp)."""
-    parts = name.split(".")
-    if len(parts) == 5 and parts[1].isdigit():
-        return int(parts[1])
-    return None
+# -- the old format (version 1, one file per block): migrated by the owner -----------------
+LEGACY_MAGIC = b"CXLKVSP\0"
+LEGACY_HDR = struct.Struct("<8sII16s16sQQ")
+LEGACY_HDR_SIZE = LEGACY_HDR.size + 8
 
 
-def write_all(fd: int, data) -> None:
-    mv = memoryview(data)
-    while mv:
-        n = os.write(fd, mv)
-        mv = mv[n:]
+def legacy_files(root: Path) -> list[Path]:
+    """The old format's block files and temporaries under `root`."""
+    out = []
+    for sub in root.iterdir():
+        if len(sub.name) == 2 and sub.is_dir():
+            out.extend(f for f in sub.iterdir() if f.name.endswith((".blk", ".tmp")))
+    return out
+
+
+def legacy_read(path: Path) -> tuple[bytes, bytes, bytes] | None:
+    """(key, ns digest, payload) of an old-format block file that verifies."""
+    if not path.name.endswith(".blk") or len(path.name) != 36:
+        return None
+    raw = path.read_bytes()
+    if len(raw) < LEGACY_HDR_SIZE:
+        return None
+    magic, ver, _, key, nsd, ln, xs = LEGACY_HDR.unpack_from(raw)
+    hsum = struct.unpack_from("<Q", raw, LEGACY_HDR.size)[0]
+    ok = (magic == LEGACY_MAGIC and ver == 1 and key.hex() == path.name[:32]
+          and len(raw) == LEGACY_HDR_SIZE + ln
+          and hsum == xxhash.xxh3_64_intdigest(raw[:LEGACY_HDR.size])
+          and xs == xxhash.xxh3_64_intdigest(memoryview(raw)[LEGACY_HDR_SIZE:]))
+    return (key, nsd, raw[LEGACY_HDR_SIZE:]) if ok else None

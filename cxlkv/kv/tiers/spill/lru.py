@@ -1,25 +1,24 @@
-"""The spill store's index of its files, least recently used first.
+"""The spill store's index of its blocks, least recently used first.
 
-The owner's index holds every file it knows of (rebuilt from the directory,
-oldest mtime first, when it opens the store; touched by its hits and
-writes; readers' files folded in from DIR/.usage): key -> [file bytes,
-mtime_ns it recorded].  Its victims get a second chance when a reader used
-them since (their file's mtime is newer than recorded).  A reader's index is
-the files it has seen, bounded (`READER_INDEX`).
+The owner's index holds every block it knows of (rebuilt from the slot
+headers, oldest stamp first, when it opens the store; touched by its hits
+and writes; readers' blocks folded in from DIR/.usage): key -> [bytes,
+stamp it recorded, (slot bytes, slot)].  Its victims get a second chance
+when a reader used them since (their slot's stamp is newer than recorded).
+A reader's index is the blocks it has seen, bounded (`READER_INDEX`).
 
 Not thread-safe: the store's lock guards it.
 """
 from __future__ import annotations
 
 import collections
-import os
 
-#: files a reader remembers having seen (its lookups stat the rest)
+#: blocks a reader remembers having seen (its lookups probe the slot index for the rest)
 READER_INDEX = 1 << 16
 
 
 class Index:
-    """key -> [file bytes, mtime_ns recorded], least recently used first."""
+    """key -> [bytes, stamp recorded, (slot bytes, slot)], least recently used first."""
 
     def __init__(self, bound: int | None = None):
         self.bound = bound                       # None: unbounded (the owner's)
@@ -34,9 +33,9 @@ class Index:
     def __bool__(self) -> bool:
         return bool(self._d)
 
-    def remember(self, key: bytes, size: int, mtime: int = 0) -> None:
+    def remember(self, key: bytes, size: int, stamp: int = 0, loc=None) -> None:
         """`key` at the most recent end (the oldest dropped past the bound)."""
-        self._d[key] = [size, mtime]
+        self._d[key] = [size, stamp, loc]
         self._d.move_to_end(key)
         if self.bound is not None and len(self._d) > self.bound:
             self._d.popitem(last=False)
@@ -47,6 +46,13 @@ class Index:
             return False
         self._d.move_to_end(key)
         return True
+
+    def get(self, key: bytes) -> list | None:
+        return self._d.get(key)
+
+    def items(self):
+        """(key, entry) pairs, least recently used first."""
+        return iter(self._d.items())
 
     def pop(self, key: bytes) -> list | None:
         return self._d.pop(key, None)
@@ -80,24 +86,21 @@ class Index:
         return n
 
 
-def second_chance(cands, chanced: set, path_of) -> tuple[list, list]:
-    """Split LRU victims `cands` ([(key, [size, mtime])]) into those a reader
-    used since the owner recorded them (a newer mtime; once per make-room,
-    tracked in `chanced`): (key, [size, new mtime]) to put back, and those
-    to remove: (key, size).  Files already gone are in neither (a reader
-    removed them, and their bytes)."""
+def second_chance(cands, chanced: set, stamp_of) -> tuple[list, list]:
+    """Split LRU victims `cands` ([(key, [size, stamp, loc])]) into those a
+    reader used since the owner recorded them (a newer stamp; once per
+    make-room, tracked in `chanced`): (key, entry with the new stamp) to put
+    back, and those to remove: (key, entry).  Blocks already gone (removed
+    as corrupt by a reader) are in neither.  `stamp_of(key, entry)`: the
+    slot's stamp while it holds the key, else None."""
     back, dead = [], []
-    for k, (sz, mt) in cands:
-        try:
-            st = os.stat(path_of(k))
-        except FileNotFoundError:
+    for k, e in cands:
+        st = stamp_of(k, e)
+        if st is None:
             continue
-        except OSError:
-            dead.append((k, sz))
-            continue
-        if st.st_mtime_ns > mt and k not in chanced:
+        if st > e[1] and k not in chanced:
             chanced.add(k)
-            back.append((k, [sz, st.st_mtime_ns]))
+            back.append((k, [e[0], st, e[2]]))
         else:
-            dead.append((k, sz))
+            dead.append((k, e))
     return back, dead

@@ -15,14 +15,17 @@ import fcntl
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
+import xxhash
+
 from cxlkv.errors import SpillDirBusy, UsageError
 from cxlkv.kv.tiers.base import Tier
 from cxlkv.kv.tiers.spill import files
-from cxlkv.kv.tiers.spill.files import HDR_SIZE
 from cxlkv.kv.tiers.spill.lru import READER_INDEX, Index, second_chance
 from cxlkv.kv.tiers.spill.usage import Usage, owner_pid
 
@@ -30,8 +33,19 @@ log = logging.getLogger(__name__)
 
 #: default bound of the writer queue (payload bytes waiting for the disk)
 QUEUE_BYTES = 64 << 20
-#: writer threads (file creation dominates on ext4: two threads about double it)
+#: writer threads (each writes batches; two keep the disk busy while one hashes)
 WRITERS = 2
+#: a writer takes up to this many queued blocks / bytes at once (one flock to
+#: claim their slots, one to publish them; adjacent slots in one pwritev)
+BATCH_BLOCKS = 32
+BATCH_BYTES = 8 << 20
+#: adjacent slots are written with one pwritev up to this many bytes (larger
+#: single writes met the kernel's dirty-page throttling harder here)
+WRITE_BYTES = 1 << 20
+#: buffers fetch keeps per block size for reuse (see SpillStore._buffers)
+FETCH_BUFFERS = 64
+#: disk blocks of a slot file are reserved (posix_fallocate) this much at a time
+PREALLOC = 64 << 20
 #: share of the limit the owner keeps free for readers' writes while any is attached
 READER_ROOM = 0.125
 #: the owner folds the readers' journal in and keeps their room this often
@@ -79,7 +93,12 @@ class SpillStore(Tier):
         self._closed = False
         self._stop = threading.Event()
         self._broken = False
-        self._tmpn = 0
+        self._writable = True
+        self._files: dict[int, files.SlotFile] = {}   # slot bytes -> its slot file
+        self._retired: list[files.SlotFile] = []      # replaced (made again): closed at close
+        self._gen = -1                          # DIR/.usage's slot-file generation seen
+        self._bmu = threading.Lock()            # guards _bufs
+        self._bufs: dict[int, list] = {}        # fetch's reusable buffers, by size
         try:
             self._open(mode)
         except SpillDirBusy:
@@ -132,6 +151,7 @@ class SpillStore(Tier):
             # a reader of another user without write access: lookups and
             # loads only; its evictions are dropped
             self._usage = Usage(os.open(self.path / ".usage", os.O_RDONLY))
+            self._writable = False
             self._broken = True
             self._log_once("disk", "directory not writable by this process: reading only, "
                                    "dropping evicted blocks")
@@ -139,6 +159,7 @@ class SpillStore(Tier):
         if own:
             with self._usage.locked():
                 self._recount()
+            self._migrate()
             self.maintain()
         else:
             # held while attached: the owner sees that readers need room
@@ -149,38 +170,130 @@ class SpillStore(Tier):
                     raise OSError(f"{self.path / '.usage'} is not set up by an owner "
                                   "(start `cxlkv serve --spill-dir` or enable it as owner)")
                 time.sleep(0.01)
+            self._scan()
+
+    def _scan(self) -> None:
+        """Open the slot files this process has not open (or that were
+        made again since); remembers the generation it saw."""
+        gen = self._usage.gen() if self._usage is not None else 0
+        for f in self.path.iterdir():
+            sb = files.file_slot_bytes(f.name)
+            if sb is None:
+                continue
+            cur = self._files.get(sb)
+            try:
+                if cur is not None and os.stat(f).st_ino == cur.ino:
+                    continue
+                sf = files.SlotFile.open(f, self._writable)
+            except OSError as e:
+                self._log_once("slot-file", f"cannot use {f} ({e})")
+                continue
+            self._files[sb] = sf
+            if cur is not None:
+                self._retired.append(cur)
+        self._gen = gen
+
+    def _rescan_if_new(self) -> None:
+        """A slot file was made since this process looked: open it."""
+        if self._usage is not None and self._usage.gen() != self._gen:
+            self._scan()
+
+    def _class(self, sbytes: int) -> files.SlotFile | None:
+        """DIR/.usage locked: the slot file of `sbytes` slots, made when
+        there is none (its slots: as many as the limit holds)."""
+        sf = self._files.get(sbytes)
+        if sf is not None:
+            return sf
+        self._rescan_if_new()
+        sf = self._files.get(sbytes)
+        if sf is not None:
+            return sf
+        h = self._usage.header()
+        nslots = (h[1] if h else self.max_bytes) // (files.HDR_SIZE + sbytes)
+        if nslots < 1:
+            return None
+        path = self.path / files.file_name(sbytes)
+        if path.exists():
+            sf = files.SlotFile.open(path, self._writable)
+        else:
+            sf = files.SlotFile.create(path, sbytes, nslots)
+            self._usage.bump_gen()
+        self._files[sbytes] = sf
+        self._gen = self._usage.gen()
+        return sf
 
     def _recount(self) -> None:
-        """Owner, DIR/.usage locked: rebuild the index from the files (oldest
-        first), recount the published bytes, start an empty journal; remove
-        temporaries of processes that are gone."""
+        """Owner, DIR/.usage locked: open the slot files, free the slots of
+        writers that are gone (WRITING) and the headers that do not verify,
+        rebuild each file's index and this process's LRU (oldest stamp
+        first) from the slot headers, recount the published bytes, start an
+        empty journal."""
+        self._scan()
+        me = os.getpid()
         found = []
         total = 0
-        me = os.getpid()
-        for sub in self.path.iterdir():
-            if len(sub.name) != 2 or not sub.is_dir():
-                continue
-            for f in sub.iterdir():
-                try:
-                    if f.name.endswith(".tmp"):
-                        pid = files.tmp_pid(f.name)
-                        if pid is None or pid == me or not _alive(pid):
-                            f.unlink()
-                        continue
-                    key = files.block_key(f.name)
-                    if key is None:
-                        continue
-                    st = f.stat()
-                    found.append((st.st_mtime_ns, key, st.st_size))
-                    total += st.st_size
-                except (OSError, ValueError):
+        for sb, sf in self._files.items():
+            fp = files.HDR_SIZE + sb
+            for slot in np.flatnonzero(sf.states != files.FREE).tolist():
+                state = sf.states[slot]
+                raw = sf.raw_header(slot)
+                key = raw[16:32]
+                if state == files.WRITING:
+                    pid = int(sf.stamps[slot])
+                    if pid == me or not 0 < pid < 1 << 22 or not _alive(pid):
+                        sf.release(slot, key)
+                    else:
+                        total += fp            # still being written by a live reader
                     continue
+                p = files.parse(raw)
+                if p is None or files.slot_bytes(p[2]) != sb:
+                    sf.release(slot, key)      # torn: a miss
+                    continue
+                found.append((int(sf.stamps[slot]), key, fp, (sb, slot)))
+                total += fp
+            sf.reindex()
         found.sort()
         with self._mu:
             self._index.clear()
-            for mt, key, size in found:
-                self._index.remember(key, size, mt)
-        self._usage.reset(total, self.max_bytes)    # the journal: every file is indexed
+            for stamp, key, size, loc in found:
+                self._index.remember(key, size, stamp, loc)
+        self._usage.reset(total, self.max_bytes)    # the journal: every block is indexed
+        self._gen = self._usage.gen()
+
+    def _migrate(self) -> None:
+        """Owner: move the blocks of the old one-file-per-block format
+        (DIR/<2 hex>/<key>.blk, version 1) into the slot files, verified
+        (what does not verify or fit is dropped), and remove the old files."""
+        try:
+            old = files.legacy_files(self.path)
+        except OSError:
+            return
+        if not old:
+            return
+        moved = dropped = 0
+        for f in old:
+            try:
+                blk = files.legacy_read(f) if f.name.endswith(".blk") else None
+                if blk is not None:
+                    before = self.counters["written"]
+                    self._write_batch([blk])
+                    if self.counters["written"] > before:
+                        moved += 1
+                    else:
+                        dropped += 1
+                elif f.name.endswith(".blk"):
+                    dropped += 1
+                f.unlink()
+            except OSError:
+                dropped += 1
+        for sub in {f.parent for f in old}:
+            try:
+                sub.rmdir()
+            except OSError:
+                pass
+        self._log("migrate", f"{self.path}: migrated {moved} spilled blocks from the "
+                             f"one-file-per-block format into slot files ({dropped} dropped: "
+                             "not verifying or not fitting)")
 
     # -- the shared counter and journal ----------------------------------------------------
     def _header(self) -> tuple[int, int] | None:
@@ -189,7 +302,7 @@ class SpillStore(Tier):
         return None if self._usage is None else self._usage.header()
 
     def _fold_journal(self) -> None:
-        """Owner: index the files readers published since the last fold (at
+        """Owner: index the blocks readers published since the last fold (at
         the most recent end, stamped now: their writers just evicted them)."""
         try:
             recs = self._usage.take_records()
@@ -198,13 +311,16 @@ class SpillStore(Tier):
             return
         if not recs:
             return
+        self._rescan_if_new()
         now = time.time_ns()
         n = 0
         with self._mu:
             for key, size in recs:
-                if not HDR_SIZE < size <= max(self.max_bytes, HDR_SIZE + 1):
-                    continue                     # a torn or foreign record
-                self._index.remember(key, size, now)
+                sf = self._files.get(size - files.HDR_SIZE)
+                slot = None if sf is None else sf.find(key)
+                if slot is None:
+                    continue                     # gone already, or a torn record
+                self._index.remember(key, size, now, (sf.sbytes, slot))
                 n += 1
         self._bump("discovered", n)
 
@@ -228,8 +344,17 @@ class SpillStore(Tier):
         return self.max_bytes
 
     # -- bookkeeping -------------------------------------------------------------------
-    def _file(self, key: bytes) -> Path:
-        return files.block_path(self.path, key)
+    def locate(self, key: bytes, length: int | None = None) -> tuple | None:
+        """(slot file path, payload offset, header offset) of the LIVE slot
+        holding `key` (of `length` payload bytes when given), or None."""
+        self._rescan_if_new()
+        cands = [self._files.get(files.slot_bytes(length))] if length is not None \
+            else list(self._files.values())
+        for sf in cands:
+            slot = None if sf is None else sf.find(key)
+            if slot is not None:
+                return sf.path, sf.payload_off(slot), sf.hdr_off(slot)
+        return None
 
     def _bump(self, name: str, n: int = 1) -> None:
         if n:
@@ -245,38 +370,71 @@ class SpillStore(Tier):
             self._logged.add(kind)
             self._log(kind, f"{self.path}: {msg}; counted in stats(), logged once")
 
-    def _fail(self, kind: str, err=None, count: bool = True) -> None:
+    def _fail(self, kind: str, err=None, count: bool = True, n: int = 1) -> None:
         if count:
-            self._bump(f"dropped_{kind}", 1)
+            self._bump(f"dropped_{kind}", n)
         self._log_once(kind, f"dropping evicted blocks ({kind}{': ' + str(err) if err else ''})")
 
-    def _remember(self, key: bytes, size: int, mtime: int = 0) -> None:
+    def _remember(self, key: bytes, size: int, stamp: int = 0, loc=None) -> None:
         """Index `key` at the most recent end (a reader's index is bounded)."""
         with self._mu:
-            self._index.remember(key, size, mtime)
+            self._index.remember(key, size, stamp, loc)
 
-    def _remove(self, key: bytes, size: int) -> bool:
-        """Remove a bad file; whoever's unlink succeeds takes its bytes off
-        the shared count (DIR/.usage locked: a recount never sees half of it)."""
+    def _where(self, key: bytes, length: int) -> tuple | None:
+        """(slot file, slot) this process believes holds `key`: its index
+        (the owner's: touched), else a reader's probe of the slot index."""
+        sb = files.slot_bytes(length)
         with self._mu:
-            e = self._index.pop(key)
-        if e is not None and self.mode == "owner":
-            size = e[0]
-        if self._usage is None:                 # an unusable directory: nothing to count
+            e = self._index.get(key) if self.mode == "reader" else None
+            if self.mode == "owner":
+                if not self._index.touch(key):
+                    return None
+                e = self._index.get(key)
+        if e is not None and e[2] is not None:
+            sf = self._files.get(e[2][0])
+            if sf is not None:
+                return sf, e[2][1]
+        if self.mode == "owner":
+            return None
+        sf = self._files.get(sb)
+        if sf is None:
+            self._rescan_if_new()
+            sf = self._files.get(sb)
+        slot = None if sf is None else sf.find(key)
+        return None if slot is None else (sf, slot)
+
+    def _remove(self, key: bytes, sf, slot: int, bad: bytes | None = None) -> bool:
+        """Free a slot whose block failed verification (header `bad` as
+        read, or any when None): whoever frees it takes its bytes off the
+        shared count (DIR/.usage locked).  False: it changed meanwhile."""
+        with self._mu:
+            self._index.pop(key)
+        if self._usage is None or not self._writable:
             return False
         try:
             with self._usage.locked():
-                os.unlink(self._file(key))
-                self._usage.add_used(-size)
-        except OSError:
+                if bad is not None and sf.raw_header(slot) != bad:
+                    return False                 # rewritten meanwhile: not this block
+                o = sf.hdr_off(slot)
+                if sf.mm[o + 5] == files.FREE:
+                    return False
+                sf.release(slot, bytes(sf.mm[o + 16:o + 32]))
+                self._usage.add_used(-(files.HDR_SIZE + sf.sbytes))
+        except (OSError, ValueError, TypeError):
             return False
         return True
 
+    def _stamp_of(self, key: bytes, e: list) -> int | None:
+        sf = self._files.get(e[2][0]) if e[2] else None
+        if sf is None or not sf.holds(e[2][1], key):
+            return None
+        return int(sf.stamps[e[2][1]])
+
     def _make_room(self, size: int, target: int) -> bool:
-        """Owner: remove least recently used files until `size` more bytes
-        fit under `target`; a file a reader used since the owner last saw it
-        (newer mtime) gets one second chance instead.  No lock is held while
-        it stats and unlinks.  False: it cannot fit."""
+        """Owner: free least recently used slots until `size` more bytes
+        fit under `target`; a block a reader used since the owner last saw
+        it (newer stamp) gets one second chance instead.  False: it cannot
+        fit."""
         if size > self.max_bytes:
             return False
         chanced: set[bytes] = set()
@@ -288,37 +446,52 @@ class SpillStore(Tier):
             need = h[0] + size - target
             if need <= 0:
                 return True
-            if not folded:                    # readers' files are candidates too
+            if not folded:                    # readers' blocks are candidates too
                 folded = True
                 self._fold_journal()
             with self._mu:
                 cands = self._index.oldest(need)
             if not cands:
                 return False
-            back, dead = second_chance(cands, chanced, self._file)
+            back, dead = second_chance(cands, chanced, self._stamp_of)
             if back:
                 with self._mu:
                     self._index.put_back(back)
                 self._bump("second_chance", len(back))
             freed = n = 0
-            for k, sz in dead:
-                try:
-                    os.unlink(self._file(k))
-                except FileNotFoundError:
-                    continue
-                except OSError as e:
-                    self._log_once("unlink", f"cannot remove {self._file(k)} ({e})")
-                    continue
-                freed += sz
-                n += 1
-            if freed:
+            if dead:
                 try:
                     with self._usage.locked():
-                        self._usage.add_used(-freed)
+                        for k, e in dead:
+                            sf = self._files.get(e[2][0])
+                            if sf is not None and sf.free_if(e[2][1], k):
+                                freed += sf.sbytes + files.HDR_SIZE
+                                n += 1
+                        if freed:
+                            self._usage.add_used(-freed)
                 except OSError as e:
                     self._fail("disk", e, count=False)
                     return False
             self._bump("evicted", n)
+
+    def _free_room(self, sbytes: int) -> bool:
+        """Owner: no free slot of `sbytes` (its file is full): free its
+        least recently used block (others' blocks first go through their
+        second chance as in _make_room).  False: none to free."""
+        with self._mu:
+            victim = next(((k, e) for k, e in self._index.items() if e[2] and e[2][0] == sbytes),
+                          None)
+            if victim is not None:
+                self._index.pop(victim[0])
+        if victim is None:
+            return False
+        k, e = victim
+        sf = self._files.get(sbytes)
+        with self._usage.locked():
+            if sf is not None and sf.free_if(e[2][1], k):
+                self._usage.add_used(-(sbytes + files.HDR_SIZE))
+                self._bump("evicted", 1)
+        return True
 
     # -- the evictor's side (pool lock held: no disk I/O) --------------------------------
     def reserve(self, key: bytes, nbytes: int) -> bool:
@@ -332,8 +505,8 @@ class SpillStore(Tier):
             if self._index.touch(key):            # already on disk: nothing to write
                 self._bump("already", 1)
                 if self.mode == "reader" and key not in self._queued:
-                    # ... as far as a reader knows: its writer touches the file
-                    # (the owner's LRU sees the use) or finds it gone
+                    # ... as far as a reader knows: its writer marks the slot
+                    # used (the owner's LRU sees the use) or finds it gone
                     self._queued.add(key)
                     self._q.put((key, None, b""))
                 return False
@@ -382,18 +555,35 @@ class SpillStore(Tier):
     def _writer(self) -> None:
         while True:
             item = self._q.get()
+            batch = [item]
+            if item is not None:                   # more that is waiting, up to a batch
+                nb = len(item[2])
+                while nb < BATCH_BYTES and len(batch) < BATCH_BLOCKS:
+                    try:
+                        nxt = self._q.get_nowait()
+                    except queue.Empty:
+                        break
+                    batch.append(nxt)
+                    if nxt is None:                # one stop per thread
+                        break
+                    nb += len(nxt[2])
+            items = [b for b in batch if b is not None]
+            t0 = time.perf_counter()
             try:
-                if item is None:
-                    return
-                self._write(*item)
+                if items:
+                    self._write_batch(items)
             except Exception as e:                     # pragma: no cover - never raise
-                self._fail("disk", e)
+                self._fail("disk", e, n=len(items))
             finally:
-                if item is not None:
-                    with self._mu:
-                        self._pending -= len(item[2])
-                        self._queued.discard(item[0])
-                self._q.task_done()
+                self._bump("write_s", time.perf_counter() - t0)
+                with self._mu:
+                    for it in items:
+                        self._pending -= len(it[2])
+                        self._queued.discard(it[0])
+                for _ in batch:
+                    self._q.task_done()
+            if len(items) < len(batch):
+                return
 
     def _maintainer(self) -> None:
         while not self._stop.wait(MAINTAIN_S):
@@ -411,121 +601,194 @@ class SpillStore(Tier):
         self._fold_journal()
         self._make_room(0, self._target())
 
-    def _touch(self, path: Path, st) -> None:
-        """A reader used the file: set its mtime past what anyone recorded
-        (a file of another user: to the kernel's now, which needs only write
-        access)."""
-        t = max(time.time_ns(), st.st_mtime_ns + 1)
-        try:
-            os.utime(path, ns=(t, t))
-        except PermissionError:
-            try:
-                os.utime(path)
-            except OSError:
-                pass
-        except OSError:
-            pass
-
-    def _write(self, key: bytes, ns_digest: bytes | None, payload: bytes) -> None:
-        size = HDR_SIZE + len(payload)
-        path = self._file(key)
-        if ns_digest is None:                        # a reader's touch (see reserve)
-            try:
-                self._touch(path, os.stat(path))
-            except OSError:
-                with self._mu:                       # the owner removed it meanwhile
-                    self._index.pop(key)
-                self._bump("already", -1)
-                self._fail("gone", "the owner removed a file this reader had seen")
+    def _touch_seen(self, key: bytes) -> None:
+        """A reader's eviction of a block it has seen in the store: mark
+        the slot used (the owner's LRU sees it), or drop it when gone."""
+        with self._mu:
+            e = self._index.get(key)
+        sf = self._files.get(e[2][0]) if e is not None and e[2] else None
+        if sf is not None and sf.holds(e[2][1], key):
+            sf.touch(e[2][1])
             return
-        if self._broken:
-            self._fail("disk")
+        with self._mu:                               # the owner removed it meanwhile
+            self._index.pop(key)
+        self._bump("already", -1)
+        self._fail("gone", "the owner removed a block this reader had seen")
+
+    def _write_batch(self, items) -> None:
+        """Write evicted blocks ((key, ns digest, payload) each): claim a slot
+        each (one flock), write the payloads (pwritev, adjacent slots in one
+        call), publish their headers (one flock)."""
+        owner = self.mode == "owner"
+        todo = []
+        for key, nsd, payload in items:
+            if nsd is None:
+                self._touch_seen(key)
+            elif self._broken:
+                self._fail("disk")
+            elif owner and self._index_touch(key):
+                continue
+            elif files.footprint(len(payload)) > self.max_bytes and owner:
+                self._fail("store-full")                 # bigger than the whole store
+            else:
+                todo.append((key, nsd, payload))
+        if not todo:
+            return
+        full = []
+        if not owner:
+            try:
+                claimed, full, already = self._claim(todo)
+                self._already(already)
+                self._write_claimed(claimed)
+            except OSError as e:
+                self._fail("disk", e, n=len(todo))
+                return
+            todo = []
+        while todo:
+                # a chunk that is small against the target (a batch is, but
+                # for tiny stores): room made for it by the LRU, its slots
+                # claimed, written and indexed before the next chunk
+                target = self._target()
+                n, size = 0, 0
+                while n < len(todo) and (n == 0 or size + files.footprint(len(todo[n][2]))
+                                         <= target // 4):
+                    size += files.footprint(len(todo[n][2]))
+                    n += 1
+                chunk, todo = todo[:n], todo[n:]
+                try:
+                    self._chunk(chunk, size, target, full)
+                except OSError as e:
+                    self._fail("disk", e, n=len(chunk))
+        if full:
+            self._fail("store-full", n=len(full))
+
+    def _chunk(self, chunk, size: int, target: int, full: list) -> None:
+        """Owner: write a chunk of blocks, making room for them first (the
+        ones that do not fit are added to `full`)."""
+        self._make_room(size, target)
+        claimed, left, already = self._claim(chunk, target)
+        for it in left:                      # one by one, as before
+            fp = files.footprint(len(it[2]))
+            c, f, a = self._claim([it], target) if self._make_room(fp, target) \
+                else ([], [it], [])
+            if f and self._make_room(fp, self.max_bytes):   # others took the room
+                c, f, a = self._claim([it])
+            if f and self._free_room(files.slot_bytes(len(it[2]))):   # no free slot
+                c, f, a = self._claim([it])
+            claimed += c
+            already += a
+            full += f
+        self._already(already)
+        self._write_claimed(claimed)
+
+    def _already(self, already) -> None:
+        """Blocks another process stored meanwhile: a reader marks them used."""
+        for key, _, _ in already:
+            self._bump("already", 1)
+            if self.mode == "reader":
+                loc = self.locate_slot(key)
+                if loc is not None:
+                    loc[0].touch(loc[1])
+                    self._remember(key, files.HDR_SIZE + loc[0].sbytes, 0,
+                                   (loc[0].sbytes, loc[1]))
+
+    def _write_claimed(self, claimed) -> None:
+        """Write the payloads of claimed slots (adjacent slots in one
+        pwritev), publish their headers (one flock), index them."""
+        if not claimed:
             return
         owner = self.mode == "owner"
-        if owner:
-            with self._mu:
-                if self._index.touch(key):
-                    return
-            if not self._make_room(size, self._target()):
-                self._fail("store-full")
-                return
-        else:
+        now = time.time_ns()
+        done, bad = [], []
+        i = 0
+        claimed.sort(key=lambda c: (c[0].sbytes, c[1]))
+        while i < len(claimed):                      # runs of adjacent slots: one pwritev
+            j = i + 1
+            sf = claimed[i][0]
+            while (j < len(claimed) and claimed[j][0] is sf
+                   and claimed[j][1] == claimed[j - 1][1] + 1
+                   and len(claimed[j - 1][4]) == sf.sbytes
+                   and (j - i + 1) * sf.sbytes <= WRITE_BYTES):
+                j += 1
+            run = claimed[i:j]
             try:
-                st = os.stat(path)
-            except FileNotFoundError:
-                st = None
+                sf.preallocate(run[-1][1], PREALLOC)
+                files.write_all(sf.fd, [c[4] for c in run], sf.payload_off(run[0][1]))
+                done.extend(run)
             except OSError as e:
-                self._fail("disk", e)
-                return
-            if st is not None:                       # on disk: mark it used
-                self._touch(path, st)
-                self._remember(key, st.st_size)
-                self._bump("already", 1)
-                return
-            h = self._header()
-            if h is None or h[0] + size > h[1]:
-                self._fail("store-full")
-                return
-        self._tmpn += 1
-        tmp = files.tmp_path(path, threading.get_ident(), self._tmpn)
-        try:
-            try:
-                path.parent.mkdir(exist_ok=True, mode=0o770)
-                hdr = files.header(key, ns_digest, payload)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o660)
-                try:
-                    files.write_all(fd, hdr)
-                    files.write_all(fd, payload)
-                finally:
-                    os.close(fd)
-                # not before the file's own (coarse) mtime: an untouched file
-                # never looks used; a reader's touch comes later
-                mtime = time.time_ns()
-                res = self._publish(key, tmp, path, size)
-                if res == "full" and owner:          # others took the room meanwhile
-                    res = self._publish(key, tmp, path, size) \
-                        if self._make_room(size, self.max_bytes) else "full"
-            except OSError as e:
-                self._fail("disk", e)
-                return
-        finally:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-        if res == "full":
-            self._fail("store-full")
-            return
-        if res == "already":                         # a reader's, not folded in yet
-            self._bump("already", 1)
-            return
-        self._remember(key, size, mtime)
-        self._bump("written", 1)
-        self._bump("written_bytes", len(payload))
+                bad.extend(run)
+                self._fail("disk", e, n=len(run))
+            i = j
+        hdrs = [files.header(key, nsd, len(p), xxhash.xxh3_64_intdigest(p), now + i)
+                for i, (_, _, key, nsd, p) in enumerate(done)]
+        with self._usage.locked():
+            for (sf, slot, _, _, _), hdr in zip(done, hdrs):
+                sf.publish(slot, hdr)
+            freed = 0
+            for sf, slot, key, _, _ in bad:
+                sf.release(slot, key)
+                freed += files.HDR_SIZE + sf.sbytes
+            if freed:
+                self._usage.add_used(-freed)
+            if not owner:
+                self._usage.append_many([(key, files.HDR_SIZE + sf.sbytes)
+                                         for sf, _, key, _, _ in done])
+        with self._mu:
+            for i, (sf, slot, key, _, _) in enumerate(done):
+                self._index.remember(key, files.HDR_SIZE + sf.sbytes, now + i, (sf.sbytes, slot))
+        self._bump("written", len(done))
+        self._bump("written_bytes", sum(len(p) for *_, p in done))
 
-    def _publish(self, key: bytes, tmp: Path, path: Path, size: int) -> str:
-        """Rename the written temporary into place and count it, if no file
-        of that key is there and the shared total stays within the limit:
-        "ok", "already" or "full".  A reader also journals it for the owner."""
-        u = self._usage
-        with u.locked():
-            h = u.header()
+    def _index_touch(self, key: bytes) -> bool:
+        with self._mu:
+            return self._index.touch(key)
+
+    def _claim(self, todo, cap: int | None = None) -> tuple[list, list, list]:
+        """DIR/.usage locked once: a slot for each block that fits under the
+        limit (and `cap`), counted now: ([(slot file, slot, key, ns digest,
+        payload)], the blocks that do not fit, those already stored)."""
+        claimed, full, already = [], [], []
+        me = os.getpid()
+        with self._usage.locked():
+            h = self._usage.header()
             if h is None:
                 raise OSError(f"{self.path / '.usage'} is damaged")
-            if os.path.exists(path):
-                return "already"
-            if h[0] + size > h[1]:
-                return "full"
-            os.replace(tmp, path)
-            u.set_used(h[0] + size)
-            if self.mode == "reader":
-                u.append(key, size)
-        return "ok"
+            used, limit = h
+            if cap is not None:
+                limit = min(limit, cap)
+            for key, nsd, payload in todo:
+                fp = files.footprint(len(payload))
+                sf = self._class(files.slot_bytes(len(payload)))
+                r = "full" if sf is None else sf.claim(key, me)
+                if r == "already":
+                    already.append((key, nsd, payload))
+                elif r == "full" or used + fp > limit:
+                    if r != "full":
+                        sf.release(r, key)
+                    full.append((key, nsd, payload))
+                else:
+                    used += fp
+                    claimed.append((sf, r, key, nsd, payload))
+            if claimed:
+                self._usage.set_used(used)
+        return claimed, full, already
+
+    def locate_slot(self, key: bytes, length: int | None = None) -> tuple | None:
+        """(slot file, slot) holding `key` as the slot index says, or None."""
+        self._rescan_if_new()
+        cands = [self._files.get(files.slot_bytes(length))] if length is not None \
+            else list(self._files.values())
+        for sf in cands:
+            slot = None if sf is None else sf.find(key)
+            if slot is not None:
+                return sf, slot
+        return None
 
     # -- the reader's side ---------------------------------------------------------------
     def run(self, keys) -> int:
         """How many leading `keys` (rows of 16 bytes) the store holds: the
-        owner's index; a reader's index, then one stat per key."""
+        owner's index; a reader's index, then a probe of the slot index
+        per key."""
         if self.mode == "owner":
             with self._mu:
                 return self._index.run(keys)
@@ -536,65 +799,158 @@ class SpillStore(Tier):
                 if kb in self._index:
                     n += 1
                     continue
-            try:
-                st = os.stat(self._file(kb))
-            except OSError:
+            loc = self.locate_slot(kb)
+            if loc is None:
                 break
-            self._remember(kb, st.st_size)
+            self._remember(kb, files.HDR_SIZE + loc[0].sbytes, 0, (loc[0].sbytes, loc[1]))
             n += 1
         return n
 
     def get(self, key: bytes, ns_digest: bytes, length: int) -> memoryview | None:
-        """The payload of `key`, verified, or None (a bad file is removed)."""
-        owner = self.mode == "owner"
-        if owner:
-            with self._mu:
-                if not self._index.touch(key):
-                    self._bump("misses", 1)
-                    return None
-        path = self._file(key)
+        """The payload of `key`, verified, or None (a block that fails
+        verification is removed)."""
+        t0 = time.perf_counter()
         try:
-            with open(path, "rb") as f:
-                raw = f.read(HDR_SIZE + length + 1)
-                st = None if owner else os.fstat(f.fileno())
-        except FileNotFoundError:
-            with self._mu:                      # removed by the owner or a reader
-                self._index.pop(key)
+            return self._get(key, ns_digest, length)
+        finally:
+            self._bump("read_s", time.perf_counter() - t0)
+
+    def _get(self, key: bytes, ns_digest: bytes, length: int) -> memoryview | None:
+        where = self._where(key, length)
+        if where is None:
             self._bump("misses", 1)
             return None
-        except OSError:
-            if owner:
-                self._remove(key, HDR_SIZE + length)
+        sf, slot = where
+        try:
+            raw = sf.raw_header(slot)
+            p = files.parse(raw)
+            if p is None or p[0] != key:
+                o = sf.hdr_off(slot)
+                torn = sf.mm[o + 5] == files.LIVE and p is None
+                if torn and self._remove(key, sf, slot, raw):     # a header that does not verify
+                    self._corrupt(sf, slot)
+                    return None
+                with self._mu:                      # removed, or the slot reused
+                    self._index.pop(key)
+                self._bump("misses", 1)
+                return None
+            if p[1] != ns_digest or p[2] != length:
+                self._remove(key, sf, slot, raw)
+                self._corrupt(sf, slot)
+                return None
+            buf = np.empty(length, dtype=np.uint8)   # not zeroed: read over at once
+            whole = sf.read(slot, length, buf)
+            if sf.raw_header(slot) != raw:          # freed or rewritten while read: a miss
+                with self._mu:
+                    self._index.pop(key)
+                self._bump("misses", 1)
+                return None
+        except (OSError, ValueError) as e:
+            self._log_once("read", f"cannot read {sf.path} ({e})")
             self._bump("misses", 1)
             return None
-        if not files.verify(raw, key, ns_digest, length):
-            self._remove(key, HDR_SIZE + length)
-            self._bump("corrupt", 1)
-            if "corrupt" not in self._logged:
-                self._logged.add("corrupt")
-                self._log("corrupt", f"{path}: corrupt or truncated spilled block removed (a "
-                                     "miss; further ones are counted in stats(), not logged)")
+        if not whole or xxhash.xxh3_64_intdigest(buf) != p[3]:
+            self._remove(key, sf, slot, raw)
+            self._corrupt(sf, slot)
             return None
-        if not owner:
-            self._touch(path, st)
-            self._remember(key, len(raw))
+        if self.mode == "reader":
+            sf.touch(slot)
+            self._remember(key, files.HDR_SIZE + sf.sbytes, 0, (sf.sbytes, slot))
         self._bump("hits", 1)
-        return memoryview(raw)[HDR_SIZE:]
+        return memoryview(buf)
+
+    def _corrupt(self, sf, slot: int) -> None:
+        self._bump("corrupt", 1)
+        if "corrupt" not in self._logged:
+            self._logged.add("corrupt")
+            self._log("corrupt", f"{sf.path}: slot {slot}: corrupt or truncated spilled block "
+                                 "freed (a miss; further ones are counted in stats(), not "
+                                 "logged)")
 
     # -- the Tier's part behind the pool ---------------------------------------------------
     held = run
 
     def fetch(self, keys, ns_digest: bytes, block_bytes: int,
               budget_s: float | None = None) -> list:
-        """The leading run of `keys` the store holds, read and verified."""
+        """The leading run of `keys` the store holds, read and verified:
+        blocks in adjacent slots are read with one preadv into one buffer,
+        each verified as get() does; the first block that does not verify
+        goes through get() (a miss, freed when corrupt) and ends the run."""
         out: list = []
         if not self.run(keys[:1]):
             return out
+        t0 = time.perf_counter()
+        try:
+            return self._fetch([bytes(k) for k in keys], ns_digest, block_bytes)
+        finally:
+            self._bump("read_s", time.perf_counter() - t0)
+
+    def _buffers(self, length: int, n: int) -> list:
+        """n buffers of `length` bytes for fetch: reused ones no view of
+        which is alive any more (a returned memoryview holds a reference to
+        its array), else new ones (kept up to FETCH_BUFFERS per size).
+        Fresh buffers for a run of blocks would be fresh pages, faulted in
+        on every read: slower than the read itself."""
+        out = []
+        with self._bmu:
+            pool = self._bufs.setdefault(length, [])
+            for a in pool:
+                if len(out) == n:
+                    break
+                if sys.getrefcount(a) <= 3:          # the pool, `a`, the call's argument
+                    out.append(a)
+            while len(out) < n:
+                a = np.empty(length, dtype=np.uint8)
+                if len(pool) < FETCH_BUFFERS:
+                    pool.append(a)
+                out.append(a)
+        return out
+
+    def _fetch(self, keys: list, ns_digest: bytes, length: int) -> list:
+        out: list = []
+        locs = []                                  # (slot file, slot, header, payload sum)
         for k in keys:
-            b = self.get(bytes(k), ns_digest, block_bytes)
-            if b is None:
+            where = self._where(k, length)
+            if where is None:
                 break
-            out.append(b)
+            sf, slot = where
+            raw = sf.raw_header(slot)
+            p = files.parse(raw)
+            if p is None or p[0] != k or p[1] != ns_digest or p[2] != length:
+                break
+            locs.append((sf, slot, raw, p[3]))
+        bufs = self._buffers(length, len(locs))
+        i = 0
+        while i < len(locs):                       # runs of adjacent slots: one preadv
+            sf, j = locs[i][0], i + 1
+            while (j < len(locs) and locs[j][0] is sf and locs[j][1] == locs[j - 1][1] + 1
+                   and length == sf.sbytes):
+                j += 1
+            try:
+                n = os.preadv(sf.fd, bufs[i:j], sf.payload_off(locs[i][1]))
+            except OSError:
+                n = 0
+            for m in range(i, j):
+                sfm, slot, raw, psum = locs[m]
+                view = memoryview(bufs[m])
+                if (n < (m - i + 1) * length or sfm.raw_header(slot) != raw
+                        or xxhash.xxh3_64_intdigest(view) != psum):
+                    b = self._get(keys[m], ns_digest, length)    # the careful path
+                    if b is not None:
+                        out.append(b)
+                    self._bump("hits", len(out) - (1 if b is not None else 0))
+                    return out
+                if self.mode == "reader":
+                    sfm.touch(slot)
+                    self._remember(keys[m], files.HDR_SIZE + sfm.sbytes, 0, (sfm.sbytes, slot))
+                out.append(view)
+            i = j
+        self._bump("hits", len(out))
+        if len(locs) < len(keys):                  # the run ends: as get() would tell
+            b = self._get(keys[len(locs)], ns_digest, length)
+            if b is not None:
+                out.append(b)
+                out.extend(self._fetch(keys[len(out):], ns_digest, length))
         return out
 
     def promoted(self, blocks: int) -> None:
@@ -623,6 +979,10 @@ class SpillStore(Tier):
         for k in COUNTERS:
             out[k] = counters.get(k, 0)
         out["dropped"] = sum(v for k, v in counters.items() if k.startswith("dropped_"))
+        # seconds this process's writers spent writing batches (summed over
+        # threads) and its readers reading and verifying blocks
+        out["write_s"] = counters.get("write_s", 0.0)
+        out["read_s"] = counters.get("read_s", 0.0)
         return out
 
     def close(self, timeout: float | None = None) -> bool:
@@ -652,6 +1012,10 @@ class SpillStore(Tier):
                     os.close(fd)
                 except OSError:
                     pass
+        for sf in list(self._files.values()) + self._retired:
+            sf.close()
+        self._files.clear()
+        self._retired.clear()
         u, self._usage = self._usage, None
         if u is not None:
             u.close()

@@ -1,11 +1,13 @@
 """``DIR/.usage``: the spill store's shared byte count and the readers'
 journal, one file the processes of the host share.
 
-A 64-byte header (magic, version, reserved, published file bytes, the
-owner's limit, the owner's pid), then the readers' journal: 24-byte records
-of (key, file bytes) of the files they published, which the owner folds
-into its index.  Every change is made under an exclusive flock of the file
-(`Usage.locked`), held briefly and by one thread of the process at a time.
+A 64-byte header (magic, version, the generation of the slot files -
+bumped whenever one is made, so that every process opens it -, published
+bytes (slots and their headers), the owner's limit, the owner's pid), then
+the readers' journal: 24-byte records of (key, bytes) of the blocks they
+published, which the owner folds into its index.  Every change is made
+under an exclusive flock of the file (`Usage.locked`), held briefly and by
+one thread of the process at a time.
 """
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ import struct
 import threading
 
 USAGE_MAGIC = b"CXLKVSU\0"
-USAGE_VERSION = 1
+USAGE_VERSION = 2                  # 1: the one-file-per-block store
 USAGE = struct.Struct("<8sIIQQQ")
 USAGE_SIZE = 64
+_GEN = 12
 _USED = 16
 REC = struct.Struct("<16sQ")
 
@@ -55,6 +58,18 @@ class Usage:
             return None
         return used, limit
 
+    def gen(self) -> int:
+        """The slot files' generation (0 when not set up)."""
+        try:
+            raw = os.pread(self.fd, 4, _GEN)
+        except OSError:
+            return 0
+        return struct.unpack("<I", raw)[0] if len(raw) == 4 else 0
+
+    def bump_gen(self) -> None:
+        """Locked: a slot file was made."""
+        os.pwrite(self.fd, struct.pack("<I", (self.gen() + 1) & 0xFFFFFFFF), _GEN)
+
     def set_used(self, used: int) -> None:
         """Locked."""
         os.pwrite(self.fd, struct.pack("<Q", used), _USED)
@@ -67,15 +82,24 @@ class Usage:
     def reset(self, used: int, limit: int) -> None:
         """The owner, locked: a new header (this process the owner) and an
         empty journal."""
-        os.pwrite(self.fd, USAGE.pack(USAGE_MAGIC, USAGE_VERSION, 0, used, limit,
+        gen = (self.gen() + 1) & 0xFFFFFFFF
+        os.pwrite(self.fd, USAGE.pack(USAGE_MAGIC, USAGE_VERSION, gen, used, limit,
                                       os.getpid()).ljust(USAGE_SIZE, b"\0"), 0)
         os.ftruncate(self.fd, USAGE_SIZE)
 
     def append(self, key: bytes, size: int) -> None:
-        """A reader, locked: journal a file it published."""
+        """A reader, locked: journal a block it published."""
         end = os.fstat(self.fd).st_size
         end = USAGE_SIZE + max(0, end - USAGE_SIZE) // REC.size * REC.size
         os.pwrite(self.fd, REC.pack(key, size), end)
+
+    def append_many(self, recs) -> None:
+        """A reader, locked: journal blocks it published ((key, bytes) each)."""
+        if not recs:
+            return
+        end = os.fstat(self.fd).st_size
+        end = USAGE_SIZE + max(0, end - USAGE_SIZE) // REC.size * REC.size
+        os.pwrite(self.fd, b"".join(REC.pack(k, n) for k, n in recs), end)
 
     def take_records(self) -> list[tuple[bytes, int]]:
         """The owner: the journal's records, emptying it (locks the file

@@ -1,0 +1,440 @@
+"""The spill store's slot files (cxlkv.kv.tiers.spill.files): the on-disk
+layout pinned; torn and damaged slots are misses, never wrong bytes; a
+writer killed mid-spill leaves a store whose index the next owner rebuilds
+from the slot headers, every surviving block intact; several processes of
+one host share one store; a full store evicts its least recently used
+blocks; the old one-file-per-block format is migrated."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import xxhash
+
+from cxlkv.kv.tiers import spill
+from cxlkv.kv.tiers.spill import files
+
+NSD = b"n" * 16
+BB = 64 * 1024
+FP = spill.footprint(BB)
+
+
+def key(i: int) -> bytes:
+    return struct.pack("<QQ", i * 0x9E3779B97F4A7C15 & (2**64 - 1), i)
+
+
+def payload(k: bytes, n: int = BB) -> bytes:
+    """Test block bytes: derived from the key alone (a wrong block shows)."""
+    return (k * (n // 16 + 1))[:n]
+
+
+def live(d) -> dict[bytes, int]:
+    """key -> slot size of every LIVE slot whose header verifies under `d`."""
+    out = {}
+    for f in d.glob("slots-*.dat"):
+        sf = spill.SlotFile.open(f, writable=False)
+        for k, _, _, _ in sf.live():
+            assert k not in out, "one key in two slots"
+            out[k] = sf.sbytes
+        sf.close()
+    return out
+
+
+def poke(path, off, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(off)
+        f.write(data)
+
+
+# -- layout --------------------------------------------------------------------------------
+
+def test_slot_header_layout_is_pinned():
+    """The 72-byte slot header, the file header and the file geometry, as
+    written by this version (a change is a format version bump)."""
+    assert files.HDR.format == "<4sBBHII16s16sQ" and files.HDR.size == 56
+    assert files.HDR_SIZE == 72 and files.MAGIC == b"CXSB" and files.VERSION == 2
+    assert (files.FREE, files.WRITING, files.LIVE) == (0, 1, 2)
+    h = files.header(bytes(range(16)), b"N" * 16, 1000, 0x1122334455667788, 7)
+    assert h.hex() == (
+        "43585342" "02" "02" "0000" "e8030000" "00000000"            # magic ver state - len -
+        "000102030405060708090a0b0c0d0e0f" + "4e" * 16 +             # key, namespace digest
+        "8877665544332211" "4eac6a59fb4d7e03" "0700000000000000")    # payload sum, hdr sum, stamp
+    assert struct.unpack_from("<Q", h, 56)[0] == xxhash.xxh3_64_intdigest(h[:56])
+    assert files.parse(h) == (bytes(range(16)), b"N" * 16, 1000, 0x1122334455667788)
+    assert files.FILE_HDR.format == "<8sIIQQQQ" and files.FILE_MAGIC == b"CXLKVSF\0"
+    assert files.geometry(4096, 3) == {
+        "slot_bytes": 4096, "slots": 3, "entries": 16, "window": 16, "index_off": 4096,
+        "hdr_off": 8192, "data_off": 12288, "size": 24576}
+    g = files.geometry(BB, 1000)
+    assert (g["entries"], g["window"]) == (4096, 64)
+    assert g["data_off"] % 4096 == 0 and g["size"] == g["data_off"] + 1000 * BB
+    assert files.slot_bytes(1) == files.slot_bytes(4096) == 4096 and files.slot_bytes(4097) == 8192
+    assert spill.footprint(BB) == BB + 72 and spill.file_name(BB) == "slots-65536.dat"
+    assert spill.USAGE.format == "<8sIIQQQ" and spill.USAGE_VERSION == 2 and spill.REC.size == 24
+
+
+def test_mapped_views_match_the_header_layout(tmp_path):
+    """The numpy views of a slot file (states, stamps, index) read the
+    fields the header layout says."""
+    sf = files.SlotFile.create(tmp_path / files.file_name(4096), 4096, 5)
+    try:
+        s = sf.claim(key(1), 4242)
+        assert sf.states[s] == files.WRITING and sf.stamps[s] == 4242
+        sf.publish(s, files.header(key(1), NSD, 10, 99, 1234))
+        assert sf.states[s] == files.LIVE and sf.stamps[s] == 1234 and sf.find(key(1)) == s
+        raw = open(sf.path, "rb").read()
+        o = sf.hdr_off(s)
+        assert raw[o + 5] == files.LIVE and raw[o + 16:o + 32] == key(1)
+        assert struct.unpack_from("<Q", raw, o + 64)[0] == 1234
+        words = np.frombuffer(raw, "<u8", count=sf.geo["entries"], offset=4096)
+        assert (s + 1) in (words & 0xFFFFFFFF).tolist()
+        assert sf.claim(key(1), 1) == "already"
+    finally:
+        sf.close()
+
+
+# -- torn and damaged slots ------------------------------------------------------------------
+
+DAMAGE = ["payload-bit", "header-bit", "header-sum", "writing", "truncated", "other-payload"]
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_torn_or_damaged_slot_is_a_miss_never_wrong_bytes(tmp_path, damage):
+    d = tmp_path / "s"
+    st = spill.SpillStore(d, 64 * FP, writers=1)
+    for i in range(4):
+        st.offer(key(i), NSD, payload(key(i)))
+    st.flush()
+    offs = [st.locate(key(i), BB)[1] for i in range(4)]
+    assert offs == sorted(offs)                          # one batch: slots in order
+    path, off, hoff = st.locate(key(1), BB)
+    if damage == "payload-bit":
+        poke(path, off + BB - 1, bytes([payload(key(1))[-1] ^ 0x80]))
+    elif damage == "header-bit":                       # the length: the header sum fails
+        poke(path, hoff + 9, b"\x7f")
+    elif damage == "header-sum":
+        poke(path, hoff + 56, bytes(8))
+    elif damage == "writing":                          # a crash between payload and header
+        poke(path, hoff + 5, bytes([files.WRITING]))
+    elif damage == "truncated":                        # cut inside block 1's payload
+        with open(path, "r+b") as f:
+            f.truncate(off + BB // 3)
+    elif damage == "other-payload":                    # block 2's bytes under 1's header
+        poke(path, off, payload(key(2)))
+    expect_ok = [0] if damage == "truncated" else [0, 2, 3]     # cut: 2 and 3 are gone too
+    assert st.get(key(1), NSD, BB) is None             # a miss ...
+    assert st.get(key(1), NSD, BB) is None             # ... that stays one
+    for i in (0, 2, 3):                                # the others are intact (or cut)
+        assert st.get(key(i), NSD, BB) == (payload(key(i)) if i in expect_ok else None)
+    s = st.stats()
+    assert s["corrupt"] == (0 if damage == "writing" else 1) + (
+        0 if damage != "truncated" else 3 - len(expect_ok))
+    if damage != "writing":
+        assert st.locate(key(1), BB) is None           # its slot freed, its bytes off the count
+    st.close()
+    st = spill.SpillStore(d, 64 * FP, writers=1)     # the next owner frees a WRITING slot
+    try:                                               # whose writer is gone
+        assert st.locate(key(1), BB) is None and st.get(key(1), NSD, BB) is None
+        assert st.stats()["used_bytes"] == len(live(d)) * FP == st.stats()["blocks"] * FP
+    finally:
+        st.close()
+
+
+def test_a_slot_rewritten_while_read_is_a_miss(tmp_path):
+    """The header is read before and after the payload: a slot freed and
+    given to another block between the two is a miss, not that block."""
+    st = spill.SpillStore(tmp_path / "s", 64 * FP, writers=1)
+    try:
+        st.offer(key(1), NSD, payload(key(1)))
+        st.flush()
+        sf = st._files[BB]
+        slot = sf.find(key(1))
+        real = sf.read
+
+        def racing_read(s, n, buf):                  # the owner reuses the slot meanwhile
+            ok = real(s, n, buf)
+            sf.release(s, key(1))
+            sf.cursor = s                            # the freed slot is the next one
+            t = sf.claim(key(9), 1)
+            assert t == s
+            files.write_all(sf.fd, [payload(key(9))], sf.payload_off(s))
+            sf.publish(s, files.header(key(9), NSD, BB,
+                                       xxhash.xxh3_64_intdigest(payload(key(9))), 5))
+            return ok
+
+        sf.read = racing_read
+        assert st.get(key(1), NSD, BB) is None
+        sf.read = real
+        assert st.stats()["corrupt"] == 0 and st.stats()["misses"] == 1
+        assert sf.find(key(9)) == slot
+    finally:
+        st.close()
+
+
+# -- a writer killed mid-spill -----------------------------------------------------------------
+
+WRITER = r"""
+import struct, sys, threading
+from cxlkv.kv.tiers import spill
+from cxlkv.kv.tiers.spill import files
+d, limit = sys.argv[1], int(sys.argv[2])
+armed = threading.Event()
+if sys.argv[4] == "in-write":      # once armed: stop a writer between payload and header
+    real = files.write_all
+    told = threading.Lock()
+    def write_all(fd, bufs, off):
+        real(fd, bufs, off)
+        if armed.is_set():
+            if told.acquire(blocking=False):   # one line, from the first writer held
+                sys.stdout.write("in-write\n")     # one write: lines do not interleave
+                sys.stdout.flush()
+            threading.Event().wait()          # held there until killed
+    files.write_all = write_all
+st = spill.SpillStore(d, limit, mode=sys.argv[3], writers=2, queue_bytes=4 << 20)
+BB = 64 * 1024
+def key(i):
+    return struct.pack("<QQ", i * 0x9E3779B97F4A7C15 & (2**64 - 1), i)
+i = 0
+while True:                        # spill until killed
+    for _ in range(32):
+        k = key(i)
+        st.offer(k, b"n" * 16, (k * (BB // 16 + 1))[:BB])
+        i += 1
+    if i % 256 == 0:
+        st.flush()
+        sys.stdout.write(f"{st.stats()['written']}\n")
+        sys.stdout.flush()
+        if i == 3 * 256:
+            armed.set()
+"""
+
+
+@pytest.mark.parametrize("mode,when", [("owner", "in-write"), ("reader", "in-write"),
+                                       ("owner", "any")])
+def test_a_writer_killed_mid_spill_leaves_a_store_the_next_owner_rebuilds(tmp_path, mode, when):
+    """SIGKILL a process spilling: while a writer has payloads written and
+    their headers not yet (WRITING slots: deterministic), or at whatever
+    instant it is at."""
+    d = tmp_path / "s"
+    limit = 96 * FP                          # smaller than what is written: slots are reused
+    holder = spill.SpillStore(d, limit, writers=1) if mode == "reader" else None
+    p = subprocess.Popen([sys.executable, "-c", WRITER, str(d), str(limit), mode, when],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        for n in range(200):                 # it has spilled (and evicted) a few rounds
+            line = p.stdout.readline().strip()
+            if line == "in-write" or (when == "any" and n == 3):
+                break
+            assert line.isdigit()
+            if holder is not None:           # the owner frees room for the reader's writes
+                holder.maintain()
+        assert line == "in-write" or when == "any"
+        os.kill(p.pid, signal.SIGKILL)       # ... and is writing the next batch
+        p.wait(30)
+        if when == "in-write":               # torn: claimed slots with payloads, no headers
+            sf = spill.SlotFile.open(d / spill.file_name(BB), writable=False)
+            assert (sf.states == files.WRITING).any()
+            sf.close()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)
+    if holder is not None:
+        holder.close()
+    st = spill.SpillStore(d, limit, writers=1)             # the next owner
+    try:
+        assert st.mode == "owner"
+        for sf in st._files.values():                      # no slot left claimed by the dead
+            assert not (sf.states == files.WRITING).any()
+        on_disk = live(d)
+        s = st.stats()
+        assert 0 < s["blocks"] == len(on_disk) and s["used_bytes"] == len(on_disk) * FP <= limit
+        for k in on_disk:                                  # every surviving block verifies
+            assert st.get(k, NSD, BB) == payload(k)
+        assert st.stats()["corrupt"] == 0 and st.stats()["hits"] == len(on_disk)
+        st.offer(key(10**6), NSD, payload(key(10**6)))    # and the store goes on
+        st.flush()
+        assert st.get(key(10**6), NSD, BB) == payload(key(10**6))
+    finally:
+        st.close()
+
+
+# -- several processes of one host ---------------------------------------------------------
+
+READER = r"""
+import struct, sys
+from cxlkv.kv.tiers import spill
+BB = 64 * 1024
+def key(i):
+    return struct.pack("<QQ", i * 0x9E3779B97F4A7C15 & (2**64 - 1), i)
+def payload(k):
+    return (k * (BB // 16 + 1))[:BB]
+st = spill.SpillStore(sys.argv[1], 0, mode="reader", writers=2)
+lo, hi = int(sys.argv[2]), int(sys.argv[3])
+for i in range(lo, hi):
+    while not st.offer(key(i), b"n" * 16, payload(key(i))):
+        if st.run([key(i)]):
+            break                 # the other reader stored it first
+        st.flush()
+st.flush()
+print("written", st.stats()["written"], st.stats()["already"], flush=True)
+a, b = map(int, sys.stdin.readline().split())
+good = wrong = missing = 0
+for i in range(a, b):
+    got = st.get(key(i), b"n" * 16, BB)
+    if got is None:
+        missing += 1
+    elif bytes(got) == payload(key(i)):
+        good += 1
+    else:
+        wrong += 1
+print("read", good, wrong, missing, flush=True)
+st.close()
+"""
+
+
+def test_several_processes_share_one_store(tmp_path):
+    """An owner and two reader processes writing overlapping blocks at the
+    same time: every key in one slot, each process reads all the others
+    wrote bit-exact, the owner finds the readers' blocks and the count
+    matches the slots."""
+    d = tmp_path / "s"
+    own = spill.SpillStore(d, 256 * FP)
+    procs = [subprocess.Popen([sys.executable, "-c", READER, str(d), str(lo), str(hi)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for lo, hi in ((0, 60), (30, 90))]
+    try:
+        for i in range(90, 130):                         # the owner writes meanwhile
+            own.offer(key(i), NSD, payload(key(i)))
+        own.flush()
+        wrote = [p.stdout.readline().split() for p in procs]
+        assert all(w[0] == "written" for w in wrote)
+        assert sum(int(w[1]) for w in wrote) == 90       # each overlapping key written once
+        for p in procs:
+            p.stdin.write("0 130\n")
+            p.stdin.flush()
+        for p in procs:
+            _, good, wrong, missing = p.stdout.readline().split()
+            assert (int(good), int(wrong), int(missing)) == (130, 0, 0)
+            assert p.wait(60) == 0
+        own.maintain()                                   # folds the readers' journal in
+        s = own.stats()
+        assert s["discovered"] == 90 and s["blocks"] == 130
+        on_disk = live(d)
+        assert len(on_disk) == 130 and s["used_bytes"] == 130 * FP
+        for i in range(130):
+            assert own.get(key(i), NSD, BB) == payload(key(i))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)
+        own.close()
+
+
+# -- a full store ------------------------------------------------------------------------------
+
+def test_a_full_store_evicts_its_least_recently_used_blocks(tmp_path):
+    d = tmp_path / "s"
+    k = 16
+    st = spill.SpillStore(d, k * FP, queue_bytes=64 * BB, writers=1)   # in offer order
+    try:
+        for i in range(k):
+            st.offer(key(i), NSD, payload(key(i)))
+        st.flush()
+        for i in range(k // 2):                          # the first half used again
+            assert st.get(key(i), NSD, BB) == payload(key(i))
+        for i in range(k, k + k // 2):                   # one batch: half a store more
+            st.offer(key(i), NSD, payload(key(i)))
+        st.flush()
+        held = [i for i in range(k + k // 2) if st.run([key(i)])]
+        assert held == list(range(k // 2)) + list(range(k, k + k // 2))
+        for i in range(3 * k, 6 * k):                    # three stores more, queued at once
+            st.offer(key(i), NSD, payload(key(i)))
+        st.flush()
+        s = st.stats()
+        held = [i for i in range(6 * k) if st.run([key(i)])]
+        assert held == list(range(5 * k, 6 * k))         # the most recent store-full
+        assert s["used_bytes"] == k * FP and s["blocks"] == k == len(live(d))
+        assert s["evicted"] == k // 2 + 3 * k and s["dropped"] == 0
+        for i in held:
+            assert st.get(key(i), NSD, BB) == payload(key(i))
+        # a block of another size gets its own slot file, under the same limit
+        st.offer(key(7777), NSD, payload(key(7777), 3000))
+        st.flush()
+        assert st.get(key(7777), NSD, 3000) == payload(key(7777), 3000)
+        assert st.stats()["used_bytes"] <= k * FP and len(list(d.glob("slots-*.dat"))) == 2
+    finally:
+        st.close()
+
+
+# -- the old format ----------------------------------------------------------------------------
+
+def _legacy_file(d, k: bytes, data: bytes, nsd: bytes = NSD) -> None:
+    hdr = files.LEGACY_HDR.pack(files.LEGACY_MAGIC, 1, 0, k, nsd, len(data),
+                                xxhash.xxh3_64_intdigest(data))
+    f = d / k.hex()[:2] / (k.hex() + ".blk")
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_bytes(hdr + struct.pack("<Q", xxhash.xxh3_64_intdigest(hdr)) + data)
+
+
+def test_a_directory_of_the_old_format_is_migrated(tmp_path, caplog):
+    """A store left by the one-file-per-block version: its owner moves the
+    blocks that verify into slot files, drops the rest, removes the old files."""
+    d = tmp_path / "s"
+    for i in range(5):
+        _legacy_file(d, key(i), payload(key(i)))
+    _legacy_file(d, key(5), payload(key(5)))
+    bad = d / key(5).hex()[:2] / (key(5).hex() + ".blk")
+    raw = bytearray(bad.read_bytes())
+    raw[100] ^= 1
+    bad.write_bytes(bytes(raw))                          # does not verify: dropped
+    (d / "ab").mkdir(exist_ok=True)
+    (d / "ab" / ("ab" * 16 + ".1.1.1.tmp")).write_bytes(b"x")
+    with caplog.at_level(logging.WARNING, logger="cxlkv.kv.tiers.spill"):
+        st = spill.SpillStore(d, 64 * FP)
+    try:
+        assert [r.getMessage() for r in caplog.records if "migrated" in r.getMessage()] == [
+            f"spill: {d}: migrated 5 spilled blocks from the one-file-per-block format into "
+            "slot files (1 dropped: not verifying or not fitting)"]
+        assert not list(d.rglob("*.blk")) and not list(d.rglob("*.tmp"))
+        assert not [p for p in d.iterdir() if p.is_dir()]
+        for i in range(5):
+            assert st.get(key(i), NSD, BB) == payload(key(i))
+        assert st.get(key(5), NSD, BB) is None
+        assert st.stats()["used_bytes"] == 5 * FP and sorted(live(d)) == sorted(
+            key(i) for i in range(5))
+    finally:
+        st.close()
+
+
+# -- promotion reads runs --------------------------------------------------------------------
+
+def test_fetch_reads_a_run_and_stops_at_a_block_that_does_not_verify(tmp_path):
+    """fetch (what promotion calls) reads adjacent slots in one go and
+    verifies each block: it returns the run up to the first block that is
+    missing or damaged (freed, counted), bit-exact."""
+    st = spill.SpillStore(tmp_path / "s", 64 * FP, writers=1)
+    try:
+        ks = [key(i) for i in range(8)]
+        for k in ks:
+            st.offer(k, NSD, payload(k))
+        st.flush()
+        got = st.fetch(ks, NSD, BB)
+        assert [bytes(b) for b in got] == [payload(k) for k in ks]
+        path, off, _ = st.locate(ks[5], BB)
+        poke(path, off + 4096, b"\xff" * 8)                 # block 5 damaged
+        got = st.fetch(ks, NSD, BB)
+        assert [bytes(b) for b in got] == [payload(k) for k in ks[:5]]
+        s = st.stats()
+        assert s["corrupt"] == 1 and s["hits"] == 13 and st.locate(ks[5], BB) is None
+        assert len(st.fetch(ks[:3] + [key(99)] + ks[3:], NSD, BB)) == 3   # a missing block
+        assert st.fetch(ks, b"x" * 16, BB) == []            # another namespace: nothing
+    finally:
+        st.close()
