@@ -164,3 +164,18 @@ def test_captured_failures_are_what_the_tools_printed():
     assert cmd(LIVE, "err-cxl-list-L")["stderr"].strip().startswith("Error: unknown switch")
     assert "unknown option" in cmd(LIVE, "err-cxl-list-media-errors")["stderr"]
     assert cmd(LIVE, "err-inject-unaligned")["rc"] != 0
+
+
+OLD_NEEDED = pytest.mark.skipif(not OLD.exists(), reason=f"no capture in {OLD}")
+
+
+@OLD_NEEDED
+def test_kernel_61_and_qemu_72_cannot_inject_and_say_so():
+    """What the bookworm defaults printed (recorded, not assumed)."""
+    qmp = json.loads((OLD / "qmp.json").read_text())
+    assert all(x["response"]["error"]["class"] == "CommandNotFound" for x in qmp[2:])
+    assert "inject_poison" not in cmd(OLD, "ls-debugfs-cxl")["stdout"]
+    assert cmd(OLD, "ls-events-cxl")["rc"] != 0           # no cxl trace events at all
+    assert "Permission denied" in cmd(OLD, "trigger-poison-list")["stderr"]
+    assert poison.parse_trace(cmd(OLD, "trace-after-list")["stdout"]) == []
+    assert "cxl_trace_event_enable() failed" in (OLD / "cxl-monitor.stderr").read_text()
