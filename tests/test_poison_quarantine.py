@@ -166,3 +166,83 @@ def test_captured_poison_quarantines_the_offsets_the_guest_wrote(kvpool, cli, mo
     assert listed == set(got)
     assert r.code == (2 if any(x["critical"] for x in doc["results"]) else 0)
     del chunk
+
+
+# -- health figures from cxl list -H (ndctl's field names; QEMU reports none) -------------
+
+def _device(**health_fields):
+    from cxlkv.host import discovery
+    h = discovery.health({"memdev": "mem0", "health": health_fields})
+    return {"device": "dax0.0", "memdevs": [{"memdev": "mem0", **h}], "temperature_c": None,
+            "alarms": [], "error": None}
+
+
+@pytest.mark.parametrize("fields,want", [
+    ({"life_used_percent": 10, "dirty_shutdowns": 0, "volatile_errors": 0}, health.OK),
+    ({"life_used_percent": 85}, health.WARNING),
+    ({"life_used_percent": 97}, health.CRITICAL),
+    ({"dirty_shutdowns": 2}, health.WARNING),
+    ({"volatile_errors": 5}, health.WARNING),
+    ({"volatile_errors": 100}, health.CRITICAL),
+])
+def test_wear_figures_have_thresholds(fields, want):
+    h = health.Health("/dev/dax0.0")
+    health.add_wear(h, _device(**fields), health.Thresholds())
+    assert max(c.status for c in h.checks) == want
+    assert {p[0] for p in h.perf} == {k.replace("_percent", "") for k in fields}
+
+
+def test_a_device_without_health_adds_nothing():
+    h = health.Health("/dev/dax0.0")
+    health.add_wear(h, {"device": "dax0.0", "memdevs": [{"memdev": "mem0"}]},
+                    health.Thresholds())
+    assert h.checks == [] and h.perf == []
+
+
+# -- the serve path: follow the trace, quarantine what is new ----------------------------
+
+@pytest.mark.skipif(not LIVE.exists(), reason=f"no capture in {LIVE}")
+def test_follower_reports_each_record_once_and_the_agent_quarantines_it(kvpool, tmp_path,
+                                                                       monkeypatch):
+    import shutil
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter
+
+    from cxlkv.daemons.agent import Agent
+    from cxlkv.host import poison
+
+    root = tmp_path / "sys"
+    shutil.copytree(LIVE / "sysfs" / "poison" / "sys", root, symlinks=True)
+    tracing = root / "kernel" / "tracing"
+    (tracing / "events" / "cxl" / "cxl_poison").mkdir(parents=True)
+    (root / "bus" / "cxl" / "devices" / "mem0").mkdir(exist_ok=True)
+    monkeypatch.setenv("CXLKV_SYSFS_ROOT", str(root))
+    full = json.loads((LIVE / "commands" / "poison" / "trace-after-clear.json").read_text())
+    lines = full["stdout"].splitlines(keepends=True)
+    half = len(lines) // 2
+    (tracing / "trace").write_text("".join(lines[:half]))
+    f = poison.Follower(["mem0"])
+    assert f.start() == []
+    assert (tracing / "events" / "cxl" / "cxl_poison" / "enable").read_text() == "1\n"
+    first = f.poll()
+    (tracing / "trace").write_text("".join(lines))
+    second = f.poll()
+    assert f.poll() == []
+    assert len(first) + len(second) == sum("cxl_poison:" in x for x in lines)
+    tr = poison.Translator(pool_dax=None, pool_size=32 << 20)
+    reg = CollectorRegistry()
+    events = []
+    with cxlkv.open_pool(kvpool) as pool:
+        fake = SimpleNamespace(
+            pool=pool, event=lambda lvl, msg, **kw: events.append((lvl, msg)),
+            metrics=SimpleNamespace(poison_records=Counter("x", "x", ["outcome"],
+                                                           registry=reg)))
+        for rec in first + second:
+            Agent._on_poison(fake, tr, rec)
+        listed = {e["offset"] for e in alloc.retired(pool)}
+    assert 0x100000 in listed                      # the QMP range (dpa 0x700000), first list
+    outcome = {s.labels["outcome"]: s.value for m in reg.collect() for s in m.samples
+               if s.name == "x_total"}
+    assert outcome["cleared"] == 1 and outcome["outside-pool"] >= 1
+    assert outcome.get("quarantined", 0) + outcome.get("critical", 0) >= 2
