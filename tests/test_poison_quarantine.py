@@ -246,3 +246,22 @@ def test_follower_reports_each_record_once_and_the_agent_quarantines_it(kvpool, 
                if s.name == "x_total"}
     assert outcome["cleared"] == 1 and outcome["outside-pool"] >= 1
     assert outcome.get("quarantined", 0) + outcome.get("critical", 0) >= 2
+
+
+def test_fsck_repair_keeps_a_retired_slab_out_of_use(kvpool):
+    from cxlkv.ops.repair import repair
+    with cxlkv.open_pool(kvpool) as pool:
+        fill(pool, 16)
+        bad = int(payloads(pool)[5])
+        (c,) = quarantine(pool, bad, 64)["retired_chunks"]
+        data_off, chunk, _, base = alloc.geometry(pool)
+        ctl = pool.mapping.load64(base + c * layout.CHUNK_DESC_SIZE)
+        head = c if ctl & 0xFF == layout.CHUNK_HEAD else ctl >> 8
+    repair(kvpool, force=True)
+    with Pool.open(kvpool, writable=False) as p:
+        _, _, _, base = alloc.geometry(p)
+        owner = p.mapping.load64(base + head * layout.CHUNK_DESC_SIZE + 8)
+        assert owner in (alloc.RETIRED_OWNER, 0) and alloc.bitmap(p)[c]
+        if owner == 0:      # released (it was empty): the chunk stays retired
+            assert p.mapping.load64(base + c * layout.CHUNK_DESC_SIZE) & 0xFF == 0
+    fsck_clean(kvpool)

@@ -7,7 +7,9 @@ Where poison records come from (what the lab captured, tests/fixtures/lab/poison
   when 1 is written to /sys/bus/cxl/devices/memX/trigger_poison_list
   (trace_type=List), for debugfs inject_poison / clear_poison (Inject /
   Clear), and for poison the device reports by itself;
-* `cxl monitor` (ndctl), which prints each cxl trace event as one JSON object;
+* `cxl monitor` (ndctl), which prints each cxl trace event as one JSON object
+  (flat: memdev, dpa, hpa, dpa_length as numbers, trace_type and source as
+  codes; stop it with SIGINT, or its buffered output is lost);
 * `cxl list --media-errors` (ndctl 80+) - not in Debian bookworm's ndctl 76.1,
   so not parsed here (nothing real to test it against).
 
@@ -130,11 +132,20 @@ def parse_monitor(text: str) -> list[PoisonRecord]:
             raise UsageError(f"cxl monitor output line {n} is not JSON: {e}") from None
         if not isinstance(ev, dict) or ev.get("event") != "cxl_poison":
             continue
-        data = dict(ev.get("data") or {})
+        # ndctl 76.1 prints the event's fields at the top level, numbers as
+        # numbers (trace_type 0 List, 1 Inject, 2 Clear; source as in SOURCES)
+        data = {**ev, **(ev.get("data") or {})}
+        for key, names in (("trace_type", _TRACE_TYPE_CODES), ("source", _SOURCE_CODES)):
+            if isinstance(data.get(key), int):
+                data[key] = names.get(data[key], "Reserved")
         ts = ev.get("timestamp")
         out.append(_record(data, origin="monitor",
                            ts=ts / 1e9 if isinstance(ts, (int, float)) else None))
     return out
+
+
+_TRACE_TYPE_CODES = {0: "List", 1: "Inject", 2: "Clear"}
+_SOURCE_CODES = {0: "Unknown", 1: "External", 2: "Internal", 3: "Injected", 7: "Vendor"}
 
 
 def current_poison(records: list[PoisonRecord]) -> list[PoisonRecord]:

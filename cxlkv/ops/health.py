@@ -14,8 +14,11 @@ Checks and their statuses (Nagios: 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN):
               health) whose deadline came before it could judge a node of
               another host (that takes a lease of watching) -> WARNING
   lock-manager  sync mode manager and no lock manager heartbeat -> CRITICAL
+  poison      retired (poisoned) chunks in the pool's list >= warn / crit ->
+              WARNING / CRITICAL; any poisoned range in pool metadata -> CRITICAL
   device      CXL device temperature >= warn / crit, health alarms -> WARNING /
-              CRITICAL; unknown (a file-backed pool, a device reporting no
+              CRITICAL; life used, dirty shutdowns, volatile errors (cxl list
+              -H) against their thresholds; unknown (a file-backed pool, a device reporting no
               health, tools that did not answer within the time left) adds
               nothing: it never hides the pool's own verdict
   (the agent adds `agent`: its own node fenced or its threads gone -> CRITICAL)
