@@ -179,3 +179,17 @@ def test_kernel_61_and_qemu_72_cannot_inject_and_say_so():
     assert "Permission denied" in cmd(OLD, "trigger-poison-list")["stderr"]
     assert poison.parse_trace(cmd(OLD, "trace-after-list")["stdout"]) == []
     assert "cxl_trace_event_enable() failed" in (OLD / "cxl-monitor.stderr").read_text()
+
+
+@needs_live
+def test_cxl_monitor_saw_the_same_records_as_tracefs():
+    # 76.1 writes the events to stderr (its log), one JSON object a line
+    mon = "".join(x for f in ("cxl-monitor.stdout", "cxl-monitor.stderr")
+                  for x in (LIVE / f).read_text(errors="replace").splitlines(keepends=True)
+                  if x.startswith("{"))
+    if not mon.strip():
+        pytest.skip("this capture's cxl monitor printed nothing (see its README.txt)")
+    recs = poison.parse_monitor(mon)
+    trace = poison.parse_trace(cmd(LIVE, "trace-after-clear")["stdout"])
+    key = (lambda r: (r.memdev, r.dpa, r.length, r.trace_type, r.hpa, r.source))
+    assert [key(r) for r in recs] == [key(r) for r in trace]
