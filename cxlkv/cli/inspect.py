@@ -288,6 +288,11 @@ def render(app: Application, rep: dict) -> None:
         rows.append(("kv", f"{kv['entries']} of {kv['max_entries']} entries "
                            f"({kv['load_pct']}% load), {human_size(kv['used_bytes'])} in "
                            f"{len(kv['namespaces'])} namespace(s), {kv['evictions']} evictions"))
+        ret = kv.get("retired") or {}
+        rows.append(("retired", f"{ret.get('chunks', 0)} chunk(s), "
+                                f"{human_size(ret.get('bytes', 0))} (poison / media errors)"
+                     + (f"; {ret['metadata_hits']} METADATA hit(s): re-format, see "
+                        "cxlkv-runbook(7)" if ret.get("metadata_hits") else "")))
     q = rep.get("quarantine")
     if q is not None:
         rows.append(("quarantine", f"{len(q['nodes'])} fenced node(s) holding "

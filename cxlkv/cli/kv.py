@@ -1,4 +1,4 @@
-"""`cxlkv kv stats|ls|drop`: the KV cache in a pool, for operators."""
+"""`cxlkv kv stats|ls|drop|secret|quarantine`: the KV cache in a pool, for operators."""
 from __future__ import annotations
 
 import click
@@ -67,6 +67,10 @@ def stats_cmd(app: Application, pool, namespace, force, as_json):
                   f"({rep['load_pct']}% of {rep['hash_slots']} slots, "
                   f"{rep['tombstones']} tombstones), {human_size(rep['used_bytes'])} in blocks, "
                   f"{rep['evictions']} evictions")
+    ret = rep["retired"]
+    app.out.print(f"retired (poison): {ret['chunks']} chunk(s), {human_size(ret['bytes'])}"
+                  + (f", {ret['metadata_hits']} METADATA hit(s): see cxlkv-runbook(7)"
+                     if ret["metadata_hits"] else ""))
     t = Table(title="namespaces", title_justify="left")
     for col in ("namespace", "blocks", "bytes", "hits", "misses", "hit %", "stores",
                 "evictions"):
@@ -227,3 +231,96 @@ def secret_cmd(app: Application, pool, export, import_, force, as_json):
                           f" from {import_}")
         app.out.print(f"fingerprint {fp}")
     return 0
+
+
+@kv_group.command("quarantine")
+@pool_option(required=True)
+@click.option("--offset", metavar="OFF", help="Pool offset of the bad range (0x.. or decimal).")
+@click.option("--length", metavar="LEN", default="64", show_default=True,
+              help="Bytes of the bad range (with --offset).")
+@click.option("--trace", "trace_file", metavar="FILE",
+              help="Poison records as tracefs printed them (cxl_poison events, e.g. a copy "
+                   "of /sys/kernel/tracing/trace), translated DPA -> HPA -> pool offset "
+                   "through this host's sysfs ('-' = stdin).")
+@click.option("--monitor", "monitor_file", metavar="FILE",
+              help="Poison records as `cxl monitor` printed them (JSON per line).")
+@click.option("--reason", type=click.Choice(["poison", "media-error", "manual"]),
+              default="poison", show_default=True)
+@click.option("--dry-run", is_flag=True, help="Translate and show; change nothing.")
+@force_option
+@json_option
+@pass_app
+def quarantine_cmd(app: Application, pool, offset, length, trace_file, monitor_file, reason,
+                   dry_run, force, as_json):
+    """Take poisoned pool memory out of use: evict the KV blocks on it and
+    retire its chunks for good (the on-media retired-chunk list, which the
+    allocator never reuses; `cxlkv fsck` checks it, `inspect` and `kv stats`
+    show the retired bytes).
+
+    Give the range as --offset/--length, or poison records (--trace,
+    --monitor) that are translated through this host's CXL region decoders
+    and DAX device - run it on a host that maps the pool's device.  `cxlkv
+    serve` does this by itself for every cxl_poison event.  A range in pool
+    metadata exits 2 (CRITICAL): see cxlkv-runbook(7), "Poison and media
+    errors".  Idempotent.
+    """
+    import sys
+
+    import cxlkv
+    from cxlkv.errors import UsageError
+    from cxlkv.host import numa, poison
+    from cxlkv.kv.cache import quarantine
+
+    if sum(x is not None for x in (offset, trace_file, monitor_file)) != 1:
+        raise UsageError("give one of --offset, --trace, --monitor")
+    ranges, skipped = [], []
+    if offset is not None:
+        try:
+            ranges.append((int(offset, 0), int(length, 0), None))
+        except ValueError:
+            raise UsageError(f"--offset {offset} / --length {length}: not numbers") from None
+    else:
+        src = trace_file or monitor_file
+        try:
+            text = sys.stdin.read() if src == "-" else open(src, encoding="utf-8",
+                                                             errors="replace").read()
+        except OSError as e:
+            raise UsageError(f"{src}: {e.strerror or e}") from None
+        recs = poison.parse_trace(text) if trace_file else poison.parse_monitor(text)
+        recs = poison.current_poison(recs)
+        with _open_ro(pool, force) as p:
+            size = p.sb.pool_size
+        tr = poison.Translator(pool_dax=numa.dax_of(pool), pool_size=size)
+        for t in tr.ranges(recs):
+            if t.pool_offset is None:
+                skipped.append(t.to_json())
+            else:
+                ranges.append((t.pool_offset, t.length, t.to_json()))
+    results = []
+    if not dry_run and ranges:
+        with cxlkv.open_pool(pool, force=force) as p:
+            for off, ln, src in ranges:
+                r = quarantine(p, off, ln, reason)
+                r["translation"] = src
+                results.append(r)
+    critical = any(r["critical"] for r in results)
+    if app.json:
+        app.emit_json({"pool": pool, "dry_run": dry_run,
+                       "ranges": [{"offset": o, "length": n, "translation": s}
+                                  for o, n, s in ranges],
+                       "outside_pool": skipped, "results": results})
+    else:
+        for t in skipped:
+            app.out.print(f"not in the pool: {t['record']['memdev']} dpa "
+                          f"{t['record']['dpa']:#x} ({t['note'] or t['dax']})")
+        for o, n, _ in ranges if dry_run else []:
+            app.out.print(f"would quarantine pool offset {o:#x} (+{n:#x})")
+        for r in results:
+            app.out.print(f"pool offset {r['offset']:#x} (+{r['length']:#x}): region "
+                          f"{r['region']}, {r['evicted_blocks']} block(s) evicted, chunks "
+                          f"{r['retired_chunks'] or '-'} retired"
+                          + (f" (already: {r['already_retired']})" if r["already_retired"]
+                             else "")
+                          + ("  CRITICAL: metadata hit, see cxlkv-runbook(7)" if r["critical"]
+                             else ""))
+    return 2 if critical else 0

@@ -70,8 +70,9 @@ from cxlkv.daemons.metrics import AgentMetrics, MetricsServer, parse_addr
 from cxlkv.daemons.service import make_logger, sd_notify
 from cxlkv.errors import CxlkvError, LockTimeout, ManagerExists, RefusedError, UsageError
 from cxlkv.host import numa
+from cxlkv.host import poison
 from cxlkv.kv.area import AGENT_BATCH, AGENT_WATERMARK, HIGH_WATERMARK, Area
-from cxlkv.kv.cache import kv_report
+from cxlkv.kv.cache import kv_report, quarantine
 from cxlkv.kv.tiers import spill
 from cxlkv.kv.tiers.remote import Pusher
 from cxlkv.ops import health
@@ -83,6 +84,8 @@ from cxlkv.state import nodes as node_table
 from cxlkv.state.locks import describe_owner
 
 DEVICE_REFRESH_S = 60.0
+#: how often the poison follower reads the cxl_poison trace events
+POISON_POLL_S = 2.0
 #: the device tools (cxl, ndctl, daxctl) together, per refresh
 DEVICE_TIMEOUT_S = 5.0
 #: a tick's pool-lock wait is cut in slices this long, to notice a stop request
@@ -510,6 +513,48 @@ class Agent:
         self._device_thread = threading.Thread(target=self._device_loop, daemon=True,
                                                name="cxlkv-device")
         self._device_thread.start()
+        if poison.supported()["trace_event"]:
+            threading.Thread(target=self._poison_loop, daemon=True, name="cxlkv-poison").start()
+
+    def _poison_loop(self) -> None:
+        """Poison on the pool's device: the memdevs' poison lists at start,
+        then every cxl_poison event, each translated to a pool offset and
+        quarantined (its KV blocks evicted, its chunks retired)."""
+        try:
+            tr = poison.Translator(pool_dax=self._dax, pool_size=self.pool.sb.pool_size)
+            mems = sorted({t.memdev for rm in tr.maps.values() for t in rm.targets if t.memdev})
+            follower = poison.Follower(mems)
+            for why in follower.start():
+                self.event(logging.WARNING, f"poison: {why}")
+        except Exception as e:                     # noqa: BLE001 - the rest of serve goes on
+            self.event(logging.WARNING, f"poison: cannot follow poison events: {e}")
+            return
+        while not self.stop_event.is_set():
+            try:
+                for rec in follower.poll():
+                    self._on_poison(tr, rec)
+            except Exception as e:                 # noqa: BLE001 - logged, next poll retries
+                self.event(logging.ERROR, f"poison: {e}")
+            if self.stop_event.wait(POISON_POLL_S):
+                return
+
+    def _on_poison(self, tr, rec) -> None:
+        if rec.trace_type == "Clear":
+            self.metrics.poison_records.labels("cleared").inc()
+            return                                 # retirement is for good
+        for t in tr.ranges([rec]):
+            if t.pool_offset is None or self.pool is None:
+                self.metrics.poison_records.labels("outside-pool").inc()
+                self.event(logging.WARNING, f"poison {rec.memdev} dpa {rec.dpa:#x} not in "
+                                            f"the pool: {t.note or t.dax}")
+                continue
+            r = quarantine(self.pool, t.pool_offset, t.length, "poison")
+            self.metrics.poison_records.labels("critical" if r["critical"]
+                                               else "quarantined").inc()
+            self.event(logging.CRITICAL if r["critical"] else logging.WARNING,
+                       f"poison {rec.memdev} dpa {rec.dpa:#x} -> pool offset "
+                       f"{t.pool_offset:#x}: {r['evicted_blocks']} block(s) evicted, chunks "
+                       f"{r['retired_chunks']} retired, region {r['region']}")
 
     def _device_loop(self) -> None:
         while not self.stop_event.is_set():

@@ -47,6 +47,10 @@ class AgentMetrics:
                                    "Time this agent waited for the pool lock (each tick's probe "
                                    "and its evictions).", buckets=LOCK_BUCKETS, registry=r)
         self.ticks = Counter("cxlkv_agent_ticks", "Maintenance rounds run.", registry=r)
+        self.poison_records = Counter("cxlkv_poison_records", "Poison records this agent "
+                                      "handled, by outcome (quarantined, critical: in "
+                                      "metadata, outside-pool, cleared).", ["outcome"],
+                                      registry=r)
         r.register(_Snapshot(agent))
 
         r.register(Collector(lambda: agent.spill))
@@ -144,7 +148,31 @@ class _Snapshot:
                 if isinstance(m.get("temperature_c"), (int, float)):
                     g.add_metric([dev["device"], m["memdev"]], m["temperature_c"])
             yield g
+        if dev and dev.get("memdevs"):
+            for key, name, help_ in (
+                    ("life_used_percent", "cxlkv_device_life_used_percent",
+                     "CXL memdev life used, % (cxl list -H; devices that report it)."),
+                    ("dirty_shutdowns", "cxlkv_device_dirty_shutdowns",
+                     "CXL memdev dirty shutdown count (cxl list -H)."),
+                    ("volatile_errors", "cxlkv_device_volatile_errors",
+                     "CXL memdev volatile error count (cxl list -H).")):
+                g = GaugeMetricFamily(name, help_, labels=["device", "memdev"])
+                for m in dev["memdevs"]:
+                    v = m.get(key)
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                        g.add_metric([dev["device"], m["memdev"]], v)
+                yield g
         h = s.get("health")
+        pz = h.data.get("poison") if h is not None else None
+        if pz is not None:
+            yield GaugeMetricFamily("cxlkv_poison_retired_chunks",
+                                    "Chunks retired for poison / media errors (on media).",
+                                    value=pz["chunks"])
+            yield GaugeMetricFamily("cxlkv_poison_retired_bytes",
+                                    "Bytes of the retired chunks.", value=pz["bytes"])
+            yield GaugeMetricFamily("cxlkv_poison_metadata_hits",
+                                    "Poisoned ranges in pool metadata (re-format).",
+                                    value=pz["metadata_hits"])
         if h is not None:
             yield GaugeMetricFamily("cxlkv_health_status", "0 OK, 1 WARNING, 2 CRITICAL, "
                                                            "3 UNKNOWN (as cxlkv health).",

@@ -917,6 +917,8 @@ def kv_report(pool) -> dict:
         "namespaces": spaces, "tenants": tenants,
         "pins_per_node": a.npins, "max_namespaces": a.max_ns,
         "journal": journal.report(pool),
+        # chunks taken out of use for poison / media errors (quarantine())
+        "retired": {k: v for k, v in alloc.retired_summary(pool).items() if k != "entries"},
     }
 
 
@@ -987,3 +989,80 @@ def set_tenant_secret(pool, secret: bytes, *, why: str = "") -> bool:
         pool.update_superblock(tenant_secret=secret)
     return True
 
+
+
+# -- poison quarantine -------------------------------------------------------------------
+#: how many rounds quarantine() waits for readers that pin a block on the bad range
+QUARANTINE_ROUNDS = 50
+
+
+def blocks_covering(area: Area, offset: int, length: int) -> np.ndarray:
+    """Entry indices of the KV blocks (any state but empty/tombstone) whose
+    payload slot overlaps [offset, offset+length)."""
+    t = area.entries()
+    state = t["ctl"] & 0xFF
+    live = (state != layout.KV_EMPTY) & (state != layout.KV_TOMBSTONE) & (t["payload"] != 0)
+    pay = t["payload"].astype(np.int64)
+    end = pay + area.slot_sizes(t["length"].astype(np.int64))
+    hit = live & (pay < offset + length) & (end > offset)
+    return np.flatnonzero(hit)
+
+
+def quarantine(pool, offset: int, length: int, reason: str = "poison") -> dict:
+    """Take a bad range of the pool (a translated poison record) out of use.
+
+    Under the pool lock: every KV block whose payload slot covers the range is
+    evicted (no spill: its bytes are not trusted) and so never served again,
+    then the chunks the range touches are retired in the on-media list
+    (cxlkv.state.alloc.retire_range), which the allocator never reuses.  A
+    range in a metadata region is recorded and returned critical=True: the pool
+    must be snapshotted and re-formatted (cxlkv-runbook(7)).  A block pinned by
+    a reader is retried for QUARANTINE_ROUNDS rounds, then reported in
+    "pinned" (call again: quarantine is idempotent).
+
+    Returns {"offset", "length", "region", "critical", "evicted_blocks",
+    "evicted_bytes", "pinned", "retired_chunks", "already_retired"}.
+    """
+    out = {"offset": offset, "length": length, "evicted_blocks": 0, "evicted_bytes": 0,
+           "pinned": 0}
+    with pool.lock():
+        region = alloc.region_of(pool, offset)
+        if region == "data" and pool.sb.compat & layout.COMPAT_KV:
+            a = Area(pool)
+            for _ in range(QUARANTINE_ROUNDS):
+                idx = blocks_covering(a, offset, length)
+                if not len(idx):
+                    break
+                t = a.entries()
+                # the covering blocks and their subtrees, leaf first (a child
+                # is never left behind its evicted parent)
+                sub = np.zeros(a.nslots, dtype=bool)
+                sub[idx] = True
+                par = t["parent"].astype(np.int64) - 1
+                okp = (par >= 0) & (par < a.nslots)
+                while True:
+                    more = okp & ~sub
+                    more[more] = sub[par[more]]
+                    if not more.any():
+                        break
+                    sub |= more
+                order = a._victims(t, None, None, None)
+                pub = order[sub[order]]
+                if not len(pub):
+                    break                   # pinned, being written or evicted: retry later
+                b, n, _blocked = a._evict_batch(pub.astype(np.uint64), t, spill=False)
+                out["evicted_blocks"] += b
+                out["evicted_bytes"] += n
+            left = blocks_covering(a, offset, length)
+            out["pinned"] = int(len(left))
+        r = alloc.retire_range(pool, offset, length, reason)
+    out.update(region=r["region"], critical=r["critical"], retired_chunks=r["chunks"],
+               already_retired=r["already"])
+    if r["critical"]:
+        log.critical("%s: %s at pool offset %#x+%#x hits the %s region (metadata): "
+                     "snapshot what is readable and re-format (cxlkv-runbook(7))",
+                     pool.path, reason, offset, length, r["region"])
+    else:
+        log.warning("%s: %s at pool offset %#x+%#x: %d KV blocks evicted, chunks %s retired",
+                    pool.path, reason, offset, length, out["evicted_blocks"], r["chunks"])
+    return out

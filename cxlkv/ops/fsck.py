@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cxlkv.errors import MetadataCorrupt
 from cxlkv.kv.check import check_kv  # the KV layer's own check (layered above state)
 from cxlkv.pool import layout
 from cxlkv.state import alloc
@@ -65,6 +66,7 @@ def check(pool) -> Report:
     live_tokens = _check_nodes(pool, rep)
     _check_locks(pool, rep, live_tokens)
     _check_allocator(pool, rep, live_tokens)
+    _check_retired(pool, rep)
 
     check_kv(pool, rep, live_tokens)
     return rep
@@ -89,7 +91,7 @@ def _check_nodes(pool, rep: Report) -> set[int]:
                        f"the grace of {pool.sb.quarantine_grace_ms / 1000:g} s passes")
             tokens.add((n.slot + 1) | n.epoch << 16)
         elif n.state == "claimed":
-            rep.warn("node-claiming", where, f"slot is being claimed (or its claimant died: "
+            rep.warn("node-claiming", where, "slot is being claimed (or its claimant died: "
                                             "it is reclaimed after a lease)")
         elif n.state == "attached":
             if n.epoch == 0:
@@ -140,6 +142,10 @@ def _check_allocator(pool, rep: Report, live: set[int]) -> None:
     d = alloc.descriptors(pool)
     try:
         bits = alloc.bitmap(pool)
+        try:
+            retired = set(alloc.retired_chunks(pool).tolist())
+        except MetadataCorrupt:
+            retired = set()                  # reported by _check_retired
         kind = d["control"] & 0xFF
         covered = np.zeros(nchunks, dtype=bool)
         slabs = slots_used = slots_pub = 0
@@ -152,7 +158,7 @@ def _check_allocator(pool, rep: Report, live: set[int]) -> None:
                 rep.error("chunk-kind", where, f"invalid descriptor kind {k}")
                 continue
             if k == layout.CHUNK_FREE:
-                if bits[i]:
+                if bits[i] and i not in retired:
                     rep.error("chunk-leaked", where, "marked used in the bitmap but in no slab")
                 continue
             if k == layout.CHUNK_TAIL:
@@ -193,7 +199,11 @@ def _check_allocator(pool, rep: Report, live: set[int]) -> None:
             n_alloc = sum(x.bit_count() for x in a)
             n_pub = sum(x.bit_count() for x in p)
             owner = int(d["owner"][i])
-            if owner and owner not in live:
+            if owner == alloc.RETIRED_OWNER:
+                rep.warn("slab-retired", where,
+                         f"holds a retired chunk: no new slots; released once its "
+                         f"{n_alloc} allocated slot(s) are freed")
+            elif owner and owner not in live:
                 reserved = n_alloc - n_pub
                 rep.error("slab-dead-owner", where,
                           f"owned by token {owner:#x}, not an attached node"
@@ -206,3 +216,32 @@ def _check_allocator(pool, rep: Report, live: set[int]) -> None:
                                   "slots_published": slots_pub, "bytes_allocated": used_bytes}
     finally:
         del d
+
+
+def _check_retired(pool, rep: Report) -> None:
+    """The retired-chunk list (incompat BADCHUNKS): readable, its chunks in
+    range and kept out of the allocator (bitmap bit set); a metadata hit is an
+    error (the pool needs re-formatting, cxlkv-runbook(7))."""
+    try:
+        summary = alloc.retired_summary(pool)
+    except MetadataCorrupt as e:
+        rep.error("retired-list", "lock header", str(e))
+        return
+    _, chunk, nchunks, _ = alloc.geometry(pool)
+    bits = alloc.bitmap(pool)
+    for e in summary["entries"]:
+        c = e["chunk"]
+        if c is None:
+            rep.error("retired-metadata", f"offset {e['offset']:#x}",
+                      f"{e['reason']} in the {e['region']} region (metadata): snapshot what is "
+                      "readable and re-format (cxlkv-runbook(7), 'Poison and media errors')")
+        elif c >= nchunks:
+            rep.error("retired-range", f"chunk {c}", f"retired chunk beyond the {nchunks} chunks")
+        elif not bits[c]:
+            rep.error("retired-free", f"chunk {c}",
+                      "retired but free in the bitmap: the allocator may hand it out")
+    if summary["entries"] and not pool.sb.incompat & layout.INCOMPAT_BADCHUNKS:
+        rep.error("retired-feature", "superblock",
+                  "retired chunks listed but the badchunks incompat bit is not set: "
+                  "an older cxlkv would reuse them")
+    rep.stats["retired"] = {k: summary[k] for k in ("chunks", "bytes", "metadata_hits")}

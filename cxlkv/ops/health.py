@@ -14,8 +14,11 @@ Checks and their statuses (Nagios: 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN):
               health) whose deadline came before it could judge a node of
               another host (that takes a lease of watching) -> WARNING
   lock-manager  sync mode manager and no lock manager heartbeat -> CRITICAL
+  poison      retired (poisoned) chunks in the pool's list >= warn / crit ->
+              WARNING / CRITICAL; any poisoned range in pool metadata -> CRITICAL
   device      CXL device temperature >= warn / crit, health alarms -> WARNING /
-              CRITICAL; unknown (a file-backed pool, a device reporting no
+              CRITICAL; life used, dirty shutdowns, volatile errors (cxl list
+              -H) against their thresholds; unknown (a file-backed pool, a device reporting no
               health, tools that did not answer within the time left) adds
               nothing: it never hides the pool's own verdict
   (the agent adds `agent`: its own node fenced or its threads gone -> CRITICAL)
@@ -54,6 +57,15 @@ WARN_USED_PCT = 80.0
 CRIT_USED_PCT = 95.0
 WARN_TEMP_C = 70.0            # above 70 C latency doubles (as cxlkv doctor)
 CRIT_TEMP_C = 85.0
+#: device wear and errors (cxl list -H: life_used_percent, dirty_shutdowns,
+#: volatile_errors); retired poisoned chunks of the pool (on media)
+WARN_LIFE_PCT = 80.0
+CRIT_LIFE_PCT = 95.0
+WARN_DIRTY_SHUTDOWNS = 1      # any unclean power loss of a persistent device
+WARN_VOLATILE_ERRORS = 1
+CRIT_VOLATILE_ERRORS = 100
+WARN_RETIRED_CHUNKS = 1       # any retired chunk: the device is losing cells
+CRIT_RETIRED_CHUNKS = 16
 
 
 @dataclass
@@ -276,7 +288,9 @@ def _device_figures(out: dict, inv: dict, dax: str) -> dict:
         h = m["health"]
         out["memdevs"].append({"memdev": m["memdev"], "temperature_c": h["temperature_c"],
                                "alarms": h["alarms"], "life_used_percent":
-                                   h.get("life_used_percent")})
+                                   h.get("life_used_percent"),
+                               "dirty_shutdowns": h.get("dirty_shutdowns"),
+                               "volatile_errors": h.get("volatile_errors")})
         out["alarms"] += [f"{m['memdev']}: {a}" for a in h["alarms"]]
         if isinstance(h["temperature_c"], (int, float)):
             temps.append(float(h["temperature_c"]))
@@ -292,6 +306,13 @@ class Thresholds:
     crit_used: float = CRIT_USED_PCT
     warn_temp: float = WARN_TEMP_C
     crit_temp: float = CRIT_TEMP_C
+    warn_life: float = WARN_LIFE_PCT
+    crit_life: float = CRIT_LIFE_PCT
+    warn_dirty: int = WARN_DIRTY_SHUTDOWNS
+    warn_volatile: int = WARN_VOLATILE_ERRORS
+    crit_volatile: int = CRIT_VOLATILE_ERRORS
+    warn_retired: int = WARN_RETIRED_CHUNKS
+    crit_retired: int = CRIT_RETIRED_CHUNKS
 
 
 def open_failure(path: str, exc: errors.CxlkvError) -> Health:
@@ -332,6 +353,7 @@ def evaluate(pool, th: Thresholds, *, observer, manager: ManagerWatch | None,
 
     u = usage(pool) if figures is None else figures
     h.data["usage"] = u
+    add_poison(h, pool, th)
     if u.get("kv_error"):
         h.add("kv", CRITICAL, f"KV header corrupt: run cxlkv fsck ({u['kv_error']})")
     pct = u["unevictable_pct"]
@@ -427,6 +449,53 @@ def add_device(h: Health, device: dict | None, th: Thresholds) -> None:
             h.add("device", WARNING, "device alarms: " + ", ".join(device["alarms"]))
         if t is not None:
             h.metric("temp", t, "", th.warn_temp, th.crit_temp)
+        add_wear(h, device, th)
+
+
+def _worst(device: dict, key: str):
+    vals = [m.get(key) for m in device.get("memdevs") or []]
+    vals = [v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return max(vals) if vals else None
+
+
+def add_wear(h: Health, device: dict, th: Thresholds) -> None:
+    """Life used, dirty shutdowns and volatile errors (cxl list -H) of the
+    pool's memdevs, the worst of them; a figure the device does not report
+    (QEMU's reports none) adds nothing."""
+    life = _worst(device, "life_used_percent")
+    if life is not None:
+        st = CRITICAL if life >= th.crit_life else WARNING if life >= th.warn_life else OK
+        h.add("device", st, f"{device['device']} life used {life:g}%")
+        h.metric("life_used", life, "%", th.warn_life, th.crit_life)
+    dirty = _worst(device, "dirty_shutdowns")
+    if dirty is not None:
+        h.add("device", WARNING if dirty >= th.warn_dirty else OK,
+              f"{device['device']} dirty shutdowns {dirty}")
+        h.metric("dirty_shutdowns", dirty, "", th.warn_dirty)
+    vol = _worst(device, "volatile_errors")
+    if vol is not None:
+        st = CRITICAL if vol >= th.crit_volatile else WARNING if vol >= th.warn_volatile else OK
+        h.add("device", st, f"{device['device']} volatile errors {vol}")
+        h.metric("volatile_errors", vol, "", th.warn_volatile, th.crit_volatile)
+
+
+def add_poison(h: Health, pool, th: Thresholds) -> None:
+    """Retired (poisoned) chunks in the pool's on-media list: any -> WARNING,
+    crit_retired or more, or any hit in a metadata region -> CRITICAL."""
+    try:
+        r = alloc.retired_summary(pool)
+    except errors.MetadataCorrupt as e:
+        h.add("poison", CRITICAL, f"retired-chunk list unreadable: {e.message}")
+        return
+    h.data["poison"] = {k: v for k, v in r.items() if k != "entries"}
+    if r["metadata_hits"]:
+        h.add("poison", CRITICAL, f"{r['metadata_hits']} poisoned range(s) in pool metadata: "
+                                  "snapshot what is readable and re-format "
+                                  "(cxlkv-runbook(7), 'Poison and media errors')")
+    n = r["chunks"]
+    st = CRITICAL if n >= th.crit_retired else WARNING if n >= th.warn_retired else OK
+    h.add("poison", st, f"{n} chunk(s) retired for poison ({r['bytes']} bytes)")
+    h.metric("retired_chunks", n, "", th.warn_retired, th.crit_retired)
 
 
 # -- one check of a pool, bounded in time (`cxlkv health`) -----------------------------

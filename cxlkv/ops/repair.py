@@ -558,8 +558,8 @@ def _dead_owner_slabs(pool, rep: Repair, live: set[int]) -> None:
         todo = []
         for h in heads:
             owner = int(d["owner"][h])
-            if not owner or owner in live:
-                continue
+            if not owner or owner in live or owner == alloc.RETIRED_OWNER:
+                continue                # a retired slab stays unadoptable (poison)
             ss, ns = int(d["slot_size"][h]), int(d["nslots"][h])
             a = [int(x) for x in d["alloc_bits"][h]]
             p = [int(x) for x in d["pub_bits"][h]]

@@ -29,8 +29,10 @@ COMPAT_KV = 1               # the pool has a KV region
 COMPAT_SUPPORTED = COMPAT_KV
 INCOMPAT_KV_LRU = 1 << 0     # the KV region holds the leaf LRU lists (cxlkv_format.h)
 INCOMPAT_JOURNAL = 1 << 2    # the KV region ends with the change journal
-INCOMPAT_NAMES = {INCOMPAT_KV_LRU: "kv_lru", INCOMPAT_JOURNAL: "journal"}
-INCOMPAT_SUPPORTED = INCOMPAT_KV_LRU | INCOMPAT_JOURNAL
+INCOMPAT_BADCHUNKS = 1 << 3  # the lock header page holds the retired-chunk list (BadChunk*)
+INCOMPAT_NAMES = {INCOMPAT_KV_LRU: "kv_lru", INCOMPAT_JOURNAL: "journal",
+                  INCOMPAT_BADCHUNKS: "badchunks"}
+INCOMPAT_SUPPORTED = INCOMPAT_KV_LRU | INCOMPAT_JOURNAL | INCOMPAT_BADCHUNKS
 #: features the KV cache needs, with what each is (pools of cxlkv 0.1 lack them)
 KV_REQUIRED = {INCOMPAT_KV_LRU: "KV_LRU (the in-pool eviction lists)",
                INCOMPAT_JOURNAL: "JOURNAL (the change journal)"}
@@ -170,6 +172,50 @@ class LockHdrStruct(ctypes.LittleEndianStructure):
         ("mgr_hostname", c_char * 64),
         ("reserved", c_uint8 * 3856),
     ]
+
+
+# Retired (poisoned) chunks: incompat BADCHUNKS.  The list lives in the lock
+# header page's reserved bytes (LockHdrStruct.reserved, from offset 240), at
+# BADCHUNK_LIST_OFF: a header, then BADCHUNK_MAX entries.  Written only under
+# the pool lock: an entry first, then `count` (an append a crash cannot tear).
+# A data chunk named here keeps its bitmap bit set for ever, so the allocator
+# never hands it out again; an entry with chunk == BADCHUNK_NO_CHUNK records a
+# hit outside the data region (metadata: CRITICAL, see cxlkv-runbook(7)).
+BADCHUNK_MAGIC = 0x314442564B4C5843      # b"CXLKVBD1" little-endian
+BADCHUNK_LIST_OFF = 256                  # from the start of the lock header page
+BADCHUNK_NO_CHUNK = (1 << 64) - 1
+BADCHUNK_POISON = 1                      # reasons
+BADCHUNK_MEDIA_ERROR = 2
+BADCHUNK_MANUAL = 3
+BADCHUNK_REASONS = {BADCHUNK_POISON: "poison", BADCHUNK_MEDIA_ERROR: "media-error",
+                    BADCHUNK_MANUAL: "manual"}
+
+
+class BadChunkHdrStruct(ctypes.LittleEndianStructure):
+    _pack_ = 1
+    _fields_ = [
+        ("magic", c_uint64),
+        ("count", c_uint32),
+        ("capacity", c_uint32),
+        ("retired_bytes", c_uint64),     # sum over data entries of the chunk size
+        ("metadata_hits", c_uint64),
+    ]
+
+
+class BadChunkStruct(ctypes.LittleEndianStructure):
+    _pack_ = 1
+    _fields_ = [
+        ("chunk", c_uint64),             # data chunk index, or BADCHUNK_NO_CHUNK
+        ("offset", c_uint64),            # pool offset of the bad range
+        ("length", c_uint32),            # bytes of the bad range
+        ("reason", c_uint16),            # BADCHUNK_* reason
+        ("region", c_uint16),            # REGION_INDEX of the region hit
+        ("time_ns", c_uint64),           # CLOCK_REALTIME when retired
+    ]
+
+
+BADCHUNK_MAX = (LOCK_HDR_SIZE - BADCHUNK_LIST_OFF - ctypes.sizeof(BadChunkHdrStruct)) \
+    // ctypes.sizeof(BadChunkStruct)
 
 
 class LockEntryStruct(ctypes.LittleEndianStructure):

@@ -55,8 +55,10 @@ Descriptors that cannot be right raise MetadataCorrupt (naming
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import re
 import threading
+import time
 
 import numpy as np
 
@@ -555,6 +557,8 @@ class Allocator:
         except MetadataCorrupt as e:
             raise self._corrupt(e) from None
         n = len(gone)
+        if n:
+            keep_retired(self.pool)
         for ss, h in list(self._current.items()):
             if h in gone:
                 del self._current[ss]
@@ -639,6 +643,7 @@ def release_slab(pool, head: int, *, resume: bool = False) -> bool:
     crashpoint("release.head")
     for i in [head] + ours:
         set_bits(pool, i, 1, False)
+    keep_retired(pool)
     return True
 
 
@@ -721,7 +726,10 @@ def census(pool, token: int = 0, live=()) -> tuple[np.ndarray, ...]:
     m.set_geometry(*geometry(pool))
     raw = m.slab_census(pool.region("bitmap")[0], token,
                         np.array(sorted(live), dtype=np.uint64))
-    return tuple(np.frombuffer(b, dtype=np.uint64).astype(np.int64) for b in raw)
+    out = [np.frombuffer(b, dtype=np.uint64).astype(np.int64) for b in raw]
+    if len(out[4]):
+        out[4] = out[4][~np.isin(out[4], retired_chunks(pool))]   # retired: not leaked
+    return tuple(out)
 
 
 def desc_rows(pool, idx: np.ndarray) -> np.ndarray:
@@ -828,6 +836,8 @@ def _release_batch(pool, heads) -> int:
             bad, before = int(found.group(1)), int(found.group(2))
             done += before
             arr = arr[np.flatnonzero(arr == bad)[0] + 1:].copy()
+    if done:
+        keep_retired(pool)
     return done
 
 
@@ -911,3 +921,182 @@ def reserved_by_owner(pool, tokens) -> dict[int, tuple[int, int]]:
     finally:
         del d
     return out
+
+
+# -- retired (poisoned) chunks: incompat BADCHUNKS ------------------------------------
+# The list (layout.BadChunk*) sits in the lock header page; only pool-lock
+# holders write it.  A retired data chunk keeps its bitmap bit set for ever:
+# chunk_find_run never returns it, census() never calls it leaked, and every
+# release re-sets its bit (keep_retired).  Its slab (if it was in one) gets
+# the owner RETIRED_OWNER - no node's token (low 16 bits 0), so no allocator
+# takes slots from it and nobody adopts it; it is released once empty.
+RETIRED_OWNER = 0xBAD0_C4C4_0000_0000
+
+_BC_HDR = layout.BadChunkHdrStruct
+_BC = layout.BadChunkStruct
+
+
+def _badlist_off(pool) -> int:
+    return pool.region("locks")[0] + layout.BADCHUNK_LIST_OFF
+
+
+def retired(pool) -> list[dict]:
+    """The retired-chunk list, oldest first ([] for a pool without one).
+
+    Read from the pool, not gated on this process's copy of the superblock:
+    another node may have retired the first chunk since we opened it."""
+    m, off = pool.mapping, _badlist_off(pool)
+    m.invalidate(off, ctypes.sizeof(_BC_HDR))
+    if m.load64(off) != layout.BADCHUNK_MAGIC:
+        if pool.sb.incompat & layout.INCOMPAT_BADCHUNKS:
+            raise MetadataCorrupt(f"{pool.path}: retired-chunk list header is damaged "
+                                  f"(magic {m.load64(off):#x})", path=pool.path)
+        return []
+    size = layout.LOCK_HDR_SIZE - layout.BADCHUNK_LIST_OFF
+    m.invalidate(off, size)
+    raw = m.read(off, size)
+    hdr = _BC_HDR.from_buffer_copy(raw)
+    if hdr.magic != layout.BADCHUNK_MAGIC or hdr.count > layout.BADCHUNK_MAX:
+        raise MetadataCorrupt(f"{pool.path}: retired-chunk list header is damaged "
+                              f"(magic {hdr.magic:#x}, count {hdr.count})", path=pool.path)
+    out = []
+    base = ctypes.sizeof(_BC_HDR)
+    for i in range(hdr.count):
+        e = _BC.from_buffer_copy(raw, base + i * ctypes.sizeof(_BC))
+        out.append({"chunk": None if e.chunk == layout.BADCHUNK_NO_CHUNK else int(e.chunk),
+                    "offset": int(e.offset), "length": int(e.length),
+                    "reason": layout.BADCHUNK_REASONS.get(e.reason, f"reason-{e.reason}"),
+                    "region": (layout.REGION_NAMES[e.region]
+                               if e.region < len(layout.REGION_NAMES) else "none"),
+                    "time_ns": int(e.time_ns)})
+    return out
+
+
+def retired_summary(pool) -> dict:
+    """{"chunks", "bytes", "metadata_hits", "entries"} for inspect / kv stats / health."""
+    ents = retired(pool)
+    chunks = sorted({e["chunk"] for e in ents if e["chunk"] is not None})
+    return {"chunks": len(chunks), "bytes": len(chunks) * pool.sb.chunk_size,
+            "metadata_hits": sum(1 for e in ents if e["chunk"] is None), "entries": ents}
+
+
+def retired_chunks(pool) -> np.ndarray:
+    """Indices of the retired data chunks (int64, sorted, unique)."""
+    ents = retired(pool)
+    return np.array(sorted({e["chunk"] for e in ents if e["chunk"] is not None}),
+                    dtype=np.int64)
+
+
+def _bit(pool, i: int) -> bool:
+    off, _ = pool.region("bitmap")
+    m = pool.mapping
+    m.invalidate(off + (i // 64) * 8, 8)
+    return bool(m.load64(off + (i // 64) * 8) >> (i % 64) & 1)
+
+
+def keep_retired(pool) -> int:
+    """Re-set the bitmap bit of every retired chunk a release cleared (pool
+    lock held).  Returns how many were set."""
+    n = 0
+    for i in retired_chunks(pool).tolist():
+        if not _bit(pool, i):
+            set_bits(pool, i, 1, True)
+            n += 1
+    return n
+
+
+def region_of(pool, offset: int) -> str | None:
+    """The region a pool offset lies in (None: outside every region)."""
+    for name in layout.REGION_NAMES:
+        off, size = pool.region(name)
+        if size and off <= offset < off + size:
+            return name
+    if offset < layout.SB_SIZE * layout.SB_COPIES:
+        return "superblock"
+    return None
+
+
+def retire_range(pool, offset: int, length: int, reason: str = "poison",
+                 now_ns: int | None = None) -> dict:
+    """Retire the chunks a bad range [offset, offset+length) of the pool
+    touches (caller holds the pool lock; the KV blocks on them must already
+    be evicted: cxlkv.kv.cache.quarantine does both).  Idempotent: a chunk
+    already retired is not added twice.  A range outside the data region is
+    recorded as a metadata hit (no chunk) and reported critical.
+
+    Returns {"chunks": [new chunk indices], "already": [...], "region",
+    "critical": bool}."""
+    if length <= 0 or offset < 0 or offset + length > pool.sb.pool_size:
+        raise UsageError(f"{pool.path}: bad range {offset:#x}+{length:#x} "
+                         f"(pool size {pool.sb.pool_size:#x})")
+    codes = {v: k for k, v in layout.BADCHUNK_REASONS.items()}
+    if reason not in codes:
+        raise UsageError(f"unknown retire reason {reason!r} "
+                         f"(one of {', '.join(sorted(codes))})")
+    data_off, chunk, nchunks, base = geometry(pool)
+    region = region_of(pool, offset) or "none"
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    ents = retired(pool)
+    have = {e["chunk"] for e in ents}
+    m, off = pool.mapping, _badlist_off(pool)
+    m.invalidate(off, ctypes.sizeof(_BC_HDR))
+    if m.load64(off) != layout.BADCHUNK_MAGIC:
+        hdr = _BC_HDR(magic=layout.BADCHUNK_MAGIC, count=0, capacity=layout.BADCHUNK_MAX)
+        m.write(off, bytes(hdr))
+        m.flush(off, ctypes.sizeof(_BC_HDR))
+        fence()
+    if not pool.sb.incompat & layout.INCOMPAT_BADCHUNKS:
+        # the list exists before the bit that makes older cxlkv refuse the pool
+        pool.update_superblock(incompat=pool.sb.incompat | layout.INCOMPAT_BADCHUNKS)
+    hdr = _BC_HDR.from_buffer_copy(m.read(off, ctypes.sizeof(_BC_HDR)))
+    new, already = [], []
+    if region == "data":
+        first = (offset - data_off) // chunk
+        last = (offset + length - 1 - data_off) // chunk
+        targets = [c for c in range(first, min(last, nchunks - 1) + 1)]
+    else:
+        targets = [None]
+    for c in targets:
+        if c in have and c is not None:
+            already.append(c)
+            continue
+        if c is None and any(e["chunk"] is None and e["offset"] == offset for e in ents):
+            already.append(c)
+            continue
+        if hdr.count >= layout.BADCHUNK_MAX:
+            raise AllocError(f"{pool.path}: the retired-chunk list is full "
+                             f"({layout.BADCHUNK_MAX} entries): the device needs replacing "
+                             "(see cxlkv-runbook(7), 'Poison and media errors')")
+        if c is not None:
+            d = base + c * layout.CHUNK_DESC_SIZE
+            m.invalidate(d, layout.CHUNK_DESC_SIZE)
+            ctl = m.load64(d)
+            kind = ctl & 0xFF
+            head = c if kind in (layout.CHUNK_HEAD, layout.CHUNK_RELEASING) else \
+                (ctl >> 8 if kind == layout.CHUNK_TAIL else None)
+            if head is not None:
+                # no node allocates from this slab again; it goes once empty
+                h = base + head * layout.CHUNK_DESC_SIZE
+                m.invalidate(h, layout.CHUNK_DESC_SIZE)
+                owner = m.load64(h + _F["owner"])
+                if owner != RETIRED_OWNER:
+                    m.slabs_set_owner(np.array([head], dtype=np.uint64), owner, RETIRED_OWNER)
+        e = _BC(chunk=layout.BADCHUNK_NO_CHUNK if c is None else c,
+                offset=offset, length=length, reason=codes[reason],
+                region=layout.REGION_INDEX.get(region, 0xFFFF), time_ns=now_ns)
+        eoff = off + ctypes.sizeof(_BC_HDR) + hdr.count * ctypes.sizeof(_BC)
+        m.write(eoff, bytes(e))
+        m.flush(eoff, ctypes.sizeof(_BC))
+        fence()
+        hdr.count += 1
+        if c is None:
+            hdr.metadata_hits += 1
+        else:
+            hdr.retired_bytes += chunk
+            set_bits(pool, c, 1, True)
+        m.write(off, bytes(hdr))
+        m.flush(off, ctypes.sizeof(_BC_HDR))
+        new.append(c)
+    return {"chunks": [c for c in new if c is not None],
+            "already": [c for c in already if c is not None], "region": region,
+            "critical": region != "data"}

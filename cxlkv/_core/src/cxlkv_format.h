@@ -34,7 +34,10 @@
 #define CXLKV_FEATURE_INCOMPAT_KV_LRU 1ull  /* the KV region holds the leaf LRU lists
                                                (kv_hdr line 2, lru_lists, link array) */
 #define CXLKV_FEATURE_INCOMPAT_JOURNAL (1ull << 2) /* the KV region ends with the change journal */
-#define CXLKV_FEATURE_INCOMPAT_SUPP   (CXLKV_FEATURE_INCOMPAT_KV_LRU | CXLKV_FEATURE_INCOMPAT_JOURNAL)
+#define CXLKV_FEATURE_INCOMPAT_BADCHUNKS (1ull << 3) /* retired-chunk list in the lock
+                                                      header page (layout.py BadChunk*) */
+#define CXLKV_FEATURE_INCOMPAT_SUPP   (CXLKV_FEATURE_INCOMPAT_KV_LRU | CXLKV_FEATURE_INCOMPAT_JOURNAL | \
+                                       CXLKV_FEATURE_INCOMPAT_BADCHUNKS)
 #define CXLKV_FEATURE_RO_COMPAT_SUPP  0ull
 
 /* regions (superblock.regions[i]); in the pool they lie in the order
