@@ -75,14 +75,17 @@ def follow_into(kv, tokens, out, *, idle_s: float = 1.0, start: int = 0,
     done = start
     last = time.monotonic()
     while done < total:
-        seen = m.load64(off) if not pool.mapping.flush_meta else _fresh(m, off)
+        # the word is read before the copy: a block published after this read
+        # moves it, so the wait below returns at once instead of sleeping
+        seen = m.load64(off) if not m.flush_meta else _fresh(m, off)
         got = kv.load_into(tokens, mv[(done - start) * bb:], start=done)
         if got:
             done += got
             last = time.monotonic()
             if on_blocks is not None:
                 on_blocks(done)
-            continue
+            if done >= total:
+                break
         left = idle_s - (time.monotonic() - last)
         if left <= 0:
             break

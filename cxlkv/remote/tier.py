@@ -208,6 +208,11 @@ class RemoteClient:
             self._thread.join(5.0)
             raise
 
+    @property
+    def fast(self) -> FastCluster | None:
+        """The fast path (None: every operation goes through the tier)."""
+        return self._fast
+
     # -- the loop thread ----------------------------------------------------------------
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)
