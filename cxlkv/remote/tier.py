@@ -187,6 +187,7 @@ class RemoteClient:
         self._used: int | None = None         # last used_memory polled (+ pushed since)
         self._polled_at = -1e18
         self._names_done: set[bytes] = set()
+        self._naming: set = set()             # name records in flight (close waits)
         self._closed = False
         self.loop = asyncio.new_event_loop()
         self._wake: asyncio.Event | None = None
@@ -469,7 +470,15 @@ class RemoteClient:
                 self._log_once("names", f"could not record namespace names "
                                         f"({type(e).__name__}: {e})")
 
-        self._spawn(put())
+        fut = self._spawn(put())
+        if fut is not None:
+            with self._mu:
+                self._naming.add(fut)
+            fut.add_done_callback(self._named)
+
+    def _named(self, fut) -> None:
+        with self._mu:
+            self._naming.discard(fut)
 
     # -- writes ---------------------------------------------------------------------------
     def push(self, key, ns_digest: bytes, payload) -> bool:
@@ -669,13 +678,18 @@ class RemoteClient:
         return out
 
     def close(self, timeout: float = 10.0) -> None:
-        """Write what is queued (for at most `timeout` seconds; the rest is
-        dropped, counted `dropped_closed`), then release every connection -
+        """Write what is queued and the namespace names registered (for at
+        most `timeout` seconds; the blocks left are dropped, counted
+        `dropped_closed`), then release every connection -
         all within about `timeout` (at least 0.1 s for the connections)."""
         if self._closed:
             return
         end = time.monotonic() + max(0.0, timeout)
         self.flush(timeout)
+        with self._mu:
+            naming = list(self._naming)
+        if naming:                                 # namespace names recorded, too
+            concurrent.futures.wait(naming, max(0.0, end - time.monotonic()))
         with self._mu:
             self._closed = True
             left = list(self._q)
