@@ -196,7 +196,7 @@ def test_fast_cluster_put_and_get_directly(cluster):
     try:
         big = os.urandom(300 * KiB)
         items = [(b"cxlkv-fast:a", (b"head", big)), (b"cxlkv-fast:b", b"small")]
-        res, rep, failed, err = fc.put_many(items, 60)
+        res, _, failed, err = fc.put_many(items, 60)
         assert res == [True, True] and failed == 0 and err is None
         res, _, _, _ = fc.put_many(items, 60)
         assert res == [False, False]                       # NX: present
@@ -234,7 +234,7 @@ def test_a_moved_slot_is_followed_and_the_table_refreshed(cluster):
         res, _, failed, err = fc.put_many([(name, b"moved-value")], 60)
         assert res == [True] and failed == 0
         assert cluster.client(other).get(name) == b"moved-value"
-        vals, timed_out, err, _ = fc.get_many([name], time.monotonic() + 10)
+        vals, _, err, _ = fc.get_many([name], time.monotonic() + 10)
         assert vals == [bytearray(b"moved-value")] and err is None
     finally:
         fc.close()

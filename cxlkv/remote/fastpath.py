@@ -256,7 +256,7 @@ class FastCluster:
         tried = list(self.endpoints)
         for addr in tried:
             if time.monotonic() >= deadline:
-                raise socket.timeout("no time left to read the slot table")
+                raise TimeoutError("no time left to read the slot table")
             try:
                 c = self._conn(conns, addr, deadline)
                 c.sendv([command(b"CLUSTER", b"SLOTS")])
@@ -265,7 +265,7 @@ class FastCluster:
                 c = conns.pop(addr, None)
                 if c is not None:
                     c.close()
-                if isinstance(e, socket.timeout):
+                if isinstance(e, TimeoutError):
                     raise
                 err = e
                 continue
@@ -313,7 +313,7 @@ class FastCluster:
         try:
             try:
                 slots = self._table(conns, deadline)
-            except socket.timeout:
+            except TimeoutError:
                 self._drop_all(conns)
                 return answers, n, True, None, got_extra
             except (OSError, ValueError) as e:
@@ -335,8 +335,8 @@ class FastCluster:
                     self._send(c, cmds, wins, 0, extra)
                     active.append([addr, wins, 0])
                 except (OSError, ValueError) as e:
-                    timed_out |= isinstance(e, socket.timeout)
-                    err = err or (None if isinstance(e, socket.timeout)
+                    timed_out |= isinstance(e, TimeoutError)
+                    err = err or (None if isinstance(e, TimeoutError)
                                   else f"{type(e).__name__}: {e}")
                     cut += len(idx)
                     self._drop(conns, addr)
@@ -360,8 +360,8 @@ class FastCluster:
                         if st[2] == len(wins):
                             active.remove(st)
                     except (OSError, ValueError) as e:
-                        timed_out |= isinstance(e, socket.timeout)
-                        err = err or (None if isinstance(e, socket.timeout)
+                        timed_out |= isinstance(e, TimeoutError)
+                        err = err or (None if isinstance(e, TimeoutError)
                                       else f"{type(e).__name__}: {e}")
                         cut += sum(len(w) for w in wins[k:]) - read
                         self._drop(conns, addr)
