@@ -29,11 +29,12 @@ from cxlkv.bench import harness
 from cxlkv.bench.kv import KV_BLOCK, KV_BLOCK_TOKENS, KV_TOTAL, drop, tokens
 from cxlkv.kv import stream
 
-#: bytes per store of the streamed handoff (kind "kv-stream"): 8 steps for
-#: 64 MiB.  Each step wakes the consumer once (tens of microseconds on an idle
-#: CPU, a scheduler slice when the CPUs are oversubscribed); what the
-#: consumer still copies after the producer's last store is one step.
-STREAM_STEP_BYTES = 8 << 20
+#: bytes per store of the streamed handoff (kind "kv-stream"): 4 steps for
+#: 64 MiB.  Each step costs the producer one kv.store call (0.3-0.5 ms of CPU
+#: here besides the copy) and the consumer one wake-up; what the consumer
+#: still copies after the producer's last store is one step.  k steps cost
+#: about k x call + copy / k: fewest at k = sqrt(copy / call), 3-4 here.
+STREAM_STEP_BYTES = 16 << 20
 
 
 class _Side:
