@@ -1,8 +1,11 @@
 """The handoff scenarios of `cxlkv bench`: one prefix's KV moved from a
-producer process to a consumer process through the pool (kv.store, then
-kv.match + kv.load_into), through a plain /dev/shm mapping (numpy copies in
-and out), over a loopback TCP stream, and through a redis-server started for
-the run.  Both processes are started once (fresh interpreters) and serve every
+producer process to a consumer process through the pool - two-phase (kind
+"kv": kv.store of everything, a notification, then kv.match + kv.load_into)
+and streamed (kind "kv-stream": kv.store in steps of `step` blocks, each
+followed by cxlkv.kv.stream.notify, while the consumer copies what is
+published with cxlkv.kv.stream.follow_into, asleep on a futex in between) -
+through a plain /dev/shm mapping (numpy copies in and out), over a loopback
+TCP stream, and through a redis-server started for the run.  Both processes are started once (fresh interpreters) and serve every
 kind; each transfer is timed from the producer's start to the consumer's
 finish on the system-wide monotonic clock.
 """
@@ -24,13 +27,23 @@ import numpy as np
 import cxlkv
 from cxlkv.bench import harness
 from cxlkv.bench.kv import KV_BLOCK, KV_BLOCK_TOKENS, KV_TOTAL, drop, tokens
+from cxlkv.kv import stream
+
+#: bytes per store of the streamed handoff (kind "kv-stream"): 4 steps for
+#: 64 MiB.  Each step costs the producer one kv.store call (0.3-0.5 ms of CPU
+#: here besides the copy) and the consumer one wake-up; what the consumer
+#: still copies after the producer's last store is one step.  k steps cost
+#: about k x call + copy / k: fewest at k = sqrt(copy / call), 3-4 here.
+STREAM_STEP_BYTES = 16 << 20
+
 
 class _Side:
     """One side (producer or consumer) of one handoff kind, in a worker process.
 
     run() returns perf_counter marks: the producer's "start" and "sent" (its
     work done, before it notifies), the consumer's "woke", "matched" and
-    "done"."""
+    "done"; and each side's CPU time in its thread ("pcpu", "ccpu": what it
+    would take on a CPU of its own, whatever else the machine runs)."""
 
     info = None
     stream = False                      # the data itself wakes the consumer (TCP)
@@ -48,19 +61,21 @@ class _Side:
         pass
 
     def run(self, rep: int) -> dict:
-        now = time.perf_counter
+        now, cpu = time.perf_counter, time.thread_time
         if self.role == "producer":
-            t0 = now()
+            c0, t0 = cpu(), now()
             self.produce()
             sent = now()
+            c1 = cpu()
             if not self.stream:
                 self.peer.send_bytes(b"1")
-            return {"start": t0, "sent": sent}
+            return {"start": t0, "sent": sent, "pcpu": c1 - c0}
         if not self.stream:
             self.peer.recv_bytes()
-        woke = now()
+        woke, c0 = now(), cpu()
         matched = self.consume() or woke
-        return {"woke": woke, "matched": matched, "done": now()}
+        done = now()
+        return {"woke": woke, "matched": matched, "done": done, "ccpu": cpu() - c0}
 
     def produce(self) -> None:
         raise NotImplementedError
@@ -82,7 +97,9 @@ class _KVSide(_Side):
     def __init__(self, role, cfg, peer):
         super().__init__(role, cfg, peer)
         self.n = self.total // self.block
-        self.pool = cxlkv.open_pool(cfg["path"])
+        # populated: pool pages mapped at open, as a serving process maps them
+        # (first-touch faults would otherwise be paid inside the timed copies)
+        self.pool = cxlkv.open_pool(cfg["path"], populate=True)
         self.kv = None
 
     def prep(self, rep):
@@ -110,6 +127,39 @@ class _KVSide(_Side):
                 drop(self.pool, self.cfg["ns"])
         finally:
             self.pool.close()
+
+
+class _KVStreamSide(_KVSide):
+    """kv.store in steps of cfg["step"] blocks (default STREAM_STEP_BYTES of
+    them), each followed by a futex wake
+    (stream.notify); the consumer copies each step as it is published
+    (stream.follow_into), asleep on the journal's word in between.  The
+    consumer's "matched" mark is when its first block was copied."""
+
+    stream = True
+
+    def produce(self):
+        bt, bb = KV_BLOCK_TOKENS, self.block
+        step = self.cfg.get("step") or max(1, STREAM_STEP_BYTES // bb)
+        stored = 0
+        for i in range(0, self.n, step):
+            j = min(self.n, i + step)
+            stored += self.kv.store(self.toks[:j * bt], self.buf[:j * bb])
+            stream.notify(self.pool)
+        if stored != self.n:
+            raise RuntimeError(f"handoff: stored {stored} of {self.n} blocks")
+
+    def consume(self):
+        first = []
+
+        def mark(n):
+            if not first:
+                first.append(time.perf_counter())
+
+        got = stream.follow_into(self.kv, self.toks, self.buf, idle_s=30.0, on_blocks=mark)
+        if got != self.n:
+            raise RuntimeError(f"handoff: streamed {got} of {self.n} blocks")
+        return first[0]
 
 
 class _ShmSide(_Side):
@@ -220,7 +270,7 @@ class _RedisSide(_Side):
         self.r.close()
 
 
-_SIDES = {"kv": _KVSide, "shm": _ShmSide, "tcp": _TcpSide, "redis": _RedisSide}
+_SIDES = {"kv": _KVSide, "kv-stream": _KVStreamSide, "shm": _ShmSide, "tcp": _TcpSide, "redis": _RedisSide}
 
 
 def _worker(role: str, ctrl, peer) -> None:
@@ -339,7 +389,10 @@ def handoff_gbps(pair: HandoffPair, cfg: dict, reps: int = 5,
     median GB/s from the producer's start to the consumer's finish.  phases,
     if given, gets the median milliseconds of each part: "send" (the
     producer's work), "wake" (until the consumer runs), "match" (its lookup)
-    and "receive" (its copy)."""
+    and "receive" (its copy); for a streamed kind "send", "first" (the
+    producer's start to the consumer's first block) and "tail" (the end of
+    the producer's work to the consumer's last block), with "total"; and
+    "producer_cpu" / "consumer_cpu", each side's CPU time."""
     cfg = {"total": KV_TOTAL, "block": KV_BLOCK, "seed": 4, **cfg}
     info = pair.call("consumer", "setup", cfg)
     try:
@@ -366,7 +419,12 @@ def handoff_gbps(pair: HandoffPair, cfg: dict, reps: int = 5,
                 if pair.alive(role):
                     pair.call(role, "close")
     if phases is not None:
-        for name, a, b in (("send", "start", "sent"), ("wake", "sent", "woke"),
-                           ("match", "woke", "matched"), ("receive", "matched", "done")):
+        parts = ((("send", "start", "sent"), ("first", "start", "matched"),
+                  ("tail", "sent", "done")) if _SIDES[cfg["kind"]].stream else
+                 (("send", "start", "sent"), ("wake", "sent", "woke"),
+                  ("match", "woke", "matched"), ("receive", "matched", "done")))
+        for name, a, b in parts + (("total", "start", "done"),):
             phases[name] = harness.median(t[b] - t[a] for t in times) * 1e3
+        for name, k in (("producer_cpu", "pcpu"), ("consumer_cpu", "ccpu")):
+            phases[name] = harness.median(t[k] for t in times) * 1e3
     return cfg["total"] / harness.median(t["done"] - t["start"] for t in times) / 1e9

@@ -37,6 +37,7 @@ TARGETS = {
     "put_vs_memcpy": (">=", 0.8),
     "get_vs_memcpy": (">=", 0.8),
     "handoff_vs_tcp": (">=", 4.0),
+    "handoff_stream_vs_tcp": (">=", 4.0),
     "handoff_vs_redis": (">=", 15.0),
     "handoff_vs_shm": (">=", 1.0),
     "lookup_32k_ms": ("<=", 2.0),
@@ -46,7 +47,8 @@ TARGETS = {
 STEPS = ("memcpy baseline", "pool writes and reads", "cas lock", "alloc + free",
          "manager lock", "kv in manager mode", "utilisation trace", "kv put and get",
          "kv lookup of 32K tokens",
-         "handoff through the pool", "handoff through /dev/shm", "handoff over TCP",
+         "handoff through the pool", "handoff through the pool, streamed",
+         "handoff through /dev/shm", "handoff over TCP",
          "handoff through redis")
 
 
@@ -172,9 +174,11 @@ def run(progress: Callable[[str], None] = lambda s: None, quick: bool = False,
     out["pool_read_vs_memcpy"] = out["pool_read_gbps"] / m
     out["put_vs_memcpy"] = out["put_gbps"] / m
     out["get_vs_memcpy"] = out["get_gbps"] / m
-    for key, base in (("handoff_vs_tcp", "tcp_gbps"), ("handoff_vs_redis", "redis_gbps"),
-                      ("handoff_vs_shm", "shm_handoff_gbps")):
-        out[key] = None if out[base] is None else out["handoff_gbps"] / out[base]
+    for key, fig, base in (("handoff_vs_tcp", "handoff_gbps", "tcp_gbps"),
+                           ("handoff_stream_vs_tcp", "handoff_stream_gbps", "tcp_gbps"),
+                           ("handoff_vs_redis", "handoff_gbps", "redis_gbps"),
+                           ("handoff_vs_shm", "handoff_gbps", "shm_handoff_gbps")):
+        out[key] = None if out[base] is None else out[fig] / out[base]
         if out[base] is None:
             out["notes"][key] = f"no {base}: {out['notes'][base]}"
     out["utilisation_vs_buddy"] = out["alloc_utilisation"] / out["buddy_utilisation"]
@@ -213,10 +217,15 @@ def _kv_scenarios(progress, d: str, quick: bool, pool_path: str | None, total: i
                     if guard:
                         guard(KV_BLOCK, total // KV_BLOCK)
 
-                out["handoff_phases_ms"] = {"pool": {}, "shm": {}}
+                out["handoff_phases_ms"] = {"pool": {}, "pool_stream": {}, "shm": {}}
                 out["handoff_gbps"] = handoff.handoff_gbps(
                     pair, {"kind": "kv", "path": kv_path, "ns": names[2], "total": total},
                     reps, before, out["handoff_phases_ms"]["pool"])
+                progress("handoff through the pool, streamed")
+                out["handoff_stream_gbps"] = handoff.handoff_gbps(
+                    pair, {"kind": "kv-stream", "path": kv_path, "ns": names[2],
+                           "total": total}, reps, before,
+                    out["handoff_phases_ms"]["pool_stream"])
                 progress("handoff through /dev/shm")
                 shm = os.path.join(d, "handoff.shm")
                 with open(shm, "wb") as f:

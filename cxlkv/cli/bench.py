@@ -132,6 +132,8 @@ def bench_cmd(ctx: click.Context, pool, scale, scale_only, scale_entries, scale_
         (f"kv match {res.get('lookup_tokens', 32768)} tokens ms", num("lookup_32k_ms", ".3f"),
          f"list {num('lookup_32k_list_ms', '.3f')}", "", target("lookup_32k_ms")),
         ("handoff GB/s (pool)", num("handoff_gbps"), "", "", ""),
+        ("handoff GB/s (pool, streamed)", num("handoff_stream_gbps"), "tcp",
+         num("handoff_stream_vs_tcp"), target("handoff_stream_vs_tcp")),
         ("  vs /dev/shm", num("shm_handoff_gbps"), "shm", num("handoff_vs_shm"),
          target("handoff_vs_shm")),
         ("  vs TCP", num("tcp_gbps"), "tcp", num("handoff_vs_tcp"), target("handoff_vs_tcp")),

@@ -14,8 +14,11 @@ RemoteClient never raises to its caller once constructed: a slow cluster is
 a timeout, a down one an error, both answered as misses within the caller's
 budget and counted in stats(); a full queue, a down cluster and a cluster
 over its memory budget drop pushes (counted per kind, one log line per
-kind).  One background thread runs an asyncio loop with every cluster
-connection; callers' threads only queue work for it and wait for answers.
+kind).  One background thread runs an asyncio loop with the tier's
+connections (exists, deletes, names, used_memory - and every operation of a
+tier passed in); lookups on the default tier run on the caller's thread
+through `cxlkv.remote.fastpath` (its own pipelines, no hop), and the writer
+hands each batch of pushes to one sender thread that does the same.
 
 Keys in the cluster: `<prefix><ns8>:<key32>` - the namespace digest's first
 8 hex digits, then the 16-byte block key in hex - and the hash
@@ -36,6 +39,7 @@ import time
 from cxlkv.errors import CorruptValue, RemoteError, RemoteUnavailable
 from cxlkv.remote import value
 from cxlkv.remote.config import RemoteConfig
+from cxlkv.remote.fastpath import FastCluster
 
 log = logging.getLogger(__name__)
 
@@ -142,12 +146,15 @@ _COUNTERS = ("lookups", "hits", "misses", "hit_bytes", "corrupt", "incompatible"
 class RemoteClient:
     """The synchronous facade (see the module doc).  `tier`: a RemoteTier, or
     a callable returning one (called on the client's loop thread); default:
-    RedisClusterTier(config)."""
+    RedisClusterTier(config).  `fast`: GETs and SETs through
+    cxlkv.remote.fastpath (default: whenever the tier is the default one on
+    plain TCP; False: always through the tier)."""
 
     def __init__(self, config: RemoteConfig | None = None, *, tier=None,
                  batch_bytes: int = BATCH_BYTES, chunk_bytes: int = CHUNK_BYTES,
                  budget_poll_s: float = BUDGET_POLL_S, retry_s: float = RETRY_S,
-                 name: str = "cxlkv-remote", on_written=None, logger=None):
+                 name: str = "cxlkv-remote", on_written=None, logger=None,
+                 fast: bool | None = None):
         self.config = config if config is not None else RemoteConfig()
         if tier is None:
             self.config.require_nodes()
@@ -180,9 +187,18 @@ class RemoteClient:
         self._used: int | None = None         # last used_memory polled (+ pushed since)
         self._polled_at = -1e18
         self._names_done: set[bytes] = set()
+        self._naming: set = set()             # name records in flight (close waits)
         self._closed = False
         self.loop = asyncio.new_event_loop()
         self._wake: asyncio.Event | None = None
+        #: the fast path (None: everything goes through the tier) and the
+        #: one thread that sends the writer's batches through it
+        self._fast: FastCluster | None = None
+        self._sender: concurrent.futures.ThreadPoolExecutor | None = None
+        if tier is None and fast is not False and not self.config.tls:
+            self._fast = FastCluster(self.config)
+            self._sender = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix=f"{name}-send")
         self._thread = threading.Thread(target=self._run_loop, name=name, daemon=True)
         self._thread.start()
         try:
@@ -192,6 +208,11 @@ class RemoteClient:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(5.0)
             raise
+
+    @property
+    def fast(self) -> FastCluster | None:
+        """The fast path (None: every operation goes through the tier)."""
+        return self._fast
 
     # -- the loop thread ----------------------------------------------------------------
     def _run_loop(self) -> None:
@@ -345,11 +366,17 @@ class RemoteClient:
         # caller waits until the deadline, and gives up on the loop after it
         left = deadline - time.monotonic()
         inner = deadline - min(0.005, 0.2 * max(0.0, left))
-        fut = self._spawn(self._gather(op, names, per, inner))
-        if fut is None:
-            return [None] * len(names)
+        fut = None
         try:
-            res, timed_out, err, unavailable = fut.result(max(0.0, deadline - time.monotonic()))
+            if op == "get_many" and self._fast is not None:
+                # on this thread: the fast path's own pipelines, within the budget
+                res, timed_out, err, unavailable = self._fast.get_many(names, deadline, per)
+            else:
+                fut = self._spawn(self._gather(op, names, per, inner))
+                if fut is None:
+                    return [None] * len(names)
+                res, timed_out, err, unavailable = fut.result(
+                    max(0.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
             fut.cancel()
             self._bump("timeouts")
@@ -357,7 +384,8 @@ class RemoteClient:
             self._silence(op, False)
             return [None] * len(names)
         except Exception as e:                     # noqa: BLE001 - never raise to the caller
-            fut.cancel()
+            if fut is not None:
+                fut.cancel()
             self._bump("errors")
             self._log_once("error", f"{op}: {type(e).__name__}: {e}")
             self._failed(f"{op}: {type(e).__name__}: {e}")
@@ -442,12 +470,21 @@ class RemoteClient:
                 self._log_once("names", f"could not record namespace names "
                                         f"({type(e).__name__}: {e})")
 
-        self._spawn(put())
+        fut = self._spawn(put())
+        if fut is not None:
+            with self._mu:
+                self._naming.add(fut)
+            fut.add_done_callback(self._named)
+
+    def _named(self, fut) -> None:
+        with self._mu:
+            self._naming.discard(fut)
 
     # -- writes ---------------------------------------------------------------------------
     def push(self, key, ns_digest: bytes, payload) -> bool:
-        """Queue block `key` of namespace `ns_digest` for writing (the payload
-        is copied before returning).  False: dropped (counted) or already
+        """Queue block `key` of namespace `ns_digest` for writing (a payload
+        that is `bytes` is kept as it is - immutable - any other buffer is
+        copied before returning).  False: dropped (counted) or already
         queued."""
         key = _keys16([key])[0]
         ns_digest = _digest16(ns_digest)
@@ -469,12 +506,12 @@ class RemoteClient:
             self._drop(kind)
             return False
         try:
-            val = value.encode(key, ns_digest, payload)
+            val = value.encode_parts(key, ns_digest, payload)
         except Exception:
-            self._release([(None, key, size)])
+            self._release([(None, key, None, size)])
             raise
         with self._mu:
-            self._q.append((self._name(ns_digest, key), key, val))
+            self._q.append((self._name(ns_digest, key), key, val, size))
             wake = not self._writer_busy and not self._wake_sent
             self._wake_sent = self._wake_sent or wake
         if wake:
@@ -486,8 +523,8 @@ class RemoteClient:
 
     def _release(self, items) -> None:
         with self._mu:
-            for _, key, val in items:
-                self._pending -= val if isinstance(val, int) else len(val)
+            for _, key, _, size in items:
+                self._pending -= size
                 self._queued.discard(key)
             self._idle.notify_all()
 
@@ -514,11 +551,11 @@ class RemoteClient:
                         break
                     self._writer_busy = True
                     batch, nbytes = [], 0
-                    while self._q and (not batch or nbytes + len(self._q[0][2])
+                    while self._q and (not batch or nbytes + self._q[0][3]
                                        <= self.batch_bytes):
                         item = self._q.popleft()
                         batch.append(item)
-                        nbytes += len(item[2])
+                        nbytes += item[3]
                 try:
                     await self._send(batch)
                 except asyncio.CancelledError:
@@ -557,11 +594,21 @@ class RemoteClient:
         if self._is_down():
             self._drop("unavailable", len(batch))
             return
-        items = [(name, val) for name, _, val in batch]
+        # the fast path sends header and payload from their own buffers
+        items = [(name, val if self._fast is not None else val[0] + val[1])
+                 for name, _, val, _ in batch]
         wait_s = min(cfg.timeout_s, 5.0)
         try:
-            res = await self.tier.put_many(items, cfg.ttl_s, wait_replicas=cfg.wait_replicas,
-                                           wait_timeout_s=wait_s)
+            if self._fast is not None:
+                vals, rep, failed, error = await asyncio.get_running_loop().run_in_executor(
+                    self._sender, self._fast.put_many, items, cfg.ttl_s, cfg.wait_replicas,
+                    wait_s)
+                res = Batch(vals, failed=failed, error=error,
+                            replicated=rep if cfg.wait_replicas else None)
+            else:
+                res = await self.tier.put_many(items, cfg.ttl_s,
+                                               wait_replicas=cfg.wait_replicas,
+                                               wait_timeout_s=wait_s)
         except RemoteError as e:
             self._drop("unavailable", len(batch), str(e))
             self._failed(f"put_many: {e}")
@@ -570,10 +617,10 @@ class RemoteClient:
             return
         stored = stored_bytes = present = failed = repl = 0
         rep = getattr(res, "replicated", None) or [False] * len(res)
-        for (_, key, val), ok, r in zip(batch, res, rep):
+        for (_, key, _, size), ok, r in zip(batch, res, rep):
             if ok is True:
                 stored += 1
-                stored_bytes += len(val) - value.HEADER_SIZE
+                stored_bytes += size - value.HEADER_SIZE
                 repl += bool(r)
                 if self.on_written is not None:
                     try:
@@ -631,13 +678,18 @@ class RemoteClient:
         return out
 
     def close(self, timeout: float = 10.0) -> None:
-        """Write what is queued (for at most `timeout` seconds; the rest is
-        dropped, counted `dropped_closed`), then release every connection -
+        """Write what is queued and the namespace names registered (for at
+        most `timeout` seconds; the blocks left are dropped, counted
+        `dropped_closed`), then release every connection -
         all within about `timeout` (at least 0.1 s for the connections)."""
         if self._closed:
             return
         end = time.monotonic() + max(0.0, timeout)
         self.flush(timeout)
+        with self._mu:
+            naming = list(self._naming)
+        if naming:                                 # namespace names recorded, too
+            concurrent.futures.wait(naming, max(0.0, end - time.monotonic()))
         with self._mu:
             self._closed = True
             left = list(self._q)
@@ -668,6 +720,9 @@ class RemoteClient:
         self._thread.join(remaining())
         if not self._thread.is_alive():
             self.loop.close()
+        if self._sender is not None:
+            self._sender.shutdown(wait=False)
+            self._fast.close()
 
     def __enter__(self) -> "RemoteClient":
         return self

@@ -64,6 +64,13 @@ def encode(key, ns_digest, payload) -> bytes:
     return header(key, ns_digest, payload) + payload
 
 
+def encode_parts(key, ns_digest, payload) -> tuple[bytes, bytes]:
+    """(header, payload) of the value, the payload as bytes: `payload` itself
+    when it is bytes (immutable: no copy), else one copy of it."""
+    data = payload if type(payload) is bytes else bytes(memoryview(payload).cast("B"))
+    return header(key, ns_digest, data), data
+
+
 def decode(key, ns_digest, block_bytes: int, value) -> memoryview:
     """The payload of `value` (a zero-copy view into it), after checking it is
     block `key` of namespace `ns_digest`, block_bytes long, intact.  Raises

@@ -310,5 +310,8 @@ int kv_remove_at(Mapping *m, uint64_t table, uint64_t nslots, uint64_t hdr, uint
 PyObject *Mapping_host_memory(Mapping *m, PyObject *ignored);
 PyObject *Mapping_hostlock_acquire(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_hostlock_release(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+/* poolwait.c */
+PyObject *Mapping_word_wait(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_word_wake(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

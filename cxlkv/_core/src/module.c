@@ -87,6 +87,8 @@ static PyMethodDef Mapping_methods[] = {
     FAST(mgr_wait, "mgr_wait(entry, req, spin_ns, sleep_max_ns, until_ns) -> 1 granted | 2 revoked | 0 until_ns passed; GIL released"),
     FAST(hostlock_acquire, "hostlock_acquire(off, mine, spins, wait_ns, since_ns) -> 0 when the host lock is ours, else the holder's word after up to wait_ns; GIL released while waiting (hostlock.c)"),
     FAST(hostlock_release, "hostlock_release(off, mine) -> bool: False if the word no longer names mine (taken over; nothing written)"),
+    FAST(word_wait, "word_wait(off, seen, timeout_ns) -> the word's value once it is not seen, or seen after timeout_ns: a shared futex sleep, one host; GIL released (poolwait.c)"),
+    FAST(word_wake, "word_wake(off) -> woken: wake every word_wait sleeper on off (poolwait.c)"),
     FAST(set_geometry, "set_geometry(data_off, chunk_size, nchunks, desc_base): allocator geometry"),
     FAST(slab_alloc, "slab_alloc(head, owner, out, count, zero, slot_size=0, heap=0) -> allocated | -1 (not our active slab of that size) | -2 (no hazard word free: call again holding the pool lock, heap=0)"),
     FAST(slab_free, "slab_free(offsets, zero, owner) -> freed (stops at a slab owner does not own; owner 0 = any); raises ValueError at the first bad offset (MetadataCorrupt, also a ValueError, for a corrupt descriptor)"),

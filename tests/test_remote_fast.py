@@ -1,0 +1,242 @@
+"""The remote tier's fast path (cxlkv.remote.fastpath, the default client's
+GETs and SETs) against a real Redis Cluster on loopback: the same
+verification as the redis-py path (a corrupt value, a value of another
+namespace or another tenant's block is a miss, never a wrong block);
+lookups pipelined in windows sized by bytes come back whole and in order;
+the writer's batches are sized by bytes; AUTH; no exception for a cluster
+that refuses.  Skipped with the reason when redis-server is missing."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+import xxhash
+
+from cxlkv.remote import Batch, RemoteClient, RemoteConfig, RemoteTier, key_name, value
+from cxlkv.remote.fastpath import FastCluster, command
+from cxlkv.testing.checks import wait_for
+from cxlkv.testing.redis import TestCluster, skip_reason
+
+KiB = 1 << 10
+SKIP = skip_reason()
+NS = xxhash.xxh3_128_digest(b"cxlkv-namespace\0fast-model")
+OTHER_NS = xxhash.xxh3_128_digest(b"cxlkv-namespace\0another-model")
+needs_redis = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+
+
+def blocks(n, size, seed=0):
+    rng = __import__("random").Random(seed)
+    return [rng.randbytes(16) for _ in range(n)], [rng.randbytes(size) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if SKIP:
+        pytest.skip(SKIP)
+    with TestCluster(masters=3) as c:
+        yield c
+
+
+def cfg_of(c, **kw) -> RemoteConfig:
+    return RemoteConfig(nodes=tuple(c.addrs), ttl_s=600, **kw)
+
+
+def raw_set(c, name: bytes, val: bytes) -> None:
+    c.client(c.master_of_key(name)).set(name, val)
+
+
+def test_command_encoding():
+    assert command(b"GET", "k", 12) == b"*3\r\n$3\r\nGET\r\n$1\r\nk\r\n$2\r\n12\r\n"
+
+
+@needs_redis
+def test_lookups_in_windows_sized_by_bytes_come_back_whole_and_in_order(cluster):
+    size = 16 * KiB
+    keys, data = blocks(40, size, seed=1)
+    # chunk_bytes fits 3 values: each master's pipeline goes in windows of 3
+    with RemoteClient(cfg_of(cluster), chunk_bytes=3 * (size + value.HEADER_SIZE)) as rc:
+        assert rc.fast is not None
+        for k, d in zip(keys, data):
+            assert rc.push(k, NS, d)
+        assert rc.flush(30)
+        per_master: dict = {}
+        for k in keys:
+            m = cluster.master_of_key(key_name("cxlkv:", NS, k))
+            per_master[m] = per_master.get(m, 0) + 1
+        before = rc.fast.windows
+        got = rc.lookup(NS, keys, size, budget_s=10.0)
+        assert [bytes(g) for g in got] == data
+        assert rc.fast.windows - before == sum(-(-n // 3) for n in per_master.values())
+        # absent keys between present ones keep their places
+        absent = [os.urandom(16) for _ in range(3)]
+        mixed = [absent[0], keys[5], absent[1], keys[6], absent[2]]
+        got = rc.lookup(NS, mixed, size, budget_s=10.0)
+        assert got[0] is None and got[2] is None and got[4] is None
+        assert bytes(got[1]) == data[5] and bytes(got[3]) == data[6]
+        st = rc.stats()
+        assert st["errors"] == 0 and st["timeouts"] == 0 and st["corrupt"] == 0
+
+
+@needs_redis
+def test_corrupt_or_foreign_values_are_misses_never_wrong_blocks(cluster):
+    size = 8 * KiB
+    keys, data = blocks(6, size, seed=2)
+    with RemoteClient(cfg_of(cluster)) as rc:
+        assert rc.fast is not None
+        names = [key_name("cxlkv:", NS, k) for k in keys]
+        good = [value.encode(k, NS, d) for k, d in zip(keys, data)]
+        payload_flip = bytearray(good[0])
+        payload_flip[value.HEADER_SIZE + 100] ^= 0x01                # checksum mismatch
+        header_flip = bytearray(good[1])
+        header_flip[20] ^= 0x80                                       # header checksum
+        bad = {
+            0: bytes(payload_flip),
+            1: bytes(header_flip),
+            # another namespace's value of the same block key, under our name
+            2: value.encode(keys[2], OTHER_NS, data[2]),
+            # another tenant: its key for these tokens differs (the salt is in
+            # the key), so its value names another block
+            3: value.encode(os.urandom(16), NS, data[3]),
+            4: b"not a cxlkv value at all",
+        }
+        for i, v in bad.items():
+            raw_set(cluster, names[i], v)
+        raw_set(cluster, names[5], good[5])
+        got = rc.lookup(NS, keys, size, budget_s=10.0)
+        assert got[:5] == [None] * 5
+        assert bytes(got[5]) == data[5]
+        st = rc.stats()
+        assert st["corrupt"] == 5 and st["hits"] == 1 and st["misses"] == 5
+        # damaged values are deleted (read again and still damaged first)
+        assert wait_for(lambda: rc.stats()["deleted"] == 5)
+
+
+class Recorder:
+    """A RemoteTier that records the writer's batches (sizes in value bytes)."""
+
+    def __init__(self):
+        self.batches: list[list[int]] = []
+        self.gate = asyncio.Event()
+        self.store: dict = {}
+
+    async def put_many(self, items, ttl_s, *, wait_replicas=0, wait_timeout_s=1.0):
+        await self.gate.wait()
+        self.batches.append([len(v) for _, v in items])
+        for k, v in items:
+            self.store[k] = v
+        return Batch([True] * len(items))
+
+    async def get_many(self, keys):
+        return Batch([self.store.get(k) for k in keys])
+
+    async def exists_many(self, keys):
+        return Batch([k in self.store for k in keys])
+
+    async def set_names(self, hash_key, mapping):
+        pass
+
+    async def close(self):
+        pass
+
+
+RemoteTier.register(Recorder)
+
+
+def test_writer_batches_are_sized_by_bytes():
+    sizes = [1000, 3000, 500, 9000, 200, 200, 200, 4000, 50]
+    limit = 4000 + 2 * value.HEADER_SIZE
+    rec = Recorder()
+    cfg = RemoteConfig(nodes=("127.0.0.1:1",))
+    with RemoteClient(cfg, tier=rec, batch_bytes=limit) as rc:
+        assert rc.fast is None                      # a tier passed in: no fast path
+        keys = [os.urandom(16) for _ in sizes]
+        # the first batch is taken at once (and held at the gate): the rest queue
+        assert rc.push(keys[0], NS, os.urandom(sizes[0]))
+        for k, n in zip(keys[1:], sizes[1:]):
+            assert rc.push(k, NS, os.urandom(n))
+        rc.loop.call_soon_threadsafe(rec.gate.set)
+        assert rc.flush(30)
+    got = [n - value.HEADER_SIZE for b in rec.batches for n in b]
+    assert got == sizes                             # every block, in push order
+    full = [n + value.HEADER_SIZE for n in sizes]
+    pos = 0
+    for b in rec.batches:
+        pos += len(b)
+        # within the limit unless one block alone is larger; and greedy: the
+        # next block would not have fitted
+        assert sum(b) <= limit or len(b) == 1
+        if pos < len(full) and b is not rec.batches[0]:
+            assert sum(b) + full[pos] > limit
+
+
+@needs_redis
+def test_auth_and_a_wrong_password():
+    with TestCluster(masters=3, password="s3cret-fast") as c:
+        keys, data = blocks(8, 4 * KiB, seed=3)
+        with RemoteClient(RemoteConfig(nodes=tuple(c.addrs), password="s3cret-fast")) as rc:
+            assert rc.fast is not None
+            for k, d in zip(keys, data):
+                rc.push(k, NS, d)
+            assert rc.flush(30) and rc.stats()["pushed"] == 8
+            assert [bytes(g) for g in rc.lookup(NS, keys, 4 * KiB, 10.0)] == data
+        with RemoteClient(RemoteConfig(nodes=tuple(c.addrs), password="wrong")) as rc:
+            assert rc.lookup(NS, keys, 4 * KiB, 2.0) == [None] * 8
+            st = rc.stats()
+            assert st["errors"] == 1 and st["hits"] == 0
+            assert "wrong" not in (st["last_error"] or "")
+
+
+@needs_redis
+def test_fast_cluster_put_and_get_directly(cluster):
+    """The fast path on its own: NX answers, values sent as (header, payload)
+    parts, a value larger than the read buffer, absent keys."""
+    fc = FastCluster(cfg_of(cluster))
+    try:
+        big = os.urandom(300 * KiB)
+        items = [(b"cxlkv-fast:a", (b"head", big)), (b"cxlkv-fast:b", b"small")]
+        res, _, failed, err = fc.put_many(items, 60)
+        assert res == [True, True] and failed == 0 and err is None
+        res, _, _, _ = fc.put_many(items, 60)
+        assert res == [False, False]                       # NX: present
+        vals, timed_out, err, unavailable = fc.get_many(
+            [b"cxlkv-fast:a", b"cxlkv-fast:none", b"cxlkv-fast:b"], time.monotonic() + 10)
+        assert bytes(vals[0]) == b"head" + big and vals[1] is None and vals[2] == b"small"
+        assert not timed_out and err is None and not unavailable
+    finally:
+        fc.close()
+
+
+@needs_redis
+def test_a_moved_slot_is_followed_and_the_table_refreshed(cluster):
+    """A slot moved to another master after the fast path read the slot table:
+    the MOVED answer is followed (the write lands on the new owner), and the
+    next calls use the refreshed table."""
+    from redis.crc import key_slot
+
+    name = next(n for n in (f"cxlkv-fast:moved:{i}".encode() for i in range(1000))
+                if cluster.client(cluster.master_of_key(n)).execute_command(
+                    "CLUSTER", "COUNTKEYSINSLOT", key_slot(n)) == 0)
+    slot = key_slot(name)
+    owner = cluster.master_of_key(name)
+    other = next(p for p in cluster.masters() if p != owner)
+    fc = FastCluster(cfg_of(cluster))
+
+    def assign(port):
+        nid = cluster.node(port).node_id
+        for p in (owner, other):
+            cluster.client(p).execute_command("CLUSTER", "SETSLOT", slot, "NODE", nid)
+
+    try:
+        assert fc.get_many([name], time.monotonic() + 10)[0] == [None]   # table read
+        assign(other)
+        res, _, failed, err = fc.put_many([(name, b"moved-value")], 60)
+        assert res == [True] and failed == 0
+        assert cluster.client(other).get(name) == b"moved-value"
+        vals, _, err, _ = fc.get_many([name], time.monotonic() + 10)
+        assert vals == [bytearray(b"moved-value")] and err is None
+    finally:
+        fc.close()
+        cluster.client(other).delete(name)
+        assign(owner)
