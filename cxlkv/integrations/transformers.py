@@ -34,14 +34,14 @@ yourself (e.g. after a checkpoint revision).
 Copies
 ------
 store_prefix gathers the cache into one host buffer of whole blocks (one
-copy, device to host for a GPU model) and stores it; blocks already in the
-pool are not written.  load_prefix pins the matched blocks, wraps each
-pinned pool view with torch.frombuffer (no copy) and gathers them with one
-torch.stack straight into the layer-major tensors the DynamicCache layers
-view: the only copy on the hit path.  (A DynamicCache layer is one tensor per
-layer, and a prefix's blocks lie anywhere in the pool, so this gather is
-needed; the cache's first update concatenates anyway.)  The pins are
-released before load_prefix returns.
+strided pass in C per layer tensor, cxlkv.integrations.kvcopy; device to
+host first for a GPU model) and stores it; blocks already in the pool are
+not written.  load_prefix pins the matched blocks and gathers them, in one
+strided pass in C with the GIL released, straight from the pinned pool views
+into the one layer-major tensor the DynamicCache layers view: the only copy
+on the hit path (a GPU model: into a CPU tensor, then one transfer).  The
+copy's store mode (plain or non-temporal) is the host's calibrated read mode
+(cxlkv._core.copymode).  The pins are released before load_prefix returns.
 
 Models with sliding-window, linear-attention or other non-plain cache layers
 are refused (UsageError); batches must be of one sequence.
@@ -51,13 +51,13 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-import warnings
 
 import numpy as np
 import torch
 import xxhash
 
 from cxlkv.errors import UsageError
+from cxlkv.integrations import kvcopy
 
 __all__ = ["BlockLayout", "ModelKV", "block_layout", "cache_kwarg", "cache_prefix", "cache_tensors",
            "kv_for_model", "load_prefix", "model_namespace", "output_cache", "store_prefix"]
@@ -210,6 +210,7 @@ def kv_for_model(pool, model, salt=None, *, block_tokens: int = 16, namespace: s
     instead of the derived one (it must still be the same model and dtype).
     kv_options go to pool.kv (e.g. hot_bytes, remote_read, remote_budget_s)."""
     lay = block_layout(model, block_tokens)
+    kvcopy.prepare()                            # the host's copy modes (calibrated once)
     name = namespace if namespace is not None else model_namespace(model, block_tokens)
     kv = pool.kv(model=name, block_tokens=block_tokens, block_bytes=lay.block_bytes, salt=salt,
                  quota=quota, **kv_options)
@@ -309,9 +310,14 @@ def store_prefix(kv, input_ids, cache, *, layout: BlockLayout | None = None) -> 
     # [blocks][layers][K/V][kv_heads][block_tokens][head_dim], one copy
     out = torch.empty((nb, lay.layers, 2, lay.kv_heads, t, lay.head_dim), dtype=lay.dtype)
     with torch.no_grad():
-        for i, (k, v) in enumerate(layers):
-            for j, src in enumerate((k, v)):
-                out[:, i, j].copy_(src[0, :, :nb * t].unflatten(1, (nb, t)).transpose(0, 1))
+        if all(x.device.type == "cpu" for pair in layers for x in pair):
+            flat = memoryview(out.view(torch.uint8).numpy().reshape(-1))
+            bb = lay.block_bytes
+            kvcopy.hf_store(layers, [flat[i * bb:(i + 1) * bb] for i in range(nb)], t)
+        else:
+            for i, (k, v) in enumerate(layers):
+                for j, src in enumerate((k, v)):
+                    out[:, i, j].copy_(src[0, :, :nb * t].unflatten(1, (nb, t)).transpose(0, 1))
     return mkv.kv.store(toks, out.view(torch.uint8).numpy().reshape(-1))
 
 
@@ -357,13 +363,9 @@ def load_prefix(kv, input_ids, *, max_tokens: int | None = None, device=None,
         nb = loaded.blocks
         if nb == 0:
             return None, 0
-        with warnings.catch_warnings():
-            # the pool's views are read-only; nothing here writes through them
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            srcs = [torch.frombuffer(v, dtype=lay.dtype).view(lay.shape) for v in loaded.views()]
-        # [layers][K/V][kv_heads][blocks][block_tokens][head_dim]: one copy out of the pool
-        buf = torch.stack(srcs, dim=3)
-        del srcs
+        # [layers][K/V][kv_heads][blocks x block_tokens][head_dim]: one copy out of the pool
+        buf = torch.empty((lay.layers, 2, lay.kv_heads, nb * t, lay.head_dim), dtype=lay.dtype)
+        kvcopy.hf_load(loaded.views(), buf, lay.layers, lay.kv_heads, t, lay.head_dim)
     finally:
         loaded.release()
     dev = torch.device(device) if device is not None else mkv.device
