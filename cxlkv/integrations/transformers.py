@@ -69,6 +69,9 @@ _VOLATILE = {"transformers_version", "_name_or_path", "name_or_path", "torch_dty
              "_attn_implementation", "attn_implementation", "_experts_implementation"}
 #: weight values sampled per parameter for the namespace fingerprint
 _SAMPLES = 64
+#: spare capacity of a loaded cache, in blocks: the following forward's tokens
+#: (the prompt's rest, then decode steps) are written into it in place
+ROOM_BLOCKS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,8 +324,11 @@ def store_prefix(kv, input_ids, cache, *, layout: BlockLayout | None = None) -> 
     return mkv.kv.store(toks, out.view(torch.uint8).numpy().reshape(-1))
 
 
-def _new_cache(layers):
-    """A DynamicCache whose layers hold `layers` [(keys, values)] as they are (no copy)."""
+def _new_cache(layers, room=None):
+    """A DynamicCache whose layers hold `layers` [(keys, values)] as they are (no
+    copy).  room: [(keys buffer, values buffer)] the layers' tensors are the
+    leading tokens of: their updates append in place while the buffers have
+    room (_growable), instead of concatenating the whole cache."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
@@ -330,13 +336,63 @@ def _new_cache(layers):
     if base is None or not hasattr(cache, "layers"):         # transformers < 4.56
         return DynamicCache.from_legacy_cache(tuple(layers))
     made = []
-    for k, v in layers:
-        layer = base()
+    for i, (k, v) in enumerate(layers):
+        layer = (_growable(base) if room is not None else base)()
         layer.update(k[:, :, :0], v[:, :, :0])     # initialises device/dtype; copies nothing
         layer.keys, layer.values = k, v
+        if room is not None:
+            layer._room = room[i]
+            layer._high = k.shape[-2]
         made.append(layer)
     cache.layers = made
     return cache
+
+
+_GROWABLE: dict = {}
+
+
+def _growable(base):
+    """`base` (DynamicLayer) whose update() writes new tokens into spare room
+    of the buffers its keys/values lead (set by _new_cache) rather than
+    concatenating: the first forward after a pooled hit then copies only
+    its own tokens, not the whole prefix.  Only positions past every token
+    this layer ever held are written (after a crop it concatenates, so no
+    view handed out earlier sees its bytes change); anything unexpected
+    (batch, dtype, device, no room left) falls back to base.update."""
+    cls = _GROWABLE.get(base)
+    if cls is not None:
+        return cls
+
+    class PooledLayer(base):
+        _room = None
+        _high = 0
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            room = self._room
+            if room is not None and self.is_initialized:
+                kb, vb = room
+                n = self.keys.shape[-2]
+                m = n + key_states.shape[-2]
+                if (n == self._high and m <= kb.shape[-2]
+                        and self.keys.data_ptr() == kb.data_ptr()
+                        and self.values.data_ptr() == vb.data_ptr()
+                        and key_states.shape[:2] == kb.shape[:2]
+                        and value_states.shape[:2] == vb.shape[:2]
+                        and key_states.shape[-1] == kb.shape[-1]
+                        and value_states.shape[-1] == vb.shape[-1]
+                        and key_states.dtype == kb.dtype and value_states.dtype == vb.dtype
+                        and key_states.device == kb.device):
+                    kb[..., n:m, :].copy_(key_states)
+                    vb[..., n:m, :].copy_(value_states)
+                    self.keys, self.values = kb[..., :m, :], vb[..., :m, :]
+                    self._high = m
+                    return self.keys, self.values
+                self._room = None                     # from here on, as the base does
+            return super().update(key_states, value_states, *args, **kwargs)
+
+    PooledLayer.__name__ = PooledLayer.__qualname__ = f"Pooled{base.__name__}"
+    _GROWABLE[base] = PooledLayer
+    return PooledLayer
 
 
 def load_prefix(kv, input_ids, *, max_tokens: int | None = None, device=None,
@@ -363,8 +419,10 @@ def load_prefix(kv, input_ids, *, max_tokens: int | None = None, device=None,
         nb = loaded.blocks
         if nb == 0:
             return None, 0
-        # [layers][K/V][kv_heads][blocks x block_tokens][head_dim]: one copy out of the pool
-        buf = torch.empty((lay.layers, 2, lay.kv_heads, nb * t, lay.head_dim), dtype=lay.dtype)
+        # [layers][K/V][kv_heads][blocks x block_tokens + room][head_dim]: one copy out
+        # of the pool; the room takes the tokens the next forward adds
+        cap = nb * t + ROOM_BLOCKS * t
+        buf = torch.empty((lay.layers, 2, lay.kv_heads, cap, lay.head_dim), dtype=lay.dtype)
         kvcopy.hf_load(loaded.views(), buf, lay.layers, lay.kv_heads, t, lay.head_dim)
     finally:
         loaded.release()
@@ -372,8 +430,9 @@ def load_prefix(kv, input_ids, *, max_tokens: int | None = None, device=None,
     if buf.device != dev:
         buf = buf.to(dev)
     n = min(nb * t, limit)
-    buf = buf.view(lay.layers, 2, 1, lay.kv_heads, nb * t, lay.head_dim)[..., :n, :]
-    return _new_cache([(buf[i, 0], buf[i, 1]) for i in range(lay.layers)]), n
+    full = buf.view(lay.layers, 2, 1, lay.kv_heads, cap, lay.head_dim)
+    room = [(full[i, 0], full[i, 1]) for i in range(lay.layers)]
+    return _new_cache([(k[..., :n, :], v[..., :n, :]) for k, v in room], room), n
 
 
 def cache_prefix(cache, n_tokens: int):
