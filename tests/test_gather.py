@@ -7,6 +7,7 @@ Needs torch (pip install -e '.[transformers]'); skipped with that reason
 where it is missing."""
 from __future__ import annotations
 
+import gc
 import json
 
 import numpy as np
@@ -335,3 +336,96 @@ def test_put_get_identical_under_every_mode(tmp_path, modes):
         out = np.zeros_like(data)
         assert kv.load_into(toks, out) == 3
         assert np.array_equal(out, data)
+
+
+# -- transformers: the loaded cache's buffers ---------------------------------------------
+@pytest.fixture(scope="module")
+def tiny():
+    pytest.importorskip("transformers", reason="needs transformers (pip install -e "
+                                               "'.[transformers]')")
+    from cxlkv.testing.models import tiny_llama
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture
+def hf_kv(tiny, tmp_path):
+    from cxlkv.integrations import transformers as hf
+    path = str(tmp_path / "hf.pool")
+    cxlkv.init_pool(path, {"size": 64 << 20})
+    with cxlkv.open_pool(path) as p:
+        yield hf, hf.kv_for_model(p, tiny)
+
+
+def _forward(model, hf, ids, cache=None):
+    with torch.no_grad():
+        out = model(ids, **({hf.cache_kwarg(model): cache} if cache is not None else {}),
+                    use_cache=True)
+    return out.logits, hf.output_cache(out)
+
+
+def test_loaded_cache_grows_in_place_and_matches_a_plain_cache(tiny, hf_kv, monkeypatch):
+    """The first forward after a hit writes its tokens into the buffer's room
+    (no concatenation of the prefix); logits and cache equal those of the same
+    forward on a plain contiguous copy of the loaded cache, through the room
+    and past it (decode steps that concatenate), and after a crop."""
+    hf, kv = hf_kv
+    monkeypatch.setattr(hf, "ROOM_BLOCKS", 1)                     # 16 tokens of room
+    ids = torch.randint(0, 1024, (1, 70), generator=torch.Generator().manual_seed(3))
+    _, cache = _forward(tiny, hf, ids)
+    hf.store_prefix(kv, ids, cache)
+    loaded, n = hf.load_prefix(kv, ids)
+    assert n == 64
+    plain = hf._new_cache([(k.clone(), v.clone()) for k, v in hf.cache_tensors(loaded)])
+    k0 = hf.cache_tensors(loaded)[0][0]
+    ptr = k0.data_ptr()
+    got, _ = _forward(tiny, hf, ids[:, n:], loaded)
+    want, _ = _forward(tiny, hf, ids[:, n:], plain)
+    assert torch.equal(got, want)
+    k1 = hf.cache_tensors(loaded)[0][0]
+    assert k1.shape[2] == 70 and k1.data_ptr() == ptr            # appended in place
+    step = torch.tensor([[5]])
+    for i in range(12):                                          # through the room and past it
+        a, _ = _forward(tiny, hf, step, loaded)
+        b, _ = _forward(tiny, hf, step, plain)
+        assert torch.equal(a, b), i
+    assert hf.cache_tensors(loaded)[0][0].data_ptr() != ptr       # concatenated once full
+    for (k, v), (pk, pv) in zip(hf.cache_tensors(loaded), hf.cache_tensors(plain)):
+        assert torch.equal(k, pk) and torch.equal(v, pv)
+
+
+def test_crop_then_update_never_writes_under_an_earlier_view(tiny, hf_kv):
+    hf, kv = hf_kv
+    ids = torch.randint(0, 1024, (1, 49), generator=torch.Generator().manual_seed(4))
+    _, cache = _forward(tiny, hf, ids)
+    hf.store_prefix(kv, ids, cache)
+    loaded, n = hf.load_prefix(kv, ids)
+    _forward(tiny, hf, ids[:, n:], loaded)                        # 48 + 1 tokens, in place
+    before = [k.clone() for k, _ in hf.cache_tensors(loaded)]
+    held = [k for k, _ in hf.cache_tensors(loaded)]               # views someone kept
+    loaded.crop(-9)                                              # 49 -> 40 tokens
+    _forward(tiny, hf, torch.tensor([[7]]), loaded)
+    for h, b in zip(held, before):
+        assert torch.equal(h, b)
+    assert hf.cache_tensors(loaded)[0][0].shape[2] == 41
+
+
+def test_load_prefix_reuses_a_buffer_only_once_nothing_views_it(tiny, hf_kv):
+    hf, kv = hf_kv
+    ids = torch.randint(0, 1024, (1, 81), generator=torch.Generator().manual_seed(5))
+    hf.store_prefix(kv, ids, _forward(tiny, hf, ids)[1])
+
+    def keys(cache):
+        return [layer[0] for layer in hf.cache_tensors(cache)]
+
+    first, n = hf.load_prefix(kv, ids)
+    snap = [k.clone() for k in keys(first)]
+    ptr = keys(first)[0].data_ptr()
+    second = hf.load_prefix(kv, ids)[0]                          # first still alive
+    assert keys(second)[0].data_ptr() != ptr
+    _forward(tiny, hf, ids[:, n:], second)                        # writes into second's room
+    assert all(torch.equal(k, s) for k, s in zip(keys(first), snap))
+    del first
+    gc.collect()
+    third = hf.load_prefix(kv, ids)[0]                            # first's buffer is free
+    assert keys(third)[0].data_ptr() == ptr
+    assert all(torch.equal(k, s) for k, s in zip(keys(third), snap))

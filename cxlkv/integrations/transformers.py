@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import threading
 
 import numpy as np
 import torch
@@ -72,6 +73,9 @@ _SAMPLES = 64
 #: spare capacity of a loaded cache, in blocks: the following forward's tokens
 #: (the prompt's rest, then decode steps) are written into it in place
 ROOM_BLOCKS = 2
+#: destination buffers a ModelKV keeps for reuse by later load_prefix calls
+#: (each the size of a loaded prefix's KV; 0 = none kept)
+KEEP_BUFFERS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +194,38 @@ class ModelKV:
         self.kv = kv
         self.layout = layout
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        # load_prefix's destination buffers, kept for reuse once no cache views them
+        self._buffers: list[torch.Tensor] = []
+        self._buffers_lock = threading.Lock()
+
+    def _buffer(self, tokens: int) -> torch.Tensor:
+        """A [layers, 2, kv_heads, >= tokens, head_dim] CPU tensor for load_prefix:
+        one of the last KEEP_BUFFERS made that no tensor views any more (its
+        pages already touched: a fresh allocation pays a page fault every 4
+        KiB, slower than the copy itself), else a new one."""
+        lay = self.layout
+        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        with self._buffers_lock:
+            if use_count is not None:
+                for buf in self._buffers:
+                    # 2: `buf` here and the storage object asked; more: a view lives
+                    if buf.shape[3] >= tokens and use_count(buf.untyped_storage()._cdata) == 2:
+                        return buf[:, :, :, :tokens]
+            buf = torch.empty((lay.layers, 2, lay.kv_heads, tokens, lay.head_dim),
+                              dtype=lay.dtype)
+            if KEEP_BUFFERS:
+                self._buffers = ([buf] + self._buffers)[:KEEP_BUFFERS]
+            return buf[:, :, :, :tokens]
+
+    def __getstate__(self):
+        d = dict(self.__dict__)
+        d.pop("_buffers", None)               # buffers and their lock stay in this process
+        d.pop("_buffers_lock", None)
+        return d
+
+    def __setstate__(self, d):
+        self.__dict__.update(d)
+        self._buffers, self._buffers_lock = [], threading.Lock()
 
     @property
     def namespace(self) -> str:
@@ -422,16 +458,16 @@ def load_prefix(kv, input_ids, *, max_tokens: int | None = None, device=None,
         # [layers][K/V][kv_heads][blocks x block_tokens + room][head_dim]: one copy out
         # of the pool; the room takes the tokens the next forward adds
         cap = nb * t + ROOM_BLOCKS * t
-        buf = torch.empty((lay.layers, 2, lay.kv_heads, cap, lay.head_dim), dtype=lay.dtype)
+        dev = torch.device(device) if device is not None else mkv.device
+        buf = mkv._buffer(cap) if dev.type == "cpu" else torch.empty(
+            (lay.layers, 2, lay.kv_heads, cap, lay.head_dim), dtype=lay.dtype)
         kvcopy.hf_load(loaded.views(), buf, lay.layers, lay.kv_heads, t, lay.head_dim)
     finally:
         loaded.release()
-    dev = torch.device(device) if device is not None else mkv.device
     if buf.device != dev:
         buf = buf.to(dev)
     n = min(nb * t, limit)
-    full = buf.view(lay.layers, 2, 1, lay.kv_heads, cap, lay.head_dim)
-    room = [(full[i, 0], full[i, 1]) for i in range(lay.layers)]
+    room = [(buf[i, 0].unsqueeze(0), buf[i, 1].unsqueeze(0)) for i in range(lay.layers)]
     return _new_cache([(k[..., :n, :], v[..., :n, :]) for k, v in room], room), n
 
 
