@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -429,3 +432,103 @@ def test_load_prefix_reuses_a_buffer_only_once_nothing_views_it(tiny, hf_kv):
     third = hf.load_prefix(kv, ids)[0]                            # first's buffer is free
     assert keys(third)[0].data_ptr() == ptr
     assert all(torch.equal(k, s) for k, s in zip(keys(third), snap))
+
+
+# -- the vLLM connector's worker side, vLLM's base class stubbed ----------------------------
+@pytest.fixture
+def connector_module(monkeypatch):
+    """cxlkv.integrations.vllm imported over a stub of the three vLLM names it
+    needs at import (the base class, its metadata type and role, the logger),
+    removed again after the test.  test_integration_vllm.py runs the connector
+    under real vLLM (a venv of its own); this keeps its worker-side copies
+    (loads, layer-wise loads, saves) tested where vLLM is not installed."""
+    if "vllm" in sys.modules or HAVE_VLLM:
+        pytest.skip("vLLM is installed: test_integration_vllm.py runs the real connector")
+
+    class Base:
+        def __init__(self, vllm_config, role, kv_cache_config=None):
+            self._vllm_config = vllm_config
+            self._kv_transfer_config = vllm_config.kv_transfer_config
+            self._connector_metadata = None
+
+        def bind_connector_metadata(self, meta):
+            self._connector_metadata = meta
+
+    names = {"vllm": {}, "vllm.distributed": {}, "vllm.distributed.kv_transfer": {},
+             "vllm.distributed.kv_transfer.kv_connector": {},
+             "vllm.distributed.kv_transfer.kv_connector.v1": {},
+             "vllm.distributed.kv_transfer.kv_connector.v1.base": {
+                 "KVConnectorBase_V1": Base, "KVConnectorMetadata": type("Meta", (), {}),
+                 "KVConnectorRole": types.SimpleNamespace(WORKER=1)},
+             "vllm.logger": {"init_logger": logging.getLogger}}
+    for name, attrs in names.items():
+        m = types.ModuleType(name)
+        m.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, m)
+    monkeypatch.delitem(sys.modules, "cxlkv.integrations.vllm", raising=False)
+    import cxlkv.integrations.vllm as cv
+    yield cv
+    sys.modules.pop("cxlkv.integrations.vllm", None)
+
+
+try:
+    import vllm  # noqa: F401
+    HAVE_VLLM = True
+except Exception:
+    HAVE_VLLM = False
+
+
+@pytest.mark.parametrize("layerwise", ["false", "true"])
+def test_connector_saves_and_loads_paged_blocks(connector_module, tmp_path, layerwise):
+    """One connector saves 6 blocks from its paged caches (kernel blocks of half
+    a vLLM block; one layer through save_kv_layer, the rest in wait_for_save);
+    another loads them into other block ids, bit for bit, nothing else
+    written, synchronously or layer by layer."""
+    NS = types.SimpleNamespace
+    cv = connector_module
+    L, H, bs, n, C, NB = 3, 2, 16, 8, 64, 40
+    names = [f"layer.{i}" for i in range(L)]
+    spec = NS(num_kv_heads=H, head_size=C // 2, dtype=torch.float16, block_size=bs)
+    kcc = NS(kv_cache_groups=[NS(kv_cache_spec=spec, layer_names=names)])
+    path = str(tmp_path / "v.pool")
+    cxlkv.init_pool(path, {"size": 64 << 20})
+
+    def connector(extra):
+        cfg = NS(kv_transfer_config=NS(kv_connector_extra_config=extra, is_kv_consumer=True,
+                                       is_kv_producer=True),
+                 parallel_config=NS(tensor_parallel_size=1),
+                 cache_config=NS(block_size=bs, prefix_caching_hash_algo="sha256_cbor"),
+                 model_config=NS(model="stub", revision=None, dtype="float16",
+                                 quantization=None, hf_config=None))
+        return cv.CxlkvConnector(cfg, 1, kcc)
+
+    src = [rand((NB * bs // n, H, n, C), torch.float16, 60 + i) for i in range(L)]
+    hashes = [bytes([i]) * 32 for i in range(6)]
+    prod = connector({"pool": path})
+    prod.register_kv_caches(dict(zip(names, src)))
+    ids_p = [3, 7, 1, 30, 12, 5]
+    prod.bind_connector_metadata(cv.CxlkvConnectorMetadata(
+        stores=[cv.CxlkvTransfer("r", None, hashes, ids_p)]))
+    prod.save_kv_layer(names[1], src[1], None)
+    prod.wait_for_save()
+    assert prod.stats["stored_blocks"] == 6
+    dst = [torch.zeros_like(t) for t in src]
+    cons = connector({"pool": path, "layerwise": layerwise})
+    cons.register_kv_caches(dict(zip(names, dst)))
+    ids_c = [9, 2, 22, 0, 17, 11]
+    cons.bind_connector_metadata(cv.CxlkvConnectorMetadata(
+        loads=[cv.CxlkvTransfer("q", None, hashes + [b"\xff" * 32], ids_c + [33])]))
+    cons.start_load_kv(None)
+    for name in names:
+        cons.wait_for_layer_load(name)
+    r = bs // n
+    for li in range(L):
+        for p, c in zip(ids_p, ids_c):
+            assert torch.equal(dst[li][c * r:(c + 1) * r], src[li][p * r:(p + 1) * r])
+        others = [k for k in range(dst[li].shape[0]) if k // r not in ids_c]
+        assert not dst[li][others].any()
+    assert cons.stats["loaded_blocks"] == 6 and cons.stats["missed_blocks"] == 1
+    assert cons.get_block_ids_with_load_errors() == {33}
+    cons.wait_for_save()
+    cons.shutdown()
+    prod.shutdown()
