@@ -42,6 +42,11 @@ into the one layer-major tensor the DynamicCache layers view: the only copy
 on the hit path (a GPU model: into a CPU tensor, then one transfer).  The
 copy's store mode (plain or non-temporal) is the host's calibrated read mode
 (cxlkv._core.copymode).  The pins are released before load_prefix returns.
+The tensor has ROOM_BLOCKS blocks of spare tokens: the returned cache's
+layers write the next forward's tokens into them in place rather than
+concatenating the prefix.  A ModelKV keeps its last KEEP_BUFFERS such tensors
+and reuses one once no tensor views it any more (fresh memory costs a page
+fault every 4 KiB, more than the copy).
 
 Models with sliding-window, linear-attention or other non-plain cache layers
 are refused (UsageError); batches must be of one sequence.

@@ -195,6 +195,7 @@ class CxlkvConnector(KVConnectorBase_V1):
         self._staged: dict[int, tuple[torch.Tensor, set[int]]] = {}
         self._load_errors: set[int] = set()
         self._layer_load: kvcopy.LayerLoad | None = None
+        self._cpu = True                       # every registered cache is a CPU tensor
         self._rank = 0
         self.stats = {"loaded_blocks": 0, "stored_blocks": 0, "missed_blocks": 0,
                       "store_failures": 0}
