@@ -27,7 +27,7 @@ setup(
                      "cxlkv/_core/src/nc.c", "cxlkv/_core/src/kv.c", "cxlkv/_core/src/lru.c",
                      "cxlkv/_core/src/journal.c", "cxlkv/_core/src/lockmgr.c",
                      "cxlkv/_core/src/slabs.c", "cxlkv/_core/src/hostlock.c",
-                     "cxlkv/_core/src/poolwait.c"],
+                     "cxlkv/_core/src/poolwait.c", "cxlkv/_core/src/gather.c"],
             libraries=["xxhash"],
             depends=["cxlkv/_core/src/cpu.h", "cxlkv/_core/src/core.h", "cxlkv/_core/src/nc.h",
                      "cxlkv/_core/src/cxlkv_format.h"],

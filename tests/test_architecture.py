@@ -35,6 +35,7 @@ LAZY_CXLKV = {
     "cxlkv/remote/tier.py": {"cxlkv.remote.redis_cluster"},
     # the scenarios that need torch load its users when they run
     "cxlkv/bench/ttft.py": {"cxlkv.integrations.transformers", "cxlkv.testing.models"},
+    "cxlkv/bench/hitpath.py": {"cxlkv.integrations.transformers", "cxlkv.integrations.kvcopy"},
     "cxlkv/bench/remote_ttft.py": {"cxlkv.integrations.transformers", "cxlkv.testing.models"},
 }
 #: where subprocess may be used: the seams that start processes

@@ -3,6 +3,7 @@
 `Mapping` maps a pool (file or device-dax) or wraps a buffer; every access
 takes a byte offset from the pool base and is bounds-checked in C.
 """
+import logging
 import os
 
 from cxlkv.errors import MetadataCorrupt, PoolRangeError
@@ -17,7 +18,7 @@ except ImportError as e:  # pragma: no cover - depends on the build
 
 #: The interface version this Python code was written against; a stale or
 #: foreign build of the extension is refused at import.
-EXPECTED_ABI = 10
+EXPECTED_ABI = 11
 if _native.ABI_VERSION != EXPECTED_ABI:  # pragma: no cover - depends on the build
     raise ImportError(
         f"cxlkv C core ABI {_native.ABI_VERSION} does not match the Python code "
@@ -47,6 +48,15 @@ constants = _native.constants
 kv_chain = _native.kv_chain
 kv_keys = _native.kv_keys
 gather = _native.gather
+kv_copy = _native.kv_copy
 
-__all__ = ["Mapping", "fence", "sfence", "cpu_info", "layout", "constants", "kv_chain", "kv_keys", "gather", "crashpoint",
+from cxlkv._core import copymode  # noqa: E402  (needs _native; sets the copy modes)
+
+try:
+    copymode.apply()                 # CXLKV_COPY, else this host's cached calibration
+except ValueError as e:              # a bad CXLKV_COPY: the defaults, and say so
+    logging.getLogger(__name__).warning("%s; using the default copy modes", e)
+
+__all__ = ["Mapping", "fence", "sfence", "cpu_info", "layout", "constants", "kv_chain", "kv_keys", "gather", "kv_copy",
+           "copymode", "crashpoint",
            "CRASH_ENABLED"]

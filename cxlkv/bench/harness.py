@@ -53,6 +53,7 @@ Progress = Callable[[str], None]
 SCENARIOS = {
     "alloc-scale": "cxlkv.bench.alloc_scale",
     "evict-scale": "cxlkv.bench.evict_scale",
+    "hitpath": "cxlkv.bench.hitpath",
     "hot": "cxlkv.bench.hot",
     "journal": "cxlkv.bench.journal",
     "lock-scale": "cxlkv.bench.lock_scale",

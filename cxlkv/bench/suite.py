@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 
 import cxlkv
+from cxlkv._core import copymode
 from cxlkv.bench import handoff, harness, kv, poolops, trace
 from cxlkv.bench.kv import KV_BLOCK, KV_BLOCK_TOKENS, LOOKUP_BLOCK, LOOKUP_TOKENS
 from cxlkv.errors import BenchRefused
@@ -104,6 +105,8 @@ def run(progress: Callable[[str], None] = lambda s: None, quick: bool = False,
     existing pool, in a namespace of their own dropped after; refuses
     (BenchRefused) when the pool lacks room for them without evicting."""
     out: dict = {"version": cxlkv.__version__, "notes": {}}
+    # the bulk-copy modes the figures below ran with (calibrated once per host)
+    out["copy_modes"] = copymode.ensure()
     total = 8 * MiB if quick else 64 * MiB
     reps = 2 if quick else 5
 

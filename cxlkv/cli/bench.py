@@ -143,6 +143,9 @@ def bench_cmd(ctx: click.Context, pool, scale, scale_only, scale_entries, scale_
     for r in rows:
         t.add_row(*r)
     app.out.print(t)
+    cm = res.get("copy_modes")
+    if cm:
+        app.out.print(f"copy modes: read {cm['read']}, write {cm['write']} ({cm['source']})")
     if res.get("kv_pool"):
         app.out.print(f"KV scenarios ran on {res['kv_pool']} (namespace "
                       f"{res['kv_namespace']}, dropped)")

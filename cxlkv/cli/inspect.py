@@ -62,9 +62,12 @@ def inspect_cmd(app: Application, pool, force, watch, as_json):
 
 
 def gather(pool, force):
+    from cxlkv._core import copymode
     from cxlkv.ops.report import full_report, host_report
 
-    return host_report(), (full_report(pool, force) if pool is not None else None)
+    host = host_report()
+    host["copy_modes"] = copymode.modes()   # this process's bulk-copy modes (calibrated per host)
+    return host, (full_report(pool, force) if pool is not None else None)
 
 
 def watch_loop(app: Application, pool, force) -> int:
@@ -155,6 +158,9 @@ def render_host(app: Application, h: dict) -> None:
         ("auto-online", _unknown(mem["auto_online_blocks"])
          + (f" (memory blocks of {_size(mem['block_size'])})" if mem["block_size"] else "")),
     ]
+    cm = h.get("copy_modes")
+    if cm:
+        rows.append(("copy modes", f"read {cm['read']}, write {cm['write']} ({cm['source']})"))
     for key, val in rows:
         head.add_row(key, str(val))
     app.out.print(head)

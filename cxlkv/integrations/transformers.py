@@ -34,14 +34,19 @@ yourself (e.g. after a checkpoint revision).
 Copies
 ------
 store_prefix gathers the cache into one host buffer of whole blocks (one
-copy, device to host for a GPU model) and stores it; blocks already in the
-pool are not written.  load_prefix pins the matched blocks, wraps each
-pinned pool view with torch.frombuffer (no copy) and gathers them with one
-torch.stack straight into the layer-major tensors the DynamicCache layers
-view: the only copy on the hit path.  (A DynamicCache layer is one tensor per
-layer, and a prefix's blocks lie anywhere in the pool, so this gather is
-needed; the cache's first update concatenates anyway.)  The pins are
-released before load_prefix returns.
+strided pass in C per layer tensor, cxlkv.integrations.kvcopy; device to
+host first for a GPU model) and stores it; blocks already in the pool are
+not written.  load_prefix pins the matched blocks and gathers them, in one
+strided pass in C with the GIL released, straight from the pinned pool views
+into the one layer-major tensor the DynamicCache layers view: the only copy
+on the hit path (a GPU model: into a CPU tensor, then one transfer).  The
+copy's store mode (plain or non-temporal) is the host's calibrated read mode
+(cxlkv._core.copymode).  The pins are released before load_prefix returns.
+The tensor has ROOM_BLOCKS blocks of spare tokens: the returned cache's
+layers write the next forward's tokens into them in place rather than
+concatenating the prefix.  A ModelKV keeps its last KEEP_BUFFERS such tensors
+and reuses one once no tensor views it any more (fresh memory costs a page
+fault every 4 KiB, more than the copy).
 
 Models with sliding-window, linear-attention or other non-plain cache layers
 are refused (UsageError); batches must be of one sequence.
@@ -51,13 +56,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-import warnings
+import threading
 
 import numpy as np
 import torch
 import xxhash
 
 from cxlkv.errors import UsageError
+from cxlkv.integrations import kvcopy
 
 __all__ = ["BlockLayout", "ModelKV", "block_layout", "cache_kwarg", "cache_prefix", "cache_tensors",
            "kv_for_model", "load_prefix", "model_namespace", "output_cache", "store_prefix"]
@@ -69,6 +75,12 @@ _VOLATILE = {"transformers_version", "_name_or_path", "name_or_path", "torch_dty
              "_attn_implementation", "attn_implementation", "_experts_implementation"}
 #: weight values sampled per parameter for the namespace fingerprint
 _SAMPLES = 64
+#: spare capacity of a loaded cache, in blocks: the following forward's tokens
+#: (the prompt's rest, then decode steps) are written into it in place
+ROOM_BLOCKS = 2
+#: destination buffers a ModelKV keeps for reuse by later load_prefix calls
+#: (each the size of a loaded prefix's KV; 0 = none kept)
+KEEP_BUFFERS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +199,38 @@ class ModelKV:
         self.kv = kv
         self.layout = layout
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        # load_prefix's destination buffers, kept for reuse once no cache views them
+        self._buffers: list[torch.Tensor] = []
+        self._buffers_lock = threading.Lock()
+
+    def _buffer(self, tokens: int) -> torch.Tensor:
+        """A [layers, 2, kv_heads, >= tokens, head_dim] CPU tensor for load_prefix:
+        one of the last KEEP_BUFFERS made that no tensor views any more (its
+        pages already touched: a fresh allocation pays a page fault every 4
+        KiB, slower than the copy itself), else a new one."""
+        lay = self.layout
+        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        with self._buffers_lock:
+            if use_count is not None:
+                for buf in self._buffers:
+                    # 2: `buf` here and the storage object asked; more: a view lives
+                    if buf.shape[3] >= tokens and use_count(buf.untyped_storage()._cdata) == 2:
+                        return buf[:, :, :, :tokens]
+            buf = torch.empty((lay.layers, 2, lay.kv_heads, tokens, lay.head_dim),
+                              dtype=lay.dtype)
+            if KEEP_BUFFERS:
+                self._buffers = ([buf] + self._buffers)[:KEEP_BUFFERS]
+            return buf[:, :, :, :tokens]
+
+    def __getstate__(self):
+        d = dict(self.__dict__)
+        d.pop("_buffers", None)               # buffers and their lock stay in this process
+        d.pop("_buffers_lock", None)
+        return d
+
+    def __setstate__(self, d):
+        self.__dict__.update(d)
+        self._buffers, self._buffers_lock = [], threading.Lock()
 
     @property
     def namespace(self) -> str:
@@ -210,6 +254,7 @@ def kv_for_model(pool, model, salt=None, *, block_tokens: int = 16, namespace: s
     instead of the derived one (it must still be the same model and dtype).
     kv_options go to pool.kv (e.g. hot_bytes, remote_read, remote_budget_s)."""
     lay = block_layout(model, block_tokens)
+    kvcopy.prepare()                            # the host's copy modes (calibrated once)
     name = namespace if namespace is not None else model_namespace(model, block_tokens)
     kv = pool.kv(model=name, block_tokens=block_tokens, block_bytes=lay.block_bytes, salt=salt,
                  quota=quota, **kv_options)
@@ -309,14 +354,22 @@ def store_prefix(kv, input_ids, cache, *, layout: BlockLayout | None = None) -> 
     # [blocks][layers][K/V][kv_heads][block_tokens][head_dim], one copy
     out = torch.empty((nb, lay.layers, 2, lay.kv_heads, t, lay.head_dim), dtype=lay.dtype)
     with torch.no_grad():
-        for i, (k, v) in enumerate(layers):
-            for j, src in enumerate((k, v)):
-                out[:, i, j].copy_(src[0, :, :nb * t].unflatten(1, (nb, t)).transpose(0, 1))
+        if all(x.device.type == "cpu" for pair in layers for x in pair):
+            flat = memoryview(out.view(torch.uint8).numpy().reshape(-1))
+            bb = lay.block_bytes
+            kvcopy.hf_store(layers, [flat[i * bb:(i + 1) * bb] for i in range(nb)], t)
+        else:
+            for i, (k, v) in enumerate(layers):
+                for j, src in enumerate((k, v)):
+                    out[:, i, j].copy_(src[0, :, :nb * t].unflatten(1, (nb, t)).transpose(0, 1))
     return mkv.kv.store(toks, out.view(torch.uint8).numpy().reshape(-1))
 
 
-def _new_cache(layers):
-    """A DynamicCache whose layers hold `layers` [(keys, values)] as they are (no copy)."""
+def _new_cache(layers, room=None):
+    """A DynamicCache whose layers hold `layers` [(keys, values)] as they are (no
+    copy).  room: [(keys buffer, values buffer)] the layers' tensors are the
+    leading tokens of: their updates append in place while the buffers have
+    room (_growable), instead of concatenating the whole cache."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
@@ -324,13 +377,63 @@ def _new_cache(layers):
     if base is None or not hasattr(cache, "layers"):         # transformers < 4.56
         return DynamicCache.from_legacy_cache(tuple(layers))
     made = []
-    for k, v in layers:
-        layer = base()
+    for i, (k, v) in enumerate(layers):
+        layer = (_growable(base) if room is not None else base)()
         layer.update(k[:, :, :0], v[:, :, :0])     # initialises device/dtype; copies nothing
         layer.keys, layer.values = k, v
+        if room is not None:
+            layer._room = room[i]
+            layer._high = k.shape[-2]
         made.append(layer)
     cache.layers = made
     return cache
+
+
+_GROWABLE: dict = {}
+
+
+def _growable(base):
+    """`base` (DynamicLayer) whose update() writes new tokens into spare room
+    of the buffers its keys/values lead (set by _new_cache) rather than
+    concatenating: the first forward after a pooled hit then copies only
+    its own tokens, not the whole prefix.  Only positions past every token
+    this layer ever held are written (after a crop it concatenates, so no
+    view handed out earlier sees its bytes change); anything unexpected
+    (batch, dtype, device, no room left) falls back to base.update."""
+    cls = _GROWABLE.get(base)
+    if cls is not None:
+        return cls
+
+    class PooledLayer(base):
+        _room = None
+        _high = 0
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            room = self._room
+            if room is not None and self.is_initialized:
+                kb, vb = room
+                n = self.keys.shape[-2]
+                m = n + key_states.shape[-2]
+                if (n == self._high and m <= kb.shape[-2]
+                        and self.keys.data_ptr() == kb.data_ptr()
+                        and self.values.data_ptr() == vb.data_ptr()
+                        and key_states.shape[:2] == kb.shape[:2]
+                        and value_states.shape[:2] == vb.shape[:2]
+                        and key_states.shape[-1] == kb.shape[-1]
+                        and value_states.shape[-1] == vb.shape[-1]
+                        and key_states.dtype == kb.dtype and value_states.dtype == vb.dtype
+                        and key_states.device == kb.device):
+                    kb[..., n:m, :].copy_(key_states)
+                    vb[..., n:m, :].copy_(value_states)
+                    self.keys, self.values = kb[..., :m, :], vb[..., :m, :]
+                    self._high = m
+                    return self.keys, self.values
+                self._room = None                     # from here on, as the base does
+            return super().update(key_states, value_states, *args, **kwargs)
+
+    PooledLayer.__name__ = PooledLayer.__qualname__ = f"Pooled{base.__name__}"
+    _GROWABLE[base] = PooledLayer
+    return PooledLayer
 
 
 def load_prefix(kv, input_ids, *, max_tokens: int | None = None, device=None,
@@ -357,21 +460,20 @@ def load_prefix(kv, input_ids, *, max_tokens: int | None = None, device=None,
         nb = loaded.blocks
         if nb == 0:
             return None, 0
-        with warnings.catch_warnings():
-            # the pool's views are read-only; nothing here writes through them
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            srcs = [torch.frombuffer(v, dtype=lay.dtype).view(lay.shape) for v in loaded.views()]
-        # [layers][K/V][kv_heads][blocks][block_tokens][head_dim]: one copy out of the pool
-        buf = torch.stack(srcs, dim=3)
-        del srcs
+        # [layers][K/V][kv_heads][blocks x block_tokens + room][head_dim]: one copy out
+        # of the pool; the room takes the tokens the next forward adds
+        cap = nb * t + ROOM_BLOCKS * t
+        dev = torch.device(device) if device is not None else mkv.device
+        buf = mkv._buffer(cap) if dev.type == "cpu" else torch.empty(
+            (lay.layers, 2, lay.kv_heads, cap, lay.head_dim), dtype=lay.dtype)
+        kvcopy.hf_load(loaded.views(), buf, lay.layers, lay.kv_heads, t, lay.head_dim)
     finally:
         loaded.release()
-    dev = torch.device(device) if device is not None else mkv.device
     if buf.device != dev:
         buf = buf.to(dev)
     n = min(nb * t, limit)
-    buf = buf.view(lay.layers, 2, 1, lay.kv_heads, nb * t, lay.head_dim)[..., :n, :]
-    return _new_cache([(buf[i, 0], buf[i, 1]) for i in range(lay.layers)]), n
+    room = [(buf[i, 0].unsqueeze(0), buf[i, 1].unsqueeze(0)) for i in range(lay.layers)]
+    return _new_cache([(k[..., :n, :], v[..., :n, :]) for k, v in room], room), n
 
 
 def cache_prefix(cache, n_tokens: int):

@@ -22,6 +22,9 @@ instance of the rack).  kv_connector_extra_config:
                 through it, and what they find is stored in the pool (blocks
                 are pushed there by the racks' `cxlkv serve --remote-push`)
     remote_budget_s  how long a lookup may wait for the cluster (default 0.05)
+    layerwise   true: loads copy layer by layer on a thread, and each attention
+                layer waits (wait_for_layer_load) only for its own layer
+                (default false: start_load_kv copies every layer first)
 
 Keys.  A pool block is one vLLM block (block_size tokens), keyed by the block
 hash vLLM computed for it (request.block_hashes) - the chain hash that names
@@ -53,9 +56,13 @@ layout is the backend's); set `namespace` explicitly otherwise.
 Scope.  One KV cache group of full-attention layers (FullAttentionSpec or
 MLA); tensor parallelism by one namespace per TP rank (the scheduler counts a
 block present only when every rank has it); pipeline and decode-context
-parallelism are refused.  Loads are synchronous (start_load_kv copies from
-the pool into the paged KV before the forward); saves copy each layer's
-newly completed blocks in save_kv_layer and publish them in wait_for_save.
+parallelism are refused.  Loads copy from the pinned pool views straight
+into the paged KV, one strided pass per layer in C with the GIL released
+(cxlkv.integrations.kvcopy; CPU caches - a GPU cache goes through one CPU
+staging copy); start_load_kv does every layer before the forward, or with
+layerwise=true starts them on a thread and wait_for_layer_load waits for its
+layer only.  Saves copy each layer's newly completed blocks in save_kv_layer
+(one pass into staging blocks) and publish them in wait_for_save.
 Blocks evicted between the scheduler's match and the worker's load are
 reported through get_block_ids_with_load_errors (vLLM recomputes them).
 """
@@ -65,9 +72,9 @@ import dataclasses
 import hashlib
 import json
 import os
-import warnings
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 try:
@@ -80,6 +87,7 @@ except ImportError as e:                                  # pragma: no cover - n
 
 from cxlkv import api
 from cxlkv.errors import CxlkvError, UsageError
+from cxlkv.integrations import kvcopy
 from cxlkv.kv.tiers import remote
 from cxlkv.remote import RemoteConfig
 
@@ -160,6 +168,7 @@ class CxlkvConnector(KVConnectorBase_V1):
         if extra.get("remote"):
             self._remote = RemoteConfig.from_toml(str(extra["remote"]))   # bad: an error now
         self._remote_budget = extra.get("remote_budget_s")
+        self._layerwise = str(extra.get("layerwise", "false")).lower() in ("1", "true", "yes")
         ktc = self._kv_transfer_config
         self._do_load = bool(getattr(ktc, "is_kv_consumer", True))
         self._do_save = bool(getattr(ktc, "is_kv_producer", True))
@@ -185,6 +194,8 @@ class CxlkvConnector(KVConnectorBase_V1):
         self._layer_index: dict[str, int] = {}
         self._staged: dict[int, tuple[torch.Tensor, set[int]]] = {}
         self._load_errors: set[int] = set()
+        self._layer_load: kvcopy.LayerLoad | None = None
+        self._cpu = True                       # every registered cache is a CPU tensor
         self._rank = 0
         self.stats = {"loaded_blocks": 0, "stored_blocks": 0, "missed_blocks": 0,
                       "store_failures": 0}
@@ -357,6 +368,8 @@ class CxlkvConnector(KVConnectorBase_V1):
             self._caches.append(t)
             self._layer_index[name] = i
         self._rank = _tp_rank(self._tp_size)
+        self._cpu = all(t.device.type == "cpu" for t in self._caches)
+        kvcopy.prepare()
         self._open_pool()
 
     def _kernel_ids(self, block_ids: list[int], cache: torch.Tensor) -> torch.Tensor:
@@ -389,41 +402,84 @@ class CxlkvConnector(KVConnectorBase_V1):
         cache.index_copy_(0, self._kernel_ids(block_ids, cache), pages.to(cache.device))
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        """Copy this step's matched blocks from the pool into the paged KV
-        (synchronously, before the forward reads them)."""
+        """Copy this step's matched blocks from the pool into the paged KV:
+        every layer before returning, or (layerwise) on a thread that
+        wait_for_layer_load follows."""
+        self._finish_layer_load()                        # a previous step's, if any
         meta = self._connector_metadata
         if not isinstance(meta, CxlkvConnectorMetadata) or not meta.loads:
             return
-        lay = self._layout
-        c = lay.content_bytes // _itemsize(lay.dtype)
-        for t in meta.loads:
-            if not t.block_hashes:
-                continue
-            loaded = self._kv(self._rank, t.salt).load_hashes(t.block_hashes)
-            try:
+        pinned = []                                      # (loaded, block ids) per request
+        try:
+            for t in meta.loads:
+                if not t.block_hashes:
+                    continue
+                loaded = self._kv(self._rank, t.salt).load_hashes(t.block_hashes)
                 n = loaded.blocks
                 if n:
-                    with warnings.catch_warnings():
-                        warnings.filterwarnings("ignore",
-                                                message="The given buffer is not writable")
-                        srcs = [torch.frombuffer(v, dtype=lay.dtype).view(
-                            len(lay.layer_names), lay.heads, lay.block_size, c)
-                            for v in loaded.views()]
-                    staged = torch.stack(srcs)          # the one copy out of the pool
-                    del srcs
-            finally:
-                loaded.release()
-            if n:
-                for li in range(len(self._caches)):
-                    self._scatter(li, t.block_ids[:n], staged[:, li])
-            self.stats["loaded_blocks"] += n
-            if n < len(t.block_ids):
-                # evicted since the scheduler matched them: vLLM recomputes these
-                self.stats["missed_blocks"] += len(t.block_ids) - n
-                self._load_errors.update(t.block_ids[n:])
+                    loaded.views()                       # made here, used by the copy steps
+                    pinned.append((loaded, t.block_ids[:n]))
+                else:
+                    loaded.release()
+                self.stats["loaded_blocks"] += n
+                if n < len(t.block_ids):
+                    # evicted since the scheduler matched them: vLLM recomputes these
+                    self.stats["missed_blocks"] += len(t.block_ids) - n
+                    self._load_errors.update(t.block_ids[n:])
+        except BaseException:
+            _release_all(pinned)
+            raise
+        if not pinned:
+            return
+        steps = [self._load_step(li, pinned) for li in range(len(self._caches))]
+        if self._layerwise and self._cpu:
+            self._layer_load = kvcopy.LayerLoad(steps, done=lambda: _release_all(pinned))
+            return
+        try:
+            for step in steps:
+                step()
+        finally:
+            _release_all(pinned)
+
+    def _load_step(self, li: int, pinned):
+        """The copy of layer li of every pinned request into its paged blocks."""
+        lay = self._layout
+
+        def step():
+            for loaded, ids in pinned:
+                views = loaded.views()
+                if self._cpu:
+                    kvcopy.paged_layer(views, lay.block_bytes, li, self._caches[li], ids,
+                                       lay.heads, lay.block_size)
+                else:                                   # one CPU staging copy, one transfer
+                    c = lay.content_bytes // _itemsize(lay.dtype)
+                    pages = torch.empty((len(ids), lay.heads, lay.block_size, c),
+                                        dtype=lay.dtype)
+                    kvcopy.copy_blocks(views, lay.block_bytes, pages,
+                                       np.arange(len(ids)) * pages.stride(0),
+                                       (lay.heads, lay.block_size, c),
+                                       (lay.block_size * c, c, 1), pages.stride()[1:],
+                                       src_offset=li * lay.layer_bytes)
+                    self._scatter(li, ids, pages)
+        return step
+
+    def _finish_layer_load(self) -> None:
+        ll, self._layer_load = self._layer_load, None
+        if ll is not None:
+            ll.finish()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return                                           # loads finish in start_load_kv
+        """Return once layer_name's blocks are in the paged KV (layerwise loads;
+        otherwise start_load_kv has copied every layer already)."""
+        ll = self._layer_load
+        if ll is None:
+            return
+        li = self._layer_index.get(layer_name)
+        if li is None:
+            return
+        ll.wait(li)
+        if li == ll.layers - 1:
+            self._finish_layer_load()
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
                       **kwargs: Any) -> None:
@@ -434,8 +490,22 @@ class CxlkvConnector(KVConnectorBase_V1):
             return
         for i, t in enumerate(meta.stores):
             buf, done = self._staging(i, t)
-            buf[:, li].copy_(self._gather(li, t.block_ids, kv_layer))
+            self._save_layer(li, t, buf, kv_layer)
             done.add(li)
+
+    def _save_layer(self, li: int, t: CxlkvTransfer, buf: torch.Tensor,
+                    cache: torch.Tensor | None = None) -> None:
+        """Layer li's pages of t.block_ids into the staging blocks `buf`."""
+        cache = self._caches[li] if cache is None else cache
+        if cache.device.type == "cpu" and cache.dtype == buf.dtype:
+            lay = self._layout
+            flat = memoryview(buf.view(torch.uint8).numpy().reshape(-1))
+            bb = lay.block_bytes
+            kvcopy.paged_layer([flat[j * bb:(j + 1) * bb] for j in range(len(t.block_ids))],
+                               bb, li, cache, t.block_ids, lay.heads, lay.block_size,
+                               to_blocks=True)
+        else:
+            buf[:, li].copy_(self._gather(li, t.block_ids, cache))
 
     def _staging(self, i: int, t: CxlkvTransfer):
         if i not in self._staged:
@@ -451,13 +521,14 @@ class CxlkvConnector(KVConnectorBase_V1):
         save_kv_layer did not see are copied from the registered caches)."""
         meta = self._connector_metadata
         try:
+            self._finish_layer_load()           # layers the forward did not wait for
             if not isinstance(meta, CxlkvConnectorMetadata) or not meta.stores:
                 return
             for i, t in enumerate(meta.stores):
                 buf, done = self._staging(i, t)
                 for li in range(len(self._caches)):
                     if li not in done:
-                        buf[:, li].copy_(self._gather(li, t.block_ids))
+                        self._save_layer(li, t, buf)
                 try:
                     new = self._kv(self._rank, t.salt).store_hashes(
                         t.block_hashes, buf.view(torch.uint8).numpy().reshape(-1))
@@ -478,12 +549,25 @@ class CxlkvConnector(KVConnectorBase_V1):
         return errs
 
     def shutdown(self):
+        self._finish_layer_load()
         self._kvs.clear()
         if self._pool is not None:
             pool, self._pool = self._pool, None
             if self._remote is not None:
                 remote.disable(pool)
             pool.close()
+
+
+def _release_all(pinned) -> None:
+    """Release every pinned load (the first error raised after all are released)."""
+    err = None
+    for loaded, _ in pinned:
+        try:
+            loaded.release()
+        except BaseException as e:
+            err = err or e
+    if err is not None:
+        raise err
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -143,6 +143,8 @@ void cxlkv_copy_to_pool(void *dstv, const void *srcv, size_t n, int nt)
         return;
     }
 #if defined(__x86_64__)
+    if (nt && __atomic_load_n(&cxlkv_write_clwb, __ATOMIC_RELAXED))
+        nt = 0;                                 /* the write copy mode (gather.c) */
     if (nt && n >= NT_MIN) {
         size_t head, body;
         split64(dst, n, &head, &body);
@@ -203,7 +205,7 @@ void cxlkv_zero_pool(void *dstv, size_t n, int nt)
 void cxlkv_copy_from_pool(void *dstv, const void *srcv, size_t n)
 {
 #if defined(__x86_64__)
-    if (n >= NT_READ_MIN) {
+    if (n >= NT_READ_MIN && __atomic_load_n(&cxlkv_read_nt, __ATOMIC_RELAXED)) {
         char *dst = dstv;
         const char *src = srcv;
         size_t head, body;

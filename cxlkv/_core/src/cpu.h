@@ -109,6 +109,12 @@ static inline void cxlkv_invalidate_range(const void *p, size_t n)
     cxlkv_mfence();
 }
 
+/* Copy modes (gather.c, set from Python): reads out of the pool stream their
+ * stores (1) or not (0); writes into the pool use regular stores + write-back
+ * instead of non-temporal stores (1). */
+extern int cxlkv_read_nt;
+extern int cxlkv_write_clwb;
+
 void cxlkv_cpu_init(void);
 const char *cxlkv_flush_name(enum cxlkv_flush_kind k);
 

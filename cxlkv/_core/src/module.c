@@ -16,7 +16,7 @@
 /* Bump when the Python-visible interface changes; cxlkv/_core/__init__.py
  * refuses to import a build with a different number (a stale build must fail
  * loudly, not strangely). */
-#define CXLKV_NATIVE_ABI 10
+#define CXLKV_NATIVE_ABI 11
 
 PyObject *cxlkv_RangeError;   /* set by _native.set_error_types() */
 PyObject *cxlkv_CorruptError; /* impossible pool metadata; set by set_error_types() */
@@ -161,6 +161,14 @@ static PyMethodDef module_methods[] = {
     {"fence", mod_fence, METH_NOARGS, "full memory fence (mfence)"},
     {"gather", (PyCFunction)(void (*)(void))mod_gather, METH_FASTCALL,
      "gather(blocks, dst, block_bytes) -> n: each buffer (or None) to its block of dst"},
+    {"kv_copy", (PyCFunction)(void (*)(void))mod_kv_copy, METH_FASTCALL,
+     "kv_copy(blocks, block_bytes, src_offset, buf, offsets, shape, src_strides, buf_strides, run, "
+     "to_blocks=False) -> bytes: strided gather of blocks into buf (scatter back with "
+     "to_blocks), one pass, GIL released, bounds-checked on both sides (gather.c)"},
+    {"copy_modes", mod_copy_modes, METH_NOARGS,
+     "copy_modes() -> {read: plain|nt, write: nt|clwb}: how bulk copies out of / into the pool store"},
+    {"set_copy_modes", mod_set_copy_modes, METH_VARARGS,
+     "set_copy_modes(read, write): read plain|nt, write nt|clwb (gather.c)"},
     {"kv_chain", (PyCFunction)(void (*)(void))mod_kv_chain, METH_FASTCALL,
      "kv_chain(tokens_u32, block_tokens, out) -> blocks: xxh3-128 chain of block hashes"},
     {"kv_keys", (PyCFunction)(void (*)(void))mod_kv_keys, METH_FASTCALL,
