@@ -66,14 +66,22 @@ def small_pool(pool_path):
     return pool_path
 
 
+@pytest.fixture(scope="session")
+def _cache_home(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("cache"))
+
+
 @pytest.fixture(autouse=True)
-def _isolated(monkeypatch, tmp_path_factory):
-    """No test sees the caller's environment or the machine's default pool."""
+def _isolated(monkeypatch, tmp_path_factory, _cache_home):
+    """No test sees the caller's environment or the machine's default pool;
+    the per-host caches (the copy-mode calibration) go to this session's
+    directory, not the user's ~/.cache."""
     from cxlkv.ops import init as admin
 
     for k in ("CXLKV_SYSFS_ROOT", "CXLKV_PROCFS_ROOT", "CXLKV_DEV_ROOT", "CXLKV_FLUSH",
-              "CXLKV_POOL"):
+              "CXLKV_POOL", "CXLKV_POOL_UUID", "CXLKV_COPY"):
         monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", _cache_home)
     monkeypatch.setattr(admin, "DEFAULT_POOL_PATH",
                         str(tmp_path_factory.mktemp("default") / "cxlkv-default.pool"))
     # host-local lock files of this test's pools (children inherit it)
