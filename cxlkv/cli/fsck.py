@@ -68,13 +68,36 @@ def fsck_cmd(app: Application, pool, repair, force, as_json):
         with Pool.open(pool, writable=False, force=force) as p:
             rep = check(p)
     except CxlkvError as e:
-        return app.fail(e, EXIT_OPERATIONAL)
+        return app.fail(_with_next_step(pool, e), EXIT_OPERATIONAL)
     if app.json:
         app.emit_json({"pool": pool, **rep.to_json()})
     else:
         _findings(app, f"fsck {pool}", rep.findings)
         _summary(app, pool, rep)
     return EXIT_CLEAN if rep.clean else EXIT_ERRORS
+
+
+def _with_next_step(pool: str, e: CxlkvError) -> CxlkvError:
+    """A pool whose superblock copies are both bad cannot be checked or
+    repaired: say which path, and what is left to do."""
+    from cxlkv.errors import NotFormatted, PoolInvalid, WrongMagic
+
+    if not isinstance(e, PoolInvalid):
+        return e
+    if isinstance(e, WrongMagic):
+        return e if e.hint else type(e)(e.message, path=pool, hint="check the path: it holds "
+                                        "data that is not a cxlkv pool")
+    msg = e.message if pool in e.message else f"{pool}: {e.message}"
+    if isinstance(e, NotFormatted):
+        return type(e)(msg, path=pool, hint=e.hint or f"make a pool of it: cxlkv format "
+                                                       f"--pool {pool}")
+    if "superblock" not in msg:
+        return type(e)(msg, path=pool, hint=e.hint)
+    return type(e)(
+        f"{msg}; fsck cannot check or repair a pool with no good superblock copy",
+        path=pool, hint=f"re-format it (`cxlkv format --pool {pool} --force`: the KV cache "
+                        "starts empty) after stopping every node, or restore a snapshot into "
+                        "the new pool (cxlkv-restore(1))")
 
 
 def _findings(app: Application, title: str, findings) -> None:
@@ -106,7 +129,7 @@ def _repair(app: Application, pool: str, force: bool) -> int:
     try:
         rep = repair(pool, force=force, notice=notice)
     except CxlkvError as e:
-        return app.fail(e, EXIT_OPERATIONAL)
+        return app.fail(_with_next_step(pool, e), EXIT_OPERATIONAL)
     if app.json:
         app.emit_json({"pool": pool, **rep.to_json()})
         return rep.exit_code
