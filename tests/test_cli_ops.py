@@ -337,3 +337,55 @@ def test_secret_import_of_a_missing_file_and_junk_pools_read_plainly(cli, cas_po
     assert "b'" not in r.err and "\\x" not in r.err and "wrong magic 0x" in r.err
     r = cli("fsck", "--pool", junk)
     assert r.code == 8 and "check the path" in r.err and "--force" not in r.err
+
+
+# -- logs: the real cause, who was reaped --------------------------------------------------
+
+def test_serve_stopped_after_the_lock_managers_says_so(pool_path):
+    """SIGTERM to an agent whose lock managers were stopped first, with a
+    --stop-timeout shorter than the lease it would take to notice: the
+    warning names the missing lock manager, not a node holding the lock."""
+    from test_serve import Serve
+
+    init_pool(pool_path, {"size": 16 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8,
+                          "sync": "manager", "lease_ms": 4000})
+    mgr_pool = pool_path
+    mgr = Manager(mgr_pool)
+    try:
+        assert "active for" in mgr.line()
+        s = Serve(mgr_pool, "--stop-timeout", "1")
+        mgr.stop()                                # the wrong order: managers first
+        s.p.send_signal(signal.SIGTERM)
+        d = s.wait_log(lambda d: d.get("level") == "warning" and "could not detach" in d["msg"])
+        assert "no lock manager is running" in d["msg"], d
+        assert "held by another node" not in d["msg"]
+        assert s.p.wait(30) == 0
+    finally:
+        mgr.stop()
+
+
+def test_abandoned_attaches_and_reaps_are_named_plainly():
+    from types import SimpleNamespace
+
+    from cxlkv.daemons.lockmgr import describe_node
+
+    claimed = SimpleNamespace(slot=48, pid=0, hostname="")
+    assert describe_node(claimed) == \
+        "node 48 (an abandoned attach: claimed, no process recorded)"
+    assert describe_node(SimpleNamespace(slot=3, pid=812, hostname="host-a")) == \
+        "node 3 (host-a pid 812)"
+
+
+def test_fsck_force_and_live_each_mean_one_thing(cli, cas_pool):
+    from cxlkv.testing.nodes import NodeProc
+
+    assert cli("fsck", "--pool", cas_pool, "--live").code == 16     # --live goes with --repair
+    q = NodeProc()
+    try:
+        q.attach(cas_pool)
+        r = cli("fsck", "--pool", cas_pool, "--repair", "--force")     # mode only: still refused
+        assert r.code == 8 and "live node" in r.err and "--live" in r.err
+        r = cli("fsck", "--pool", cas_pool, "--repair", "--live", "--json")
+        assert r.code == 0 and r.json()["attached"] is True
+    finally:
+        q.close()

@@ -30,14 +30,15 @@ class FsckCommand(click.Command):
 @pool_option(required=True)
 @click.option("--repair", is_flag=True,
               help="Repair what is found (refused while live nodes are attached, "
-                   "unless --force).")
+                   "unless --live).")
+@click.option("--live", is_flag=True,
+              help="With --repair: repair while live nodes are attached (attached as a node, "
+                   "under the pool lock; nodes of other hosts not judged yet count as live).")
 @click.option("--force", is_flag=True,
-              help="Open a world-readable or world-writable pool; with --repair, also "
-                   "repair while live nodes are attached (attached as a node, under the "
-                   "pool lock; nodes of other hosts not judged yet count as live).")
+              help="Open a world-readable or world-writable pool (only that).")
 @json_option
 @pass_app
-def fsck_cmd(app: Application, pool, repair, force, as_json):
+def fsck_cmd(app: Application, pool, repair, live, force, as_json):
     """Check a pool's shared state; with --repair, put it right.
 
     Checks both superblock copies, the node table, the lock area, the chunk
@@ -56,11 +57,14 @@ def fsck_cmd(app: Application, pool, repair, force, as_json):
     Liveness is judged once (nodes of other hosts watched for up to a
     lease); only nodes judged dead are reaped, and a node that attaches
     meanwhile stops an offline repair (exit 8) - in sync mode cas it cannot
-    attach at all while the repair runs.  --force serves both overrides: an
-    unsafe mode and live nodes (attaching is not counted as a repair).
+    attach at all while the repair runs.  --live repairs with live nodes
+    attached (attaching is not counted as a repair); --force only opens a
+    pool of an unsafe mode.
     """
+    if live and not repair:
+        raise FsckUsage("--live goes with --repair (see cxlkv fsck --help)")
     if repair:
-        return _repair(app, pool, force)
+        return _repair(app, pool, force, live)
     from cxlkv.api import Pool
     from cxlkv.ops.fsck import check
 
@@ -119,7 +123,7 @@ def _summary(app: Application, pool: str, rep) -> None:
                   f"{a.get('chunks_used', 0)} of {a.get('chunks', 0)} chunks in use")
 
 
-def _repair(app: Application, pool: str, force: bool) -> int:
+def _repair(app: Application, pool: str, force: bool, live: bool) -> int:
     from cxlkv.ops.repair import repair
 
     def notice(count, seconds):
@@ -127,7 +131,7 @@ def _repair(app: Application, pool: str, force: bool) -> int:
                  f"{seconds:g} s to tell whether they are alive")
 
     try:
-        rep = repair(pool, force=force, notice=notice)
+        rep = repair(pool, force=force, live=live, notice=notice)
     except CxlkvError as e:
         return app.fail(_with_next_step(pool, e), EXIT_OPERATIONAL)
     if app.json:
@@ -145,7 +149,7 @@ def _repair(app: Application, pool: str, force: bool) -> int:
         _findings(app, f"fsck {pool}: left", rep.after.findings)
     _summary(app, pool, rep.after)
     if rep.attached:
-        app.out.print(f"{pool}: repaired under the pool lock, attached as a node (--force)")
+        app.out.print(f"{pool}: repaired under the pool lock, attached as a node (--live)")
     if rep.exit_code == EXIT_CORRECTED:
         app.out.print(f"{pool}: {len(rep.actions)} repair(s) made; the pool is clean now")
     return rep.exit_code
