@@ -93,6 +93,17 @@ def sections(lines: list[str]) -> dict[str, list[str]]:
     return out
 
 
+def subsections(lines: list[str]) -> list[list[str]]:
+    """A section's lines split at its subheadings (indented by exactly 3)."""
+    out: list[list[str]] = [[]]
+    for line in lines:
+        text = plain(line)
+        if text.startswith("   ") and not text.startswith("    ") and text.strip():
+            out.append([])
+        out[-1].append(line)
+    return [x for x in out[1:]] if len(out) > 1 else out
+
+
 def commands(lines: list[str]) -> list[str]:
     """The bold shell commands of some lines, in order."""
     out = []
@@ -297,7 +308,7 @@ def test_start_a_rack_order_and_the_spill_settings():
 @pytest.mark.long
 def test_runbook_procedures_in_order(tmp_path):
     """Every procedure, in order, on an emulated two-host rack (about two
-    minutes on a shared 2-core machine: pytest -m long, or CXLKV_LONG=1)."""
+    to four minutes on a shared 2-core machine: pytest -m long, or CXLKV_LONG=1)."""
     rack = Rack(tmp_path)
     try:
         # START A RACK, steps in the order the page gives them
@@ -372,13 +383,38 @@ def test_runbook_procedures_in_order(tmp_path):
         for cmd in steps_of("RECOVER AFTER A CRASH"):
             rack.run(cmd, ok=(0, 1) if "--repair" in cmd else (0,))
 
-        # UPGRADE THE FORMAT: drain, format, start again
-        for cmd in steps_of("UPGRADE"):
+        rack.systemctl(["start", "cxlkv-serve@kv0"])      # the agents serve again
+
+        # UPGRADE: the rolling upgrade one host at a time, then the format's
+        rolling, fmt = subsections(sections(render(RUNBOOK))["UPGRADE"])
+        stopped = []
+        for cmd in commands(rolling):
+            if cmd.startswith("systemctl stop"):
+                rack.run(cmd, hosts=1)                  # one host at a time
+                stopped = [u for u in cmd.split()[2:]]
+            elif cmd.startswith("cxlkv health") and stopped:
+                # "start them and the engines again", then wait for OK
+                rack.systemctl(["start", *sorted(stopped, key=lambda u: "serve" in u)],
+                               hosts=1)
+                stopped = []
+                wait_until(lambda: health_json(rack)["status"] == "OK", timeout=30,
+                           what="health OK after the host came back")
+                rack.run(cmd)
+            else:
+                rack.run(cmd)
+        assert len(rack.agents) == len(rack.managers) == rack.hosts
+        for cmd in commands(fmt):
             if cmd.startswith("cxlkv format"):
                 assert not rack.agents and not rack.managers, "format on a live rack"
+            if cmd.startswith("cxlkv health"):
+                r = rack.run(cmd, ok=(0, 1, 2))        # drained: "shows 0 nodes"
+                assert "nodes=0;" in r.stdout, r.stdout
+                continue
             rack.run(cmd)
+        # "start the lock managers, then the agents": the new pool serves
         rack.systemctl(["start", "cxlkv-lock-manager@kv0", "cxlkv-serve@kv0"])
-        assert health_json(rack)["status"] == "OK"
+        wait_until(lambda: health_json(rack)["status"] == "OK", timeout=30,
+                   what="health OK on the new format")
         rack.systemctl(["stop", "cxlkv-serve@kv0", "cxlkv-lock-manager@kv0"])
     finally:
         rack.close()
