@@ -9,10 +9,9 @@ import psutil
 import pytest
 
 from cxlkv import errors
-from cxlkv.pool import layout
 from cxlkv.api import Pool
+from cxlkv.pool import layout
 from cxlkv.state.nodes import local_boot_id
-
 from cxlkv.testing.damage import fake_node, patch_bytes, rewrite_superblock
 from cxlkv.testing.pools import SMALL, mode_of
 

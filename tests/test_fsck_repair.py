@@ -11,13 +11,10 @@ import numpy as np
 import pytest
 
 import cxlkv
-from cxlkv.pool import layout
-from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
-from cxlkv.state import alloc
-from cxlkv.state import locks
-from cxlkv.state import nodes
-
+from cxlkv.ops.init import init_pool
+from cxlkv.pool import layout
+from cxlkv.state import alloc, locks, nodes
 from cxlkv.testing.checks import codes, fsck
 from cxlkv.testing.damage import damage, desc_off, fake_node, patch_bytes
 from cxlkv.testing.data import pattern

@@ -236,7 +236,7 @@ class LockManager:
     def step(self, slots: bool = True) -> bool:
         """One round: node slots (claims, liveness) when `slots`, then the lock.
         True if anything changed."""
-        pool, m = self.pool, self.m
+        pool = self.pool
         ents = protocol.read_entries(pool)
         changed = False
         if slots or self._nodes is None:

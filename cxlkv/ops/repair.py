@@ -53,16 +53,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cxlkv.version import __version__
 from cxlkv.api import Pool
 from cxlkv.errors import LiveNodesError, PoolChanged
 from cxlkv.kv.check import repair_kv
 from cxlkv.ops import fsck
 from cxlkv.pool import layout
-from cxlkv.state import alloc
-from cxlkv.state import locks
-from cxlkv.state import nodes
-from cxlkv.state import protocol
+from cxlkv.state import alloc, locks, nodes, protocol
+from cxlkv.version import __version__
 
 _F = alloc._F
 _CONTROL = layout.field_offset(layout.NodeStruct, "control")
