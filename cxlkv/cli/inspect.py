@@ -104,11 +104,16 @@ def watch_loop(app: Application, pool, force, *, events=None, poll: float = POOL
         app.err.print(f"watching {', '.join(watch.SUBSYSTEMS)} events; Ctrl-C stops")
 
     box: queue.Queue = queue.Queue()
+    drawn = threading.Event()                 # the next batch is asked for once this one is
+    end = object()                            # drawn, as a plain loop over events() would
 
     def follow():
         try:
             for b in (watch.events() if events is None else events):
+                drawn.clear()
                 box.put(b)
+                drawn.wait()
+            box.put(end)
         except BaseException as e:            # noqa: BLE001 - raised in the drawing thread
             box.put(e)
 
@@ -127,8 +132,10 @@ def watch_loop(app: Application, pool, force, *, events=None, poll: float = POOL
         done += 1
         threading.Thread(target=follow, name="cxlkv-inspect-watch", daemon=True).start()
         while draws is None or done < draws:
+            device = False
             try:
                 batch = box.get(timeout=poll)
+                device = True
             except queue.Empty:
                 now = fingerprint()
                 if now == last:
@@ -136,11 +143,15 @@ def watch_loop(app: Application, pool, force, *, events=None, poll: float = POOL
                 last = now
                 batch = [{"action": "change", "subsystem": "pool", "device": pool}]
             else:
+                if batch is end:
+                    break                       # no more device events (a test's source)
                 if isinstance(batch, BaseException):
                     raise batch
                 last = fingerprint()
             draw(batch)
             done += 1
+            if device:
+                drawn.set()
     except KeyboardInterrupt:
         pass
     return 0
