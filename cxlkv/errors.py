@@ -21,6 +21,8 @@ General exit codes:
   5   incompatible pool: newer format version or unknown incompat features
   6   unsafe permissions: a world-readable or world-writable pool
   7   device or mapping error: wrong size or alignment, mmap failed, no space
+  9   a service the pool needs is not running: no lock manager answered (a pool
+      in sync mode manager)
   70  internal error (a bug: please report it with CXLKV_DEBUG=1 output)
   130 interrupted (Ctrl-C)
 """
@@ -34,6 +36,7 @@ EXIT_INVALID = 4
 EXIT_INCOMPATIBLE = 5
 EXIT_UNSAFE = 6
 EXIT_DEVICE = 7
+EXIT_NO_MANAGER = 9
 EXIT_INTERNAL = 70
 EXIT_INTERRUPTED = 130
 
@@ -47,6 +50,7 @@ EXIT_CODES = (
     (EXIT_INCOMPATIBLE, "pool needs a newer cxlkv (format version or features)"),
     (EXIT_UNSAFE, "unsafe permissions (world-readable or world-writable)"),
     (EXIT_DEVICE, "device or mapping error (size, alignment, mmap, no space)"),
+    (EXIT_NO_MANAGER, "no lock manager is running (a pool in sync mode manager)"),
     (EXIT_INTERNAL, "internal error (a bug)"),
     (EXIT_INTERRUPTED, "interrupted"),
 )
@@ -210,6 +214,14 @@ class NodeTableFull(RefusedError):
 class LockTimeout(CxlkvError):
     exit_code = 1
     kind = "lock-timeout"
+
+
+class NoLockManager(LockTimeout):
+    """Sync mode manager and no lock manager answered: an operational state
+    (start one), not a bug - nodes cannot attach, lock or detach."""
+
+    exit_code = EXIT_NO_MANAGER
+    kind = "no-lock-manager"
 
 
 class LockLost(CxlkvError):

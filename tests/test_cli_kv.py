@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 import cxlkv
+from cxlkv.api import Pool
 from cxlkv.ops.init import init_pool
-
 from cxlkv.testing.nodes import NodeProc
 
 MiB = 1 << 20
@@ -77,7 +77,12 @@ def test_drop_keeps_pinned_blocks_and_exits_1(cli, stocked_pool):
         doc = r.json()
         # the two unpinned leaves go; the pinned two (and so their chain) stay
         assert (doc["evicted"], doc["pinned_left"], doc["dropped"]) == (2, 2, False)
-        assert "pinned" in r.err
+        assert [x["slot"] for x in doc["pinned_by"]] == [reader.slot]
+        assert "not dropped: 2 blocks pinned by node" in r.err
+        assert f"pid {reader.p.pid}" in r.err
+        r = cli("kv", "drop", "--pool", stocked_pool, "--namespace", "llama/bf16")
+        assert r.code == 1 and "dropped namespace" not in r.out
+        assert f"not dropped: 2 blocks pinned by node {reader.slot} (" in r.out
         reader.call(op="kv_release")
         r = cli("kv", "drop", "--pool", stocked_pool, "--namespace", "llama/bf16", "--json")
         assert r.code == 0 and r.json()["dropped"]
@@ -110,3 +115,62 @@ def test_pool_formatted_before_the_kv_region(cli, tmp_path):
     assert r.code == 5 and "without a KV region" in r.err
     r = cli("init", "--pool", str(path))           # kept as it is, with the way out named
     assert r.code == 0 and "before the KV cache" in r.err and "format --force" in r.err
+
+
+def test_who_pins_what_in_stats_inspect_and_metrics(cli, stocked_pool):
+    """A reader holding blocks is named (node, pid, host) wherever pins show."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from cxlkv.daemons.metrics import PinsCollector
+    from cxlkv.kv.area import pins_by_node
+
+    reader = NodeProc()
+    try:
+        reader.attach(stocked_pool)
+        reader.call(op="kv_open", args={"model": "llama/bf16", "block_tokens": 4,
+                                        "block_bytes": BB})
+        assert reader.call(op="kv_hold", tokens=list(range(12))) == {"blocks": 3}
+        pid = reader.p.pid
+        doc = cli("kv", "stats", "--pool", stocked_pool, "--json").json()["kv"]
+        mine = [x for x in doc["pins"] if x["slot"] == reader.slot]
+        assert mine and (mine[0]["pid"], mine[0]["pinned_blocks"]) == (pid, 3)
+        assert mine[0]["pinned_bytes"] >= 3 * BB
+        other = cli("kv", "stats", "--pool", stocked_pool, "-n", "qwen/fp8", "--json").json()
+        assert all(x["pinned_blocks"] == 0 for x in other["kv"]["pins"])
+        text = cli("kv", "stats", "--pool", stocked_pool)
+        assert "pinned by node" in text.out and str(pid) in text.out
+
+        pool = cli("inspect", "--pool", stocked_pool, "--json").json()["pool"]
+        node = {n["slot"]: n for n in pool["nodes"]}[reader.slot]
+        assert (node["pinned_blocks"], node["liveness"], node["judged_by"]) == \
+            (3, "alive", "process")
+        text = cli("inspect", "--pool", stocked_pool).out
+        assert "3 blocks" in text and "alive (its process runs" in text
+
+        with Pool.open(stocked_pool, writable=False) as p:
+            pins = pins_by_node(p)
+        reg = CollectorRegistry()
+        reg.register(PinsCollector(lambda: {"pins": pins}))
+        body = generate_latest(reg).decode()
+        want = f'node="{reader.slot}",pid="{pid}"'
+        line = [x for x in body.splitlines()
+                if x.startswith("cxlkv_node_pinned_blocks{") and want in x]
+        assert line and line[0].endswith(" 3.0"), body
+        assert "cxlkv_node_pinned_bytes{" in body
+        reader.call(op="kv_release")
+        doc = cli("kv", "stats", "--pool", stocked_pool, "--json").json()["kv"]
+        assert all(x["pinned_blocks"] == 0 for x in doc["pins"])
+        assert "no node pins a block" in cli("kv", "stats", "--pool", stocked_pool).out
+    finally:
+        reader.close()
+
+
+def test_inspect_judges_a_killed_node_dead(cli, stocked_pool):
+    """kill -9: inspect shows the node as dead (its process is gone), not attached-and-fine."""
+    victim = NodeProc()
+    victim.attach(stocked_pool)
+    victim.kill()
+    pool = cli("inspect", "--pool", stocked_pool, "--json").json()["pool"]
+    node = {n["slot"]: n for n in pool["nodes"]}[victim.slot]
+    assert (node["liveness"], node["judged_by"]) == ("dead", "process")
+    assert "dead (its process is gone" in cli("inspect", "--pool", stocked_pool).out

@@ -11,13 +11,10 @@ import numpy as np
 import pytest
 
 import cxlkv
-from cxlkv.pool import layout
-from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
-from cxlkv.state import alloc
-from cxlkv.state import locks
-from cxlkv.state import nodes
-
+from cxlkv.ops.init import init_pool
+from cxlkv.pool import layout
+from cxlkv.state import alloc, locks, nodes
 from cxlkv.testing.checks import codes, fsck
 from cxlkv.testing.damage import damage, desc_off, fake_node, patch_bytes
 from cxlkv.testing.data import pattern
@@ -202,7 +199,7 @@ def test_kv_damage_is_repaired(cli, kv_pool, code, fn):
 
 def test_entry_pointing_at_a_foreign_block(cli, kv_pool):
     """An entry whose payload is a live node's reservation: the entry goes
-    (with --force, under the pool lock), the reservation stays the node's."""
+    (with --live, under the pool lock), the reservation stays the node's."""
     q = NodeProc()
     try:
         q.attach(kv_pool)
@@ -211,7 +208,7 @@ def test_entry_pointing_at_a_foreign_block(cli, kv_pool):
         damage(kv_pool, lambda p: set_entry_word(p, leaf(p)[2], "payload", foreign))
         rc, doc = fsck(cli, kv_pool)
         assert rc == 4 and "kv-payload" in codes(doc)
-        rc, doc = fsck(cli, kv_pool, "--repair", "--force")
+        rc, doc = fsck(cli, kv_pool, "--repair", "--live")
         assert rc == 1 and doc["after"]["clean"], doc
         with Pool.open(kv_pool, writable=False) as p:
             assert alloc.slot_bits(p, foreign) == (True, False, False)     # still reserved
@@ -230,11 +227,11 @@ def test_repair_refuses_live_nodes_unless_forced(cli, kv_pool):
         q.attach(kv_pool)
         r = cli("fsck", "--pool", kv_pool, "--repair")
         assert r.code == 8
-        assert f"node {q.slot}" in r.err and "live node" in r.err and "--force" in r.err
+        assert f"node {q.slot}" in r.err and "live node" in r.err and "--live" in r.err
         r = cli("fsck", "--pool", kv_pool, "--repair", "--json")
         assert r.code == 8 and r.json()["error"]["kind"] == "live-nodes"
         assert [n["slot"] for n in r.json()["error"]["nodes"]] == [q.slot]
-        rc, doc = fsck(cli, kv_pool, "--repair", "--force")
+        rc, doc = fsck(cli, kv_pool, "--repair", "--live")
         assert rc == 1 and doc["attached"], doc
         assert doc["after"]["clean"], doc["after"]
         # the live node was left alone and still works
@@ -306,10 +303,10 @@ def test_forced_repair_of_a_clean_pool_exits_0(cli, kv_pool):
     try:
         q.attach(kv_pool)
         assert fsck(cli, kv_pool)[0] == 0
-        rc, doc = fsck(cli, kv_pool, "--repair", "--force")
+        rc, doc = fsck(cli, kv_pool, "--repair", "--live")
         assert rc == 0, doc
         assert doc["repairs"] == [] and doc["attached"] is True, doc
-        r = cli("fsck", "--pool", kv_pool, "--repair", "--force")
+        r = cli("fsck", "--pool", kv_pool, "--repair", "--live")
         assert r.code == 0 and "repair(s) made" not in r.out, r.out
     finally:
         q.close()
@@ -340,7 +337,7 @@ def test_node_attaching_while_liveness_is_watched_is_never_fenced(kv_pool):
         with Pool.open(kv_pool, writable=False) as p:         # no placeholders left
             slots = {n.slot for n in nodes.read_nodes(p)}         # (q's reaper may reap 3)
             assert q.slot in slots and slots <= {3, q.slot}, slots
-        # with --force the newcomer is left alone and the dead node is reaped
+        # with --live the newcomer is left alone and the dead node is reaped
         # (by the repair, or by q's own reaper, which watches it too)
         with Pool.open(kv_pool, writable=False) as p:
             free = [n.slot for n in nodes.read_nodes(p, include_free=True) if n.state == "free"]

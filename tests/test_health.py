@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from cxlkv.pool import layout
-from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
-
+from cxlkv.ops.init import init_pool
+from cxlkv.pool import layout
 from cxlkv.testing.checks import digest
 from cxlkv.testing.damage import fake_node, patch_bytes, rewrite_superblock
 from cxlkv.testing.nodes import NodeProc
@@ -65,7 +64,7 @@ def store_blocks(q: NodeProc, path: str, share: float, hold: bool):
 def test_ok_on_a_fresh_pool(cli, hpool):
     code, st, text, perf = health(cli, hpool)
     assert (code, st) == (0, "OK")
-    assert perf["used"][:3] == ["0.00%", "80", "95"]
+    assert perf["unevictable_pct"][:3] == ["0.00%", "80", "95"]
     assert perf["nodes"][0] == "0" and perf["dead"][0] == "0"
     r = cli("health", "--pool", hpool, "--json")
     doc = r.json()
@@ -82,8 +81,8 @@ def test_a_warm_cache_sitting_full_is_healthy(cli, hpool):
         store_blocks(q, hpool, 0.90, hold=False)
         code, st, text, perf = health(cli, hpool)
         assert (code, st) == (0, "OK"), text
-        assert float(perf["used"][0].rstrip("%")) < 5
-        assert int(perf["evictable"][0].rstrip("B")) >= 0.85 * data_bytes(hpool)
+        assert float(perf["unevictable_pct"][0].rstrip("%")) < 5
+        assert int(perf["evictable_bytes"][0].rstrip("B")) >= 0.85 * data_bytes(hpool)
         assert perf["nodes"][0] == "1"
     finally:
         q.close()
@@ -97,8 +96,12 @@ def test_pinned_blocks_warn_then_critical(cli, hpool):
         code, st, text, perf = health(cli, hpool)
         assert (code, st) == (1, "WARNING"), text
         assert "unevictable" in text
-        assert 84 <= float(perf["used"][0].rstrip("%")) < 95
-        code, st, text, _ = health(cli, hpool, "--crit-used", "84")
+        # who pins what: the holder named, so the operator knows which engine to restart
+        assert f"top pin holders: node {q.slot} (" in text and f"pid {q.p.pid}:" in text
+        assert "used=" not in " ".join(perf) and set(perf) >= {
+            "unevictable_pct", "unevictable_bytes", "evictable_bytes"}
+        assert 84 <= float(perf["unevictable_pct"][0].rstrip("%")) < 95
+        code, st, text, _ = health(cli, hpool, "--crit-unevictable", "84")
         assert (code, st) == (2, "CRITICAL"), text
         q.call(op="kv_release")                   # unpinned: evictable again
         code, st, _, _ = health(cli, hpool)
@@ -221,8 +224,8 @@ def test_default_timeout_judges_a_dead_node_of_another_host(cli, pool_path):
 def test_slow_device_tools_do_not_hide_the_pool_verdict(cli, pool_path, monkeypatch):
     """Device tools that take longer than the time left make the device
     unknown, not the whole answer: the pool's own verdict stands, in time."""
-    from cxlkv.ops import health as pool_health
     from cxlkv.host import numa
+    from cxlkv.ops import health as pool_health
 
     init_pool(pool_path, {"size": 16 * MiB, "chunk_size": BLOCK, "max_nodes": 8,
                           "lease_ms": 300, "sync": "manager"})
@@ -248,9 +251,8 @@ def test_slow_device_tools_do_not_hide_the_pool_verdict(cli, pool_path, monkeypa
 
 def test_device_health_bounds_all_tools_together(monkeypatch):
     """device_health's timeout is one budget for all the tools."""
+    from cxlkv.host import discovery, numa
     from cxlkv.ops import health as pool_health
-    from cxlkv.host import discovery
-    from cxlkv.host import numa
 
     release = threading.Event()
     monkeypatch.setattr(numa, "dax_of", lambda path: "dax0.0")
@@ -306,8 +308,8 @@ def test_device_temperature_thresholds(cli, hpool, monkeypatch):
 def test_device_health_from_the_captured_guest(tmp_path, monkeypatch):
     """A DAX pool's memdevs, read through the tool seam (output of a real
     guest): QEMU's device reports no health, so the temperature is unknown."""
-    from cxlkv.ops import health as pool_health
     from cxlkv.host import numa, tools
+    from cxlkv.ops import health as pool_health
     from cxlkv.testing.replay import ReplayRunner
 
     r = ReplayRunner(LAB, "devdax", sysfs_dest=tmp_path / "root", setenv=monkeypatch.setenv)

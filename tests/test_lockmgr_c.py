@@ -16,13 +16,12 @@ import psutil
 import pytest
 
 import cxlkv
-from cxlkv.daemons import lockmgr
-from cxlkv.pool import layout
-from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
+from cxlkv.daemons import lockmgr
+from cxlkv.ops.init import init_pool
+from cxlkv.pool import layout
 from cxlkv.state import nodes as node_table
 from cxlkv.state import protocol
-
 from cxlkv.testing.checks import wait_for
 from cxlkv.testing.nodes import Manager, NodeProc, incr_together, lock_turn_gaps
 
@@ -273,7 +272,7 @@ def test_standby_takes_over_a_killed_manager_with_clients_running(mpool, manager
         time.sleep(0.2)
         first.p.kill()                                   # mid-run
         first.p.wait(10)
-        assert "active" in standby.line()                # after the lease lapsed
+        assert standby.wait_for("active for")                # after the lease lapsed
         assert [q.reply() for q in nodes] == [{"done": 400}] * 3
     finally:
         for q in nodes:

@@ -263,7 +263,8 @@ def test_teardown_then_again(cli, machine):
     assert m.changes[-2:] == [DESTROY_NS, DESTROY_REGION] and m.state == "teardown"
     assert not (m.dev / "dax0.0").exists()
     r = cli("provision", "teardown", "--yes")
-    assert r.code == 0 and "nothing to do" in r.out
+    assert r.code == 0 and "nothing to tear down: there is no CXL region" in r.out
+    assert "everything is in place" not in r.out
 
 
 def test_teardown_refuses_a_mapped_device(cli, machine):

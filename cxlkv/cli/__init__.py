@@ -6,6 +6,7 @@ the result and leave errors to main(), which maps them to exit codes.
 """
 from __future__ import annotations
 
+import difflib
 import errno
 import importlib
 import signal
@@ -13,8 +14,7 @@ import sys
 
 import click
 
-from cxlkv import __version__
-from cxlkv import errors
+from cxlkv import __version__, errors
 from cxlkv.cli.app import Application, exit_codes_epilog, log_to_stderr
 
 COMMANDS = {
@@ -58,6 +58,15 @@ class LazyGroup(click.Group):
         module, attr, _ = COMMANDS[name]
         return getattr(importlib.import_module(module), attr)
 
+    def resolve_command(self, ctx, args):
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as e:
+            near = difflib.get_close_matches(args[0], list(COMMANDS), n=2) if args else []
+            if near and "No such command" in e.message:
+                e.message = f"{e.message} Did you mean {' or '.join(near)}?"
+            raise
+
     def format_commands(self, ctx, formatter):
         rows = [(name, help_) for name, (_, _, help_) in COMMANDS.items()]
         with formatter.section("Commands"):
@@ -85,12 +94,34 @@ def _os_error(e: OSError) -> errors.CxlkvError:
     return cls(f"{where}{e.strerror or e}")
 
 
+def usage_message(e: click.ClickException) -> str:
+    """click's message, plus where else the value may come from."""
+    msg = e.format_message()
+    param = getattr(e, "param", None)
+    if isinstance(e, click.MissingParameter) and param is not None and param.envvar:
+        msg = msg.rstrip(".") + f" (or set {param.envvar})."
+    return msg
+
+
+def command_name(args: list[str]) -> str:
+    """"cxlkv kv drop" for `cxlkv kv drop --pool P`: the prefix of messages,
+    down to the subcommand of a group."""
+    words = [a for a in (args[:args.index("--")] if "--" in args else args)
+             if not a.startswith("-")]
+    if not words or words[0] not in COMMANDS:
+        return "cxlkv"
+    name = f"cxlkv {words[0]}"
+    if COMMANDS[words[0]][1].endswith("_group") and len(words) > 1 and \
+            args.index(words[1]) == args.index(words[0]) + 1:
+        name += f" {words[1]}"
+    return name
+
+
 def main(argv: list[str] | None = None) -> int:
     log_to_stderr()
     app = Application()
     args = sys.argv[1:] if argv is None else argv
-    if args and not args[0].startswith("-"):
-        app.command = f"cxlkv {args[0]}"
+    app.command = command_name(args)
     # known before parsing, so that a usage error still prints one JSON document
     app.json = "--json" in args[: args.index("--")] if "--" in args else "--json" in args
     try:
@@ -98,8 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         code = rv if isinstance(rv, int) else 0
     except click.exceptions.Exit as e:
         code = e.exit_code
+    except click.exceptions.NoArgsIsHelpError as e:
+        # `cxlkv` or `cxlkv kv` alone: the help, as --help shows it (not an error)
+        sys.stdout.write(e.ctx.get_help() + "\n")
+        code = 0
     except click.ClickException as e:
-        code = app.fail(errors.UsageError(f"{e.format_message()} (see {app.command} --help)"))
+        code = app.fail(errors.UsageError(f"{usage_message(e)} (see {app.command} --help)"))
     except (click.exceptions.Abort, KeyboardInterrupt):
         code = app.fail(errors.CxlkvError("interrupted"), errors.EXIT_INTERRUPTED)
     except errors.CxlkvError as e:

@@ -41,11 +41,19 @@ def log_to_stderr() -> None:
         top.addHandler(h)
 
 
+#: the width tables get when stdout is not a terminal (they take what their
+#: content needs, up to this): `cxlkv kv stats | grep` sees whole names
+PIPE_WIDTH = 4096
+
+
 class Application:
     def __init__(self) -> None:
         self.json = False
         self.command = "cxlkv"
-        self.out = Console(file=sys.stdout, markup=False, highlight=False, soft_wrap=True)
+        # piped or redirected: full names, never wrapped or folded to a guessed width
+        wide = None if sys.stdout.isatty() else PIPE_WIDTH
+        self.out = Console(file=sys.stdout, markup=False, highlight=False, soft_wrap=True,
+                           width=wide)
         self.err = Console(file=sys.stderr, markup=False, highlight=False, soft_wrap=True)
         self._emitted = False
 
@@ -73,8 +81,13 @@ class Application:
         if self.json or not self.err.is_terminal:
             yield lambda done, total: None
             return
-        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
-                                   TimeRemainingColumn)
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
 
         with Progress(TextColumn("{task.description}"), BarColumn(),
                       DownloadColumn(binary_units=True),
@@ -107,9 +120,18 @@ class Application:
 pass_app = click.make_pass_decorator(Application)
 
 
-def exit_codes_epilog(rows=errors.EXIT_CODES) -> str:
-    """Exit-code table for a command's --help (kept verbatim by click via \\b)."""
-    lines = ["\b", "Exit codes:"] + [f"  {code:<3} {text}" for code, text in rows]
+#: the general codes a command that opens no pool can return
+NO_POOL = (errors.EXIT_OK, errors.EXIT_USAGE, errors.EXIT_NOT_FOUND, errors.EXIT_INTERNAL,
+           errors.EXIT_INTERRUPTED)
+#: ... one that opens a pool without attaching to it (no lock manager needed)
+NO_ATTACH = tuple(c for c, _ in errors.EXIT_CODES if c != errors.EXIT_NO_MANAGER)
+
+
+def exit_codes_epilog(rows=errors.EXIT_CODES, only=None) -> str:
+    """Exit-code table for a command's --help (kept verbatim by click via \\b);
+    `only`: the codes of `rows` the command can return."""
+    lines = ["\b", "Exit codes:"] + [f"  {code:<3} {text}" for code, text in rows
+                                      if only is None or code in only]
     return "\n".join(lines)
 
 

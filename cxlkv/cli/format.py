@@ -5,7 +5,14 @@ import re
 
 import click
 
-from cxlkv.cli.app import Application, exit_codes_epilog, json_option, pass_app, pool_option
+from cxlkv.cli.app import (
+    NO_ATTACH,
+    Application,
+    exit_codes_epilog,
+    json_option,
+    pass_app,
+    pool_option,
+)
 from cxlkv.errors import UsageError
 
 
@@ -132,11 +139,15 @@ def render_result(app: Application, res, next_steps: bool) -> None:
     app.out.print(f"  uuid {sb.uuid}")
     if next_steps:
         app.out.print("next:")
+        if sb.sync == "manager":
+            app.out.print(f"  cxlkv lock-manager --pool {res.path} &   # sync mode manager: "
+                          "nodes attach and lock only while a lock manager runs (on every "
+                          "host: cxlkv-lock-manager@ units, see cxlkv-runbook(7))")
         app.out.print(f"  export CXLKV_POOL={res.path}")
         app.out.print("  cxlkv inspect")
 
 
-@click.command("format", epilog=exit_codes_epilog())
+@click.command("format", epilog=exit_codes_epilog(only=NO_ATTACH))
 @pool_option(required=True)
 @format_options
 @json_option

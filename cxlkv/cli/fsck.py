@@ -30,14 +30,15 @@ class FsckCommand(click.Command):
 @pool_option(required=True)
 @click.option("--repair", is_flag=True,
               help="Repair what is found (refused while live nodes are attached, "
-                   "unless --force).")
+                   "unless --live).")
+@click.option("--live", is_flag=True,
+              help="With --repair: repair while live nodes are attached (attached as a node, "
+                   "under the pool lock; nodes of other hosts not judged yet count as live).")
 @click.option("--force", is_flag=True,
-              help="Open a world-readable or world-writable pool; with --repair, also "
-                   "repair while live nodes are attached (attached as a node, under the "
-                   "pool lock; nodes of other hosts not judged yet count as live).")
+              help="Open a world-readable or world-writable pool (only that).")
 @json_option
 @pass_app
-def fsck_cmd(app: Application, pool, repair, force, as_json):
+def fsck_cmd(app: Application, pool, repair, live, force, as_json):
     """Check a pool's shared state; with --repair, put it right.
 
     Checks both superblock copies, the node table, the lock area, the chunk
@@ -56,11 +57,14 @@ def fsck_cmd(app: Application, pool, repair, force, as_json):
     Liveness is judged once (nodes of other hosts watched for up to a
     lease); only nodes judged dead are reaped, and a node that attaches
     meanwhile stops an offline repair (exit 8) - in sync mode cas it cannot
-    attach at all while the repair runs.  --force serves both overrides: an
-    unsafe mode and live nodes (attaching is not counted as a repair).
+    attach at all while the repair runs.  --live repairs with live nodes
+    attached (attaching is not counted as a repair); --force only opens a
+    pool of an unsafe mode.
     """
+    if live and not repair:
+        raise FsckUsage("--live goes with --repair (see cxlkv fsck --help)")
     if repair:
-        return _repair(app, pool, force)
+        return _repair(app, pool, force, live)
     from cxlkv.api import Pool
     from cxlkv.ops.fsck import check
 
@@ -68,13 +72,36 @@ def fsck_cmd(app: Application, pool, repair, force, as_json):
         with Pool.open(pool, writable=False, force=force) as p:
             rep = check(p)
     except CxlkvError as e:
-        return app.fail(e, EXIT_OPERATIONAL)
+        return app.fail(_with_next_step(pool, e), EXIT_OPERATIONAL)
     if app.json:
         app.emit_json({"pool": pool, **rep.to_json()})
     else:
         _findings(app, f"fsck {pool}", rep.findings)
         _summary(app, pool, rep)
     return EXIT_CLEAN if rep.clean else EXIT_ERRORS
+
+
+def _with_next_step(pool: str, e: CxlkvError) -> CxlkvError:
+    """A pool whose superblock copies are both bad cannot be checked or
+    repaired: say which path, and what is left to do."""
+    from cxlkv.errors import NotFormatted, PoolInvalid, WrongMagic
+
+    if not isinstance(e, PoolInvalid):
+        return e
+    if isinstance(e, WrongMagic):
+        return e if e.hint else type(e)(e.message, path=pool, hint="check the path: it holds "
+                                        "data that is not a cxlkv pool")
+    msg = e.message if pool in e.message else f"{pool}: {e.message}"
+    if isinstance(e, NotFormatted):
+        return type(e)(msg, path=pool, hint=e.hint or f"make a pool of it: cxlkv format "
+                                                       f"--pool {pool}")
+    if "superblock" not in msg:
+        return type(e)(msg, path=pool, hint=e.hint)
+    return type(e)(
+        f"{msg}; fsck cannot check or repair a pool with no good superblock copy",
+        path=pool, hint=f"re-format it (`cxlkv format --pool {pool} --force`: the KV cache "
+                        "starts empty) after stopping every node, or restore a snapshot into "
+                        "the new pool (cxlkv-restore(1))")
 
 
 def _findings(app: Application, title: str, findings) -> None:
@@ -96,7 +123,7 @@ def _summary(app: Application, pool: str, rep) -> None:
                   f"{a.get('chunks_used', 0)} of {a.get('chunks', 0)} chunks in use")
 
 
-def _repair(app: Application, pool: str, force: bool) -> int:
+def _repair(app: Application, pool: str, force: bool, live: bool) -> int:
     from cxlkv.ops.repair import repair
 
     def notice(count, seconds):
@@ -104,9 +131,9 @@ def _repair(app: Application, pool: str, force: bool) -> int:
                  f"{seconds:g} s to tell whether they are alive")
 
     try:
-        rep = repair(pool, force=force, notice=notice)
+        rep = repair(pool, force=force, live=live, notice=notice)
     except CxlkvError as e:
-        return app.fail(e, EXIT_OPERATIONAL)
+        return app.fail(_with_next_step(pool, e), EXIT_OPERATIONAL)
     if app.json:
         app.emit_json({"pool": pool, **rep.to_json()})
         return rep.exit_code
@@ -122,7 +149,7 @@ def _repair(app: Application, pool: str, force: bool) -> int:
         _findings(app, f"fsck {pool}: left", rep.after.findings)
     _summary(app, pool, rep.after)
     if rep.attached:
-        app.out.print(f"{pool}: repaired under the pool lock, attached as a node (--force)")
+        app.out.print(f"{pool}: repaired under the pool lock, attached as a node (--live)")
     if rep.exit_code == EXIT_CORRECTED:
         app.out.print(f"{pool}: {len(rep.actions)} repair(s) made; the pool is clean now")
     return rep.exit_code

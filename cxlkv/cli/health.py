@@ -15,12 +15,17 @@ HEALTH_CODES = ((0, "OK"), (1, "WARNING"), (2, "CRITICAL"),
 
 class NagiosCommand(click.Command):
     def parse_args(self, ctx, args):
+        # decided before parsing: click consumes `args` as it parses them
+        as_json = "--json" in (args[:args.index("--")] if "--" in args else args)
         try:
             return super().parse_args(ctx, args)
         except click.ClickException as e:
-            if "--json" not in args:
-                sys.stdout.write(f"CXLKV UNKNOWN - usage error: {e.format_message()}\n")
-            raise HealthUsage(f"{e.format_message()} (see cxlkv health --help)") from None
+            from cxlkv.cli import usage_message
+
+            msg = usage_message(e)
+            if not as_json:
+                sys.stdout.write(f"CXLKV UNKNOWN - usage error: {msg}\n")
+            raise HealthUsage(f"{msg} (see cxlkv health --help)") from None
 
 
 def _pct(ctx, param, value):
@@ -31,10 +36,14 @@ def _pct(ctx, param, value):
 
 @click.command("health", cls=NagiosCommand, epilog=exit_codes_epilog(HEALTH_CODES))
 @pool_option(required=True)
-@click.option("--warn-used", type=float, default=80.0, show_default=True, metavar="PCT",
-              callback=_pct, help="WARNING when unevictable bytes reach PCT % of the data area.")
-@click.option("--crit-used", type=float, default=95.0, show_default=True, metavar="PCT",
-              callback=_pct, help="CRITICAL when unevictable bytes reach PCT % of the data area.")
+@click.option("--warn-unevictable", "--warn-used", "warn_used", type=float, default=80.0,
+              show_default=True, metavar="PCT", callback=_pct,
+              help="WARNING when unevictable bytes reach PCT % of the data area "
+                   "(--warn-used: the old name).")
+@click.option("--crit-unevictable", "--crit-used", "crit_used", type=float, default=95.0,
+              show_default=True, metavar="PCT", callback=_pct,
+              help="CRITICAL when unevictable bytes reach PCT % of the data area "
+                   "(--crit-used: the old name).")
 @click.option("--warn-temp", type=float, default=70.0, show_default=True, metavar="C",
               help="WARNING when a CXL device behind the pool reaches C degrees Celsius.")
 @click.option("--crit-temp", type=float, default=85.0, show_default=True, metavar="C",

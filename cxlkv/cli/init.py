@@ -6,12 +6,12 @@ import stat
 
 import click
 
-from cxlkv.cli.app import Application, exit_codes_epilog, json_option, pass_app
+from cxlkv.cli.app import NO_ATTACH, Application, exit_codes_epilog, json_option, pass_app
 from cxlkv.cli.format import format_options, given_params, render_result, run_format
 from cxlkv.errors import UsageError
 
 
-@click.command("init", epilog=exit_codes_epilog())
+@click.command("init", epilog=exit_codes_epilog(only=NO_ATTACH))
 @click.option("--pool", "pool", metavar="PATH", envvar="CXLKV_POOL",
               help="Pool file to create or check [env: CXLKV_POOL; default "
                    "/dev/shm/cxlkv-default.pool].")

@@ -13,17 +13,18 @@ import os
 import click
 from rich.table import Table
 
-from cxlkv.cli.app import Application, exit_codes_epilog, json_option, pass_app
+from cxlkv.cli.app import NO_ATTACH, Application, exit_codes_epilog, json_option, pass_app
 from cxlkv.errors import UsageError
 
 
-@click.command("inspect", epilog=exit_codes_epilog())
+@click.command("inspect", epilog=exit_codes_epilog(only=NO_ATTACH))
 @click.option("--pool", "pool", metavar="PATH", envvar="CXLKV_POOL",
               help="Pool file or /dev/daxX.Y device [env: CXLKV_POOL; default: "
                    "/dev/shm/cxlkv-default.pool when it exists].")
 @click.option("--force", is_flag=True, help="Inspect a world-readable or world-writable pool.")
 @click.option("--watch", is_flag=True,
-              help="Follow device events (cxl, dax, nd, memory) and redraw; Ctrl-C stops.")
+              help="Redraw on device events (cxl, dax, nd, memory) and when the pool "
+                   "changes (nodes, usage, pins; looked at every second); Ctrl-C stops.")
 @json_option
 @pass_app
 def inspect_cmd(app: Application, pool, force, watch, as_json):
@@ -46,7 +47,10 @@ def inspect_cmd(app: Application, pool, force, watch, as_json):
         raise UsageError("--watch redraws tables for people; scripts run inspect --json "
                          "when they need a fresh document")
     if pool is None and os.path.lexists(DEFAULT_POOL_PATH):
+        # the one rule (cxlkv(1)): --pool, else $CXLKV_POOL; only init and inspect,
+        # the commands about the default pool, fall back to it - and say so
         pool = DEFAULT_POOL_PATH
+        app.info(f"{app.command}: no --pool or CXLKV_POOL: showing the default pool {pool}")
     if watch:
         return watch_loop(app, pool, force)
     host, rep = gather(pool, force)
@@ -70,9 +74,21 @@ def gather(pool, force):
     return host, (full_report(pool, force) if pool is not None else None)
 
 
-def watch_loop(app: Application, pool, force) -> int:
-    """Draw, then redraw on every batch of device events until Ctrl-C (exit 0)."""
+#: how often --watch looks at the pool for changes (node table, usage, pins)
+POOL_POLL_S = 1.0
+
+
+def watch_loop(app: Application, pool, force, *, events=None, poll: float = POOL_POLL_S,
+               draws: int | None = None) -> int:
+    """Draw, then redraw on every batch of device events and whenever the
+    pool changes (nodes come, go or die, chunks, KV entries, pins; looked at
+    every `poll` s) until Ctrl-C (exit 0).  `events`: the device-event batches
+    (default cxlkv.host.watch.events()); `draws`: stop after that many."""
+    import queue
+    import threading
+
     from cxlkv.host import watch
+    from cxlkv.ops.report import pool_fingerprint
 
     def draw(batch):
         host, rep = gather(pool, force)
@@ -90,10 +106,55 @@ def watch_loop(app: Application, pool, force) -> int:
             render(app, rep)
         app.err.print(f"watching {', '.join(watch.SUBSYSTEMS)} events; Ctrl-C stops")
 
+    box: queue.Queue = queue.Queue()
+    drawn = threading.Event()                 # the next batch is asked for once this one is
+    end = object()                            # drawn, as a plain loop over events() would
+
+    def follow():
+        try:
+            for b in (watch.events() if events is None else events):
+                drawn.clear()
+                box.put(b)
+                drawn.wait()
+            box.put(end)
+        except BaseException as e:            # noqa: BLE001 - raised in the drawing thread
+            box.put(e)
+
+    def fingerprint():
+        from cxlkv.errors import CxlkvError
+
+        try:
+            return pool_fingerprint(pool, force) if pool is not None else None
+        except CxlkvError as e:                 # being formatted, removed...: a change too
+            return ("unreadable", e.message)
+
+    done = 0
     try:
+        last = fingerprint()
         draw(None)
-        for batch in watch.events():
+        done += 1
+        threading.Thread(target=follow, name="cxlkv-inspect-watch", daemon=True).start()
+        while draws is None or done < draws:
+            device = False
+            try:
+                batch = box.get(timeout=poll)
+                device = True
+            except queue.Empty:
+                now = fingerprint()
+                if now == last:
+                    continue
+                last = now
+                batch = [{"action": "change", "subsystem": "pool", "device": pool}]
+            else:
+                if batch is end:
+                    break                       # no more device events (a test's source)
+                if isinstance(batch, BaseException):
+                    raise batch
+                last = fingerprint()
             draw(batch)
+            done += 1
+            if device:
+                drawn.set()
     except KeyboardInterrupt:
         pass
     return 0
@@ -284,9 +345,18 @@ def render(app: Application, rep: dict) -> None:
                   f"lease {sb['lease_ms'] / 1000:g}s, quarantine grace "
                   f"{sb['grace_ms'] / 1000:g}s"),
         ("hash", f"{sb['hash_slots']} slots, max load {sb['hash_max_load_pct']}%"),
-        ("used", f"{use['chunks_used']} of {use['chunks_total']} chunks "
-                 f"({human_size(use['bytes_used'])} of {human_size(use['data_bytes'])})"),
+        ("chunks in use", f"{use['chunks_used']} of {use['chunks_total']} "
+                          f"({human_size(use['bytes_used'])} of "
+                          f"{human_size(use['data_bytes'])})"),
     ]
+    lm = rep.get("lock_manager")
+    if lm is not None:
+        rows.append(("lock manager", _manager_text(lm, rep["path"])))
+    pinned = [x for x in rep.get("pins", []) if x["pinned_blocks"]]
+    rows.append(("pinned", "no node pins a block" if not pinned else
+                 f"{sum(x['pinned_blocks'] for x in pinned)} blocks "
+                 f"({human_size(sum(x['pinned_bytes'] for x in pinned))}) by "
+                 f"{len(pinned)} node(s); see the nodes table"))
     kv = rep.get("kv")
     if kv is None:
         rows.append(("kv", "none: formatted before the KV region (re-format to use it)"))
@@ -320,12 +390,15 @@ def render(app: Application, rep: dict) -> None:
 
     if rep["nodes"]:
         nodes = Table(title="nodes", title_justify="left")
-        for col in ("slot", "state", "host", "pid", "epoch", "heartbeat", "version", "format"):
-            nodes.add_column(col)
+        for col in ("slot", "state", "liveness", "host", "pid", "epoch", "heartbeat",
+                    "pinned", "version", "format"):
+            nodes.add_column(col, overflow="fold")
         for n in rep["nodes"]:
-            nodes.add_row(str(n["slot"]), n["state"], n["hostname"], str(n["pid"]),
-                          str(n["epoch"]), str(n["heartbeat"]), n["sw_version"],
-                          str(n["format_version"]))
+            pins = (f"{n['pinned_blocks']} ({human_size(n['pinned_bytes'])})"
+                    if n.get("pinned_blocks") else "0")
+            nodes.add_row(str(n["slot"]), n["state"], _liveness_text(n), n["hostname"],
+                          str(n["pid"]), str(n["epoch"]), str(n["heartbeat"]), pins,
+                          n["sw_version"], str(n["format_version"]))
         app.out.print(nodes)
         if q and q["nodes"]:
             qt = Table(title="quarantine (fenced nodes: nothing they held is reused until "
@@ -344,3 +417,31 @@ def render(app: Application, rep: dict) -> None:
             app.out.print("mixed versions: " + ", ".join(
                 f"{k} x{v}" for k, v in rep["versions"].items())
                 + " (a rolling upgrade in progress? see cxlkv-runbook(7))")
+
+
+def _liveness_text(n: dict) -> str:
+    """"alive (process)", "dead (no heartbeat for 0.5 s)", ... - the verdict
+    and how it was judged."""
+    v, how, age = n.get("liveness", "unknown"), n.get("judged_by"), n.get("heartbeat_age_s")
+    if how == "process":
+        return f"{v} (its process {'runs' if v == 'alive' else 'is gone'}, this host)"
+    if how == "state":
+        return f"{v} (fenced)"
+    if age is None:
+        return f"{v} (heartbeat not watched)"
+    if v == "alive":
+        return f"alive (heartbeat beat within {age:g} s)"
+    return f"{v} (no heartbeat for {age:g} s)"
+
+
+def _manager_text(lm: dict, path: str) -> str:
+    who = f"pid {lm['pid']} on {lm['hostname'] or '?'}, epoch {lm['epoch']}"
+    if lm["state"] == "active":
+        return f"active: {who} (heartbeat beat within {lm['heartbeat_age_s']:g} s); " \
+               "standbys are not recorded in the pool"
+    if lm["state"] == "dead":
+        return f"DEAD: {who} (no heartbeat for {lm['heartbeat_age_s']:g} s); start " \
+               f"cxlkv lock-manager --pool {path}"
+    if lm["state"] == "unknown":
+        return f"{who}: heartbeat not judged yet (watched {lm['heartbeat_age_s']:g} s)"
+    return f"none active (nodes cannot attach or lock): start cxlkv lock-manager --pool {path}"

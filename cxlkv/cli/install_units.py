@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import click
 
-from cxlkv.cli.app import Application, exit_codes_epilog, json_option, pass_app
+from cxlkv.cli.app import NO_POOL, Application, exit_codes_epilog, json_option, pass_app
 from cxlkv.daemons.units import DEFAULT_CONFDIR, DEFAULT_DEST, DEFAULT_GROUP
 
 
-@click.command("install-units", epilog=exit_codes_epilog())
+@click.command("install-units", epilog=exit_codes_epilog(only=NO_POOL))
 @click.option("--dest", metavar="DIR", default=DEFAULT_DEST, show_default=True,
               help="Directory for the unit files.")
 @click.option("--confdir", metavar="DIR", default=DEFAULT_CONFDIR, show_default=True,

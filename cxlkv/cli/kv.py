@@ -55,11 +55,14 @@ def _pick(spaces, namespace):
 def stats_cmd(app: Application, pool, namespace, force, as_json):
     """Usage of the KV cache: table load, bytes, and per namespace hits,
     misses, stores, evictions (counters of attached nodes included)."""
+    from cxlkv.kv.area import pins_by_node
     from cxlkv.kv.cache import kv_report
 
     with _open_ro(pool, force) as p:
         rep = kv_report(p)
-    rep["namespaces"] = _pick(rep["namespaces"], namespace)
+        rep["namespaces"] = _pick(rep["namespaces"], namespace)
+        ns = rep["namespaces"][0]["index"] if namespace is not None else None
+        rep["pins"] = pins_by_node(p, ns)
     if app.json:
         app.emit_json({"pool": pool, "kv": rep})
         return 0
@@ -82,6 +85,19 @@ def stats_cmd(app: Application, pool, namespace, force, as_json):
                   str(s["misses"]), f"{100 * s['hits'] / asked:.1f}" if asked else "-",
                   str(s["stores"]), str(s["evictions"]))
     app.out.print(t)
+    busy = [x for x in rep["pins"] if x["pinned_blocks"]]
+    if not busy:
+        app.out.print("pinned: no node pins a block" + (f" of {namespace!r}" if namespace else ""))
+        return 0
+    pt = Table(title="pinned by node (readers holding blocks: not evictable)",
+               title_justify="left")
+    for col in ("node", "state", "host", "pid", "blocks", "bytes"):
+        pt.add_column(col, justify="left" if col in ("state", "host") else "right",
+                      overflow="fold")
+    for x in busy:
+        pt.add_row(str(x["slot"]), x["state"], x["hostname"], str(x["pid"]),
+                   str(x["pinned_blocks"]), human_size(x["pinned_bytes"]))
+    app.out.print(pt)
     return 0
 
 
@@ -142,21 +158,37 @@ def drop_cmd(app: Application, pool, namespace, force, as_json):
     readers are done.  The namespace itself goes once it holds no block.
     """
     import cxlkv
-    from cxlkv.kv.cache import drop_namespace
+    from cxlkv.kv.area import describe_holders, pins_by_node
+    from cxlkv.kv.cache import drop_namespace, kv_report
 
     with cxlkv.open_pool(pool, force=force) as p:
         r = drop_namespace(p, namespace)
+        holders = []
+        if not r["dropped"]:
+            ns = [s["index"] for s in kv_report(p)["namespaces"] if s["namespace"] == namespace]
+            me = p.node.slot if p.node is not None else None
+            holders = [x for x in pins_by_node(p, ns[0]) if x["pinned_blocks"]
+                       and x["slot"] != me] if ns else []
+    r["pinned_by"] = holders
+    removed = f"{r['evicted']} blocks ({human_size(r['evicted_bytes'])}) removed"
+    if r["dropped"]:
+        if app.json:
+            app.emit_json({"pool": pool, **r})
+        else:
+            app.out.print(f"{pool}: dropped namespace {namespace!r}: {removed}")
+        return 0
     if app.json:
         app.emit_json({"pool": pool, **r})
-    else:
-        msg = (f"{pool}: dropped namespace {namespace!r}: {r['evicted']} blocks "
-               f"({human_size(r['evicted_bytes'])}) removed")
-        app.out.print(msg)
+    say = app.err.print if app.json else app.out.print
+    left = []
     if r["pinned_left"]:
-        app.warn(f"{r['pinned_left']} block(s) of {namespace!r} are pinned by attached readers "
-                 "and were kept; run the command again when they are released")
-        return 1
-    return 0
+        left.append(f"{r['pinned_left']} blocks pinned by "
+                    + (describe_holders(holders, top=8) or "readers that are gone now"))
+    if r["pending_left"]:
+        left.append(f"{r['pending_left']} blocks being stored")
+    say(f"{pool}: namespace {namespace!r} not dropped: {'; '.join(left)} "
+                  f"({removed}); run the command again when they are released")
+    return 1
 
 
 @kv_group.command("secret")
@@ -195,8 +227,12 @@ def secret_cmd(app: Application, pool, export, import_, force, as_json):
         try:
             text = open(import_, encoding="ascii").read().strip()
             secret = bytes.fromhex(text)
-        except (OSError, UnicodeDecodeError, ValueError) as e:
-            raise UsageError(f"{import_}: not a tenant secret file ({e})",
+        except OSError as e:
+            raise UsageError(f"{import_}: cannot read the tenant secret file: "
+                             f"{e.strerror or e}",
+                             hint="cxlkv kv secret --export FILE writes one") from None
+        except (UnicodeDecodeError, ValueError):
+            raise UsageError(f"{import_}: not a tenant secret file (64 hex digits expected)",
                              hint="cxlkv kv secret --export FILE writes one") from None
         if len(secret) != 32:
             raise UsageError(f"{import_}: a tenant secret is 64 hex digits, not {len(text)}")

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import click
 
-from cxlkv.cli.app import Application, exit_codes_epilog, pass_app, pool_option
+from cxlkv.cli.app import NO_ATTACH, Application, exit_codes_epilog, pass_app, pool_option
 
 
-@click.command("lock-manager", epilog=exit_codes_epilog())
+@click.command("lock-manager", epilog=exit_codes_epilog(only=NO_ATTACH))
 @pool_option(required=True)
 @click.option("--standby", is_flag=True,
               help="If a manager is active, wait and take over when its heartbeat stops "

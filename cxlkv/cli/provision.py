@@ -144,6 +144,10 @@ def run(app: Application, planner, opts, yes: bool) -> int:
         if app.json:
             app.emit_json({"action": plan.action, "changed": False, "ran": [],
                            "plan": plan.to_json()})
+        elif plan.action == "teardown":
+            why = "; ".join(s.why for s in plan.steps if s.why) or "nothing was provisioned"
+            app.out.print(f"nothing to tear down: {why} (cxlkv inspect shows this host's CXL "
+                          "memory)")
         else:
             app.out.print(f"nothing to do: everything is in place ({len(plan.steps)} step(s) "
                           "checked)")

@@ -71,7 +71,7 @@ from cxlkv.daemons.service import make_logger, sd_notify
 from cxlkv.errors import CxlkvError, LockTimeout, ManagerExists, RefusedError, UsageError
 from cxlkv.host import numa
 from cxlkv.host import poison
-from cxlkv.kv.area import AGENT_BATCH, AGENT_WATERMARK, HIGH_WATERMARK, Area
+from cxlkv.kv.area import AGENT_BATCH, AGENT_WATERMARK, HIGH_WATERMARK, Area, pins_by_node
 from cxlkv.kv.cache import kv_report, quarantine
 from cxlkv.kv.tiers import spill
 from cxlkv.kv.tiers.remote import Pusher
@@ -79,7 +79,7 @@ from cxlkv.ops import health
 from cxlkv.ops.health import ManagerWatch, Thresholds
 from cxlkv.pool import layout
 from cxlkv.remote import RemoteClient
-from cxlkv.state import locks
+from cxlkv.state import locks, protocol
 from cxlkv.state import nodes as node_table
 from cxlkv.state.locks import describe_owner
 
@@ -109,7 +109,14 @@ def _count_reap(pool, slot: int, epoch: int) -> None:
     if (slot, epoch) in agent.own:
         return                                   # our own detach, not a reap
     agent.metrics.reaps.inc()
-    agent.event(logging.INFO, "reaped a dead node", node=slot, epoch=epoch)
+    try:
+        n = node_table.read_slot(pool, slot)
+        who = {"pid": n.pid, "host": n.hostname} if n.ident_epoch == epoch and n.pid else {}
+    except Exception:                            # noqa: BLE001 - only for the log line
+        who = {}
+    # a fixed message (log queries match it); who it was is in the fields
+    agent.event(logging.INFO, "reaped a dead node", node=slot, epoch=epoch,
+                **(who or {"abandoned_attach": True}))
 
 
 # -- the hosted lock manager --------------------------------------------------------
@@ -245,6 +252,9 @@ class Agent:
         cfg = self.cfg
         with Pool.open(cfg.pool, writable=False, force=cfg.force) as p:
             sync, lease_ms = p.sb.sync, p.sb.lease_ms
+        if cfg.metrics_addr:
+            # bound before anything attaches: a port in use fails here, touching nothing
+            self.server = MetricsServer(cfg.metrics_addr, self.metrics, self.healthz)
         if cfg.with_lock_manager:
             if sync != "manager":
                 raise RefusedError(f"{cfg.pool} is in sync mode {sync}: it has no lock manager "
@@ -257,8 +267,7 @@ class Agent:
             self._open_remote()
             self._attach()
             self._start_pusher()
-            if cfg.metrics_addr:
-                self.server = MetricsServer(cfg.metrics_addr, self.metrics, self.healthz)
+            if self.server is not None:
                 self.server.start()
                 self.event(logging.INFO, f"metrics on {self.server.url}/metrics",
                            metrics_url=self.server.url)
@@ -439,17 +448,29 @@ class Agent:
 
     def _abandoned_detach(self, pool, slot: int) -> None:
         self.detach_abandoned = True
-        holder = "another node"
+        why = "its recovery needs the pool lock, held by another node"
         try:
             if pool.sb.sync == "cas":
-                holder = describe_owner(pool)
+                why = f"its recovery needs the pool lock, held by {describe_owner(pool)}"
+            elif not self._manager_running(pool):
+                why = ("no lock manager is running to grant the pool lock its recovery needs "
+                       "(sync mode manager: were the lock managers stopped first? stop "
+                       "cxlkv-serve@ before cxlkv-lock-manager@)")
         except Exception:                       # noqa: BLE001 - only for the message
             pass
         self.event(logging.WARNING,
                    f"could not detach within --stop-timeout {self.cfg.stop_timeout:g} s "
-                   f"(its recovery needs the pool lock, held by {holder}); exiting without "
+                   f"({why}); exiting without "
                    f"detaching: node {slot} stopped heartbeating and is reaped by the other "
                    "nodes (at once on this host, after a lease elsewhere)", node=slot)
+
+    @staticmethod
+    def _manager_running(pool) -> bool:
+        """Is a lock manager heartbeating (a short look: the agent is stopping)?"""
+        m, h = pool.mapping, protocol.lock_header(pool)
+        m.invalidate(h + protocol.MGR_TOKEN, 8)
+        token = m.load64(h + protocol.MGR_TOKEN)
+        return bool(token) and protocol.heartbeating(pool, token, lease=0.3)
 
     def _wait_slot_freed(self, slot: int, deadline: float | None) -> None:
         """Sync mode manager: a detach is a request the lock manager answers;
@@ -726,8 +747,9 @@ class Agent:
         kv = None
         if pool.sb.compat & layout.COMPAT_KV and not h.data["usage"].get("kv_error"):
             kv = kv_report(pool)
+        pins = h.data["pins"] if "pins" in h.data else pins_by_node(pool)
         return {"usage": h.data["usage"], "kv": kv, "nodes": nodes, "health": h,
-                "quarantine": h.data["quarantine"],
+                "quarantine": h.data["quarantine"], "pins": pins,
                 "device": self.device, "at": time.monotonic(),
                 "manager": None if self.manager is None else self.manager.active}
 

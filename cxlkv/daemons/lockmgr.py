@@ -56,8 +56,7 @@ import numpy as np
 
 from cxlkv.api import Pool, check_uuid
 from cxlkv.errors import CxlkvError, ManagerExists, PoolReformatted, RefusedError
-from cxlkv.pool import layout
-from cxlkv.pool import superblock
+from cxlkv.pool import layout, superblock
 from cxlkv.pool.image import read_superblocks
 from cxlkv.state import nodes as node_table
 from cxlkv.state import protocol
@@ -176,7 +175,10 @@ class LockManager:
         return (self.m.load64(self.hdr + protocol.MGR_TOKEN),
                 self.m.load64(self.hdr + protocol.MGR_HEARTBEAT))
 
-    def acquire_lease(self) -> None:
+    def acquire_lease(self) -> bool:
+        """Become the active manager; False when stopped first (a standby
+        stopped while standing by: a clean stop, not an error)."""
+        standing_by = None
         while not self.stop:
             self.check_superblock()
             token, _ = self._lease()
@@ -186,6 +188,11 @@ class LockManager:
                         f"a lock manager is already active for {self.path} "
                         f"({protocol.describe_manager(self.pool)}); run another with --standby to "
                         "take over when it stops", path=self.path)
+                who = protocol.describe_manager(self.pool)
+                if who != standing_by:       # once per active manager, not per lease
+                    standing_by = who
+                    self.log(f"standing by for {self.path}: the lock manager {who} holds the lease; "
+                             "taking over when its heartbeat stops for a lease")
                 continue                     # heartbeating() waited up to a lease
             # free, or its holder stopped heartbeating for a lease: contend
             self.m.store64(self.hdr + protocol.MGR_TOKEN, self.token)
@@ -194,8 +201,8 @@ class LockManager:
             if self._lease()[0] == self.token:
                 self.check_superblock()
                 self._take_office()
-                return
-        raise CxlkvError("stopped before becoming active")
+                return True
+        return False
 
     def _take_office(self) -> None:
         m, h = self.m, self.hdr
@@ -234,7 +241,7 @@ class LockManager:
     def step(self, slots: bool = True) -> bool:
         """One round: node slots (claims, liveness) when `slots`, then the lock.
         True if anything changed."""
-        pool, m = self.pool, self.m
+        pool = self.pool
         ents = protocol.read_entries(pool)
         changed = False
         if slots or self._nodes is None:
@@ -327,7 +334,7 @@ class LockManager:
                 # alive after all - the fence is taken back before it counts
                 protocol.set_mgr(pool, slot, layout.node_control(state, epoch), granted)
                 return False
-            self.log(f"node {slot} ({n.hostname} pid {n.pid}) is dead: fencing it")
+            self.log(f"{describe_node(n)} is dead: fencing it")
             state, changed = layout.NODE_FENCED, True
         if state != layout.NODE_FENCED:
             return changed
@@ -356,7 +363,9 @@ class LockManager:
 
     # -- the loop --------------------------------------------------------------------
     def run(self) -> None:
-        self.acquire_lease()
+        if not self.acquire_lease():
+            self.log("stopped while standing by (never active)")
+            return
         if self.use_c:
             return self._run_c()
         sleep, busy_until = 0.0, 0.0
@@ -471,6 +480,14 @@ class LockManager:
                            0)   # hand over at once, not after a lease
             self.m.flush(self.hdr + protocol.MGR_TOKEN, 8)
         self.pool.close()
+
+
+def describe_node(n) -> str:
+    """"node 3 (host-a pid 812)"; a slot claimed by an attach that never
+    wrote its identity (it died or gave up first) says so, not "( pid 0)"."""
+    if not n.pid and not n.hostname:
+        return f"node {n.slot} (an abandoned attach: claimed, no process recorded)"
+    return f"node {n.slot} ({n.hostname or '?'} pid {n.pid})"
 
 
 def serve(mgr: LockManager) -> None:

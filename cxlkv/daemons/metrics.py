@@ -12,6 +12,7 @@ are read from the store at each scrape.
 """
 from __future__ import annotations
 
+import errno
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -52,6 +53,7 @@ class AgentMetrics:
                                       "metadata, outside-pool, cleared).", ["outcome"],
                                       registry=r)
         r.register(_Snapshot(agent))
+        r.register(PinsCollector(lambda: agent.snapshot))
 
         r.register(Collector(lambda: agent.spill))
         r.register(RemoteCollector(lambda: agent.remote))
@@ -183,6 +185,37 @@ class _Snapshot:
                                     "active one.", value=1 if s["manager"] else 0)
 
 
+# -- who pins what (per node; ops helper "ops" owns this part) ----------------------
+
+class PinsCollector:
+    """cxlkv_node_pinned_blocks / _bytes{node, pid, host}: the KV blocks each
+    node (attached, or fenced and quarantined) pins, from the agent's last
+    snapshot - the engine to restart when health says unevictable.  A pool-wide
+    view: every agent exports the same series, so aggregate with max, not sum."""
+
+    def __init__(self, snapshot):
+        self.snapshot = snapshot
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        pins = (self.snapshot() or {}).get("pins")
+        if pins is None:
+            return
+        labels = ["node", "pid", "host"]
+        blocks = GaugeMetricFamily("cxlkv_node_pinned_blocks", "KV blocks a node pins (readers "
+                                   "holding them: not evictable).", labels=labels)
+        nbytes = GaugeMetricFamily("cxlkv_node_pinned_bytes", "Slot bytes of the KV blocks a "
+                                   "node pins.", labels=labels)
+        for x in pins:
+            key = [str(x["slot"]), str(x["pid"]), x["hostname"]]
+            blocks.add_metric(key, x["pinned_blocks"])
+            nbytes.add_metric(key, x["pinned_bytes"])
+        yield blocks
+        yield nbytes
+
+
 def parse_addr(text: str) -> tuple[str, int]:
     """HOST:PORT ([IPv6]:PORT); port 0 picks a free one."""
     host, sep, port = text.rpartition(":")
@@ -229,8 +262,12 @@ class MetricsServer:
         try:
             self.httpd = Server((host, port), Handler)
         except OSError as e:
+            hint = ("choose another --metrics-addr port" if e.errno == errno.EADDRINUSE else
+                    "choose an address of this host for --metrics-addr (127.0.0.1, or one "
+                    "`ip addr` lists)" if e.errno == errno.EADDRNOTAVAIL else
+                    "check --metrics-addr")
             raise RefusedError(f"cannot listen on {addr} for metrics: {e.strerror or e}",
-                               hint="choose another --metrics-addr port") from None
+                               hint=hint) from None
         self.address = self.httpd.server_address[:2]
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="cxlkv-metrics",
                                        kwargs={"poll_interval": 0.2}, daemon=True)
@@ -244,5 +281,6 @@ class MetricsServer:
         self.thread.start()
 
     def stop(self) -> None:
-        self.httpd.shutdown()
+        if self.thread.ident is not None:       # shutdown() waits for a loop that started
+            self.httpd.shutdown()
         self.httpd.server_close()

@@ -142,6 +142,12 @@ def install(*, dest: str = DEFAULT_DEST, confdir: str = DEFAULT_CONFDIR,
     except KeyError:
         warnings.append(f"group {group!r} does not exist: create it (groupadd {group}) and "
                         f"give the pool to it (cxlkv init --group {group}), or pass --group")
+    if not os.path.isabs(exe):
+        warnings.append(f"--exe {exe} is not an absolute path: systemd needs one in ExecStart=")
+    elif not os.access(exe, os.X_OK):
+        why = "is not executable" if os.path.exists(exe) else "does not exist"
+        warnings.append(f"--exe {exe} {why}: the units fail to start until it does (install "
+                        "cxlkv there, or pass the path of the cxlkv to run)")
     warnings += sandbox_warnings(exe, env_pools(confdir))
     plan = [(Path(dest) / n, render(n, exe=exe, confdir=confdir, group=group), True)
             for n in UNITS]

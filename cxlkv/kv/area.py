@@ -35,15 +35,23 @@ import weakref
 
 import numpy as np
 
-from cxlkv.errors import CxlkvError, PoolIncompatible
 # KVPoolFull, KVTableFull, QuotaExceeded and TooManyPins are public here too (cxlkv.kv.area)
-from cxlkv.errors import KVError, KVPoolFull, KVTableFull, QuotaExceeded, TooManyPins  # noqa: F401
+from cxlkv.errors import (  # noqa: F401
+    CxlkvError,
+    KVError,
+    KVPoolFull,
+    KVTableFull,
+    PoolIncompatible,
+    QuotaExceeded,
+    TooManyPins,
+)
 from cxlkv.kv import journal
 from cxlkv.pool import layout
 from cxlkv.state import alloc
 from cxlkv.state import nodes as node_table
 from cxlkv.state.locks import entry_offset as lock_entry_offset
 from cxlkv.state.locks import guard, held_lock
+from cxlkv.util.sizes import human_size
 
 log = logging.getLogger(__name__)
 
@@ -750,6 +758,47 @@ def quarantine_report(pool, observer: node_table.Observer | None = None) -> dict
                       "seen_fenced_s": None if seen is None else round(seen, 3)})
     return {"nodes": nodes, "grace_ms": pool.sb.quarantine_grace_ms,
             "bytes": sum(x["reserved_bytes"] + x["pinned_bytes"] for x in nodes)}
+
+
+def pins_by_node(pool, ns: int | None = None) -> list[dict]:
+    """Who pins what: per node that may hold pins (attached, claimed or
+    fenced), the distinct KV blocks it pins and their slot bytes - of
+    namespace index `ns` only when given.  Read only, no lock: a snapshot of
+    each node's pin words (they change as readers come and go), O(nodes x
+    pins_per_node).  Sorted by bytes, then blocks, largest first (the top
+    holders first); nodes pinning nothing are included with zeros."""
+    if not pool.sb.compat & layout.COMPAT_KV or layout.missing_kv_features(pool.sb.incompat):
+        return []
+    try:
+        area = Area(pool)
+    except CxlkvError:
+        return []
+    out = []
+    for n in node_table.read_nodes(pool):
+        if n.state not in ("attached", "claimed", "fenced"):
+            continue
+        pins = np.frombuffer(area._read(area.pins_off(n.slot), area.npins * 8), dtype="<u8")
+        idx = np.unique(pins[(pins > 0) & (pins <= area.nslots)].astype(np.int64) - 1)
+        rows = [area._entry(int(i)) for i in idx]
+        if ns is not None:
+            rows = [e for e in rows if int(e["ns"]) == ns]
+        lengths = np.array([int(e["length"]) for e in rows], dtype=np.int64)
+        out.append({"slot": n.slot, "state": n.state, "hostname": n.hostname, "pid": n.pid,
+                    "epoch": n.epoch, "pinned_blocks": len(rows),
+                    "pinned_bytes": int(area.slot_sizes(lengths).sum()) if len(rows) else 0})
+    out.sort(key=lambda x: (-x["pinned_bytes"], -x["pinned_blocks"], x["slot"]))
+    return out
+
+
+def describe_holders(holders: list[dict], top: int = 3) -> str:
+    """"node 3 (host-a pid 812): 40 blocks, 10 MiB; ..." for the `top`
+    nodes pinning most (those pinning nothing are left out)."""
+    busy = [h for h in holders if h["pinned_blocks"]]
+    text = ", ".join(f"node {h['slot']} ({h['hostname']} pid {h['pid']}"
+                     + (", fenced" if h["state"] == "fenced" else "")
+                     + f": {h['pinned_blocks']} blocks, {human_size(h['pinned_bytes'])})"
+                     for h in busy[:top])
+    return text + (f" and {len(busy) - top} more" if len(busy) > top else "")
 
 
 @node_table.register_recovery(order=15, part="kv")

@@ -26,11 +26,24 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from cxlkv.api import Pool
-from cxlkv.errors import (CxlkvError, DeviceError, LiveNodesError, NotFormatted, ParameterMismatch,
-                          PoolExistsError, PoolIncompatible, PoolInvalid, PoolNotFound,
-                          PoolTruncated, RefusedError, UnsafePermissions, UsageError, WrongMagic)
-from cxlkv.pool import device
-from cxlkv.pool import layout
+from cxlkv.errors import (
+    CxlkvError,
+    DeviceError,
+    LiveNodesError,
+    NotFormatted,
+    ParameterMismatch,
+    PoolExistsError,
+    PoolIncompatible,
+    PoolInvalid,
+    PoolNotFound,
+    PoolTruncated,
+    RefusedError,
+    UnsafePermissions,
+    UsageError,
+    WrongMagic,
+)
+from cxlkv.host import sysfs
+from cxlkv.pool import device, layout
 from cxlkv.pool.format import DEFAULT_SIZE, FormatParams, compute_layout, format_mapping
 from cxlkv.pool.image import read_superblocks
 from cxlkv.pool.superblock import Superblock, select
@@ -344,6 +357,64 @@ def _exclusive(path: str):
         os.close(fd)
 
 
+#: file systems whose files live in memory: a pool file there is memory, not disk
+MEMORY_FS = {"tmpfs", "hugetlbfs", "ramfs", "devtmpfs"}
+
+
+def backing_fs(path: str) -> tuple[str, str] | None:
+    """(file system type, mount options) of the mount holding `path`, from
+    the procfs seam's self/mountinfo; None when it cannot be told."""
+    try:
+        lines = sysfs.proc_path("self", "mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best = None
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        parts, rest = left.split(), right.split()
+        if not sep or len(parts) < 6 or len(rest) < 3:
+            continue
+        mnt = parts[4].replace("\\040", " ")
+        if real == mnt or real.startswith(mnt.rstrip("/") + "/"):
+            if best is None or len(mnt) >= len(best[0]):
+                best = (mnt, rest[0], f"{parts[5]},{rest[2]}")
+    return None if best is None else (best[1], best[2])
+
+
+def disk_backing_warning(path: str) -> str | None:
+    """A warning when a pool file sits on a disk-backed file system (not
+    tmpfs or hugetlbfs, not mounted -o dax): it is then page cache written
+    back to a disk, not memory."""
+    fs = backing_fs(path)
+    if fs is None:
+        return None
+    kind, opts = fs
+    if kind in MEMORY_FS or "dax" in opts.split(","):
+        return None
+    return (f"{path} is on a {kind} file system backed by a disk: the pool is page cache "
+            "written back to that disk (slower, and it wears the disk), not memory; use "
+            "/dev/shm, a hugetlbfs mount or a DAX device (cxlkv init --device /dev/daxX.Y)")
+
+
+def format_running(path: str) -> bool:
+    """Is an init or format of `path` running on this host right now (it
+    holds the flock _exclusive takes)?  False when it cannot be told."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def _prepare_existing(ex: Examination, p: FormatParams, group: str | None,
                       warnings: list[str]) -> device.Target:
     """Resize a file to the requested size, tighten its mode, set its group."""
@@ -358,11 +429,21 @@ def _prepare_existing(ex: Examination, p: FormatParams, group: str | None,
             finally:
                 os.close(fd)
             warnings.append(f"resized {t.path} from {t.size} to {p.size} bytes")
-        new_mode = t.mode & 0o770 | 0o600
-        if new_mode != t.mode & 0o7777:
-            os.chmod(t.path, new_mode)
-            warnings.append(f"changed mode of {t.path} from {t.mode:04o} to {new_mode:04o}")
+        _set_pool_mode(t, warnings)
     return _apply_group(device.probe(t.path), group, warnings)
+
+
+def _set_pool_mode(t: device.Target, warnings: list[str]) -> None:
+    """One rule for init --force and format: a pool file is 0660 - the owner
+    and the serving group read and write it, nobody else touches it (0666,
+    0664 and 0440 alike become 0660) - or 0600 when its group had no access
+    at all (kept private on purpose)."""
+    if t.kind != "file":
+        return
+    want = POOL_MODE if t.mode & 0o070 else 0o600
+    if t.mode & 0o7777 != want:
+        os.chmod(t.path, want)
+        warnings.append(f"changed mode of {t.path} from {t.mode & 0o7777:04o} to {want:04o}")
 
 
 def _apply_group(t: device.Target, group: str | None, warnings: list[str]) -> device.Target:
@@ -435,6 +516,9 @@ def _make(path: str, given: dict, *, verb: str, force: bool, group: str | None, 
                 os.unlink(tmp.path)
                 raise
             if _publish_new(tmp, path):
+                w = disk_backing_warning(path)
+                if w:
+                    warnings.append(w)
                 with Pool.open(path, writable=False) as pool:
                     return FormatResult("created", path, pool.sb, pool.target, warnings)
             continue        # another process created it meanwhile: look again
@@ -465,6 +549,9 @@ def _make_existing(ex: Examination, given: dict, *, verb, force, group, progress
             if group is not None:
                 _check_owner(path, t, force, warnings)
                 t = _apply_group(t, group, warnings)
+            if force:
+                _set_pool_mode(t, warnings)     # --force: put the mode right, as format does
+                t = device.probe(path)
             if not ex.sb.compat & layout.COMPAT_KV:
                 warnings.append("this pool was made by a cxlkv from before the KV cache (no KV "
                                 "region): the KV cache refuses it; back up what it holds and "

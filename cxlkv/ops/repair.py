@@ -39,7 +39,7 @@ finds the table full; a placeholder left by a repair that was killed is
 judged dead at once on this host and reaped), and they are freed at the end.
 In sync mode manager the lock manager grants slots, so new attaches are only
 detected: the repair stops with an operational error when a node attached
-while it ran (run it again).  With --force and live nodes it attaches as a
+while it ran (run it again).  With --live and live nodes it attaches as a
 node and runs 3-6 under the pool lock (2 takes the lock itself, per node);
 nodes attaching meanwhile are left alone.  Attaching is recorded in
 `attached`, not as a repair.
@@ -53,16 +53,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cxlkv.version import __version__
 from cxlkv.api import Pool
 from cxlkv.errors import LiveNodesError, PoolChanged
 from cxlkv.kv.check import repair_kv
 from cxlkv.ops import fsck
 from cxlkv.pool import layout
-from cxlkv.state import alloc
-from cxlkv.state import locks
-from cxlkv.state import nodes
-from cxlkv.state import protocol
+from cxlkv.state import alloc, locks, nodes, protocol
+from cxlkv.version import __version__
 
 _F = alloc._F
 _CONTROL = layout.field_offset(layout.NodeStruct, "control")
@@ -100,33 +97,38 @@ class Repair:
                 "after": self.after.to_json() if self.after else None}
 
 
-def repair(path: str, *, force: bool = False, notice=None) -> Repair:
+def repair(path: str, *, force: bool = False, live: bool | None = None,
+           notice=None) -> Repair:
     """Check, repair and check again (see the module docstring).
 
-    Raises LiveNodesError when live nodes are attached and not force;
-    CxlkvError subclasses when the pool cannot be opened writable.
+    force: open a world-readable or world-writable pool; live: repair while
+    live nodes are attached (under the pool lock, attached as a node) - None
+    takes force's value (the library's old single switch).  Raises
+    LiveNodesError when live nodes are attached and not live; CxlkvError
+    subclasses when the pool cannot be opened writable.
     """
+    live = force if live is None else live
     pool = Pool.open(path, writable=True, force=force)
     try:
         rep = Repair(fsck.check(pool))
         judged = judge_nodes(pool, notice=notice)
         rep.verdicts = {slot: v for slot, (_, v) in judged.items()}
-        live = [n for n, v in judged.values() if v != "dead"]
-        if live and not force:
+        live_nodes = [n for n, v in judged.values() if v != "dead"]
+        if live_nodes and not live:
             names = ", ".join(n.describe() + ("" if judged[n.slot][1] == "alive"
                                               else " (not judged yet: counted as alive)")
-                              for n in live)
+                              for n in live_nodes)
             raise LiveNodesError(
-                f"refusing to repair {path}: {len(live)} live node(s) attached: {names}",
-                [n.to_json() for n in live], path=path,
+                f"refusing to repair {path}: {len(live_nodes)} live node(s) attached: {names}",
+                [n.to_json() for n in live_nodes], path=path,
                 hint="stop them (systemctl stop cxlkv-serve@POOL, the serving engines) and "
-                     "run again, or add --force to repair under the pool lock")
+                     "run again, or add --live to repair under the pool lock")
         m = pool.mapping
         m.set_geometry(*alloc.geometry(pool))
         m.flush_meta = pool.sb.sync == "manager" or m.noncoherent
         _superblock(pool, rep)
         try:
-            if live:
+            if live_nodes:
                 pool.attach()                   # the pool lock, for 3-6
                 rep.attached = True
             elif pool.sb.sync == "cas":
@@ -196,7 +198,7 @@ def _changed(pool, n, why: str) -> PoolChanged:
         f"{pool.path}: {n.describe()} {why} while fsck --repair ran; stopped before touching "
         "it", path=pool.path,
         hint="nothing else may attach during an offline repair: stop the engines and "
-             "cxlkv-serve on every host (or use --force) and run fsck --repair again")
+             "cxlkv-serve on every host (or use --live) and run fsck --repair again")
 
 
 def _verify_unchanged(pool, rep: Repair, judged: dict, after_reaping: bool = False) -> None:
@@ -206,7 +208,7 @@ def _verify_unchanged(pool, rep: Repair, judged: dict, after_reaping: bool = Fal
     Before reaping: a slot judged dead must still hold the judged word (or
     be fenced or freed, same epoch, by another reaper); a slot that was free
     and is in use now is a node that attached meanwhile - an error offline,
-    left alone with --force (we work under the pool lock then; so is a dead
+    left alone with --live (we work under the pool lock then; so is a dead
     slot the live nodes reaped and a new node took).  After
     reaping (offline only): every slot in use must be one judged dead, same
     epoch (left for the check after), or a placeholder of ours.

@@ -57,6 +57,12 @@ def probe(path: str | os.PathLike) -> Target:
     try:
         st = os.stat(path)
     except FileNotFoundError:
+        if os.path.basename(path).startswith("dax") and path.startswith("/dev/"):
+            # a device path: a regular file there would be no device at all
+            raise PoolNotFound(f"{path}: no such DAX device", path=path,
+                               hint="cxlkv provision plan shows how to create it (a CXL "
+                                    "region and a devdax namespace); cxlkv inspect lists the "
+                                    "DAX devices this host has") from None
         raise PoolNotFound(f"{path}: no such file or device", path=path,
                            hint=f"create an emulated pool with: cxlkv init --pool {path}") from None
     except PermissionError:

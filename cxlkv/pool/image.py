@@ -11,7 +11,7 @@ import os
 import sys
 import traceback
 
-from cxlkv.errors import PoolReadOnly, PoolTruncated
+from cxlkv.errors import PoolInvalid, PoolReadOnly, PoolTruncated
 from cxlkv.pool import device, layout, superblock
 from cxlkv.pool.superblock import Superblock
 
@@ -60,7 +60,12 @@ class PoolImage:
                 f"(the superblocks alone take {layout.SB_COPIES * layout.SB_SIZE})", path=t.path)
         m = device.map_target(t, writable=writable, populate=populate)
         try:
-            sel = superblock.select(*read_superblocks(m))
+            try:
+                sel = superblock.select(*read_superblocks(m))
+            except PoolInvalid as e:
+                if t.path in e.message:
+                    raise
+                raise type(e)(f"{t.path}: {e.message}", path=t.path, hint=e.hint) from None
             sb = sel.sb
             if sb.pool_size > t.size:
                 raise PoolTruncated(

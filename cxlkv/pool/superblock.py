@@ -21,10 +21,16 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from cxlkv.version import __version__
-from cxlkv.errors import (CxlkvError, NotFormatted, PoolCorrupt, PoolIncompatible,
-                          PoolTruncated, WrongMagic)
+from cxlkv.errors import (
+    CxlkvError,
+    NotFormatted,
+    PoolCorrupt,
+    PoolIncompatible,
+    PoolTruncated,
+    WrongMagic,
+)
 from cxlkv.pool import layout
+from cxlkv.version import __version__
 
 _CSUM_OFF = layout.field_offset(layout.SuperblockStruct, "checksum")
 #: default quarantine grace (grace_ms 0), in leases
@@ -158,7 +164,8 @@ def decode(raw: bytes | bytearray | memoryview, *, copy: str = "A") -> Superbloc
     if not any(raw):
         raise NotFormatted(f"{where} is all zeros: not formatted")
     if raw[:8] != layout.MAGIC:
-        raise WrongMagic(f"{where}: wrong magic {raw[:8]!r} (expected {layout.MAGIC!r})")
+        raise WrongMagic(f"{where}: wrong magic {_show(raw[:8])} (a cxlkv pool starts with "
+                         f"{layout.MAGIC.decode()})")
     s = layout.SuperblockStruct.from_buffer_copy(raw)
     stored = s.checksum
     if stored != checksum(raw):
@@ -300,6 +307,12 @@ def _seq_if_checksummed(raw: bytes) -> int | None:
 
 # When both copies are bad, report the most telling reason.
 _SEVERITY = (PoolIncompatible, PoolCorrupt, PoolTruncated, WrongMagic, NotFormatted)
+
+
+def _show(b: bytes) -> str:
+    """Bytes for a message: as text when printable, else hex - never a b'\\x..' repr."""
+    text = b.decode("ascii", "replace")
+    return f'"{text}"' if text.isprintable() and "\ufffd" not in text else f"0x{b.hex()}"
 
 
 def select(raw_a: bytes, raw_b: bytes) -> Selection:

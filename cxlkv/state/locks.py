@@ -43,12 +43,11 @@ from threading import get_ident
 import numpy as np
 
 from cxlkv._core import CRASH_ENABLED, crashpoint
+
 # LockLost is public here too (cxlkv.state.locks, named in the README)
-from cxlkv.errors import CxlkvError, LockLost, LockTimeout, PoolCorrupt
+from cxlkv.errors import CxlkvError, LockLost, LockTimeout, NoLockManager, PoolCorrupt
 from cxlkv.pool import layout
-from cxlkv.state import hostlock
-from cxlkv.state import nodes
-from cxlkv.state import protocol
+from cxlkv.state import hostlock, nodes, protocol
 from cxlkv.state.protocol import entry_offset, lock_offsets, read_entries
 
 log = logging.getLogger(__name__)
@@ -489,7 +488,7 @@ class ManagerLock:
                 if now >= next_check:
                     if not protocol.manager_alive(self.pool):
                         self._withdraw(req)
-                        raise LockTimeout(
+                        raise NoLockManager(
                             f"{self.pool.path}: no lock manager is running (sync mode "
                             f"manager): start `cxlkv lock-manager --pool {self.pool.path}` "
                             "on any host")

@@ -51,12 +51,12 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
-from cxlkv.version import __version__
 # NodeFenced is public here too (cxlkv.state.nodes, named in the README)
-from cxlkv.errors import CxlkvError, NodeFenced, NodeTableFull, RefusedError
+from cxlkv.errors import CxlkvError, NodeFenced, NodeTableFull, NoLockManager, RefusedError
 from cxlkv.host import procs, sysfs
 from cxlkv.pool import layout
 from cxlkv.state import protocol
+from cxlkv.version import __version__
 
 _CONTROL = layout.field_offset(layout.NodeStruct, "control")
 #: owner tokens are (slot + 1) | epoch << 16 in 64 bits
@@ -544,7 +544,7 @@ class Attachment:
                 if state != layout.NODE_FREE:
                     break                       # granted to another claimant
                 if time.monotonic() > deadline:
-                    raise CxlkvError(
+                    raise NoLockManager(
                         f"{pool.path}: no lock manager answered (sync mode manager): start "
                         f"one with `cxlkv lock-manager --pool {pool.path}` on any host",
                         hint="systemd: cxlkv-lock-manager@.service with --standby on every host")

@@ -288,6 +288,16 @@ class Manager:
     def line(self) -> str:
         return self.p.stderr.readline()
 
+    def wait_for(self, text: str) -> str:
+        """The first log line containing `text` (a standby logs that it stands
+        by before it becomes active); AssertionError when the process ends first."""
+        while True:
+            line = self.line()
+            if not line:
+                raise AssertionError(f"lock manager ended before logging {text!r}")
+            if text in line:
+                return line
+
     def stop(self):
         if self.p.poll() is None:
             self.p.terminate()
