@@ -55,6 +55,7 @@ SCENARIOS = {
     "evict-scale": "cxlkv.bench.evict_scale",
     "hot": "cxlkv.bench.hot",
     "journal": "cxlkv.bench.journal",
+    "kv-events": "cxlkv.bench.kv_events",
     "lock-scale": "cxlkv.bench.lock_scale",
     "lockmgr-rt": "cxlkv.bench.lockmgr_rt",
     "remote": "cxlkv.bench.remote",

@@ -1,0 +1,364 @@
+"""`cxlkv serve --kv-events`: the pool's block events in vLLM's KV-events wire
+format.  A subscriber written here from vLLM's documented format (msgspec
+types, ZeroMQ SUB + the replay ROUTER) decodes every event; stores and
+evictions made by two node processes are announced once each; a missed
+range comes back through the replay socket; a journal overrun publishes
+AllBlocksCleared and the whole state; of two agents only the leader
+publishes, and the other takes over when it stops; bad addresses are usage
+errors before anything attaches.  Loopback only."""
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from cxlkv.api import Pool
+from cxlkv.daemons.agent import Agent
+from cxlkv.daemons.config import AgentConfig
+from cxlkv.daemons.kv_events import flagged_slots, settings
+from cxlkv.daemons.service import make_logger
+from cxlkv.errors import UsageError
+from cxlkv.kv import journal
+from cxlkv.ops.init import init_pool
+from cxlkv.state import nodes as node_table
+from cxlkv.testing.checks import wait_for
+
+MiB = 1 << 20
+BT, BB = 4, 4096                     # tokens and bytes per block
+
+
+# -- vLLM's documented wire format, written here (vllm/distributed/kv_events.py) ----------
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+DECODE = msgspec.msgpack.Decoder(type=KVEventBatch)
+
+
+class Subscriber:
+    """A router's side: SUB on the endpoint, REQ on the replay endpoint; keeps
+    the batches by seq and fills gaps through the replay socket."""
+
+    def __init__(self, endpoint, replay, topic=b""):
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self.sub.connect(endpoint)
+        self.replay_ep = replay
+        self.batches: dict[int, KVEventBatch] = {}
+        self.raw: dict[int, bytes] = {}
+        self.replayed: list[int] = []
+
+    def request_replay(self, start: int) -> list[int]:
+        """Ask for every batch from `start` on.  A DEALER with the empty
+        delimiter frame a REQ would add: the answer is several messages (each
+        [empty, seq, payload], then [empty, -1, empty]), which a REQ socket
+        would not take after the first."""
+        req = self.ctx.socket(zmq.DEALER)
+        req.setsockopt(zmq.LINGER, 0)
+        req.connect(self.replay_ep)
+        try:
+            req.send_multipart([b"", start.to_bytes(8, "big")])
+            got = []
+            while True:
+                assert req.poll(10_000), "no replay answer"
+                empty, seq_b, payload = req.recv_multipart()
+                assert empty == b""
+                if int.from_bytes(seq_b, "big", signed=True) == -1:
+                    assert payload == b""
+                    return got
+                seq = int.from_bytes(seq_b, "big")
+                got.append(seq)
+                self.keep(seq, payload)
+                self.replayed.append(seq)
+        finally:
+            req.close()
+
+    def keep(self, seq, payload):
+        self.batches[seq] = DECODE.decode(payload)      # every event decodes
+        self.raw[seq] = payload
+
+    def pump(self, timeout_ms=50) -> None:
+        while self.sub.poll(timeout_ms):
+            topic, seq_b, payload = self.sub.recv_multipart()
+            assert len(seq_b) == 8
+            self.keep(int.from_bytes(seq_b, "big"), payload)
+            timeout_ms = 0
+
+    def complete(self) -> bool:
+        """Fill the gaps (and the start) through the replay socket."""
+        top = max(self.batches, default=-1)
+        missing = [s for s in range(top + 1) if s not in self.batches]
+        if missing:
+            self.request_replay(missing[0])
+        return all(s in self.batches for s in range(top + 1))
+
+    def events(self):
+        return [e for s in sorted(self.batches) for e in self.batches[s].events]
+
+    def state(self):
+        """The blocks a router would believe the pool holds, and how often each
+        was announced since the last AllBlocksCleared."""
+        held: dict = {}
+        for e in self.events():
+            if isinstance(e, AllBlocksCleared):
+                held = {}
+            elif isinstance(e, BlockStored):
+                for h in e.block_hashes:
+                    held[h] = held.get(h, 0) + 1
+            else:
+                for h in e.block_hashes:
+                    assert h in held, "removed a block never announced"
+                    del held[h]
+        return held
+
+    def close(self):
+        self.sub.close(linger=0)
+        self.ctx.term()
+
+
+NODE = r'''
+import json, sys
+import numpy as np, cxlkv
+path, base, n, evict = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+with cxlkv.open_pool(path) as pool:
+    kv = pool.kv(model="events", block_tokens=%d, block_bytes=%d)
+    toks = np.arange(base, base + n * %d, dtype=np.int64)
+    kv.store(toks, bytes(n * %d))
+    keys = [bytes(k).hex() for k in kv.keys_for_hashes(kv.block_hashes(toks))]
+    evicted = 0
+    if evict:
+        with pool.lock():
+            evicted, _ = kv.area.evict(everything=True)
+    print(json.dumps({"keys": keys, "slot": pool.node.slot, "evicted": evicted}))
+''' % (BT, BB, BT, BB)
+
+
+def node(path, base, n, evict=False):
+    out = subprocess.run([sys.executable, "-c", NODE, path, str(base), str(n),
+                          "1" if evict else "0"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    r["keys"] = [bytes.fromhex(k) for k in r["keys"]]
+    return r
+
+
+@pytest.fixture
+def epool(pool_path):
+    init_pool(pool_path, {"size": 16 * MiB, "chunk_size": 64 * 1024, "max_nodes": 8,
+                          "lease_ms": 1000, "hash_slots": 1024})
+    return pool_path
+
+
+@pytest.fixture
+def agents(epool):
+    made = []
+
+    def make(**kw):
+        a = Agent(AgentConfig(pool=epool, interval=0.2, kv_events="tcp://127.0.0.1:0", **kw),
+                  make_logger(True, io.StringIO()))
+        a.start()
+        made.append(a)
+        return a
+
+    yield make
+    for a in made:
+        a.shutdown()
+
+
+def subscribe(agent):
+    ev = agent.kv_events
+    assert ev.endpoint.startswith("tcp://127.0.0.1:")
+    assert ev.replay_endpoint.startswith("tcp://127.0.0.1:")
+    return Subscriber(ev.endpoint, ev.replay_endpoint)
+
+
+def until(sub, pred, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        sub.pump()
+        if sub.complete() and pred():
+            return
+    raise AssertionError(f"timed out; events: {sub.events()[-5:]}")
+
+
+def test_stores_and_evictions_of_two_nodes_are_announced_once(agents, epool):
+    a = agents()
+    wait_for(lambda: a.kv_events.leader, timeout=10)
+    sub = subscribe(a)
+    try:
+        one = node(epool, 0, 6)                          # node process 1: stores 6 blocks
+        two = node(epool, 10_000, 5, evict=True)         # node 2: stores 5, evicts all 11
+        assert one["slot"] != a.pool.node.slot and two["evicted"] == 11
+        every = one["keys"] + two["keys"]
+        until(sub, lambda: sum(isinstance(e, BlockRemoved) for e in sub.events()) and
+              len({h for e in sub.events() if isinstance(e, BlockRemoved)
+                   for h in e.block_hashes}) == 11)
+        evs = sub.events()
+        assert isinstance(evs[0], AllBlocksCleared)       # a new leader starts with the state
+        stored = [h for e in evs if isinstance(e, BlockStored) for h in e.block_hashes]
+        removed = [h for e in evs if isinstance(e, BlockRemoved) for h in e.block_hashes]
+        assert sorted(stored) == sorted(every)            # once each, from both nodes
+        assert sorted(removed) == sorted(every)
+        assert sub.state() == {}
+        for e in evs:
+            if isinstance(e, BlockStored):
+                assert e.block_size == BT and e.medium == "cxl" and e.token_ids == []
+                assert e.lora_id is None
+            elif isinstance(e, BlockRemoved):
+                assert e.medium == "cxl"
+        # one chain: the first BlockStored of each node names no parent, the rest chain on
+        for keys in (one["keys"], two["keys"]):
+            first = next(e for e in evs if isinstance(e, BlockStored)
+                         and e.block_hashes[0] == keys[0])
+            assert first.parent_block_hash is None
+            assert first.block_hashes == keys             # consecutive stores: one event
+        assert {b.data_parallel_rank for b in sub.batches.values()} == {0}
+    finally:
+        sub.close()
+
+
+def test_a_missed_range_comes_back_through_the_replay_socket(agents, epool):
+    a = agents()
+    wait_for(lambda: a.kv_events.leader, timeout=10)
+    sub = subscribe(a)
+    try:
+        for i in range(4):
+            node(epool, 1000 * i, 2)
+        until(sub, lambda: sum(isinstance(e, BlockStored) for e in sub.events()) >= 4)
+        seqs = sorted(sub.raw)
+        assert seqs == list(range(len(seqs))) and len(seqs) >= 5
+        lost = {s: sub.raw.pop(s) for s in seqs[1:4]}      # a router that missed three
+        for s in lost:
+            del sub.batches[s]
+        sub.replayed.clear()
+        assert sub.complete()                                 # the gap is asked for
+        assert sub.replayed[:3] == seqs[1:4]
+        for s, payload in lost.items():
+            assert sub.raw[s] == payload                        # the same bytes again
+        # a start beyond what was published: only the end marker
+        assert sub.request_replay(10_000) == []
+    finally:
+        sub.close()
+
+
+def test_a_journal_overrun_publishes_all_blocks_cleared_and_the_state(agents, epool):
+    a = agents()
+    wait_for(lambda: a.kv_events.leader, timeout=10)
+    sub = subscribe(a)
+    try:
+        with Pool.open(epool) as p:
+            ring = journal.report(p)["records_per_node"]
+        with a.kv_events.suspended():                 # the publisher falls behind the ring
+            mine = node(epool, 0, ring + 8)
+        until(sub, lambda: len(sub.state()) >= ring + 8)
+        evs = sub.events()
+        clears = [i for i, e in enumerate(evs) if isinstance(e, AllBlocksCleared)]
+        assert len(clears) == 2                          # the start, then the resync
+        after = {h for e in evs[clears[-1]:] if isinstance(e, BlockStored)
+                 for h in e.block_hashes}
+        assert set(mine["keys"]) <= after
+        assert set(sub.state()) == set(mine["keys"])
+        assert a.kv_events.stats["resyncs"] >= 2
+    finally:
+        sub.close()
+
+
+def test_one_publisher_per_pool_and_a_takeover(agents, epool):
+    a, b = agents(), agents()
+    wait_for(lambda: a.kv_events.leader or b.kv_events.leader, timeout=10)
+    wait_for(lambda: a.kv_events.stats["leader_changes"] + b.kv_events.stats["leader_changes"]
+             >= 1 and len(flagged_slots(a.pool)) == 1, timeout=10)
+    lead, other = (a, b) if a.kv_events.leader else (b, a)
+    assert not other.kv_events.leader
+    assert flagged_slots(lead.pool) == [lead.pool.node.slot]
+    s_lead, s_other = subscribe(lead), subscribe(other)
+    try:
+        first = node(epool, 0, 3)
+        until(s_lead, lambda: set(first["keys"]) <= set(s_lead.state()))
+        s_other.pump(200)
+        assert s_other.batches == {}                   # the follower publishes nothing
+        assert not other.kv_events.leader
+        lead.shutdown()                                # gives the flag up; the other takes over
+        wait_for(lambda: other.kv_events.leader, timeout=10)
+        second = node(epool, 5000, 2)
+        until(s_other, lambda: set(first["keys"] + second["keys"]) <= set(s_other.state()))
+        assert isinstance(s_other.events()[0], AllBlocksCleared)
+        assert flagged_slots(other.pool) == [other.pool.node.slot]
+    finally:
+        s_lead.close()
+        s_other.close()
+
+
+@pytest.mark.parametrize("addr", ["127.0.0.1:5557", "udp://127.0.0.1:5557",
+                                  "tcp://127.0.0.1", "tcp://127.0.0.1:99999",
+                                  "tcp://example.com:5557", "tcp://:5557"])
+def test_bad_addresses_are_usage_errors_before_attaching(cli, epool, addr):
+    r = cli("serve", "--pool", epool, "--kv-events", addr)
+    assert r.code == 2, r.err
+    assert "--kv-events" in r.err and "tcp://" in r.err and len(r.err.strip().splitlines()) == 1
+    with Pool.open(epool, writable=False) as p:
+        assert [n for n in node_table.read_nodes(p) if n.state != "free"] == []
+
+
+def test_an_address_in_use_is_refused_before_attaching(cli, epool):
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.PUB)
+    try:
+        port = s.bind_to_random_port("tcp://127.0.0.1")
+        r = cli("serve", "--pool", epool, "--kv-events", f"tcp://127.0.0.1:{port}")
+        assert r.code == 1 and "cannot bind" in r.err
+        with Pool.open(epool, writable=False) as p:
+            assert [n for n in node_table.read_nodes(p) if n.state != "free"] == []
+    finally:
+        s.close(linger=0)
+        ctx.term()
+
+
+def test_kv_events_table_settings(tmp_path, cli, epool):
+    s = settings(None, {"endpoint": "tcp://127.0.0.1:5557", "medium": "cxl-rack1",
+                        "wire": "map", "replay_endpoint": "none"})
+    assert (s.medium, s.wire, s.replay_endpoint) == ("cxl-rack1", "map", None)
+    assert settings("tcp://127.0.0.1:7000", None).replay_endpoint == "tcp://127.0.0.1:7001"
+    assert settings(None, None) is None
+    for table in ({"endpoint": "tcp://127.0.0.1:1", "wire": "json"},
+                  {"endpoint": "tcp://127.0.0.1:1", "buffer-steps": 0},
+                  {"endpoint": "tcp://127.0.0.1:1", "colour": "red"},
+                  {"medium": "cxl"}):
+        with pytest.raises(UsageError):
+            settings(None, table)
+    conf = tmp_path / "serve.toml"
+    conf.write_text(f'pool = "{epool}"\n[kv_events]\nendpoint = "tcp://127.0.0.1:1"\n'
+                    'hashes = "sha1"\n')
+    r = cli("serve", "--config", str(conf))
+    assert r.code == 2 and "hashes" in r.err
