@@ -18,10 +18,11 @@ import msgspec
 import pytest
 import zmq
 
+import cxlkv
 from cxlkv.api import Pool
 from cxlkv.daemons.agent import Agent
 from cxlkv.daemons.config import AgentConfig
-from cxlkv.daemons.kv_events import flagged_slots, settings
+from cxlkv.daemons.kv_events import KVEventsPublisher, flagged_slots, settings
 from cxlkv.daemons.service import make_logger
 from cxlkv.errors import UsageError
 from cxlkv.kv import journal
@@ -63,6 +64,39 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 DECODE = msgspec.msgpack.Decoder(type=KVEventBatch)
+
+
+# the newer vLLM's format (structs as maps; BlockStored.lora_name required)
+class MapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class MapBlockStored(MapEvent, tag="BlockStored"):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list | None = None
+    group_idx: int | None = None
+
+
+class MapBlockRemoved(MapEvent, tag="BlockRemoved"):
+    block_hashes: list[bytes | int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class MapAllBlocksCleared(MapEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class MapKVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+    ts: float
+    events: list[MapBlockStored | MapBlockRemoved | MapAllBlocksCleared]
+    data_parallel_rank: int | None = None
 
 
 class Subscriber:
@@ -253,9 +287,12 @@ def test_a_missed_range_comes_back_through_the_replay_socket(agents, epool):
     wait_for(lambda: a.kv_events.leader, timeout=10)
     sub = subscribe(a)
     try:
-        for i in range(4):
-            node(epool, 1000 * i, 2)
-        until(sub, lambda: sum(isinstance(e, BlockStored) for e in sub.events()) >= 4)
+        with cxlkv.open_pool(epool) as pool:                 # another node, in this process
+            kv = pool.kv(model="events", block_tokens=BT, block_bytes=BB)
+            for i in range(4):                                 # one batch each
+                kv.store(list(range(1000 * i, 1000 * i + 2 * BT)), bytes(2 * BB))
+                until(sub, lambda: sum(isinstance(e, BlockStored)
+                                       for e in sub.events()) > i)
         seqs = sorted(sub.raw)
         assert seqs == list(range(len(seqs))) and len(seqs) >= 5
         lost = {s: sub.raw.pop(s) for s in seqs[1:4]}      # a router that missed three
@@ -362,3 +399,68 @@ def test_kv_events_table_settings(tmp_path, cli, epool):
                     'hashes = "sha1"\n')
     r = cli("serve", "--config", str(conf))
     assert r.code == 2 and "hashes" in r.err
+
+
+def test_map_wire_int_hashes_and_a_dropped_namespace(epool):
+    """wire "map" decodes with the newer vLLM's structs; hashes "int" are the
+    keys' last 8 bytes; `kv drop` (the journal says only "namespace cleared")
+    publishes AllBlocksCleared and the state without that namespace."""
+
+    pub = KVEventsPublisher(settings("tcp://127.0.0.1:0", {"wire": "map", "hashes": "int",
+                                                            "topic": "kv"}))
+    pub.bind()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.connect(pub.endpoint)
+    dec = msgspec.msgpack.Decoder(type=MapKVEventBatch)
+    got = []
+
+    def receive(seconds):
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if sub.poll(20):
+                topic, _, payload = sub.recv_multipart()
+                assert topic == b"kv"
+                got.extend(dec.decode(payload).events)
+                return
+
+    def until(pred):
+        deadline = time.monotonic() + 20
+        while not pred():
+            assert time.monotonic() < deadline, got[-5:]
+            receive(0.05)
+
+    try:
+        with cxlkv.open_pool(epool) as pool:
+            pub.start(lambda: pool, pool.lock)
+            wait_for(lambda: pub.leader, timeout=10)
+            keep = pool.kv(model="keep", block_tokens=BT, block_bytes=BB)
+            gone = pool.kv(model="gone", block_tokens=BT, block_bytes=BB)
+            # the subscription reaches the publisher some time after connect():
+            # one-block stores until the first event arrives
+            kept = []
+            while not got:
+                toks = list(range(len(kept) * BT, (len(kept) + 1) * BT))
+                keep.store(toks, bytes(BB))
+                kept += [bytes(k) for k in keep.keys_for_hashes(keep.block_hashes(toks))]
+                receive(0.2)
+            want = [int.from_bytes(k[8:], "big") for k in kept]
+            gone.store(list(range(3 * BT)), bytes(3 * BB))
+            until(lambda: sum(len(e.block_hashes) for e in got
+                              if isinstance(e, MapBlockStored)) >= len(kept) + 3)
+            n = len(got)
+            gone.drop()
+            until(lambda: any(isinstance(e, MapAllBlocksCleared) for e in got[n:])
+                  and any(isinstance(e, MapBlockStored) for e in got[n:]))
+            after = got[n:]
+            i = next(i for i, e in enumerate(after) if isinstance(e, MapAllBlocksCleared))
+            state = [h for e in after[i:] if isinstance(e, MapBlockStored)
+                     for h in e.block_hashes]
+            assert sorted(state) == sorted(want)              # only the kept namespace
+            assert all(e.lora_name is None and e.medium == "cxl" for e in after
+                       if isinstance(e, MapBlockStored))
+            pub.stop()
+    finally:
+        sub.close(linger=0)
+        ctx.term()

@@ -118,7 +118,7 @@ def wire_types(wire: str):
             block_size: int
             lora_id: int | None
             medium: str | None
-            lora_name: str | None = None
+            lora_name: str | None               # no default: always sent (vLLM requires it)
 
     class BlockRemoved(KVCacheEvent):
         block_hashes: list
@@ -267,6 +267,7 @@ class KVEventsPublisher:
         self.s = s
         self.log = logger or log
         self.types = wire_types(s.wire)
+        self._extra = {"lora_name": None} if s.wire == "map" else {}
         self._enc = msgspec.msgpack.Encoder()
         self._ctx = zmq.Context()
         self._pub = self._replay = None
@@ -471,7 +472,7 @@ class KVEventsPublisher:
                 else:
                     events.append(stored_t(block_hashes=[key], parent_block_hash=parent,
                                            token_ids=[], block_size=self._bsize(pool, ns),
-                                           lora_id=None, medium=medium))
+                                           lora_id=None, medium=medium, **self._extra))
                 prev = (ns, tenant, key)
                 self.stats["stored"] += 1
             elif op == journal.EVICTED:
