@@ -184,27 +184,61 @@ class Subscriber:
 NODE = r'''
 import json, sys
 import numpy as np, cxlkv
-path, base, n, evict = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+path = sys.argv[1]
 with cxlkv.open_pool(path) as pool:
     kv = pool.kv(model="events", block_tokens=%d, block_bytes=%d)
-    toks = np.arange(base, base + n * %d, dtype=np.int64)
-    kv.store(toks, bytes(n * %d))
-    keys = [bytes(k).hex() for k in kv.keys_for_hashes(kv.block_hashes(toks))]
-    evicted = 0
-    if evict:
-        with pool.lock():
-            evicted, _ = kv.area.evict(everything=True)
-    print(json.dumps({"keys": keys, "slot": pool.node.slot, "evicted": evicted}))
+    print(json.dumps({"slot": pool.node.slot}), flush=True)
+    for line in sys.stdin:                     # {"base": B, "n": N} stores; {"evict": 1} evicts
+        cmd = json.loads(line)
+        if "evict" in cmd:
+            with pool.lock():
+                evicted, _ = kv.area.evict(everything=True)
+            print(json.dumps({"evicted": evicted}), flush=True)
+            continue
+        toks = np.arange(cmd["base"], cmd["base"] + cmd["n"] * %d, dtype=np.int64)
+        kv.store(toks, bytes(cmd["n"] * %d))
+        keys = [bytes(k).hex() for k in kv.keys_for_hashes(kv.block_hashes(toks))]
+        print(json.dumps({"keys": keys}), flush=True)
 ''' % (BT, BB, BT, BB)
 
 
-def node(path, base, n, evict=False):
-    out = subprocess.run([sys.executable, "-c", NODE, path, str(base), str(n),
-                          "1" if evict else "0"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    r = json.loads(out.stdout)
-    r["keys"] = [bytes.fromhex(k) for k in r["keys"]]
-    return r
+class Node:
+    """A node process that stays attached (its slot is not reused meanwhile)."""
+
+    def __init__(self, path):
+        self.p = subprocess.Popen([sys.executable, "-c", NODE, path], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.slot = self._reply()["slot"]
+
+    def _reply(self):
+        line = self.p.stdout.readline()
+        assert line, self.p.stderr.read()
+        return json.loads(line)
+
+    def store(self, base, n):
+        self.p.stdin.write(json.dumps({"base": base, "n": n}) + "\n")
+        self.p.stdin.flush()
+        return [bytes.fromhex(k) for k in self._reply()["keys"]]
+
+    def evict(self):
+        self.p.stdin.write('{"evict": 1}\n')
+        self.p.stdin.flush()
+        return self._reply()["evicted"]
+
+    def close(self):
+        self.p.stdin.close()
+        assert self.p.wait(30) == 0, self.p.stderr.read()
+        self.p.stderr.close()
+        self.p.stdout.close()
+
+
+def node(path, base, n):
+    """Store n blocks from a node process of their own; their keys."""
+    nd = Node(path)
+    try:
+        return {"keys": nd.store(base, n), "slot": nd.slot}
+    finally:
+        nd.close()
 
 
 @pytest.fixture
@@ -250,16 +284,18 @@ def test_stores_and_evictions_of_two_nodes_are_announced_once(agents, epool):
     a = agents()
     wait_for(lambda: a.kv_events.leader, timeout=10)
     sub = subscribe(a)
+    one, two = Node(epool), Node(epool)                # both attached throughout
     try:
-        one = node(epool, 0, 6)                          # node process 1: stores 6 blocks
-        two = node(epool, 10_000, 5, evict=True)         # node 2: stores 5, evicts all 11
-        assert one["slot"] != a.pool.node.slot and two["evicted"] == 11
-        every = one["keys"] + two["keys"]
-        until(sub, lambda: sum(isinstance(e, BlockRemoved) for e in sub.events()) and
-              len({h for e in sub.events() if isinstance(e, BlockRemoved)
-                   for h in e.block_hashes}) == 11)
+        keys_one = one.store(0, 6)
+        keys_two = two.store(10_000, 5)
+        assert two.evict() == 11                         # node 2 evicts node 1's blocks too
+        assert len({one.slot, two.slot, a.pool.node.slot}) == 3
+        every = keys_one + keys_two
+        until(sub, lambda: len({h for e in sub.events() if isinstance(e, BlockRemoved)
+                                for h in e.block_hashes}) == 11)
         evs = sub.events()
         assert isinstance(evs[0], AllBlocksCleared)       # a new leader starts with the state
+        assert sum(isinstance(e, AllBlocksCleared) for e in evs) == 1
         stored = [h for e in evs if isinstance(e, BlockStored) for h in e.block_hashes]
         removed = [h for e in evs if isinstance(e, BlockRemoved) for h in e.block_hashes]
         assert sorted(stored) == sorted(every)            # once each, from both nodes
@@ -272,7 +308,7 @@ def test_stores_and_evictions_of_two_nodes_are_announced_once(agents, epool):
             elif isinstance(e, BlockRemoved):
                 assert e.medium == "cxl"
         # one chain: the first BlockStored of each node names no parent, the rest chain on
-        for keys in (one["keys"], two["keys"]):
+        for keys in (keys_one, keys_two):
             first = next(e for e in evs if isinstance(e, BlockStored)
                          and e.block_hashes[0] == keys[0])
             assert first.parent_block_hash is None
@@ -280,6 +316,8 @@ def test_stores_and_evictions_of_two_nodes_are_announced_once(agents, epool):
         assert {b.data_parallel_rank for b in sub.batches.values()} == {0}
     finally:
         sub.close()
+        one.close()
+        two.close()
 
 
 def test_a_missed_range_comes_back_through_the_replay_socket(agents, epool):
@@ -310,23 +348,24 @@ def test_a_missed_range_comes_back_through_the_replay_socket(agents, epool):
 
 
 def test_a_journal_overrun_publishes_all_blocks_cleared_and_the_state(agents, epool):
-    a = agents()
-    wait_for(lambda: a.kv_events.leader, timeout=10)
+    # a publisher that polls every 10 s (or when a replay request wakes it)
+    # falls a whole ring behind a node that stores more than the ring holds
+    a = agents(kv_events_table={"poll_interval": 10})
+    wait_for(lambda: a.kv_events.stats["resyncs"] == 1, timeout=10)     # its reader is set
     sub = subscribe(a)
     try:
         with Pool.open(epool) as p:
             ring = journal.report(p)["records_per_node"]
-        with a.kv_events.suspended():                 # the publisher falls behind the ring
-            mine = node(epool, 0, ring + 8)
+        mine = node(epool, 0, ring + 8)
+        sub.request_replay(0)                                # wakes the publisher
         until(sub, lambda: len(sub.state()) >= ring + 8)
         evs = sub.events()
         clears = [i for i, e in enumerate(evs) if isinstance(e, AllBlocksCleared)]
         assert len(clears) == 2                          # the start, then the resync
+        assert a.kv_events.stats["resync_overrun"] == 1
         after = {h for e in evs[clears[-1]:] if isinstance(e, BlockStored)
                  for h in e.block_hashes}
-        assert set(mine["keys"]) <= after
-        assert set(sub.state()) == set(mine["keys"])
-        assert a.kv_events.stats["resyncs"] >= 2
+        assert set(mine["keys"]) == after == set(sub.state())
     finally:
         sub.close()
 
@@ -446,9 +485,12 @@ def test_map_wire_int_hashes_and_a_dropped_namespace(epool):
                 kept += [bytes(k) for k in keep.keys_for_hashes(keep.block_hashes(toks))]
                 receive(0.2)
             want = [int.from_bytes(k[8:], "big") for k in kept]
-            gone.store(list(range(3 * BT)), bytes(3 * BB))
-            until(lambda: sum(len(e.block_hashes) for e in got
-                              if isinstance(e, MapBlockStored)) >= len(kept) + 3)
+            toks = list(range(3 * BT))
+            gone.store(toks, bytes(3 * BB))
+            gone_keys = {int.from_bytes(bytes(k)[8:], "big")
+                         for k in gone.keys_for_hashes(gone.block_hashes(toks))}
+            until(lambda: gone_keys <= {h for e in got if isinstance(e, MapBlockStored)
+                                        for h in e.block_hashes})
             n = len(got)
             gone.drop()
             until(lambda: any(isinstance(e, MapAllBlocksCleared) for e in got[n:])
@@ -464,3 +506,39 @@ def test_map_wire_int_hashes_and_a_dropped_namespace(epool):
     finally:
         sub.close(linger=0)
         ctx.term()
+
+
+def test_a_killed_leader_is_replaced_with_a_resync(agents, epool):
+    """kill -9 of the leading `cxlkv serve`: once its node is reaped, the
+    other agent publishes, starting with AllBlocksCleared and the pool's
+    blocks (those stored before the kill included)."""
+    child = subprocess.Popen([sys.executable, "-m", "cxlkv", "serve", "--pool", epool,
+                              "--interval", "0.2", "--log-json",
+                              "--kv-events", "tcp://127.0.0.1:0"],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        for line in child.stderr:                       # its log, until it leads
+            if "this agent publishes" in json.loads(line)["msg"]:
+                break
+        else:
+            raise AssertionError("the child agent never became the publisher")
+        b = agents()
+        with Pool.open(epool, writable=False) as p:
+            assert len(flagged_slots(p)) == 1 and not b.kv_events.leader
+        before = node(epool, 0, 3)
+        sub = subscribe(b)
+        try:
+            child.kill()
+            child.wait(30)
+            wait_for(lambda: b.kv_events.leader, timeout=15)
+            until(sub, lambda: set(before["keys"]) <= set(sub.state()))
+            assert isinstance(sub.events()[0], AllBlocksCleared)
+            assert flagged_slots(b.pool) == [b.pool.node.slot]
+        finally:
+            sub.close()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(30)
+        child.stderr.close()

@@ -284,9 +284,11 @@ class KVEventsPublisher:
         self._thread: threading.Thread | None = None
         self._pool_of = self._lock = None
         self.error = ""
+        self._last_failure = ""
         self.lags_ms: deque = deque(maxlen=100_000)
         self.stats = {"batches": 0, "events": 0, "stored": 0, "removed": 0, "cleared": 0,
-                      "resyncs": 0, "replays": 0, "replayed_batches": 0, "leader_changes": 0}
+                      "resyncs": 0, "replays": 0, "replayed_batches": 0, "leader_changes": 0,
+                      "failures": 0}
 
     # -- sockets ---------------------------------------------------------------------
     def bind(self) -> None:
@@ -359,24 +361,51 @@ class KVEventsPublisher:
             while not self._stop.is_set():
                 sent = 0
                 with self._busy:
-                    pool = self._pool_of()
-                    if pool is not None and pool.node is not None:
-                        if time.monotonic() >= next_check:
-                            self._check_leader(pool)
-                            next_check = time.monotonic() + LEADER_CHECK_S
-                        if self.leader:
-                            sent = self._pump(pool)
+                    try:
+                        sent, next_check = self._round(next_check)
+                    except Exception as e:     # noqa: BLE001 - a daemon keeps going
+                        self._failed(e)
                 self._serve_replay(0 if sent else self.s.poll_interval)
             with self._busy:
                 pool = self._pool_of()
                 if self.leader and pool is not None and pool.node is not None:
-                    with contextlib.suppress(CxlkvError):
+                    with contextlib.suppress(CxlkvError, NodeFenced):
                         _set_flag(pool, False)
                 self.leader = False
         except BaseException as e:      # noqa: BLE001 - reported by the agent's health
             self.error = f"{type(e).__name__}: {e}"
             self.leader = False
             self.log.error("kv events publisher died: %s", self.error)
+
+    def _round(self, next_check: float) -> tuple[int, float]:
+        """One round: the leader check when due, then (as leader) one journal
+        poll published.  Returns (events sent, when the next check is due)."""
+        pool = self._pool_of()
+        if pool is None or pool.node is None:
+            return 0, next_check
+        if time.monotonic() >= next_check:
+            self._check_leader(pool)
+            next_check = time.monotonic() + LEADER_CHECK_S
+        if not self.leader:
+            return 0, next_check
+        try:
+            pool.node.check()                 # a fenced leader (paused, resumed) stops at once
+        except NodeFenced:
+            self._step_down("this node was fenced")
+            return 0, next_check
+        return self._pump(pool), next_check
+
+    def _failed(self, e: Exception) -> None:
+        """A round failed (the pool lock timed out, the agent is stopping, the
+        pool could not be read): what the journal reader had advanced past may
+        not have been sent, so the next round starts with a resync."""
+        msg = str(e) if isinstance(e, CxlkvError) else f"{type(e).__name__}: {e}"
+        if msg != self._last_failure and not self._stop.is_set():
+            self.log.warning("kv events: a round failed (%s); the next one resyncs", msg)
+        self._last_failure = msg
+        self.stats["failures"] += 1
+        self._reader = None
+        self._stop.wait(min(1.0, 10 * self.s.poll_interval))
 
     def _check_leader(self, pool) -> None:
         me = pool.node.slot
@@ -439,6 +468,8 @@ class KVEventsPublisher:
         if ch.resync:
             self._block_tokens.clear()
             self.stats["resyncs"] += 1
+            for r in ch.reasons:                  # start, overrun, torn, writer, reset
+                self.stats[f"resync_{r}"] = self.stats.get(f"resync_{r}", 0) + 1
             return self._send(pool, ch.records, clear=True)
         recs = ch.records
         if not len(recs):
