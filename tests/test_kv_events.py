@@ -542,3 +542,30 @@ def test_a_killed_leader_is_replaced_with_a_resync(agents, epool):
             child.kill()
             child.wait(30)
         child.stderr.close()
+
+
+def test_a_resync_announces_parents_before_children():
+    import numpy as np
+
+    from cxlkv.daemons.kv_events import parents_first
+
+    rng = np.random.default_rng(7)
+    n = 5000
+    r = np.zeros(n, dtype=journal.CHANGE)
+    r["key_lo"] = rng.integers(1, 2**63, n, dtype=np.uint64)
+    r["key_hi"] = rng.integers(1, 2**63, n, dtype=np.uint64)
+    starts = np.sort(rng.choice(np.arange(1, n), 300, replace=False))
+    first = np.zeros(n, dtype=bool)
+    first[0], first[starts] = True, True
+    prev = np.arange(n) - 1                           # chains of random lengths
+    r["parent_lo"] = np.where(first, 0, r["key_lo"][prev])
+    r["parent_hi"] = np.where(first, 0, r["key_hi"][prev])
+    r["parent_lo"][5] = 12345                         # a parent not in the table: a root
+    shuffled = r[rng.permutation(n)]
+    out = parents_first(shuffled)
+    assert sorted(out["key_lo"].tolist()) == sorted(r["key_lo"].tolist())
+    at = {k: i for i, k in enumerate(zip(out["key_lo"].tolist(), out["key_hi"].tolist()))}
+    for k, p in zip(zip(out["key_lo"].tolist(), out["key_hi"].tolist()),
+                    zip(out["parent_lo"].tolist(), out["parent_hi"].tolist())):
+        if p in at:
+            assert at[p] < at[k]

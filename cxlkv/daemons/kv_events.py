@@ -46,7 +46,7 @@ when a namespace is dropped (`kv drop`: the journal says only "namespace
 cleared"), when a subscriber asks to replay a seq older than the buffer, and
 when this agent becomes the leader, it publishes AllBlocksCleared followed by
 a BlockStored for every block published in the pool (the whole state, to
-replace what subscribers knew).  Delivery after a resync is at least once.
+replace what subscribers knew; parents before their children).  Delivery after a resync is at least once.
 
 Leader.  Candidates mark their node slot with the flag NODE_FLAG_KV_EVENTS
 (the node's identity line, written only by the node itself).  A candidate
@@ -253,6 +253,33 @@ def _set_flag(pool, on: bool) -> None:
     v = v | layout.NODE_FLAG_KV_EVENTS if on else v & ~layout.NODE_FLAG_KV_EVENTS
     m.write(off, v.to_bytes(4, "little"))
     m.flush(off, 4)
+
+
+def parents_first(recs: np.ndarray) -> np.ndarray:
+    """A resync's records (the table, in slot order) ordered by depth in their
+    chains, so that a block comes after its parent (routers that keep a tree
+    drop a child whose parent they do not know).  Vectorised: parents found by
+    key (a sorted search on key_lo, hi checked), depths by pointer doubling
+    (log2 of the longest chain rounds)."""
+    n = len(recs)
+    if n < 2:
+        return recs
+    lo, hi = recs["key_lo"], recs["key_hi"]
+    plo, phi = recs["parent_lo"], recs["parent_hi"]
+    srt = np.argsort(lo, kind="stable")
+    pos = np.minimum(np.searchsorted(lo[srt], plo), n - 1)
+    cand = srt[pos]
+    found = (lo[cand] == plo) & (hi[cand] == phi) & ((plo != 0) | (phi != 0))
+    anc = np.where(found & (cand != np.arange(n)), cand, -1)
+    dist = (anc >= 0).astype(np.int64)
+    for _ in range(64):                            # 2**64 > any chain; a cycle (damage) stops
+        m = anc >= 0
+        if not m.any():
+            break
+        up = anc[m]
+        dist[m] = dist[m] + dist[up]
+        anc[m] = anc[up]
+    return recs[np.argsort(dist, kind="stable")]
 
 
 # -- the publisher -------------------------------------------------------------------------
@@ -470,7 +497,7 @@ class KVEventsPublisher:
             self.stats["resyncs"] += 1
             for r in ch.reasons:                  # start, overrun, torn, writer, reset
                 self.stats[f"resync_{r}"] = self.stats.get(f"resync_{r}", 0) + 1
-            return self._send(pool, ch.records, clear=True)
+            return self._send(pool, parents_first(ch.records), clear=True)
         recs = ch.records
         if not len(recs):
             return 0
