@@ -336,6 +336,8 @@ class KVEventsPublisher:
     def _bind(sock, ep: str) -> str:
         _, host, port = check_endpoint(ep)
         addr = f"tcp://{host}:{port if port else '*'}"
+        if host.startswith("[") or host == "*":
+            sock.setsockopt(zmq.IPV6, 1)               # [IPv6], and * on both families
         try:
             sock.bind(addr)
         except zmq.ZMQError as e:
