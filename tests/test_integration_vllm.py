@@ -28,6 +28,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -261,6 +262,58 @@ def test_keys_are_vllm_block_hashes(pool_path):
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+@in_vllm
+def test_kv_events_decode_with_vllms_own_classes(pool_path):
+    """What `cxlkv serve --kv-events` publishes decodes with vLLM's own
+    KVEventBatch / BlockStored / BlockRemoved / AllBlocksCleared (the wire
+    that fits this vLLM: array_like structs or maps), and a store keyed by
+    vLLM's own block hashes is announced under keys_for_hashes of them."""
+    import msgspec
+    import zmq
+    from vllm.distributed import kv_events as vk
+    from vllm.v1.core.kv_cache_utils import get_none_hash_seed
+
+    import cxlkv
+    from cxlkv.daemons.kv_events import KVEventsPublisher, settings
+
+    arr = bool(getattr(vk.KVEventBatch.__struct_config__, "array_like", False))
+    s = settings("tcp://127.0.0.1:0", {"wire": "array" if arr else "map"})
+    pub = KVEventsPublisher(s)
+    pub.bind()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub.endpoint)
+    dec = msgspec.msgpack.Decoder(type=vk.KVEventBatch)
+    toks = prompt(4 * BS)
+    req = make_request("ev", toks)
+    try:
+        with cxlkv.open_pool(pool_path) as pool:
+            kv = pool.kv(model="events", block_tokens=BS, block_bytes=4096,
+                         hash="sha256_cbor", hash_seed=get_none_hash_seed())
+            want = [bytes(k) for k in kv.keys_for_hashes([bytes(h) for h in req.block_hashes])]
+            pub.start(lambda: pool, pool.lock)
+            kv.store_hashes([bytes(h) for h in req.block_hashes], bytes(4 * 4096))
+            with pool.lock():
+                kv.area.evict(everything=True)
+            got, deadline = [], time.monotonic() + 30
+            while time.monotonic() < deadline:
+                if sub.poll(100):
+                    _, _, payload = sub.recv_multipart()
+                    got.extend(dec.decode(payload).events)
+                removed = [h for e in got if isinstance(e, vk.BlockRemoved)
+                           for h in e.block_hashes]
+                if len(removed) == 4:
+                    break
+            pub.stop()
+        stored = [h for e in got if isinstance(e, vk.BlockStored) for h in e.block_hashes]
+        assert stored[-4:] == want and sorted(removed) == sorted(want)
+        assert all(e.medium == "cxl" for e in got if not isinstance(e, vk.AllBlocksCleared))
+    finally:
+        sub.close(linger=0)
+        ctx.term()
 
 
 @in_vllm

@@ -134,7 +134,8 @@ def test_constants_agree():
         "HEAP_SIZE": layout.HEAP_SIZE, "CHUNK_DESC_SIZE": layout.CHUNK_DESC_SIZE,
         "HASH_ENTRY_SIZE": layout.HASH_ENTRY_SIZE, "NODE_FREE": layout.NODE_FREE,
         "NODE_CLAIMED": layout.NODE_CLAIMED, "NODE_ATTACHED": layout.NODE_ATTACHED,
-        "NODE_FENCED": layout.NODE_FENCED, "LOCK_IDLE": layout.LOCK_IDLE,
+        "NODE_FENCED": layout.NODE_FENCED,
+        "NODE_FLAG_KV_EVENTS": layout.NODE_FLAG_KV_EVENTS, "LOCK_IDLE": layout.LOCK_IDLE,
         "LOCK_WAITING": layout.LOCK_WAITING, "LOCK_LOCKED": layout.LOCK_LOCKED,
         "LOCK_ABANDONED": layout.LOCK_ABANDONED, "CHUNK_FREE": layout.CHUNK_FREE,
         "CHUNK_HEAD": layout.CHUNK_HEAD, "CHUNK_TAIL": layout.CHUNK_TAIL,
@@ -179,6 +180,7 @@ def test_pinned_values():
             layout.KV_TOMBSTONE) == (0, 1, 2, 3, 4, 5)
     assert (layout.JOURNAL_MAGIC.to_bytes(8, "little"), layout.INCOMPAT_JOURNAL) == (b"CXLKVJN1", 4)
     assert (layout.JOURNAL_STORED, layout.JOURNAL_EVICTED, layout.JOURNAL_NS_CLEARED) == (1, 2, 3)
+    assert layout.NODE_FLAG_KV_EVENTS == 1
 
 
 def test_journal_geometry():

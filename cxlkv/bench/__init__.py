@@ -7,7 +7,7 @@
                  allocation trace (trace), the KV cache (kv), and the
                  producer -> consumer handoff (handoff), each beside its baseline
     scale        `cxlkv bench --scale`: the rack-scale costs
-    alloc_scale, evict_scale, hot, journal, lock_scale, lockmgr_rt, remote,
+    alloc_scale, evict_scale, hot, journal, kv_events, lock_scale, lockmgr_rt, remote,
     remote_ttft, spill, ttft
                  `cxlkv bench run NAME [ARGS]` (harness.SCENARIOS): one figure
                  family each, `--json` for one JSON document

@@ -56,6 +56,7 @@ SCENARIOS = {
     "hitpath": "cxlkv.bench.hitpath",
     "hot": "cxlkv.bench.hot",
     "journal": "cxlkv.bench.journal",
+    "kv-events": "cxlkv.bench.kv_events",
     "lock-scale": "cxlkv.bench.lock_scale",
     "lockmgr-rt": "cxlkv.bench.lockmgr_rt",
     "remote": "cxlkv.bench.remote",

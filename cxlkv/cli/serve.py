@@ -10,7 +10,7 @@ SERVE_CODES = ((0, "stopped by SIGTERM or SIGINT after detaching cleanly (or, wi
                    "after --stop-timeout)"),) + tuple(
     r for r in EXIT_CODES if r[0] not in (0, 1, 130)) + (
     (1, "refused: no free node slot, metrics address in use, --with-lock-manager on a "
-        "cas pool, --spill-dir owned by another process"),)
+        "cas pool, --spill-dir owned by another process, --kv-events address in use"),)
 
 
 def _config(ctx, param, value):
@@ -21,6 +21,8 @@ def _config(ctx, param, value):
         conf = load_config(value)
         if "remote" in conf:                   # a table, not a flag
             ctx.meta["cxlkv.remote"] = conf.pop("remote")
+        if "kv_events_table" in conf:          # the [kv_events] table
+            ctx.meta["cxlkv.kv_events"] = conf.pop("kv_events_table")
         ctx.default_map = {**(ctx.default_map or {}), **conf}
     return value
 
@@ -96,6 +98,10 @@ def _numa(ctx, param, value):
 @click.option("--remote-push-interval", type=click.FloatRange(0.05, 3600), default=5.0,
               show_default=True, metavar="SECONDS",
               help="How often the write-behind scans the hash table.")
+@click.option("--kv-events", metavar="tcp://HOST:PORT",
+              help="Publish the pool's block events for KV-aware routers in vLLM's KV-events "
+                   "format (ZeroMQ PUB here, replay on PORT+1); one agent of the pool "
+                   "publishes.  More settings: a [kv_events] table in --config.")
 @pass_app
 def serve_cmd(app: Application, **opts):
     """Run the node agent of this host for a pool, in the foreground.
@@ -116,5 +122,7 @@ def serve_cmd(app: Application, **opts):
     from cxlkv.daemons.service import make_logger
 
     opts["remote_push"] = tuple(opts.get("remote_push") or ())
-    cfg = AgentConfig(**opts, remote=click.get_current_context().meta.get("cxlkv.remote"))
+    meta = click.get_current_context().meta
+    cfg = AgentConfig(**opts, remote=meta.get("cxlkv.remote"),
+                      kv_events_table=meta.get("cxlkv.kv_events"))
     return serve(cfg, make_logger(cfg.log_json))

@@ -36,7 +36,11 @@ It attaches to the pool as a node and then, until SIGTERM:
 * every minute reads the CXL device's health, in a thread of its own (a
   slow `cxl list` never delays a tick);
 * serves Prometheus metrics and /healthz on --metrics-addr (loopback
-  unless told otherwise).
+  unless told otherwise);
+* with --kv-events (or a [kv_events] table), is a candidate publisher of
+  the pool's block events for routers (cxlkv.daemons.kv_events): its
+  sockets are bound before it attaches, and the one leader of the pool's
+  candidates publishes.
 
 SIGTERM or SIGINT: stop ticking, detach (its own recovery runs: nothing of
 it outlives the slot), stop the lock manager and the HTTP server, exit 0 -
@@ -64,7 +68,8 @@ import threading
 import time
 
 from cxlkv.api import Pool
-from cxlkv.daemons.config import AgentConfig, remote_args, spill_args
+from cxlkv.daemons.config import AgentConfig, kv_events_args, remote_args, spill_args
+from cxlkv.daemons.kv_events import KVEventsPublisher
 from cxlkv.daemons.lockmgr import LockManager
 from cxlkv.daemons.metrics import AgentMetrics, MetricsServer, parse_addr
 from cxlkv.daemons.service import make_logger, sd_notify
@@ -211,6 +216,8 @@ class Agent:
         if cfg.metrics_addr:
             parse_addr(cfg.metrics_addr)                # a usage error before attaching
         self.spill_args = spill_args(cfg)
+        self.kv_events_args = kv_events_args(cfg.kv_events, cfg.kv_events_table)
+        self.kv_events: KVEventsPublisher | None = None
         self.spill = None                           # the spill store this agent owns
         self.remote_args = remote_args(cfg)
         self.remote = None                          # the RemoteClient of the write-behind
@@ -265,8 +272,11 @@ class Agent:
         try:
             self._open_spill()
             self._open_remote()
+            self._bind_kv_events()
             self._attach()
             self._start_pusher()
+            if self.kv_events is not None:
+                self.kv_events.start(lambda: self.pool, self._pool_lock)
             if self.server is not None:
                 self.server.start()
                 self.event(logging.INFO, f"metrics on {self.server.url}/metrics",
@@ -315,6 +325,17 @@ class Agent:
             fields_["numa_cpu_node"] = getattr(b, "cpu_node", None)
             fields_["numa_mem_node"] = getattr(b, "mem_node", None)
         self.event(logging.INFO, "attached", **fields_)
+
+    def _bind_kv_events(self) -> None:
+        """--kv-events: bind the PUB and replay sockets (refused, exit 1, when
+        an address is taken) before attaching."""
+        if self.kv_events_args is None:
+            return
+        self.kv_events = KVEventsPublisher(self.kv_events_args, self.log)
+        self.kv_events.bind()
+        self.event(logging.INFO, f"kv events on {self.kv_events.endpoint}",
+                   kv_events=self.kv_events.endpoint,
+                   kv_events_replay=self.kv_events.replay_endpoint or "none")
 
     def _open_spill(self) -> None:
         """--spill-dir: open the host's spill store as its owner (refused,
@@ -500,6 +521,8 @@ class Agent:
             # the push thread reads blocks out of the pool: it ends (its pass
             # stops at the next block) before the pool is closed
             t.join(max(0.0, deadline - time.monotonic()))
+        if self.kv_events is not None:           # gives the leader flag up before detaching
+            self.kv_events.stop(max(0.1, min(2.0, deadline - time.monotonic())))
         try:
             self._detach(deadline)
         finally:
@@ -629,8 +652,15 @@ class Agent:
             pass
         self.event(logging.ERROR, "this node was fenced (its heartbeat stopped for a lease); "
                                   "attaching again", node=node.slot)
-        self._detach()
-        self._attach()
+        with self._kv_events_out():
+            self._detach()
+            self._attach()
+
+    def _kv_events_out(self):
+        """The KV-events thread stays out of the pool meanwhile."""
+        if self.kv_events is None:
+            return contextlib.nullcontext()
+        return self.kv_events.suspended()
 
     def _keep_watermark(self, u: dict) -> bool:
         """Evict when free space is below the agent's watermark, up to the
@@ -770,6 +800,9 @@ class Agent:
                 and not node.fenced:
             bad.append("this agent's reaper thread stopped: dead nodes are not reaped"
                        + (f" ({node.reap_error})" if node.reap_error else ""))
+        ev = self.kv_events
+        if ev is not None and ev.error:
+            bad.append(f"this agent's KV-events publisher stopped: {ev.error}")
         if mt is not None and not mt.stopping and not mt.alive():
             bad.append("the lock manager this agent hosts stopped"
                        + (f": {mt.dead}" if mt.dead else ""))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from cxlkv.daemons.kv_events import KVEventsSettings, settings
 from cxlkv.errors import UsageError
 from cxlkv.kv.tiers.remote import POLICIES
 from cxlkv.kv.tiers.spill import QUEUE_BYTES
@@ -35,6 +36,8 @@ class AgentConfig:
     remote_push: tuple = ()                 # namespace names or patterns to push
     remote_push_policy: str = "reused"
     remote_push_interval: float = 5.0
+    kv_events: str | None = None            # tcp://HOST:PORT: publish KV events (kv_events.py)
+    kv_events_table: dict | None = None     # the [kv_events] table
 
 
 _TYPES = {f.name: f.type for f in fields(AgentConfig)}
@@ -56,6 +59,10 @@ def load_config(path: str) -> dict:
             RemoteConfig.from_dict(value, where=f"--config {path}: [remote]")   # checked now
             out["remote"] = value
             continue
+        if name == "kv_events" and isinstance(value, dict):
+            kv_events_args(None, value, where=f"--config {path}: [kv_events]")  # checked now
+            out["kv_events_table"] = value
+            continue
         if name == "remote_push":
             if isinstance(value, str):
                 value = [value]
@@ -64,8 +71,9 @@ def load_config(path: str) -> dict:
                                  "names or patterns")
             out["remote_push"] = tuple(value)
             continue
-        if name not in _TYPES:
-            known = ", ".join(sorted(k.replace("_", "-") for k in _TYPES))
+        if name not in _TYPES or name == "kv_events_table":
+            known = ", ".join(sorted(k.replace("_", "-") for k in _TYPES
+                                     if k != "kv_events_table"))
             raise UsageError(f"--config {path}: unknown setting {key!r} (known: {known})")
         want = _TYPES[name]
         ok = (isinstance(value, bool) if "bool" in want else
@@ -75,7 +83,7 @@ def load_config(path: str) -> dict:
             raise UsageError(f"--config {path}: {key} = {value!r} has the wrong type "
                              f"(expected {want.split(' |')[0]})")
         out[name] = str(value) if name in ("numa_node", "pool", "pool_uuid", "metrics_addr",
-                                           "spill_dir", "remote_nodes",
+                                           "spill_dir", "remote_nodes", "kv_events",
                                            "remote_push_policy") else value
     return out
 
@@ -115,3 +123,10 @@ def spill_args(cfg: AgentConfig) -> tuple[str, int, int] | None:
     qbytes = QUEUE_BYTES if cfg.spill_queue_bytes is None else \
         parse_size(cfg.spill_queue_bytes, "--spill-queue-bytes")
     return str(cfg.spill_dir), size, qbytes
+
+
+def kv_events_args(endpoint: str | None, table: dict | None,
+                   where: str = "[kv_events]") -> KVEventsSettings | None:
+    """The KV-events publisher's settings (--kv-events over the [kv_events]
+    table's endpoint), or None; UsageError for a bad address or setting."""
+    return settings(endpoint, table, where)

@@ -62,6 +62,8 @@ NODE_FREE = 0
 NODE_CLAIMED = 1
 NODE_ATTACHED = 2
 NODE_FENCED = 3
+#: node flags (NodeStruct.flags; identity, written by the node): the KV-events publisher
+NODE_FLAG_KV_EVENTS = 1
 NODE_STATE_BITS = 8
 NODE_STATE_MASK = 0xFF
 NODE_STATE_NAMES = {NODE_FREE: "free", NODE_CLAIMED: "claimed", NODE_ATTACHED: "attached",

@@ -106,6 +106,8 @@ struct cxlkv_superblock {
 #define CXLKV_NODE_ATTACHED    2u
 #define CXLKV_NODE_FENCED      3u   /* fenced: must not write; what it held is quarantined
                                         until it is gone, acknowledged or the grace passed */
+/* node flags (struct cxlkv_node.flags, written by the node itself, valid for ident_epoch) */
+#define CXLKV_NODE_FLAG_KV_EVENTS 1u /* the pool's KV-events publisher (cxlkv serve --kv-events) */
 #define CXLKV_NODE_STATE_BITS  8u
 #define CXLKV_NODE_STATE_MASK  0xffull
 
@@ -121,7 +123,7 @@ struct cxlkv_node {
     uint64_t start_time_ns;     /*   72 process start time (pid reuse guard) */
     uint64_t attach_time_ns;    /*   80 wall clock at attach (display only) */
     uint32_t format_version;    /*   88 */
-    uint32_t flags;             /*   92 */
+    uint32_t flags;             /*   92 CXLKV_NODE_FLAG_*, identity: set by the node */
     uint8_t  boot_id[16];       /*   96 /proc/sys/kernel/random/boot_id */
     char     hostname[64];      /*  112 */
     char     sw_version[32];    /*  176 */
