@@ -257,7 +257,7 @@ def test_a_master_killed_mid_run_loses_no_replicated_block(tmp_path):
 
                 deadline = time.monotonic() + 60
                 lookups(lambda: len(acked) >= 40 or time.monotonic() > deadline)
-                assert len(acked) >= 40, rca.stats()
+                assert len(acked) >= 40, (errors, len(stored), rca.stats())
                 victim = c.master_of_key(remote.client_of(pb)._name(kvb._digest, next(iter(acked))))
                 c.kill(victim)
                 promoted = []
