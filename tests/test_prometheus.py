@@ -273,13 +273,14 @@ class Prom:
             "scrape_configs": [{"job_name": "cxlkv", "static_configs": [{"targets": targets}]}],
         }))
         self.url = f"http://127.0.0.1:{port}"
+        self.log = tmp / "prometheus.log"
+        self._logf = open(self.log, "w")                    # noqa: SIM115 - closed in stop()
         self.p = subprocess.Popen([PROMETHEUS, f"--config.file={cfg}",
                                    f"--storage.tsdb.path={tmp / 'tsdb'}",
                                    f"--web.listen-address=127.0.0.1:{port}",
                                    "--log.level=warn"],
                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                  stderr=open(tmp / "prometheus.log", "w"))
-        self.log = tmp / "prometheus.log"
+                                  stderr=self._logf)
         wait_for(lambda: self._ready(), timeout=60, step=0.1, what="prometheus ready")
 
     def _ready(self) -> bool:
@@ -321,6 +322,7 @@ class Prom:
             except subprocess.TimeoutExpired:
                 self.p.kill()
                 self.p.wait(10)
+        self._logf.close()
 
 
 def live_rules(tmp: Path) -> Path:

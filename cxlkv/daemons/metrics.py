@@ -37,8 +37,13 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
-                               generate_latest)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from cxlkv import __version__
@@ -95,7 +100,7 @@ class AgentMetrics:
                                    "Time this agent waited for the pool lock (each tick's probe "
                                    "and its evictions).", buckets=LOCK_BUCKETS, registry=r)
         self.ticks = Counter("cxlkv_agent_ticks", "Maintenance rounds run.", registry=r)
-        r.register(_Snapshot(agent))
+        r.register(SnapshotCollector(agent))
         r.register(_AgentInfo(agent))
 
         r.register(Collector(lambda: agent.spill))
@@ -176,7 +181,7 @@ class _AgentInfo:
         yield g
 
 
-class _Snapshot:
+class SnapshotCollector:
     """Collector: the agent's latest view of the pool (pool-wide, POOL_WIDE;
     the health verdict and the hosted lock manager's role are the agent's).
 
