@@ -19,7 +19,7 @@ import subprocess
 import pytest
 
 from cxlkv.daemons.config import load_config
-from cxlkv.daemons.manifests import K8S, K8S_MADE
+from cxlkv.daemons.manifests import K8S, K8S_EMULATED, K8S_MADE
 
 KUBE_VERSION = "1.30"
 KUBECTL = shutil.which("kubectl")
@@ -69,7 +69,8 @@ def test_writes_every_part(written):
     dest, rep = written
     rel = {str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()}
     assert rel == {"prometheus/cxlkv-rules.yml", "prometheus/cxlkv-rules.test.yml",
-                   "grafana/cxlkv.json", *(f"k8s/{n}" for n in K8S + K8S_MADE)}
+                   "grafana/cxlkv.json", *(f"k8s/{n}" for n in K8S + K8S_MADE),
+                   *(f"k8s-emulated/{n}" for n in K8S_EMULATED)}
     assert sorted(rep["written"]) == sorted(str(dest / r) for r in rel)
     assert rep["kept"] == [] and rep["unchanged"] == []
     assert any("kubectl apply -k" in x for x in rep["next"])
@@ -189,6 +190,14 @@ def test_least_privilege(written):
     (ns,) = kinds["Namespace"]
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
     assert kinds["ServiceAccount"][0]["automountServiceAccountToken"] is False
+    check_pods(docs, device=True)
+    (cfg,) = [c for c in kinds["ConfigMap"] if c["metadata"]["name"].startswith("cxlkv-config")]
+    assert cfg["data"]["CXLKV_POOL"] == "/dev/dax1.0"
+
+
+def check_pods(docs, device: bool):
+    """Least privilege in every pod; `device`: the pool is the plugin's device
+    (else a hostPath directory /dev/shm/cxlkv, the emulated overlay's)."""
     specs = list(pod_specs(docs))
     assert {d["kind"] for d, _ in specs} == {"DaemonSet", "Deployment", "CronJob"}
     for d, t in specs:
@@ -197,7 +206,8 @@ def test_least_privilege(written):
         assert spec["automountServiceAccountToken"] is False, name
         for host in ("hostPID", "hostIPC", "hostNetwork"):
             assert not spec.get(host), (name, host)
-        assert not [v for v in spec.get("volumes", ()) if "hostPath" in v], name
+        paths = [v["hostPath"] for v in spec.get("volumes", ()) if "hostPath" in v]
+        assert paths == ([] if device else [{"path": "/dev/shm/cxlkv", "type": "Directory"}])
         psc = spec["securityContext"]
         assert psc["runAsNonRoot"] is True and psc["runAsUser"] != 0, name
         assert psc["seccompProfile"]["type"] == "RuntimeDefault", name
@@ -208,12 +218,37 @@ def test_least_privilege(written):
             assert sc["readOnlyRootFilesystem"] is True
             assert sc["capabilities"] == {"drop": ["ALL"]}
             assert c["image"] == "registry.example:5000/cxlkv:0.2"
-            assert c["resources"]["limits"]["squat.ai/dax"] == 1   # the device, by its plugin
+            limits = c["resources"]["limits"]
+            if device:
+                assert limits["squat.ai/dax"] == 1              # the device, by its plugin
+            else:
+                assert "squat.ai/dax" not in limits
+                assert "/dev/shm/cxlkv" in {m["mountPath"] for m in c["volumeMounts"]}
             env = {e["name"]: e for e in c["env"]}
             ref = env["CXLKV_POOL"]["valueFrom"]["configMapKeyRef"]
             assert ref["key"] == "CXLKV_POOL" and ref["name"].startswith("cxlkv-config")
+
+
+@needs_kubectl
+def test_emulated_overlay(written):
+    """One host, the pool a file in /dev/shm/cxlkv made by the agent's init container."""
+    dest, _ = written
+    docs = render(dest / "k8s-emulated")
+    for d in docs:
+        if not d["apiVersion"].startswith("monitoring.coreos.com/"):
+            assert kv.validate(d, KUBE_VERSION, strict=True) == KUBE_VERSION
+    kinds = by_kind(docs)
+    assert "PodDisruptionBudget" not in kinds
+    (ns,) = kinds["Namespace"]
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+    check_pods(docs, device=False)
     (cfg,) = [c for c in kinds["ConfigMap"] if c["metadata"]["name"].startswith("cxlkv-config")]
-    assert cfg["data"]["CXLKV_POOL"] == "/dev/dax1.0"
+    assert cfg["data"]["CXLKV_POOL"] == "/dev/shm/cxlkv/kv0"
+    assert "serve.toml" in cfg["data"]                          # merged, not replaced
+    (ds,) = kinds["DaemonSet"]
+    (init,) = ds["spec"]["template"]["spec"]["initContainers"]
+    assert init["args"][0] == "init" and "--sync" in init["args"]
+    assert kinds["Deployment"][0]["spec"]["replicas"] == 1
 
 
 @needs_kubectl

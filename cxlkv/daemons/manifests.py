@@ -5,6 +5,7 @@ operator (`cxlkv install-manifests`), as units.py does for systemd.
     DEST/prometheus/cxlkv-rules.test.yml  their unit tests: promtool test rules
     DEST/grafana/cxlkv.json               the dashboard (Grafana: import)
     DEST/k8s/                             a kustomization: kubectl apply -k DEST/k8s
+    DEST/k8s-emulated/                    its overlay for an emulated pool on one host
 
 The k8s directory also gets prometheusrule.yaml (the rules as a PrometheusRule of the
 Prometheus Operator) and grafana-dashboard.yaml (the dashboard as a ConfigMap for
@@ -33,6 +34,10 @@ K8S = ("kustomization.yaml", "serve.toml", "namespace.yaml", "serviceaccount.yam
        "health-cronjob.yaml", "podmonitor.yaml")
 #: made from the rules and the dashboard
 K8S_MADE = ("prometheusrule.yaml", "grafana-dashboard.yaml")
+#: an overlay of k8s/: an emulated pool in a file on one host
+K8S_EMULATED = ("kustomization.yaml", "namespace.yaml", "agent-daemonset.yaml",
+                "lock-manager-deployment.yaml", "lock-manager-pdb.yaml", "health-cronjob.yaml",
+                "no-device-pod.yaml", "no-device-cronjob.yaml")
 DEFAULT_IMAGE = "cxlkv:latest"
 DEFAULT_POOL = "/dev/dax0.0"
 DEFAULT_GID = 990
@@ -88,17 +93,20 @@ def _image(image: str) -> tuple[str, str]:
     return name, tag
 
 
-def render_k8s(name: str, *, image: str, pool: str, gid: int) -> str:
-    if name == "prometheusrule.yaml":
+def render_k8s(part: str, name: str, *, image: str, pool: str, gid: int) -> str:
+    """A file of k8s/ or k8s-emulated/ with the image, the pool (k8s/ only: the
+    overlay has its own) and the GID filled in."""
+    if part == "k8s" and name == "prometheusrule.yaml":
         return prometheus_rule()
-    if name == "grafana-dashboard.yaml":
+    if part == "k8s" and name == "grafana-dashboard.yaml":
         return dashboard_configmap()
-    text = data("k8s", name)
+    text = data(part, name)
     if name == "kustomization.yaml":
         iname, tag = _image(image)
         text = text.replace("    newName: cxlkv\n    newTag: latest\n",
                             f"    newName: {iname}\n    newTag: \"{tag}\"\n")
-        text = text.replace(f"CXLKV_POOL={DEFAULT_POOL}", f"CXLKV_POOL={pool}")
+        if part == "k8s":
+            text = text.replace(f"CXLKV_POOL={DEFAULT_POOL}", f"CXLKV_POOL={pool}")
     return text.replace(f"supplementalGroups: [{DEFAULT_GID}]", f"supplementalGroups: [{gid}]")
 
 
@@ -118,8 +126,10 @@ def plan(parts=PARTS, *, image: str = DEFAULT_IMAGE, pool: str = DEFAULT_POOL,
     if "grafana" in parts:
         out += [(f"grafana/{n}", data("grafana", n)) for n in GRAFANA]
     if "k8s" in parts:
-        out += [(f"k8s/{n}", render_k8s(n, image=image, pool=pool, gid=gid))
+        out += [(f"k8s/{n}", render_k8s("k8s", n, image=image, pool=pool, gid=gid))
                 for n in K8S + K8S_MADE]
+        out += [(f"k8s-emulated/{n}", render_k8s("k8s-emulated", n, image=image, pool=pool,
+                                                 gid=gid)) for n in K8S_EMULATED]
     return out
 
 
@@ -161,6 +171,7 @@ def install(dest: str, parts=PARTS, *, image: str = DEFAULT_IMAGE, pool: str = D
     if "k8s" in parts:
         nxt += [f"edit {d / 'k8s' / 'kustomization.yaml'} (image, pool) and label the hosts: "
                 "kubectl label node HOST cxlkv.io/pool=kv0",
-                f"kubectl apply -k {d / 'k8s'}"]
+                f"kubectl apply -k {d / 'k8s'}   (one host, an emulated pool: "
+                f"{d / 'k8s-emulated'})"]
     return {"dest": str(dest), "parts": list(parts), "written": written,
             "unchanged": unchanged, "kept": kept, "dry_run": dry_run, "next": nxt}
