@@ -172,11 +172,10 @@ class _AgentInfo:
         node = getattr(pool, "node", None) if pool is not None else None
         if node is None or node.slot < 0:
             return
-        from_host = socket.gethostname()
         g = GaugeMetricFamily("cxlkv_agent_info", "1 while this agent is attached: its node "
                                                   "slot, host, pid and cxlkv version.",
                               labels=["node", "host", "pid", "sw_version"])
-        g.add_metric([str(node.slot), from_host, str(os.getpid()),
+        g.add_metric([str(node.slot), socket.gethostname(), str(os.getpid()),
                       version_label(f"cxlkv {__version__}")], 1)
         yield g
 
