@@ -99,12 +99,17 @@ class Serve:
             return e.code, e.read().decode()
 
     def metrics(self) -> dict:
+        """{(name, labels): value}; every series carries the pool's UUID as label
+        `pool` (checked here, then left out of the key)."""
         code, text = self.get("/metrics")
         assert code == 200
-        out = {}
+        out, pools = {}, set()
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
-                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+                labels = dict(s.labels)
+                pools.add(labels.pop("pool", None))
+                out[(s.name, tuple(sorted(labels.items())))] = s.value
+        assert len(pools) == 1 and None not in pools, pools
         return out
 
     def stop(self, timeout=10.0) -> int:
@@ -325,7 +330,7 @@ def test_metrics_after_a_known_workload(spool, serve):
         assert sum(sample(m, "cxlkv_pool_bytes", state=st) for st in
                    ("free", "kv_evictable", "kv_unevictable", "other")) == data
         assert sample(m, "cxlkv_nodes", state="free") == 6
-        assert sample(m, "cxlkv_nodes_by_version", sw_version=f"cxlkv {cxlkv.__version__}",
+        assert sample(m, "cxlkv_nodes_by_version", sw_version=cxlkv.__version__,
                       format_version="1") == 2
         assert sample(m, "cxlkv_lock_wait_seconds_count") >= 1
         assert sample(m, "cxlkv_reaps_total") == 0

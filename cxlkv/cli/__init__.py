@@ -43,6 +43,8 @@ COMMANDS = {
                "Check a pool's health for cron and Nagios (exit 0/1/2/3), read-only."),
     "install-units": ("cxlkv.cli.install_units", "install_units_cmd",
                       "Install the systemd units (serve, lock manager, health timer)."),
+    "install-manifests": ("cxlkv.cli.install_manifests", "install_manifests_cmd",
+                          "Write the Prometheus rules, Grafana dashboard and k8s manifests."),
     "remote": ("cxlkv.cli.remote", "remote_group",
                "The remote tier's Redis / Valkey cluster: status (exit 0/1/2)."),
 }
