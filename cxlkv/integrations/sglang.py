@@ -55,7 +55,6 @@ import hashlib
 import logging
 import os
 import warnings
-from typing import Any
 
 from cxlkv import api
 from cxlkv.errors import CxlkvError, UsageError
@@ -185,7 +184,7 @@ class HiCacheCore:
     def _load(self, keys, sink) -> int:
         """Pin the leading present pages of `keys` and hand each to
         sink(i, tensor of the page shape viewing the pool); returns how many."""
-        import torch          # SGLang runs on torch; cxlkv itself does not need it
+        import torch  # SGLang runs on torch; cxlkv itself does not need it
 
         host = self._host()
         loaded = self.kv().load_hashes([page_hash_bytes(k) for k in keys])
