@@ -42,8 +42,8 @@ storage writer rank stores, as SGLang's own file backend does.
 Copies.  Zero-copy get: the pages are pinned in the pool and copied once,
 straight into SGLang's host pool (torch.frombuffer on the pool mapping).
 Set: SGLang's page is not contiguous in its host pool (K and V halves lie
-apart), so a batch is gathered into one staging buffer, then stored (the
-C core's non-temporal copy) - two copies.
+apart), so a batch is gathered into one staging buffer (kept between
+calls), then stored (the C core's non-temporal copy) - two copies.
 
 Scope: one KV pool (the v2 interface's extra pools - Mamba, SWA, DSA
 sidecars - are refused, hit 0); decode-context parallelism shards
@@ -123,6 +123,7 @@ class HiCacheCore:
         self._kv = None
         self.mem_pool_host = None
         self._page_shape: tuple[int, ...] = ()
+        self._staging = None            # the set path's staging buffer (pages)
         self.stats = {"get_pages": 0, "set_pages": 0, "hit_pages": 0, "miss_pages": 0,
                       "store_failures": 0}
         log.info("cxlkv HiCache storage: pool %s", self._pool_path)
@@ -132,6 +133,7 @@ class HiCacheCore:
         self.mem_pool_host = mem_pool_host
         self._page_shape = tuple(mem_pool_host.get_data_page(0, flat=False).shape)
         self._kv = None
+        self._staging = None
 
     def _page_bytes(self) -> int:
         n = 1
@@ -245,7 +247,13 @@ class HiCacheCore:
             return True
         if not self._writer:
             return True          # an MLA replica: the writer rank stores the shared page
-        staged = torch.stack([p.reshape(self._page_shape) for p in pages])   # the staging copy
+        n = len(keys)
+        if self._staging is None or self._staging.shape[0] < n:
+            # kept between calls: a fresh buffer per batch costs its page faults
+            self._staging = torch.empty((max(n, 16),) + self._page_shape,
+                                        dtype=self._host().dtype)
+        staged = self._staging[:n]
+        torch.stack([p.reshape(self._page_shape) for p in pages], out=staged)   # the one copy
         try:
             self.kv().store_hashes([page_hash_bytes(k) for k in keys],
                                    staged.view(torch.uint8).numpy())
