@@ -89,7 +89,7 @@ def _measure(tokens: int, runs: int, progress) -> dict:
     try:
         nbytes = tokens * L * 2 * H * D * 2
         pool = os.path.join(d, "pool")
-        cxlkv.init_pool(pool, {"size": max(256 << 20, 3 * nbytes)})
+        cxlkv.init_pool(pool, {"size": max(256 << 20, (runs + 2) * nbytes)})   # no eviction
         engines = {"local": engine("bench-local", None), "cxlkv": engine("bench-cxlkv", pool)}
         times = {f"{n}_{op}": [] for n in engines for op in ("store", "retrieve")}
         exact = True

@@ -95,7 +95,7 @@ def _measure(pages: int, runs: int, layout: str, progress) -> dict:
         page_bytes = host.get_data_page(0).numel() * host.dtype.itemsize
         total = pages * page_bytes
         pool = os.path.join(d, "pool")
-        cxlkv.init_pool(pool, {"size": max(256 << 20, 3 * total)})
+        cxlkv.init_pool(pool, {"size": max(256 << 20, (runs + 2) * total)})   # no eviction
         cx = StorageBackendFactory.create_backend("dynamic", storage_config(
             layout=layout, extra={"backend_name": "cxlkv", "interface_v1": 1, "pool": pool,
                                   "module_path": "cxlkv.integrations.sglang",
