@@ -23,9 +23,11 @@ PKG = ROOT / "cxlkv"
 #: third-party modules a function may import when it needs them: optional
 #: (torch, transformers, vllm, pyudev, libnuma) or heavy and needed only on one
 #: path (redis: the remote tier's backend; cbor2: vLLM-compatible keys;
-#: packaging: version comparisons of old pools)
+#: packaging: version comparisons of old pools; sglang, lmcache: the engines whose
+#: base classes cxlkv.integrations.sglang / .lmcache derive from when the engine asks
+#: for the backend class, so those modules import without the engine)
 LAZY_THIRD_PARTY = {"torch", "transformers", "vllm", "pyudev", "numa", "redis", "cbor2",
-                    "packaging"}
+                    "packaging", "sglang", "lmcache"}
 #: cxlkv modules a function may import: the lazy public names of cxlkv/__init__.py,
 #: the KV cache's tiers (loaded when a tier is enabled, so that the cache alone
 #: does not pull in asyncio, Redis or Prometheus) and the remote tier's backend

@@ -61,6 +61,8 @@ SCENARIOS = {
     "lockmgr-rt": "cxlkv.bench.lockmgr_rt",
     "remote": "cxlkv.bench.remote",
     "remote-ttft": "cxlkv.bench.remote_ttft",
+    "sglang-hicache": "cxlkv.bench.sglang_hicache",
+    "lmcache": "cxlkv.bench.lmcache_plugin",
     "spill": "cxlkv.bench.spill",
     "ttft": "cxlkv.bench.ttft",
 }
