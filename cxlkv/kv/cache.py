@@ -1011,10 +1011,10 @@ def blocks_covering(area: Area, offset: int, length: int) -> np.ndarray:
 def quarantine(pool, offset: int, length: int, reason: str = "poison") -> dict:
     """Take a bad range of the pool (a translated poison record) out of use.
 
-    Under the pool lock: every KV block whose payload slot covers the range is
-    evicted (no spill: its bytes are not trusted) and so never served again,
-    then the chunks the range touches are retired in the on-media list
-    (cxlkv.state.alloc.retire_range), which the allocator never reuses.  A
+    Under the pool lock: the chunks the range touches are retired in the
+    on-media list (cxlkv.state.alloc.retire_range), which the allocator never
+    reuses, then every KV block whose payload slot covers the range is evicted
+    (no spill: its bytes are not trusted) and so never served again.  A
     range in a metadata region is recorded and returned critical=True: the pool
     must be snapshotted and re-formatted (cxlkv-runbook(7)).  A block pinned by
     a reader is retried for QUARANTINE_ROUNDS rounds, then reported in
@@ -1026,6 +1026,12 @@ def quarantine(pool, offset: int, length: int, reason: str = "poison") -> dict:
     out = {"offset": offset, "length": length, "evicted_blocks": 0, "evicted_bytes": 0,
            "pinned": 0}
     with pool.lock():
+        # retire first: the slabs' owner becomes RETIRED_OWNER before any slot
+        # is freed, so a lock-free slot allocation racing with the evictions
+        # below sees a slab that is not its node's when it re-checks the owner
+        # after taking a bit, and hands nothing out (the freed, poisoned slot
+        # is never reused)
+        r = alloc.retire_range(pool, offset, length, reason)
         region = alloc.region_of(pool, offset)
         if region == "data" and pool.sb.compat & layout.COMPAT_KV:
             a = Area(pool)
@@ -1055,7 +1061,6 @@ def quarantine(pool, offset: int, length: int, reason: str = "poison") -> dict:
                 out["evicted_bytes"] += n
             left = blocks_covering(a, offset, length)
             out["pinned"] = int(len(left))
-        r = alloc.retire_range(pool, offset, length, reason)
     out.update(region=r["region"], critical=r["critical"], retired_chunks=r["chunks"],
                already_retired=r["already"])
     if r["critical"]:

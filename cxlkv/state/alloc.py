@@ -1019,8 +1019,9 @@ def region_of(pool, offset: int) -> str | None:
 def retire_range(pool, offset: int, length: int, reason: str = "poison",
                  now_ns: int | None = None) -> dict:
     """Retire the chunks a bad range [offset, offset+length) of the pool
-    touches (caller holds the pool lock; the KV blocks on them must already
-    be evicted: cxlkv.kv.cache.quarantine does both).  Idempotent: a chunk
+    touches (caller holds the pool lock; the KV blocks on them are evicted
+    afterwards: cxlkv.kv.cache.quarantine does both, retiring first so that
+    no slot freed by the evictions is handed out again).  Idempotent: a chunk
     already retired is not added twice.  A range outside the data region is
     recorded as a metadata hit (no chunk) and reported critical.
 
