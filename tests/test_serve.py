@@ -804,3 +804,39 @@ def test_a_paused_node_is_quarantined_in_the_metrics(spool, serve, remote_env):
     finally:
         q.close()
     assert s.stop() == 0
+
+
+def test_one_tick_above_the_usage_threshold_is_no_verdict_yet(agent, spool):
+    """A store in flight holds its blocks unevictable for a moment (the
+    agent's health flapped to WARNING while another process stored): the
+    agent's usage verdict stands on the second tick above the threshold in a
+    row; the one-shot `cxlkv health` judges at once."""
+    from cxlkv.ops import health
+
+    a = agent(warn_used=30.0, crit_used=50.0)
+    q = NodeProc()
+    try:
+        q.attach(spool)
+        q.call(op="kv_open", args=dict(model="m", block_tokens=4, block_bytes=BLOCK))
+        with Pool.open(spool, writable=False) as p:
+            n = int(0.6 * p.sb.regions["data"][1]) // BLOCK
+        toks = list(range(4 * n))
+        assert q.call(op="kv_store", tokens=toks)["stored"] == n
+        assert q.call(op="kv_hold", tokens=toks) == {"blocks": n}     # pinned: unevictable
+
+        def usage():
+            (c,) = [c for c in a.snapshot["health"].checks if c.id == "usage"]
+            return c
+
+        a.tick()
+        assert usage().status == health.OK and "this tick only" in usage().text
+        assert a.healthz()[0]
+        a.tick()
+        assert usage().status == health.CRITICAL and not a.healthz()[0]
+        a.tick()
+        assert usage().status == health.CRITICAL                     # it stands while it lasts
+        q.call(op="kv_release")
+        a.tick()
+        assert usage().status == health.OK and "this tick only" not in usage().text
+    finally:
+        q.close()

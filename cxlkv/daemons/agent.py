@@ -238,6 +238,7 @@ class Agent:
         self.device = None
         self._last_error = ""
         self._last_status = None
+        self._usage_status = health.OK         # the usage verdict of the last tick
         self.stop_event = threading.Event()
         self.stop_deadline: float | None = None
         self.own: set[tuple[int, int]] = set()     # (slot, epoch) this agent attached as
@@ -765,6 +766,7 @@ class Agent:
         pool = self.pool
         h = health.evaluate(pool, self.th, observer=self.observer, manager=self.mgr_watch,
                        deadline=None, device=self.device, figures=u)
+        self._settle_usage(h)
         self._agent_checks(h)
         nodes = dict(h.data["nodes"])
         nodes["free"] = pool.sb.max_nodes - sum(nodes[k] for k in ("alive", "dead", "unknown"))
@@ -782,6 +784,22 @@ class Agent:
                 "quarantine": h.data["quarantine"], "pins": pins,
                 "device": self.device, "at": time.monotonic(),
                 "manager": None if self.manager is None else self.manager.active}
+
+    def _settle_usage(self, h) -> None:
+        """The usage verdict (unevictable share) counts against the thresholds
+        only on the second tick in a row above them: a store in flight holds
+        its blocks unevictable (reserved slots, pending entries) for a moment,
+        and one tick's peak while another process stores is not a pool pinned
+        full (the agent's health flapped to WARNING).  `cxlkv health`, one
+        shot, judges at once."""
+        for i, c in enumerate(h.checks):
+            if c.id != "usage":
+                continue
+            prev, self._usage_status = self._usage_status, c.status
+            if c.status in (health.WARNING, health.CRITICAL) and prev == health.OK:
+                h.checks[i] = health.Check(
+                    c.id, health.OK, f"{c.text} (above the threshold this tick only: judged "
+                    "again at the next; stores in flight count as unevictable)")
 
     def _agent_checks(self, h, ok: bool = True) -> None:
         """The agent's own state: its node fenced, or one of its threads
