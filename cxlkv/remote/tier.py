@@ -204,6 +204,11 @@ class RemoteClient:
         try:
             self.tier: RemoteTier = self._call(self._make_tier(tier), None)
             self._writer_task = self._call(self._start_writer(), None)
+            if self._fast is not None:
+                # puts and lookups take the fast path; exists, names and INFO
+                # still go through the tier: connect it now, off any caller's
+                # budget (its first connection is a cluster discovery)
+                self._spawn(self._warm())
         except BaseException:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(5.0)
@@ -230,6 +235,15 @@ class RemoteClient:
         except RuntimeError:                       # the loop is closed
             coro.close()
             return None
+
+    async def _warm(self) -> None:
+        connect = getattr(self.tier, "client", None)
+        if connect is None:
+            return
+        try:
+            await connect()
+        except Exception:                          # noqa: BLE001 - the first real call says why
+            pass
 
     async def _make_tier(self, tier):
         if tier is None:
