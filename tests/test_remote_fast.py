@@ -40,7 +40,7 @@ def cluster():
 
 
 def cfg_of(c, **kw) -> RemoteConfig:
-    return RemoteConfig(nodes=tuple(c.addrs), ttl_s=600, **kw)
+    return RemoteConfig(nodes=tuple(c.addrs), ttl_s=600, fast=True, **kw)
 
 
 def raw_set(c, name: bytes, val: bytes) -> None:
@@ -175,13 +175,13 @@ def test_writer_batches_are_sized_by_bytes():
 def test_auth_and_a_wrong_password():
     with TestCluster(masters=3, password="s3cret-fast") as c:
         keys, data = blocks(8, 4 * KiB, seed=3)
-        with RemoteClient(RemoteConfig(nodes=tuple(c.addrs), password="s3cret-fast")) as rc:
+        with RemoteClient(RemoteConfig(nodes=tuple(c.addrs), password="s3cret-fast", fast=True)) as rc:
             assert rc.fast is not None
             for k, d in zip(keys, data):
                 rc.push(k, NS, d)
             assert rc.flush(30) and rc.stats()["pushed"] == 8
             assert [bytes(g) for g in rc.lookup(NS, keys, 4 * KiB, 10.0)] == data
-        with RemoteClient(RemoteConfig(nodes=tuple(c.addrs), password="wrong")) as rc:
+        with RemoteClient(RemoteConfig(nodes=tuple(c.addrs), password="wrong", fast=True)) as rc:
             assert rc.lookup(NS, keys, 4 * KiB, 2.0) == [None] * 8
             st = rc.stats()
             assert st["errors"] == 1 and st["hits"] == 0

@@ -2,10 +2,10 @@
 (RemoteClient: write-behind push + flush; lookup with verification) against
 a plain pipelined redis-py cluster client moving the same bytes (SET / GET
 pipelines of the same batch size), on the same cluster, in the same run.
-"tier" is the default client (cxlkv.remote.fastpath: its own pipelines on
-the caller's thread); "tier_redispy" the same client through its redis-py
-tier (per-node asyncio pipelines on the loop thread: the path TLS and test
-seams take), so the default stays the faster one.
+"tier" is the client with the fast path on (cxlkv.remote.fastpath: its own
+pipelines on the caller's thread; opt-in, RemoteConfig.fast); "tier_redispy"
+the same client through its redis-py tier (per-node asyncio pipelines on the
+loop thread: the default, and the path TLS and test seams take).
 
     cxlkv bench run remote [--mib N] [--batch N] [--reps N] [--nodes H:P,...] [--json]
 
@@ -56,7 +56,7 @@ def data_set(nbytes, bs, seed):
 def tier_run(cfg, keys, vals, bs, batch, fast):
     """push everything + flush; then lookup in batches.  Bytes/s each."""
     tier = None if fast else (lambda: RedisClusterTier(cfg))
-    with RemoteClient(cfg, tier=tier, batch_bytes=batch * (bs + 72)) as rc:
+    with RemoteClient(cfg, tier=tier, batch_bytes=batch * (bs + 72), fast=fast) as rc:
         rc.lookup(NS, keys[:1], bs, 5.0)                       # connect
         t0 = time.perf_counter()
         for k, v in zip(keys, vals):

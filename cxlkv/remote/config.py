@@ -70,6 +70,7 @@ class RemoteConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_verify: bool = True
+    fast: bool = False          # puts and lookups through cxlkv.remote.fastpath (plain TCP)
     ttl_s: int = DEFAULT_TTL_S
     max_bytes: int = 0
     prefix: str = DEFAULT_PREFIX
@@ -131,7 +132,7 @@ class RemoteConfig:
                 raise UsageError(f"{name} must be a non-empty string")
         if self.password is not None and self.password_file is not None:
             raise UsageError("give password or password_file, not both")
-        for name in ("tls", "tls_verify"):
+        for name in ("tls", "tls_verify", "fast"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageError(f"{name} must be true or false")
         if not self.tls:
