@@ -136,6 +136,10 @@ def wire_types(wire: str):
 
 
 # -- settings ------------------------------------------------------------------------------
+#: the longest the publisher waits on its replay socket before looking at stop()
+STOP_SLICE_S = 0.1
+
+
 @dataclasses.dataclass(frozen=True)
 class KVEventsSettings:
     endpoint: str                        # tcp://HOST:PORT (port 0: any free one)
@@ -573,8 +577,13 @@ class KVEventsPublisher:
         if self._replay is None:
             self._stop.wait(timeout_s)
             return
-        if not self._replay.poll(int(timeout_s * 1000)):
-            return
+        # in slices, so that stop() is seen within one (a poll_interval of
+        # seconds otherwise outlived the stop's timeout, thread and sockets too)
+        end = time.monotonic() + timeout_s
+        while not self._replay.poll(int(min(STOP_SLICE_S, max(0.0, end - time.monotonic()))
+                                        * 1000)):
+            if self._stop.is_set() or time.monotonic() >= end:
+                return
         while self._replay.poll(0):
             frames = self._replay.recv_multipart()
             if len(frames) != 3 or len(frames[2]) != 8:
