@@ -20,6 +20,7 @@ import pytest
 
 import cxlkv
 from cxlkv.integrations import lmcache as lmc
+from cxlkv.testing.checks import foreign_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LMCACHE_PYTHON = os.environ.get("CXLKV_LMCACHE_PYTHON") or os.path.join(
@@ -89,8 +90,7 @@ def test_lmcache_venv():
     if r.returncode:
         pytest.skip(f"{LMCACHE_PYTHON} cannot import lmcache: "
                     f"{r.stderr.strip().splitlines()[-1:]}")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("LD_PRELOAD", None)
+    env = foreign_env(PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([LMCACHE_PYTHON, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                         "-m", "lmcache", os.path.abspath(__file__)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=900)

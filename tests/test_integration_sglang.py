@@ -30,6 +30,7 @@ import pytest
 
 import cxlkv
 from cxlkv.integrations import sglang as sg
+from cxlkv.testing.checks import foreign_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SGLANG_PYTHON = os.environ.get("CXLKV_SGLANG_PYTHON") or os.path.join(
@@ -79,8 +80,7 @@ def test_sglang_venv():
     if r.returncode:
         pytest.skip(f"{SGLANG_PYTHON} cannot import SGLang's storage classes: "
                     f"{r.stderr.strip().splitlines()[-1:]}")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("LD_PRELOAD", None)
+    env = foreign_env(PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([SGLANG_PYTHON, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                         "-m", "sglang", os.path.abspath(__file__)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=900)

@@ -32,6 +32,8 @@ import time
 
 import pytest
 
+from cxlkv.testing.checks import foreign_env
+
 pytestmark = pytest.mark.vllm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,8 +69,7 @@ def test_vllm_venv(python):
     why = _venv_has_vllm(python)
     if why:
         pytest.skip(why)
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("LD_PRELOAD", None)             # the ASan run's runtimes are not for vLLM's torch
+    env = foreign_env(PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                         os.path.abspath(__file__)], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=1200)

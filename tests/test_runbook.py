@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from cxlkv.cli import COMMANDS
+from cxlkv.testing.checks import foreign_env
 
 MAN = Path(__file__).resolve().parent.parent / "man"
 RUNBOOK = MAN / "cxlkv-runbook.7"
@@ -46,8 +47,7 @@ def render(page: Path) -> list[str]:
     """The page as `man` renders it for a terminal: no wrapping (one line per
     paragraph), bold kept as overstrike (X backspace X)."""
     r = subprocess.run(["man", "-E", "ascii", "-l", str(page)], capture_output=True, text=True,
-                       timeout=60, env={**os.environ, "MANWIDTH": "4000",
-                                        "MAN_KEEP_FORMATTING": "1"})
+                       timeout=60, env=foreign_env(MANWIDTH="4000", MAN_KEEP_FORMATTING="1"))
     assert r.returncode == 0, r.stderr
     return r.stdout.splitlines()
 

@@ -3,6 +3,7 @@ a deadline, fsck's JSON report through the CLI."""
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 
 from cxlkv.api import Pool
@@ -15,6 +16,16 @@ def fsck_clean(path: str):
         rep = check(p)
     assert rep.clean, [f.to_json() for f in rep.errors]
     return rep
+
+
+def foreign_env(**extra: str) -> dict[str, str]:
+    """The environment for running a program that is not ours (man, an
+    engine's own venv): this one without the sanitizer runtimes that
+    scripts/test-asan preloads, which report the other program's own bugs
+    (troff frees with the wrong operator) or break its libraries (torch)."""
+    env = dict(os.environ, **extra)
+    env.pop("LD_PRELOAD", None)
+    return env
 
 
 def wait_for(cond, timeout: float = 30.0, what: str = "condition", step: float = 0.01):
