@@ -251,6 +251,18 @@ class AllocError(CxlkvError, ValueError):
     kind = "bad-offset"
 
 
+class RetiredSlots(AllocError):
+    """Reserved slots that lie in chunks retired (poison) since they were
+    handed out: they are never written or published.  `offsets` names them.
+    A KV store abandons its reservation and stores again (other slabs)."""
+
+    kind = "retired"
+
+    def __init__(self, message: str, offsets, **kw):
+        super().__init__(message, **kw)
+        self.offsets = offsets
+
+
 # -- kv: the KV area, its cache and snapshots ---------------------------------------------
 
 class KVError(CxlkvError):

@@ -98,6 +98,14 @@ PINNED = {
         "parent_hi": (32, 8), "length": (40, 4), "ns": (44, 2), "tenant": (46, 2),
         "time_us": (48, 8), "entry": (56, 4), "op": (60, 1), "reserved": (61, 3),
     }),
+    "badchunk_hdr": (32, {
+        "magic": (0, 8), "count": (8, 4), "capacity": (12, 4), "retired_bytes": (16, 8),
+        "metadata_hits": (24, 8),
+    }),
+    "badchunk": (32, {
+        "chunk": (0, 8), "offset": (8, 8), "length": (16, 4), "reason": (20, 2),
+        "region": (22, 2), "time_ns": (24, 8),
+    }),
 }
 
 
@@ -158,6 +166,11 @@ def test_constants_agree():
         "FEATURE_INCOMPAT_JOURNAL": layout.INCOMPAT_JOURNAL, "JOURNAL_MAGIC": layout.JOURNAL_MAGIC,
         "JOURNAL_REC_SIZE": layout.JOURNAL_REC_SIZE, "JOURNAL_STORED": layout.JOURNAL_STORED,
         "JOURNAL_EVICTED": layout.JOURNAL_EVICTED, "JOURNAL_NS_CLEARED": layout.JOURNAL_NS_CLEARED,
+        "FEATURE_INCOMPAT_BADCHUNKS": layout.INCOMPAT_BADCHUNKS,
+        "BADCHUNK_MAGIC": layout.BADCHUNK_MAGIC, "BADCHUNK_LIST_OFF": layout.BADCHUNK_LIST_OFF,
+        "BADCHUNK_NO_CHUNK": layout.BADCHUNK_NO_CHUNK, "BADCHUNK_POISON": layout.BADCHUNK_POISON,
+        "BADCHUNK_MEDIA_ERROR": layout.BADCHUNK_MEDIA_ERROR,
+        "BADCHUNK_MANUAL": layout.BADCHUNK_MANUAL,
     }
     for k, v in pairs.items():
         assert c[k] == v, k
@@ -181,6 +194,12 @@ def test_pinned_values():
     assert (layout.JOURNAL_MAGIC.to_bytes(8, "little"), layout.INCOMPAT_JOURNAL) == (b"CXLKVJN1", 4)
     assert (layout.JOURNAL_STORED, layout.JOURNAL_EVICTED, layout.JOURNAL_NS_CLEARED) == (1, 2, 3)
     assert layout.NODE_FLAG_KV_EVENTS == 1
+    assert (layout.BADCHUNK_MAGIC.to_bytes(8, "little"), layout.INCOMPAT_BADCHUNKS,
+            layout.BADCHUNK_LIST_OFF) == (b"CXLKVBD1", 8, 256)
+    assert layout.BADCHUNK_REASONS == {1: "poison", 2: "media-error", 3: "manual"}
+    # the list fits in the lock header page's reserved bytes, after its used fields
+    assert layout.field_offset(layout.LockHdrStruct, "reserved") <= layout.BADCHUNK_LIST_OFF
+    assert layout.BADCHUNK_MAX == (4096 - 256 - 32) // 32 == 119
 
 
 def test_journal_geometry():

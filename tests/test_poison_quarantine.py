@@ -14,7 +14,7 @@ import pytest
 
 import cxlkv
 from cxlkv.api import Pool
-from cxlkv.errors import PoolIncompatible
+from cxlkv.errors import PoolIncompatible, RetiredSlots
 from cxlkv.kv.area import Area
 from cxlkv.kv.cache import blocks_covering, quarantine
 from cxlkv.ops import health
@@ -236,6 +236,7 @@ def test_follower_reports_each_record_once_and_the_agent_quarantines_it(kvpool, 
     with cxlkv.open_pool(kvpool) as pool:
         fake = SimpleNamespace(
             pool=pool, event=lambda lvl, msg, **kw: events.append((lvl, msg)),
+            _poison_pending=set(),
             metrics=SimpleNamespace(poison_records=Counter("x", "x", ["outcome"],
                                                            registry=reg)))
         for rec in first + second:
@@ -265,3 +266,131 @@ def test_fsck_repair_keeps_a_retired_slab_out_of_use(kvpool):
         if owner == 0:      # released (it was empty): the chunk stays retired
             assert p.mapping.load64(base + c * layout.CHUNK_DESC_SIZE) & 0xFF == 0
     fsck_clean(kvpool)
+
+
+# -- a quarantine racing with a store: a slot handed out before its chunk was
+# retired is never written (before the copy) nor published (under the lock)
+
+def _in_chunk(pool, offs, chunk_index) -> np.ndarray:
+    data_off, chunk, _, _ = alloc.geometry(pool)
+    return (np.asarray(offs, dtype=np.int64) - data_off) // chunk == chunk_index
+
+
+def _chunk_of(pool, off) -> int:
+    data_off, chunk, _, _ = alloc.geometry(pool)
+    return (int(off) - data_off) // chunk
+
+
+def _check_store_dodged(pool, kv, toks, data, bad_chunk, before):
+    assert kv.match(toks) == len(toks)
+    with kv.load(toks) as views:
+        assert [bytes(v) for v in views] == [bytes(d) for d in data]
+    new = np.setdiff1d(payloads(pool), before)
+    assert len(new) == len(data) and not _in_chunk(pool, new, bad_chunk).any()
+
+
+@pytest.mark.parametrize("when", ["after-alloc", "after-copy"])
+def test_a_store_whose_slots_are_retired_meanwhile_stores_elsewhere(kvpool, when):
+    """The quarantine lands between the allocator handing out a free slot
+    (its owner check passed) and the store's copy (after-alloc: the free slot
+    had no block for the quarantine to evict), or between the copy and the
+    publish (after-copy: the reserved entry is pending, its writer's publish
+    refuses it).  The store stores every block elsewhere; no block is ever
+    published on the retired chunk; the chunk's poisoned bytes are not written."""
+    with cxlkv.open_pool(kvpool) as pool:
+        kv, _ = fill(pool, n=8)
+        before = payloads(pool)
+        toks = list(range(10_000, 10_000 + 4 * 6))
+        data = [np.full(BB, 200 + i, np.uint8) for i in range(6)]
+        seen = {}
+
+        def strike(pay):
+            seen["first"] = first = int(pay[0])
+            seen["chunk"] = _chunk_of(pool, first)
+            # the poisoned line's bytes: nothing writes it from here on
+            seen["before"] = bytes(pool.mapping.read(first, 64))
+            seen["r"] = quarantine(pool, first, 64, "poison")
+
+        if when == "after-alloc":
+            real_alloc = kv._alloc
+
+            def racing_alloc(count):
+                pay = real_alloc(count)
+                if "r" not in seen:
+                    strike(pay)
+                return pay
+            kv._alloc = racing_alloc
+        else:
+            real_copy = kv._copy
+
+            def racing_copy(new, pay, src, items):
+                real_copy(new, pay, src, items)
+                if "r" not in seen:
+                    strike(pay)
+            kv._copy = racing_copy
+        assert kv.store(toks, data) == 6
+        r = seen["r"]
+        assert r["retired_chunks"] == [seen["chunk"]] and r["pinned"] == 0
+        # after the copy the entry is reserved, not published: nothing to
+        # evict, its writer's publish refuses it
+        assert r["pending"] == (1 if when == "after-copy" else 0)
+        _check_store_dodged(pool, kv, toks, data, seen["chunk"], before)
+        assert bytes(pool.mapping.read(seen["first"], 64)) == seen["before"]
+    fsck_clean(kvpool)
+
+
+def test_publish_refuses_a_slot_retired_after_it_was_handed_out(kvpool):
+    with cxlkv.open_pool(kvpool) as pool:
+        off = pool.alloc(256)
+        r = quarantine(pool, off, 64, "poison")
+        bad = _chunk_of(pool, off)
+        assert r["retired_chunks"] == [bad]
+        _, chunk, _, _ = alloc.geometry(pool)
+        other = pool.alloc(chunk // 2)               # a slab of its own, elsewhere
+        assert _chunk_of(pool, other) != bad
+        with pytest.raises(RetiredSlots) as ei:
+            pool.publish(np.array([other, off], dtype=np.uint64))
+        assert ei.value.offsets.tolist() == [off] and ei.value.kind == "retired"
+        pool.publish(other)                          # nothing was published by the refusal
+        pool.free(off, zero=False)
+        pool.free(other)
+    fsck_clean(kvpool)
+
+
+def test_the_agent_quarantines_again_until_readers_unpin(kvpool):
+    """A block on the bad range pinned by a reader is not evicted under it;
+    the agent keeps the range and quarantines it again each poll until the
+    reader lets go."""
+    from types import SimpleNamespace
+
+    from cxlkv.daemons.agent import Agent
+
+    with cxlkv.open_pool(kvpool) as pool:
+        kv, toks = fill(pool, n=8)
+        with kv.load(toks) as views:
+            assert len(views) == 8
+            bad = int(payloads(pool)[-1]) + 128
+            r = quarantine(pool, bad, 64, "poison")
+            assert r["pinned"] >= 1
+            events = []
+            fake = SimpleNamespace(pool=pool, _poison_pending={(bad, 64)},
+                                   event=lambda lvl, msg, **kw: events.append(msg))
+            Agent._poison_retry(fake)
+            assert fake._poison_pending == {(bad, 64)} and not events
+        Agent._poison_retry(fake)
+        assert fake._poison_pending == set() and "pinned block(s) evicted" in events[0]
+        assert not len(blocks_covering(Area(pool), bad, 64))
+        assert kv.match(toks) < len(toks)
+    fsck_clean(kvpool)
+
+
+def test_the_command_says_when_pinned_blocks_stay_and_exits_1(kvpool, cli):
+    with cxlkv.open_pool(kvpool) as pool:
+        kv, toks = fill(pool, n=4)
+        with kv.load(toks) as views:
+            assert len(views) == 4
+            bad = int(payloads(pool)[0]) + 64
+            r = cli("kv", "quarantine", "--pool", kvpool, "--offset", hex(bad))
+            assert r.code == 1 and "not finished: 1 block(s)" in r.out
+        r = cli("kv", "quarantine", "--pool", kvpool, "--offset", hex(bad))
+        assert r.code == 0 and "block(s) evicted" in r.out and "not finished" not in r.out

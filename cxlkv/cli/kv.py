@@ -298,7 +298,8 @@ def quarantine_cmd(app: Application, pool, offset, length, trace_file, monitor_f
     and DAX device - run it on a host that maps the pool's device.  `cxlkv
     serve` does this by itself for every cxl_poison event.  A range in pool
     metadata exits 2 (CRITICAL): see cxlkv-runbook(7), "Poison and media
-    errors".  Idempotent.
+    errors".  Blocks on the range that readers still pin stay until they let
+    go: exit 1, run it again.  Idempotent.
     """
     import sys
 
@@ -359,4 +360,10 @@ def quarantine_cmd(app: Application, pool, offset, length, trace_file, monitor_f
                              else "")
                           + ("  CRITICAL: metadata hit, see cxlkv-runbook(7)" if r["critical"]
                              else ""))
-    return 2 if critical else 0
+            if r["pinned"]:
+                app.out.print(f"  not finished: {r['pinned']} block(s) on the range pinned by "
+                              "readers stay until they let go; run this again (cxlkv serve "
+                              "retries by itself)")
+    if critical:
+        return 2
+    return 1 if any(r["pinned"] for r in results) else 0

@@ -243,6 +243,8 @@ class Agent:
         self.stop_deadline: float | None = None
         self.own: set[tuple[int, int]] = set()     # (slot, epoch) this agent attached as
         self._device_thread: threading.Thread | None = None
+        # poison ranges whose blocks readers still pinned: quarantined again each poll
+        self._poison_pending: set[tuple[int, int]] = set()
         self.detach_abandoned = False
         self._dax = None                            # the pool's DAX device, None: a file
 
@@ -578,6 +580,7 @@ class Agent:
             try:
                 for rec in follower.poll():
                     self._on_poison(tr, rec)
+                self._poison_retry()
             except Exception as e:                 # noqa: BLE001 - logged, next poll retries
                 self.event(logging.ERROR, f"poison: {e}")
             if self.stop_event.wait(POISON_POLL_S):
@@ -594,12 +597,24 @@ class Agent:
                                             f"the pool: {t.note or t.dax}")
                 continue
             r = quarantine(self.pool, t.pool_offset, t.length, "poison")
+            if r["pinned"]:
+                self._poison_pending.add((t.pool_offset, t.length))
             self.metrics.poison_records.labels("critical" if r["critical"]
                                                else "quarantined").inc()
             self.event(logging.CRITICAL if r["critical"] else logging.WARNING,
                        f"poison {rec.memdev} dpa {rec.dpa:#x} -> pool offset "
                        f"{t.pool_offset:#x}: {r['evicted_blocks']} block(s) evicted, chunks "
                        f"{r['retired_chunks']} retired, region {r['region']}")
+
+    def _poison_retry(self) -> None:
+        """Quarantine again the ranges whose blocks readers still pinned
+        (each poll, until every block on them is evicted)."""
+        for off, length in sorted(self._poison_pending):
+            r = quarantine(self.pool, off, length, "poison")
+            if not r["pinned"]:
+                self._poison_pending.discard((off, length))
+                self.event(logging.WARNING, f"poison at pool offset {off:#x}: the last "
+                                            f"{r['evicted_blocks']} pinned block(s) evicted")
 
     def _device_loop(self) -> None:
         while not self.stop_event.is_set():

@@ -417,13 +417,15 @@ class Area:
         return max(self.smallest, -(-length // 64) * 64) if length > 0 else 0
 
     def _evict_batch(self, idx: np.ndarray, t: np.ndarray | None = None,
-                     spill: bool = True) -> tuple[int, int, bool]:
+                     spill: bool = True, zero: bool = True) -> tuple[int, int, bool]:
         """Evict `idx` (in eviction order): the one place victims are freed.
         Returns (blocks, bytes, blocked): blocked when a victim turned out
         pinned (it and its ancestors stay).  `t`: a snapshot of the whole
         table, or None to read just the victims' entries.  With a spill tier
         on this pool object (pool.tiers, cxlkv.kv.tiers.spill) and spill true,
-        the victims are handed to it (Tier.take) before the slots are freed."""
+        the victims are handed to it (Tier.take) before the slots are freed.
+        zero=False leaves the freed slots as they are (quarantine: a
+        poisoned chunk is never written, and never reused)."""
         m = self.m
         rows = self._rows(idx) if t is None else t[idx.astype(np.int64)]
         if t is None:
@@ -470,7 +472,7 @@ class Area:
         # MemoryError) leaves the counters to a recount, which this node's
         # own detach then makes (see recover)
         _COUNTS_SUSPECT.add(self.pool)
-        m.kv_evict_free(self.hdr, rec, np.zeros(1, dtype=np.uint64), idx)
+        m.kv_evict_free(self.hdr, rec, np.zeros(1, dtype=np.uint64), idx, zero)
         lengths = rows["length"].astype(np.int64)
         sizes = self.slot_sizes(lengths)
         nsd = {int(k): [int((rows["ns"] == k).sum()), int(lengths[rows["ns"] == k].sum())]

@@ -24,7 +24,7 @@ import numpy as np
 
 from cxlkv import errors
 from cxlkv._core import CRASH_ENABLED, crashpoint, gather
-from cxlkv.errors import StaleViews, UsageError
+from cxlkv.errors import RetiredSlots, StaleViews, UsageError
 from cxlkv.kv import journal
 from cxlkv.kv import keys as block_keys
 from cxlkv.kv.area import (ENTRY, INLINE_SLACK, LOW_WATERMARK, STATS, Area, KVPoolFull,
@@ -38,6 +38,8 @@ MIN_BLOCK_BYTES = 64
 MAX_BLOCK_BYTES = 1 << 31
 #: each counter's word in a STATS record
 _STAT_WORD = {name: i for i, name in enumerate(STATS.names)}
+#: stores tried again after their reservation met a chunk retired meanwhile
+RETIRED_RETRIES = 2
 #: pool object -> {(namespace, its counters' offset): (lock, counter words)}: this
 #: node's counters, shared by the KVCaches of the pool object (KVCache._counters)
 _SHARED_COUNTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -366,16 +368,24 @@ class KVCache:
 
     def _store(self, keys: np.ndarray, src, items) -> int:
         n = len(keys)
-        lead, lead_idx, _, _ = self._lookup(keys)
-        if lead == n:
-            self._count(present_blocks=n)
-            return 0
-        node = self.pool.node
-        node.enter()                        # the fencing acknowledgement waits for it
-        try:
-            return self._store_new(keys, src, items, lead, lead_idx)
-        finally:
-            node.leave()
+        for attempt in range(RETIRED_RETRIES + 1):
+            lead, lead_idx, _, _ = self._lookup(keys)
+            if lead == n:
+                self._count(present_blocks=n)
+                return 0
+            node = self.pool.node
+            node.enter()                    # the fencing acknowledgement waits for it
+            try:
+                return self._store_new(keys, src, items, lead, lead_idx)
+            except RetiredSlots:
+                # a quarantine retired chunks of our reservation after the
+                # allocator handed the slots out: it was abandoned, and the
+                # slabs of those chunks hand out nothing more
+                if attempt == RETIRED_RETRIES:
+                    raise
+            finally:
+                node.leave()
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _store_new(self, keys: np.ndarray, src, items, lead: int, lead_idx) -> int:
         """Reserve entries and payload slots (pool lock), copy the payloads
@@ -457,6 +467,9 @@ class KVCache:
                 return 0
             if CRASH_ENABLED:
                 crashpoint("kv.reserved")
+            # not a byte into a chunk retired since the allocator handed the
+            # slot out (publish checks again, under the lock, for good)
+            self.pool.allocator.check_retired(pay)
             self._copy(new, pay, src, items)
             if CRASH_ENABLED:
                 crashpoint("kv.copied")
@@ -558,7 +571,11 @@ class KVCache:
                     self.m.kv_remove(self.area.table, self.area.nslots, self.area.hdr, int(s))
                 self.area.recount()
             if len(pay):
-                self.pool.free_batch(pay, zero=True)
+                # a retired (poisoned) chunk is never written, zeroes included
+                bad = self.pool.allocator.retired_mask(pay)
+                self.pool.free_batch(pay[~bad], zero=True)
+                if bad.any():
+                    self.pool.free_batch(pay[bad], zero=False)
         except Exception as e:                        # pragma: no cover - recovery redoes it
             log.warning("could not undo a failed store in %s (%s); the reservations are "
                         "reclaimed when this node detaches", self.pool.path, e)
@@ -1024,7 +1041,7 @@ def quarantine(pool, offset: int, length: int, reason: str = "poison") -> dict:
     "evicted_bytes", "pinned", "retired_chunks", "already_retired"}.
     """
     out = {"offset": offset, "length": length, "evicted_blocks": 0, "evicted_bytes": 0,
-           "pinned": 0}
+           "pinned": 0, "pending": 0}
     with pool.lock():
         # retire first: the slabs' owner becomes RETIRED_OWNER before any slot
         # is freed, so a lock-free slot allocation racing with the evictions
@@ -1056,11 +1073,16 @@ def quarantine(pool, offset: int, length: int, reason: str = "poison") -> dict:
                 pub = order[sub[order]]
                 if not len(pub):
                     break                   # pinned, being written or evicted: retry later
-                b, n, _blocked = a._evict_batch(pub.astype(np.uint64), t, spill=False)
+                b, n, _blocked = a._evict_batch(pub.astype(np.uint64), t, spill=False, zero=False)
                 out["evicted_blocks"] += b
                 out["evicted_bytes"] += n
             left = blocks_covering(a, offset, length)
-            out["pinned"] = int(len(left))
+            st = a.entries()["ctl"][left] & 0xFF
+            # published and still there: pinned by readers (call again);
+            # reserved, not yet published: their writers' publish refuses
+            # them (the chunks are retired now), recovery frees a dead one's
+            out["pinned"] = int((st == layout.KV_PUBLISHED).sum())
+            out["pending"] = int((st == layout.KV_PENDING).sum())
     out.update(region=r["region"], critical=r["critical"], retired_chunks=r["chunks"],
                already_retired=r["already"])
     if r["critical"]:

@@ -483,7 +483,6 @@ def restore(pool, src, progress=None) -> dict:
     doc = read_manifest(src)
     idx = read_index(src, doc)
     area = Area(pool)
-    m = area.m
     n = len(idx)
     with pool.lock():
         pool.node.guard()
@@ -642,7 +641,10 @@ def _insert(pool, area, idx, keep_a, src_buf, ln, ns_of, t_of, keys_all, slot_of
                     for s_ in slots[status == 0]:
                         m.kv_remove(area.table, area.nslots, area.hdr, int(s_))
                     area.recount()
-                pool.free_batch(pay, zero=True)
+                bad = pool.allocator.retired_mask(pay)    # poisoned: never written
+                pool.free_batch(pay[~bad], zero=True)
+                if bad.any():
+                    pool.free_batch(pay[bad], zero=False)
             except Exception:                   # pragma: no cover - recovery redoes it
                 pass
         raise

@@ -446,7 +446,8 @@ STRUCTS = {"superblock": SuperblockStruct, "region": Region, "node": NodeStruct,
            "heap": HeapStruct, "hash_entry": HashEntryStruct, "kv_hdr": KVHdrStruct, "kv_stats": KVStatsStruct,
            "kv_ns": KVNsStruct, "kv_tenant": KVTenantStruct, "kv_node": KVNodeStruct,
            "journal_hdr": JournalHdrStruct, "journal_ring": JournalRingStruct,
-           "journal_rec": JournalRecStruct}
+           "journal_rec": JournalRecStruct, "badchunk_hdr": BadChunkHdrStruct,
+           "badchunk": BadChunkStruct}
 
 
 def field_layout(struct: type[ctypes.Structure]) -> dict[str, tuple[int, int]]:

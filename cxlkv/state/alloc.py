@@ -64,7 +64,8 @@ import numpy as np
 
 from cxlkv._core import crashpoint, fence
 # PoolFullError is public here too (cxlkv.state.alloc, named in the README)
-from cxlkv.errors import AllocError, CxlkvError, MetadataCorrupt, PoolFullError, UsageError
+from cxlkv.errors import (AllocError, CxlkvError, MetadataCorrupt, PoolFullError, RetiredSlots,
+                          UsageError)
 from cxlkv.pool import layout
 from cxlkv.state import nodes
 from cxlkv.state.locks import entry_offset as lock_entry_offset
@@ -252,6 +253,8 @@ class Allocator:
         self._spare: dict[int, list[int]] = {}  # slot size -> slabs made ahead for a batch
         self._slow = threading.Lock()
         self._tls = threading.local()           # per-thread scratch (_scratch)
+        # the retired-chunk list as last read: (entry count, chunk indices)
+        self._retired: tuple[int, np.ndarray] = (0, np.zeros(0, dtype=np.int64))
 
     # -- public ----------------------------------------------------------------
     def _locked(self):
@@ -377,13 +380,43 @@ class Allocator:
             self.m.store64(rec, 0)
             self.m.flush(rec, 8)
 
+    def retired_mask(self, offsets) -> np.ndarray:
+        """Which of these slot offsets lie in a retired (poisoned) chunk: one
+        read of the list's entry count from the pool, the list itself read
+        again only when the count changed (it only grows)."""
+        arr = np.atleast_1d(np.asarray(offsets, dtype=np.uint64))
+        n = retired_count(self.pool)
+        if not n:
+            return np.zeros(len(arr), dtype=bool)
+        if n != self._retired[0]:
+            self._retired = (n, retired_chunks(self.pool))
+        chunks = (arr.astype(np.int64) - self.data_off) // self.chunk
+        return np.isin(chunks, self._retired[1])
+
+    def check_retired(self, offsets) -> None:
+        """Raise RetiredSlots if any reserved slot lies in a retired chunk
+        (quarantine retired it after the slot was handed out)."""
+        arr = np.atleast_1d(np.asarray(offsets, dtype=np.uint64))
+        bad = self.retired_mask(arr)
+        if bad.any():
+            raise RetiredSlots(f"{self.pool.path}: {int(bad.sum())} reserved slot(s) lie in "
+                               "chunks retired for poison since they were handed out",
+                               arr[bad], path=self.pool.path)
+
     def publish(self, offsets) -> int:
-        """Mark reserved slots published: they survive this node's death."""
+        """Mark reserved slots published: they survive this node's death.
+
+        A slot in a chunk retired since it was reserved is refused
+        (RetiredSlots, nothing published): KV stores publish under the pool
+        lock, which quarantine holds from the retirement to the eviction of
+        the blocks on the range, so a block is either seen and evicted by
+        the quarantine or refused here."""
         arr = np.ascontiguousarray(np.atleast_1d(offsets), dtype=np.uint64)
         if self.managed and not self.pool.lock().held_by_me():
             with self.pool.lock():
                 return self.publish(arr)
         self.pool.node.guard()             # a fenced node publishes nothing
+        self.check_retired(arr)
         try:
             return self.m.slab_publish(arr)
         except MetadataCorrupt as e:
@@ -972,6 +1005,15 @@ def retired(pool) -> list[dict]:
     return out
 
 
+def retired_count(pool) -> int:
+    """Entries in the retired-chunk list, read from the pool (0: no list)."""
+    m, off = pool.mapping, _badlist_off(pool)
+    m.invalidate(off, 16)
+    if m.load64(off) != layout.BADCHUNK_MAGIC:
+        return 0
+    return m.load64(off + _BC_HDR.count.offset) & 0xFFFF_FFFF
+
+
 def retired_summary(pool) -> dict:
     """{"chunks", "bytes", "metadata_hits", "entries"} for inspect / kv stats / health."""
     ents = retired(pool)
@@ -1035,6 +1077,9 @@ def retire_range(pool, offset: int, length: int, reason: str = "poison",
         raise UsageError(f"unknown retire reason {reason!r} "
                          f"(one of {', '.join(sorted(codes))})")
     data_off, chunk, nchunks, base = geometry(pool)
+    # the slab-owner edit below is C's, which needs the geometry even where
+    # this process has not allocated yet (`cxlkv kv quarantine`)
+    pool.mapping.set_geometry(data_off, chunk, nchunks, base)
     region = region_of(pool, offset) or "none"
     now_ns = time.time_ns() if now_ns is None else now_ns
     ents = retired(pool)

@@ -430,6 +430,36 @@ struct cxlkv_journal_rec {
     uint8_t  reserved[3];       /*   61 */
 };
 
+/* Retired (poisoned) chunks, incompat BADCHUNKS: a header at
+ * CXLKV_BADCHUNK_LIST_OFF in the lock header page (its reserved bytes), then
+ * entries up to the end of the page.  Written only under the pool lock, an
+ * entry first, then `count`.  The C core does not read it (Python's
+ * cxlkv.state.alloc does); it is described here so that the layout test pins
+ * it like every other on-media structure. */
+#define CXLKV_BADCHUNK_MAGIC    0x314442564b4c5843ull  /* "CXLKVBD1" */
+#define CXLKV_BADCHUNK_LIST_OFF 256u                   /* from the lock header page */
+#define CXLKV_BADCHUNK_NO_CHUNK UINT64_MAX             /* a hit outside the data region */
+#define CXLKV_BADCHUNK_POISON   1u                     /* reasons */
+#define CXLKV_BADCHUNK_MEDIA_ERROR 2u
+#define CXLKV_BADCHUNK_MANUAL   3u
+
+struct cxlkv_badchunk_hdr {
+    uint64_t magic;             /*    0 CXLKV_BADCHUNK_MAGIC */
+    uint32_t count;             /*    8 entries written */
+    uint32_t capacity;          /*   12 entries that fit in the page */
+    uint64_t retired_bytes;     /*   16 sum of the retired data chunks' sizes */
+    uint64_t metadata_hits;     /*   24 entries without a chunk */
+};
+
+struct cxlkv_badchunk {
+    uint64_t chunk;             /*    0 data chunk index, or CXLKV_BADCHUNK_NO_CHUNK */
+    uint64_t offset;            /*    8 pool offset of the bad range */
+    uint32_t length;            /*   16 bytes of the bad range */
+    uint16_t reason;            /*   20 CXLKV_BADCHUNK_* */
+    uint16_t region;            /*   22 index of the region hit (0xffff: none) */
+    uint64_t time_ns;           /*   24 CLOCK_REALTIME when retired */
+};
+
 #ifdef __cplusplus
 #define CXLKV_STATIC_ASSERT static_assert
 #else
@@ -453,5 +483,7 @@ CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_kv_node) == 128, "kv node header size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_journal_hdr) == 128, "journal header size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_journal_ring) == 64, "journal ring header size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_journal_rec) == CXLKV_JOURNAL_REC_SIZE, "journal record size");
+CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_badchunk_hdr) == 32, "retired-chunk list header size");
+CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_badchunk) == 32, "retired-chunk entry size");
 
 #endif /* CXLKV_FORMAT_H */

@@ -312,6 +312,29 @@ mod_layout(PyObject *self, PyObject *Py_UNUSED(ignored))
     if (add_struct(out, "journal_rec", sizeof(struct cxlkv_journal_rec), f) < 0)
         goto fail;
     Py_CLEAR(f);
+
+    if (!(f = PyDict_New()))
+        goto fail;
+    FIELD(f, cxlkv_badchunk_hdr, magic);
+    FIELD(f, cxlkv_badchunk_hdr, count);
+    FIELD(f, cxlkv_badchunk_hdr, capacity);
+    FIELD(f, cxlkv_badchunk_hdr, retired_bytes);
+    FIELD(f, cxlkv_badchunk_hdr, metadata_hits);
+    if (add_struct(out, "badchunk_hdr", sizeof(struct cxlkv_badchunk_hdr), f) < 0)
+        goto fail;
+    Py_CLEAR(f);
+
+    if (!(f = PyDict_New()))
+        goto fail;
+    FIELD(f, cxlkv_badchunk, chunk);
+    FIELD(f, cxlkv_badchunk, offset);
+    FIELD(f, cxlkv_badchunk, length);
+    FIELD(f, cxlkv_badchunk, reason);
+    FIELD(f, cxlkv_badchunk, region);
+    FIELD(f, cxlkv_badchunk, time_ns);
+    if (add_struct(out, "badchunk", sizeof(struct cxlkv_badchunk), f) < 0)
+        goto fail;
+    Py_CLEAR(f);
     return out;
 fail:
     Py_XDECREF(f);
@@ -342,6 +365,8 @@ mod_constants(PyObject *self, PyObject *Py_UNUSED(ignored))
         C(KV_HASH_XXH3_128), C(KV_HASH_SHA256_CBOR),
         C(FEATURE_INCOMPAT_JOURNAL), C(JOURNAL_MAGIC), C(JOURNAL_REC_SIZE), C(JOURNAL_STORED),
         C(JOURNAL_EVICTED), C(JOURNAL_NS_CLEARED),
+        C(FEATURE_INCOMPAT_BADCHUNKS), C(BADCHUNK_MAGIC), C(BADCHUNK_LIST_OFF),
+        C(BADCHUNK_NO_CHUNK), C(BADCHUNK_POISON), C(BADCHUNK_MEDIA_ERROR), C(BADCHUNK_MANUAL),
     };
 #undef C
     PyObject *d = PyDict_New(), *v;

@@ -777,12 +777,13 @@ Mapping_kv_lru_check(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
                          (unsigned long long)leaves);
 }
 
-/* kv_evict_free(hdr, rec_off, one, idx) -> (freed, errors)
+/* kv_evict_free(hdr, rec_off, one, idx[, zero=True]) -> (freed, errors)
  * Free the victims `idx` (entries marked EVICTING by this evictor whose
  * payload slots the caller marked as being freed - slab_mark_freeing - pool
  * lock held), in order, each crash-safe as recovery expects: the payload
  * offset recorded in this node's lock entry (`rec_off`, its `freeing`
- * word), the entry removed, the slot freed (zeroed), the record cleared.  `one` is a scratch uint64 array of one item.  A slot
+ * word), the entry removed, the slot freed (zeroed unless zero is false:
+ * quarantine never writes a poisoned chunk), the record cleared.  `one` is a scratch uint64 array of one item.  A slot
  * the allocator refuses (a corrupt or double free: ValueError) is reported
  * on stderr and counted in errors; its entry still goes (fsck reports the
  * slot).  Any other exception (a stalled node's guard raising NodeFenced
@@ -791,7 +792,9 @@ PyObject *
 Mapping_kv_evict_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 {
     uint64_t hdr, rec;
-    if (nargs_check(nargs, 4, 4, "kv_evict_free") < 0 || need_lru(m, "kv_evict_free") < 0 ||
+    int zr = 1;
+    if (nargs_check(nargs, 4, 5, "kv_evict_free") < 0 || need_lru(m, "kv_evict_free") < 0 ||
+        (nargs > 4 && (zr = PyObject_IsTrue(args[4])) < 0) ||
         as_u64(args[0], &hdr, "hdr") < 0 || as_u64(args[1], &rec, "rec_off") < 0 ||
         check_writable(m, "kv_evict_free") < 0 ||
         check_range(m, hdr, CXLKV_KV_HDR_SIZE, "kv header") < 0 ||
@@ -839,7 +842,7 @@ Mapping_kv_evict_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
             goto done;
         }
         cxlkv_crashpoint("kv.evict");
-        PyObject *a3[3] = {args[2], Py_True, zero}, *r = Mapping_slab_free(m, a3, 3);
+        PyObject *a3[3] = {args[2], zr ? Py_True : Py_False, zero}, *r = Mapping_slab_free(m, a3, 3);
         if (!r && !PyErr_ExceptionMatches(PyExc_ValueError)) {
             lru_end(m);
             goto done;
