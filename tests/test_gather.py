@@ -261,6 +261,89 @@ def test_gather_from_pinned_pool_views(tmp_path, read_mode):
 
 
 # -- layer-wise loads -----------------------------------------------------------------------
+# -- the store direction straight into the pool: KVCache.store_with + kv_scatter --------------
+def _hf_layers(L, H, T, D, nb, dtype, seed):
+    layers = [(rand((1, H, nb * T, D), dtype, seed + 2 * i),
+               rand((1, H, nb * T, D), dtype, seed + 2 * i + 1)) for i in range(L)]
+    # a non-contiguous keys tensor, as a model's cache may hold
+    layers[0] = (rand((1, nb * T, H, D), dtype, seed + 99).transpose(1, 2), layers[0][1])
+    return layers
+
+
+@pytest.mark.parametrize("write_mode", ["nt", "clwb"])
+def test_store_with_writes_the_pool_slots_in_place(tmp_path, write_mode):
+    """store_prefix's one pass: the layers' tensors scattered straight into
+    the reserved slots hold exactly what the staging path writes; present
+    blocks are skipped and the new ones are found at their chain positions."""
+    _native.set_copy_modes("nt", write_mode)
+    path = str(tmp_path / "s.pool")
+    cxlkv.init_pool(path, {"size": 32 << 20})
+    L, H, T, D, nb = 3, 4, 16, 32, 6
+    layers = _hf_layers(L, H, T, D, nb, torch.bfloat16, 5)
+    bb = L * 2 * H * T * D * 2
+    want, blocks = writable_blocks(nb, bb)
+    kvcopy.hf_store(layers, blocks, T)
+    toks = np.arange(nb * T, dtype=np.uint32)
+    seen = []
+    with cxlkv.open_pool(path) as p:
+        kv = p.kv(model="scatter", block_tokens=T, block_bytes=bb)
+        assert kv.store(toks[:2 * T], want[:2 * bb]) == 2          # two present already
+
+        def fill(which, target):
+            seen.append(which.tolist())
+            return kvcopy.hf_store(layers, target, T, which)
+        assert kv.store_with(toks, fill) == nb - 2
+        assert seen == [[2, 3, 4, 5]]
+        with kv.load(toks) as views:
+            assert b"".join(bytes(v) for v in views) == want.tobytes()
+        assert kv.store_with(toks, fill) == 0 and len(seen) == 1   # nothing new: no call
+
+
+def test_a_failing_fill_publishes_nothing(tmp_path):
+    path = str(tmp_path / "f.pool")
+    cxlkv.init_pool(path, {"size": 32 << 20})
+    with cxlkv.open_pool(path) as p:
+        kv = p.kv(model="fail", block_tokens=4, block_bytes=4096)
+
+        def fill(which, target):
+            raise RuntimeError("the engine's copy failed")
+        with pytest.raises(RuntimeError, match="copy failed"):
+            kv.store_with(list(range(8)), fill)
+        assert kv.match(list(range(8))) == 0
+    from cxlkv.testing.checks import fsck_clean
+    fsck_clean(path)
+
+
+def test_kv_scatter_bounds_and_the_write_deadline(tmp_path):
+    path = str(tmp_path / "b.pool")
+    cxlkv.init_pool(path, {"size": 32 << 20})
+    with cxlkv.open_pool(path, heartbeat=False) as p:
+        m = p.mapping
+        offs = p.alloc_batch(64, 2)
+        src = np.arange(128, dtype=np.uint8)
+        boffs = np.array([0, 64], dtype=np.int64)
+        # a pool offset outside the pool, a walk outside the block, a block past buf
+        with pytest.raises(PoolRangeError):
+            m.kv_scatter(np.array([offs[0], p.sb.pool_size - 32], dtype=np.uint64), 64, 0, src,
+                         boffs, [4], [16], [16], 16)
+        with pytest.raises(PoolRangeError, match="block of 64 bytes"):
+            m.kv_scatter(offs, 64, 8, src, boffs, [4], [16], [16], 16)
+        with pytest.raises(PoolRangeError, match="outside the buffer"):
+            m.kv_scatter(offs, 64, 0, src, np.array([0, 65], dtype=np.int64), [4], [16], [16],
+                         16)
+        with pytest.raises(ValueError, match="1 buffer offsets for 2 blocks"):
+            m.kv_scatter(offs, 64, 0, src, boffs[:1], [4], [16], [16], 16)
+        assert all(m.read(int(o), 64) == bytes(64) for o in offs)   # nothing written
+        # a stall: past the write deadline no block is written; then all are
+        m.write_deadline_ns = 2                                    # long past
+        assert m.kv_scatter(offs, 64, 0, src, boffs, [4], [16], [16], 16) == 0
+        assert all(m.read(int(o), 64) == bytes(64) for o in offs)
+        m.write_deadline_ns = 0
+        assert m.kv_scatter(offs, 64, 0, src, boffs, [4], [16], [16], 16) == 2
+        assert m.read(int(offs[0]), 64) + m.read(int(offs[1]), 64) == src.tobytes()
+        p.free_batch(offs)
+
+
 def test_layer_load_orders_layers_and_hands_errors_back():
     import threading
     gate = threading.Event()

@@ -511,3 +511,21 @@ def test_preload_caches_every_line_from_the_start(hosts):
     b.invalidate(100 * 64, 8192)
     assert b.read(100 * 64, 8192) == b"p" * 8192
     assert b.nc_stats()["cached_lines"] == SIZE // 64
+
+
+def test_kv_scatter_reaches_memory_for_another_host(hosts):
+    """kv_scatter (store_with's one-pass write) goes through this host's
+    emulated cache like every write, and is in memory on return: another
+    host reads it after invalidating."""
+    import numpy as np
+    a, b = hosts(), hosts()
+    src = np.arange(256, dtype=np.uint8)
+    offs = np.array([4096, 8192], dtype=np.uint64)
+    # two blocks of 128 bytes: 4 runs of 32 each, interleaved from src
+    assert a.kv_scatter(offs, 128, 0, src, np.array([0, 32], dtype=np.int64), [4], [32], [64],
+                        32) == 2
+    b.invalidate(4096, 128)
+    b.invalidate(8192, 128)
+    want = src.reshape(4, 2, 32)
+    assert b.read(4096, 128) == want[:, 0].tobytes()
+    assert b.read(8192, 128) == want[:, 1].tobytes()

@@ -11,6 +11,9 @@ same run, under the same load:
                 layout, into per-layer paged caches [blocks, heads, 16, C]
                 at a random block table, one strided pass per layer; beside
                 it the former stack + index_copy_
+  store_prefix  the other way: the cache's layer tensors into new blocks in
+                one pass (KVCache.store_with); beside it the former gather
+                into staging blocks + kv.store
   put / get     kv.store / kv.load_into of 64 MiB in 256 KiB blocks (as
                 `cxlkv bench`), under each copy mode
 
@@ -100,13 +103,37 @@ def _hit_figures(torch, hf, kvcopy, pool, tokens: int, runs: int) -> dict:
             for li in range(LAYERS):
                 caches[li].index_copy_(0, ids_t, staged[:, li])
 
+        # the store direction (store_prefix): a cache's layer tensors into new
+        # blocks (fresh tokens each call; the pool has room for every call)
+        g = torch.Generator().manual_seed(11)
+        layers_kv = [(torch.randn((1, KV_HEADS, tokens, HEAD_DIM), generator=g),
+                      torch.randn((1, KV_HEADS, tokens, HEAD_DIM), generator=g))
+                     for _ in range(LAYERS)]
+        fresh = iter(range(1, 1 << 30))
+
+        def new_tokens():
+            return toks.astype(np.int64) + next(fresh) * 100_000
+
+        def store_one_pass():                    # store_prefix: store_with + kv_scatter
+            kv.store_with(new_tokens(), lambda which, target: kvcopy.hf_store(
+                layers_kv, target, BLOCK_TOKENS, which))
+
+        def store_staged():                      # the former store_prefix: gather, then store
+            stage = np.empty(nbytes, dtype=np.uint8)
+            mv = memoryview(stage)
+            bb = lay.block_bytes
+            kvcopy.hf_store(layers_kv, [mv[i * bb:(i + 1) * bb] for i in range(nb)],
+                            BLOCK_TOKENS)
+            kv.store(new_tokens(), stage)
+
         src, dst = harness.buffer(nbytes, seed=4), harness.buffer(nbytes)
 
         def memcpy():
             dst[:] = src
 
         figs = {"memcpy": memcpy, "load_prefix": load_prefix, "stack": stack_gather,
-                "paged_load": paged_load, "index_copy": index_copy_load}
+                "paged_load": paged_load, "index_copy": index_copy_load,
+                "store_prefix": store_one_pass, "store_staged": store_staged}
         for f in figs.values():                  # warm: pages touched, pools allocated
             f()
         times: dict = {k: [] for k in figs}
@@ -169,8 +196,11 @@ def measure(tokens: int = 4096, runs: int = 9, load: bool = True, progress=None)
     out = {"copy_modes": modes, "tokens": tokens, "runs": runs, "conditions": {}}
     with harness.scratch("cxlkv-bench-hitpath-") as d:
         need = tokens * LAYERS * 2 * KV_HEADS * HEAD_DIM * 4
+        # the prefix, the two stores of every run and warm-up (nothing evicted
+        # inside a timed store), put/get
         path = harness.scratch_pool(os.path.join(d, "hit.pool"),
-                                    max(256 * harness.MiB, 2 * need + 160 * harness.MiB))
+                                    max(256 * harness.MiB, 2 * need + 160 * harness.MiB)
+                                    + 2 * (runs + 1) * need)
         with cxlkv.open_pool(path) as pool:
             for cond in (("idle", "loaded") if load else ("idle",)):
                 busy = None
@@ -214,6 +244,9 @@ def render(r: dict) -> str:
             f"  paged load       {c['paged_load_ms']:7.2f} ms  {c['paged_load_vs_memcpy']:.2f}x"
             f"  (target >= {TARGETS['paged_load']}: {mark(t['paged_load'])}; former "
             f"stack + index_copy_ {c['index_copy_vs_memcpy']:.2f}x)",
+            f"  store_prefix     {c['store_prefix_ms']:7.2f} ms  "
+            f"{c['store_prefix_vs_memcpy']:.2f}x  (one pass into the reserved slots; former "
+            f"gather + store {c['store_staged_vs_memcpy']:.2f}x)",
             f"  put  {pg['put_vs_memcpy']:.2f}x memcpy ({pg['memcpy_gbps']:.2f} GB/s) with "
             f"write={m['write']}; " + ", ".join(f"{k} {v:.2f} GB/s"
                                                for k, v in pg["put_gbps"].items())

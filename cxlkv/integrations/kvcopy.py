@@ -3,13 +3,15 @@
 The engines' layouts differ from the pool's block payload; these functions
 move the bytes in one strided pass each way, with the GIL released, straight
 from the pinned pool views (Loaded.views()) into the engine's tensors, or
-from the engine's tensors into staging blocks.  Both sides are bounds-checked
+from the engine's tensors into a store's reserved pool slots
+(KVCache.store_with: ReservedBlocks, C kv_scatter) or staging blocks.  Both sides are bounds-checked
 in C: the walk inside every block against its length, every block's walk in
 the tensor against the tensor's own extent (its shape and strides).
 
     copy_blocks       the general form: any strided walk, any CPU tensor
     hf_load           blocks [L][2][H][T][D] -> a [L, 2, H, tokens, D] tensor
-    hf_store          a transformers cache's (k, v) per layer -> staging blocks
+    hf_store          a transformers cache's (k, v) per layer -> staging blocks,
+                      or straight into a store's reserved pool slots
     paged_layer       one layer of vLLM-style blocks [L][H][bs][C] <-> a paged
                       cache [kernel blocks, H, n, C] by block table
     LayerLoad         per-layer steps on a thread: an engine waits for layer i
@@ -28,6 +30,7 @@ import torch
 
 from cxlkv._core import copymode, kv_copy
 from cxlkv.errors import UsageError
+from cxlkv.kv.cache import ReservedBlocks
 
 __all__ = ["LayerLoad", "byte_view", "copy_blocks", "hf_load", "hf_store", "paged_layer",
            "prepare"]
@@ -74,6 +77,12 @@ def copy_blocks(blocks: Sequence, block_bytes: int, tensor: torch.Tensor, offset
         ss.pop()
         bs.pop()
     offs = np.ascontiguousarray(np.asarray(offsets, dtype=np.int64) * it)
+    if isinstance(blocks, ReservedBlocks):
+        # a store's reserved pool slots: written in place, one pass
+        if not to_blocks:
+            raise UsageError("reserved blocks are only written (to_blocks=True)")
+        return blocks.scatter(src_offset, byte_view(tensor), offs, shape,
+                              [s * it for s in ss], [s * it for s in bs], run)
     return kv_copy(blocks, block_bytes, src_offset, byte_view(tensor), offs, shape,
                    [s * it for s in ss], [s * it for s in bs], run, to_blocks)
 
@@ -103,13 +112,18 @@ def hf_load(blocks: Sequence, out: torch.Tensor, layers: int, kv_heads: int,
 
 
 def hf_store(layers_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], blocks: Sequence,
-             block_tokens: int) -> int:
+             block_tokens: int, which=None) -> int:
     """Each layer's (keys, values), each [1, kv_heads, >= nb*block_tokens,
-    head_dim] (any strides), into staging blocks [layers][2][kv_heads]
-    [block_tokens][head_dim] (writable buffers of one block each)."""
+    head_dim] (any strides), into blocks [layers][2][kv_heads][block_tokens]
+    [head_dim]: staging blocks (writable buffers of one block each) or a
+    store's ReservedBlocks (the pool slots, written in place).  Block i holds
+    the tokens of chain position which[i] (default i)."""
     nb = len(blocks)
     if not layers_kv or not nb:
         return 0
+    pos = np.arange(nb, dtype=np.int64) if which is None else np.asarray(which, dtype=np.int64)
+    if len(pos) != nb:
+        raise UsageError(f"{len(pos)} chain positions for {nb} blocks")
     k0 = layers_kv[0][0]
     h, d, t, it = k0.shape[1], k0.shape[3], block_tokens, k0.element_size()
     n_l = len(layers_kv)
@@ -118,11 +132,12 @@ def hf_store(layers_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], blocks: Seq
     for li, pair in enumerate(layers_kv):
         for j, src in enumerate(pair):
             _check_dims(src, (1, h, None, d), f"layer {li} {'values' if j else 'keys'}")
-            if src.shape[2] < nb * t:
-                raise UsageError(f"layer {li} holds {src.shape[2]} tokens; {nb} blocks need "
-                                 f"{nb * t}")
+            need = (int(pos.max()) + 1) * t if nb else 0
+            if src.shape[2] < need:
+                raise UsageError(f"layer {li} holds {src.shape[2]} tokens; its blocks need "
+                                 f"{need}")
             st = src.stride()
-            done += copy_blocks(blocks, bb, src, np.arange(nb, dtype=np.int64) * (t * st[2]),
+            done += copy_blocks(blocks, bb, src, pos * (t * st[2]),
                                 (h, t, d), (t * d, d, 1), (st[1], st[2], st[3]),
                                 src_offset=(li * 2 + j) * h * t * d * it, to_blocks=True)
     return done

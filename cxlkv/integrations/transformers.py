@@ -351,17 +351,18 @@ def store_prefix(kv, input_ids, cache, *, layout: BlockLayout | None = None) -> 
     toks = toks[:nb * t]
     if mkv.kv.match(toks) == nb * t:
         return 0
-    # [blocks][layers][K/V][kv_heads][block_tokens][head_dim], one copy
+    if all(x.device.type == "cpu" for pair in layers for x in pair):
+        # one pass: the layers' tensors straight into the reserved pool slots
+        # ([layers][K/V][kv_heads][block_tokens][head_dim] each), new blocks only
+        with torch.no_grad():
+            return mkv.kv.store_with(
+                toks, lambda which, target: kvcopy.hf_store(layers, target, t, which))
+    # another device: one copy to the host in the block layout, then the store
     out = torch.empty((nb, lay.layers, 2, lay.kv_heads, t, lay.head_dim), dtype=lay.dtype)
     with torch.no_grad():
-        if all(x.device.type == "cpu" for pair in layers for x in pair):
-            flat = memoryview(out.view(torch.uint8).numpy().reshape(-1))
-            bb = lay.block_bytes
-            kvcopy.hf_store(layers, [flat[i * bb:(i + 1) * bb] for i in range(nb)], t)
-        else:
-            for i, (k, v) in enumerate(layers):
-                for j, src in enumerate((k, v)):
-                    out[:, i, j].copy_(src[0, :, :nb * t].unflatten(1, (nb, t)).transpose(0, 1))
+        for i, (k, v) in enumerate(layers):
+            for j, src in enumerate((k, v)):
+                out[:, i, j].copy_(src[0, :, :nb * t].unflatten(1, (nb, t)).transpose(0, 1))
     return mkv.kv.store(toks, out.view(torch.uint8).numpy().reshape(-1))
 
 

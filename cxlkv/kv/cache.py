@@ -363,10 +363,26 @@ class KVCache:
         src, items = self._sources(blocks, len(keys))
         return self._store(keys, src, items) if len(keys) else 0
 
+    def store_with(self, tokens, fill) -> int:
+        """Store the full blocks of `tokens`, their payloads written in place:
+        `fill(which, target)` gets the chain positions of the blocks that are
+        new (int64, ascending) and a ReservedBlocks of their pool slots, in the
+        same order, and must write every byte of each (one pass from an
+        engine's own tensors: cxlkv.integrations.kvcopy).  Present blocks are
+        skipped; returns how many were new.  An exception from fill abandons
+        the store (nothing published)."""
+        keys = self._keys(tokens)
+        return self._store(keys, None, None, fill) if len(keys) else 0
+
+    def store_hashes_with(self, hashes, fill) -> int:
+        """store_with for blocks keyed by chain hashes the caller computed."""
+        keys = self.keys_for_hashes(hashes)
+        return self._store(keys, None, None, fill) if len(keys) else 0
+
     def store_many(self, pairs) -> int:
         return sum(self.store(t, b) for t, b in pairs)
 
-    def _store(self, keys: np.ndarray, src, items) -> int:
+    def _store(self, keys: np.ndarray, src, items, fill=None) -> int:
         n = len(keys)
         for attempt in range(RETIRED_RETRIES + 1):
             lead, lead_idx, _, _ = self._lookup(keys)
@@ -376,7 +392,7 @@ class KVCache:
             node = self.pool.node
             node.enter()                    # the fencing acknowledgement waits for it
             try:
-                return self._store_new(keys, src, items, lead, lead_idx)
+                return self._store_new(keys, src, items, lead, lead_idx, fill)
             except RetiredSlots:
                 # a quarantine retired chunks of our reservation after the
                 # allocator handed the slots out: it was abandoned, and the
@@ -387,7 +403,7 @@ class KVCache:
                 node.leave()
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _store_new(self, keys: np.ndarray, src, items, lead: int, lead_idx) -> int:
+    def _store_new(self, keys: np.ndarray, src, items, lead: int, lead_idx, fill=None) -> int:
         """Reserve entries and payload slots (pool lock), copy the payloads
         (no lock; each block only while this node is known fresh), publish
         (pool lock).  Every phase is guarded: a node fenced meanwhile writes
@@ -470,7 +486,10 @@ class KVCache:
             # not a byte into a chunk retired since the allocator handed the
             # slot out (publish checks again, under the lock, for good)
             self.pool.allocator.check_retired(pay)
-            self._copy(new, pay, src, items)
+            if fill is None:
+                self._copy(new, pay, src, items)
+            else:
+                fill(new.astype(np.int64), ReservedBlocks(node, pay, self.block_bytes))
             if CRASH_ENABLED:
                 crashpoint("kv.copied")
             with self.pool.lock():
@@ -783,6 +802,33 @@ def _copy_mixed(m, pay: np.ndarray, got: list, dst: memoryview, bb: int) -> None
         j = k
 
 
+
+
+class ReservedBlocks:
+    """The pool slots a store reserved for its new blocks (KVCache.store_with),
+    written in place before the store publishes them.  Only `scatter` writes
+    them: each block only while this node is known fresh."""
+
+    def __init__(self, node, offsets: np.ndarray, block_bytes: int):
+        self._node = node
+        self.offsets = offsets
+        self.block_bytes = block_bytes
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def scatter(self, src_offset: int, buf: np.ndarray, buf_offsets: np.ndarray, shape,
+                src_strides, buf_strides, run: int) -> int:
+        """kv_copy's store walk (byte units; buf_offsets[i]: block i's origin
+        in buf) into every reserved slot (Mapping.kv_scatter).  Returns the
+        bytes written."""
+        self._node.scatter_blocks(self.offsets, self.block_bytes, src_offset, buf,
+                                  np.ascontiguousarray(buf_offsets, dtype=np.int64), shape,
+                                  src_strides, buf_strides, run)
+        per = run
+        for x in shape:
+            per *= int(x)
+        return per * len(self.offsets)
 
 
 class Loaded:

@@ -691,6 +691,17 @@ class Attachment:
             done += m.write_blocks(offsets[done:], src[done * block_bytes:n * block_bytes],
                                    block_bytes)
 
+    def scatter_blocks(self, offsets, block_bytes: int, src_offset: int, buf, buf_offsets,
+                       shape, src_strides, buf_strides, run: int) -> None:
+        """A strided walk of `buf` into the pool slots at `offsets` (one per
+        block: Mapping.kv_scatter, an engine's tensor written in place), each
+        block only while this node is known fresh, as write_blocks."""
+        m, done, n = self.pool.mapping, 0, len(offsets)
+        while done < n:
+            self.guard()
+            done += m.kv_scatter(offsets[done:], block_bytes, src_offset, buf,
+                                 buf_offsets[done:], shape, src_strides, buf_strides, run)
+
     def _fresh(self, t0_ns: int) -> None:
         with self._state:
             if self.fenced:

@@ -278,6 +278,7 @@ PyObject *mod_kv_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *mod_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 /* gather.c: strided gather/scatter between blocks and an engine layout; copy modes */
 PyObject *mod_kv_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_kv_scatter(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *mod_copy_modes(PyObject *self, PyObject *ignored);
 PyObject *mod_set_copy_modes(PyObject *self, PyObject *args);
 /* journal.c */

@@ -438,3 +438,181 @@ mod_set_copy_modes(PyObject *self, PyObject *args)
     __atomic_store_n(&cxlkv_write_clwb, wc, __ATOMIC_RELAXED);
     Py_RETURN_NONE;
 }
+
+/* ------------------------------------------------------------ scatter into the pool */
+
+/* One run into pool memory.  Not under the emulation: non-temporal stores
+ * when the write mode is nt and the run is whole 16-byte units at a 16-byte
+ * aligned address (the common KV layouts: head_dim x itemsize runs), which
+ * reach memory without a flush; otherwise regular stores and a write-back of
+ * the run's lines (no fence here: the caller fences once per block). */
+static int
+run_to_pool(Mapping *m, uint64_t off, const char *src, size_t n, int nt)
+{
+    if (m->nc)
+        return nc_write(m->nc, off, src, n, nt);
+    char *dst = m->base + off;
+#if defined(__x86_64__)
+    if (nt && !(((uintptr_t)dst | n) & 15)) {
+        if (cxlkv_cpu.has_avx2 && !(((uintptr_t)dst | n) & 31))
+            stream_avx2(dst, src, n);
+        else
+            stream_sse2(dst, src, n);
+        return 0;
+    }
+#endif
+    memcpy(dst, src, n);
+    uintptr_t a = (uintptr_t)dst & ~(uintptr_t)63, end = (uintptr_t)dst + n;
+    for (; a < end; a += 64)
+        cxlkv_line_op(cxlkv_cpu.flush, (const void *)a);
+    return 0;
+}
+
+/* One block's walk from buf into the pool at block offset `blk`. */
+static int
+walk_to_pool(Mapping *m, const struct walk *w, uint64_t blk, const char *buf, int nt)
+{
+    Py_ssize_t idx[CXLKV_GATHER_MAXDIM] = {0};
+    if (w->ndim == 0)
+        return run_to_pool(m, blk, buf, w->run, nt);
+    int64_t so = 0, bo = 0;
+    for (;;) {
+        if (run_to_pool(m, blk + (uint64_t)so, buf + bo, w->run, nt) < 0)
+            return -1;
+        int d = w->ndim - 1;
+        for (; d >= 0; d--) {
+            so += w->sst[d];
+            bo += w->dst[d];
+            if (++idx[d] < w->shape[d])
+                break;
+            so -= w->sst[d] * w->shape[d];
+            bo -= w->dst[d] * w->shape[d];
+            idx[d] = 0;
+        }
+        if (d < 0)
+            return 0;
+    }
+}
+
+/* kv_scatter(offsets, block_bytes, src_offset, buf, buf_offsets, shape,
+ *            src_strides, buf_strides, run) -> blocks written
+ *
+ * The store direction of kv_copy with the blocks in the pool: block i is the
+ * pool slot at offsets[i] (uint64, each checked to lie in the pool with its
+ * block_bytes), written in place from the engine's tensor `buf` - one pass,
+ * no staging block.  The walk's bounds are kv_copy's (inside every block,
+ * inside buf's extent).  Stores follow the write copy mode (nt, or regular
+ * stores + write-back), so the blocks' lines are in memory on return, as
+ * publish needs.  Stops before a block once the mapping's write deadline has
+ * passed (write_blocks' rule: the caller proves its node fresh again, or is
+ * fenced, and goes on from the returned count). */
+PyObject *
+Mapping_kv_scatter(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t bb, run, soff;
+    if (nargs_check(nargs, 9, 9, "kv_scatter") < 0 || check_open(m) < 0 ||
+        check_writable(m, "kv_scatter") < 0 || as_u64(args[1], &bb, "block_bytes") < 0 ||
+        as_u64(args[2], &soff, "src_offset") < 0 || as_u64(args[8], &run, "run") < 0)
+        return NULL;
+    struct walk w;
+    int64_t shp[CXLKV_GATHER_MAXDIM];
+    int n1, n2, n3;
+    if (int_tuple(args[5], shp, &n1, "shape") < 0 ||
+        int_tuple(args[6], w.sst, &n2, "src_strides") < 0 ||
+        int_tuple(args[7], w.dst, &n3, "buf_strides") < 0)
+        return NULL;
+    if (n1 != n2 || n1 != n3) {
+        PyErr_Format(PyExc_ValueError, "kv_scatter: shape has %d dims, src_strides %d, "
+                     "buf_strides %d", n1, n2, n3);
+        return NULL;
+    }
+    if (run == 0 || bb == 0 || run > (uint64_t)INT64_MAX || bb > (uint64_t)INT64_MAX) {
+        PyErr_SetString(PyExc_ValueError, "kv_scatter: run and block_bytes must be >= 1");
+        return NULL;
+    }
+    w.ndim = n1;
+    w.run = (size_t)run;
+    int empty = 0;
+    for (int i = 0; i < n1; i++) {
+        if (shp[i] < 0 || w.sst[i] < 0) {
+            PyErr_Format(PyExc_ValueError, "kv_scatter: shape[%d] = %lld and src_strides[%d] = "
+                         "%lld must not be negative", i, (long long)shp[i], i,
+                         (long long)w.sst[i]);
+            return NULL;
+        }
+        empty |= shp[i] == 0;
+        w.shape[i] = (Py_ssize_t)shp[i];
+    }
+    int64_t slo = 0, shi = 0, dlo = 0, dhi = 0;
+    if (!empty && (walk_extent(&w, w.sst, &slo, &shi) < 0 || walk_extent(&w, w.dst, &dlo, &dhi) < 0))
+        return NULL;
+    if (!empty && (soff > bb || (uint64_t)shi > bb - soff)) {
+        PyErr_Format(cxlkv_RangeError, "kv_scatter: the walk spans bytes [%llu, %llu) of a "
+                     "block of %llu bytes", (unsigned long long)soff,
+                     (unsigned long long)soff + (unsigned long long)shi, (unsigned long long)bb);
+        return NULL;
+    }
+    Py_buffer po, buf, bo;
+    if (get_offsets(args[0], &po, 0) < 0)
+        return NULL;
+    PyObject *ret = NULL;
+    int have_buf = 0, have_bo = 0;
+    Py_ssize_t n = po.len / 8;
+    const uint64_t *off = po.buf;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (check_range(m, off[i], bb, "kv_scatter") < 0)
+            goto done;
+    if (PyObject_GetBuffer(args[3], &buf, PyBUF_STRIDES) < 0)
+        goto done;
+    have_buf = 1;
+    if (get_i64(args[4], &bo) < 0)
+        goto done;
+    have_bo = 1;
+    if (bo.len / 8 != n) {
+        PyErr_Format(PyExc_ValueError, "kv_scatter: %zd buffer offsets for %zd blocks",
+                     bo.len / 8, n);
+        goto done;
+    }
+    int64_t blo, bhi;
+    buffer_extent(&buf, &blo, &bhi);
+    const int64_t *boff = bo.buf;
+    for (Py_ssize_t i = 0; i < n && !empty; i++) {
+        int64_t a, z;
+        if (__builtin_add_overflow(boff[i], dlo, &a) || __builtin_add_overflow(boff[i], dhi, &z) ||
+            a < blo || z > bhi) {
+            PyErr_Format(cxlkv_RangeError, "kv_scatter: block %zd at buffer offset %lld spans "
+                         "[%lld, %lld), outside the buffer's [%lld, %lld)", i,
+                         (long long)boff[i], (long long)(boff[i] + dlo),
+                         (long long)(boff[i] + dhi), (long long)blo, (long long)bhi);
+            goto done;
+        }
+    }
+    walk_simplify(&w);
+    int nt = m->nt_default && !__atomic_load_n(&cxlkv_write_clwb, __ATOMIC_RELAXED);
+    Py_ssize_t done_n = 0;
+    int rc = 0;
+    if (empty) {
+        done_n = n;
+    } else {
+        m->busy++;
+        Py_BEGIN_ALLOW_THREADS
+        for (; done_n < n && rc == 0 && !write_deadline_passed(m); done_n++) {
+            rc = walk_to_pool(m, &w, off[done_n] + soff, (const char *)buf.buf + boff[done_n], nt);
+            cxlkv_sfence();          /* this block's stores and write-backs are done */
+        }
+        Py_END_ALLOW_THREADS
+        m->busy--;
+    }
+    if (rc < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    ret = PyLong_FromSsize_t(done_n);
+done:
+    if (have_bo)
+        PyBuffer_Release(&bo);
+    if (have_buf)
+        PyBuffer_Release(&buf);
+    PyBuffer_Release(&po);
+    return ret;
+}
