@@ -312,7 +312,7 @@ def test_a_flipped_high_bit_in_the_ticket_words_is_an_error_not_a_spin(small_poo
 
 def test_inspect_health_and_fsck_show_a_quarantine(pool_path, monkeypatch, remote_env, cli):
     rack = Rack(pool_path, "cas", monkeypatch, grace_ms=60_000)
-    with cxlkv.open_pool(rack.path) as pool:                  # the reaper
+    with cxlkv.open_pool(rack.path):                          # the reaper
         w = NodeProc(env=remote_env(CXLKV_PAUSE_AT="kv.reserved:1"))
         w.attach(rack.path)
         w.call(op="kv_open", args=KV_ARGS)
