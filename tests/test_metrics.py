@@ -133,3 +133,16 @@ def test_dead_nodes_unreaped_and_for_how_long():
     assert at(115.0, [], "alive")["cxlkv_lock_manager_up"] == 1
     assert at(115.0, [], "unknown")["cxlkv_lock_manager_up"] == 1
     assert "cxlkv_lock_manager_up" not in at(115.0, [])
+
+
+def test_a_slot_being_claimed_exports_host_unknown():
+    """A claimed slot has no identity yet (pid 0, no host name): its pin
+    series still carry every label (Prometheus drops an empty one)."""
+    from cxlkv.daemons.metrics import PinsCollector
+    snap = {"pins": [{"slot": 4, "pid": 0, "hostname": "", "pinned_blocks": 0,
+                      "pinned_bytes": 0},
+                     {"slot": 1, "pid": 812, "hostname": "host-a", "pinned_blocks": 3,
+                      "pinned_bytes": 4096}]}
+    fams = {f.name: f for f in PinsCollector(lambda: snap).collect()}
+    hosts = {s.labels["node"]: s.labels["host"] for s in fams["cxlkv_node_pinned_blocks"].samples}
+    assert hosts == {"4": "unknown", "1": "host-a"}

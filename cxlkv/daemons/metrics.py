@@ -362,7 +362,8 @@ class SnapshotCollector:
 
 class PinsCollector:
     """cxlkv_node_pinned_blocks / _bytes{node, pid, host}: the KV blocks each
-    node (attached, or fenced and quarantined) pins, from the agent's last
+    node (attached, or fenced and quarantined; host "unknown" while a slot is
+    being claimed, before its identity is written) pins, from the agent's last
     snapshot - the engine to restart when health says unevictable.  A pool-wide
     view: every agent exports the same series, so aggregate with max, not sum."""
 
@@ -382,7 +383,9 @@ class PinsCollector:
         nbytes = GaugeMetricFamily("cxlkv_node_pinned_bytes", "Slot bytes of the KV blocks a "
                                    "node pins.", labels=labels)
         for x in pins:
-            key = [str(x["slot"]), str(x["pid"]), x["hostname"]]
+            # a slot being claimed has no identity yet: Prometheus drops an
+            # empty label, so the series would lack `host`
+            key = [str(x["slot"]), str(x["pid"]), x["hostname"] or "unknown"]
             blocks.add_metric(key, x["pinned_blocks"])
             nbytes.add_metric(key, x["pinned_bytes"])
         yield blocks
