@@ -318,10 +318,6 @@ class SlotFile:
                 i = raw.find(fpb, i + 1)
         return out
 
-    def read(self, slot: int, length: int, buf) -> bool:
-        """Read `length` payload bytes of `slot` into `buf`; False: short (truncated)."""
-        return os.preadv(self.fd, [memoryview(buf)[:length]], self.payload_off(slot)) == length
-
     def read_run(self, slots, keys: bytes, ns_digest: bytes, length: int, bufs,
                  snap=None) -> tuple[int, int, int]:
         """Read and verify `slots` (uint64 array) into `bufs` (a writable
