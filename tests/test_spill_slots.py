@@ -14,11 +14,13 @@ import subprocess
 import sys
 
 import numpy as np
+import psutil
 import pytest
 import xxhash
 
 from cxlkv.kv.tiers import spill
 from cxlkv.kv.tiers.spill import files
+from cxlkv.testing.checks import wait_for
 
 NSD = b"n" * 16
 BB = 64 * 1024
@@ -146,33 +148,62 @@ def test_a_torn_or_damaged_slot_is_a_miss_never_wrong_bytes(tmp_path, damage):
         st.close()
 
 
-def test_a_slot_rewritten_while_read_is_a_miss(tmp_path):
-    """The header is read before and after the payload: a slot freed and
-    given to another block between the two is a miss, not that block."""
-    st = spill.SpillStore(tmp_path / "s", 64 * FP, writers=1)
+RACER = r"""
+import struct, sys
+from cxlkv.kv.tiers import spill
+BB = 64 * 1024
+def key(i):
+    return struct.pack("<QQ", i * 0x9E3779B97F4A7C15 & (2**64 - 1), i)
+st = spill.SpillStore(sys.argv[1], 0, mode="reader", writers=1)
+keys = [key(i) for i in range(4)]
+got = [st.get(keys[1], b"n" * 16, BB)] if sys.argv[2] == "get" else st.fetch(keys, b"n" * 16, BB)
+s = st.stats()
+# each block returned, by the key its payload was made of (see payload())
+print(*["-" if g is None else bytes(g)[:16].hex() for g in got], s["corrupt"], s["misses"])
+st.close()
+"""
+
+
+@pytest.mark.parametrize("call", ["get", "fetch"])
+def test_a_slot_rewritten_while_read_is_a_miss(tmp_path, call):
+    """The header is checked before the payload is read and compared after
+    it: a slot freed and given to another block in between (the reader
+    stopped there, CXLKV_PAUSE_AT=spill.read) is a miss, not that block;
+    fetch returns the run before it."""
+    d = tmp_path / "s"
+    st = spill.SpillStore(d, 64 * FP, writers=1)
     try:
-        st.offer(key(1), NSD, payload(key(1)))
+        for i in range(4):
+            st.offer(key(i), NSD, payload(key(i)))
         st.flush()
         sf = st._files[BB]
         slot = sf.find(key(1))
-        real = sf.read
-
-        def racing_read(s, n, buf):                  # the owner reuses the slot meanwhile
-            ok = real(s, n, buf)
-            sf.release(s, key(1))
-            sf.cursor = s                            # the freed slot is the next one
-            t = sf.claim(key(9), 1)
-            assert t == s
-            files.write_all(sf.fd, [payload(key(9))], sf.payload_off(s))
-            sf.publish(s, files.header(key(9), NSD, BB,
-                                       xxhash.xxh3_64_intdigest(payload(key(9))), 5))
-            return ok
-
-        sf.read = racing_read
-        assert st.get(key(1), NSD, BB) is None
-        sf.read = real
-        assert st.stats()["corrupt"] == 0 and st.stats()["misses"] == 1
-        assert sf.find(key(9)) == slot
+        p = subprocess.Popen([sys.executable, "-c", RACER, str(d), call], stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "CXLKV_PAUSE_AT": "spill.read:1"})
+        try:
+            wait_for(lambda: psutil.Process(p.pid).status() == psutil.STATUS_STOPPED,
+                     what="the reader to stop between its read and its checks")
+            with st._usage.locked():                 # the owner reuses the slot meanwhile
+                sf.release(slot, key(1))
+                sf.cursor = slot                     # the freed slot is the next one
+                assert sf.claim(key(9), os.getpid()) == slot
+            files.write_all(sf.fd, [payload(key(9))], sf.payload_off(slot))
+            with st._usage.locked():
+                sf.publish(slot, files.header(key(9), NSD, BB,
+                                              xxhash.xxh3_64_intdigest(payload(key(9))), 5))
+            os.kill(p.pid, signal.SIGCONT)
+            out, _ = p.communicate(timeout=60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)
+        assert p.returncode == 0
+        want = ["-"] if call == "get" else [key(0).hex()]
+        assert out.split() == want + ["0", "1"]          # no corrupt block, one miss
+        assert sf.find(key(9)) == slot                    # the other block is untouched
+        buf = bytearray(BB)
+        assert sf.read_run(np.array([slot], np.uint64), key(9), NSD, BB, [buf])[0] == 1
+        assert buf == payload(key(9))
     finally:
         st.close()
 

@@ -18,7 +18,7 @@ except ImportError as e:  # pragma: no cover - depends on the build
 
 #: The interface version this Python code was written against; a stale or
 #: foreign build of the extension is refused at import.
-EXPECTED_ABI = 11
+EXPECTED_ABI = 12
 if _native.ABI_VERSION != EXPECTED_ABI:  # pragma: no cover - depends on the build
     raise ImportError(
         f"cxlkv C core ABI {_native.ABI_VERSION} does not match the Python code "
@@ -49,6 +49,8 @@ kv_chain = _native.kv_chain
 kv_keys = _native.kv_keys
 gather = _native.gather
 kv_copy = _native.kv_copy
+spill_read = _native.spill_read
+spill_layout = _native.spill_layout
 
 from cxlkv._core import copymode  # noqa: E402  (needs _native; sets the copy modes)
 
@@ -58,5 +60,6 @@ except ValueError as e:              # a bad CXLKV_COPY: the defaults, and say s
     logging.getLogger(__name__).warning("%s; using the default copy modes", e)
 
 __all__ = ["Mapping", "fence", "sfence", "cpu_info", "layout", "constants", "kv_chain", "kv_keys", "gather", "kv_copy",
+           "spill_read", "spill_layout",
            "copymode", "crashpoint",
            "CRASH_ENABLED"]

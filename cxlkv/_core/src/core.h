@@ -281,6 +281,9 @@ PyObject *mod_kv_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_kv_scatter(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *mod_copy_modes(PyObject *self, PyObject *ignored);
 PyObject *mod_set_copy_modes(PyObject *self, PyObject *args);
+/* spill.c: the spill tier's verify-and-copy read of slot runs */
+PyObject *mod_spill_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *mod_spill_layout(PyObject *self, PyObject *ignored);
 /* journal.c */
 PyObject *Mapping_journal_append(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 

@@ -7,7 +7,8 @@
  * (mapping.c), the cas-mode ticket lock (lock.c), the lock manager
  * (lockmgr.c), the host lock (hostlock.c), slab allocation (alloc.c,
  * slabs.c), the KV area (kv.c, lru.c, journal.c), the layout export
- * (layout.c), the crash points (crashpoint.c); the argument helpers are
+ * (layout.c), the crash points (crashpoint.c), the spill tier's read path
+ * (spill.c); the argument helpers are
  * args.c, the shared declarations core.h.  Only the CPU wrappers and the
  * error types, a few lines each, are here.
  */
@@ -16,7 +17,7 @@
 /* Bump when the Python-visible interface changes; cxlkv/_core/__init__.py
  * refuses to import a build with a different number (a stale build must fail
  * loudly, not strangely). */
-#define CXLKV_NATIVE_ABI 11
+#define CXLKV_NATIVE_ABI 12
 
 PyObject *cxlkv_RangeError;   /* set by _native.set_error_types() */
 PyObject *cxlkv_CorruptError; /* impossible pool metadata; set by set_error_types() */
@@ -174,6 +175,12 @@ static PyMethodDef module_methods[] = {
      "kv_chain(tokens_u32, block_tokens, out) -> blocks: xxh3-128 chain of block hashes"},
     {"kv_keys", (PyCFunction)(void (*)(void))mod_kv_keys, METH_FASTCALL,
      "kv_keys(hashes, hash_len, prefix, out) -> n: pool keys xxh3-128(prefix || hash)"},
+    {"spill_read", (PyCFunction)(void (*)(void))mod_spill_read, METH_FASTCALL,
+     "spill_read(fd, meta, hdr_off, nslots, data_off, slot_bytes, slots, keys, ns_digest, length, "
+     "bufs, read_bytes, snap=None) -> (ok, status, errno): read and verify a run of spill slots "
+     "into bufs, GIL released, bounds-checked; stops at the first slot that fails (spill.c)"},
+    {"spill_layout", mod_spill_layout, METH_NOARGS,
+     "the spill slot header (spill_format.h) and spill_read's statuses"},
     {"crashpoint", mod_crashpoint, METH_O,
      "crashpoint(site): SIGKILL this process at the Nth pass when CXLKV_CRASH_AT=site:N, "
      "SIGSTOP it when CXLKV_PAUSE_AT=site:N"},

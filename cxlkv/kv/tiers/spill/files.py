@@ -15,10 +15,11 @@ A slot file::
 The first three parts (the metadata) are mapped by every process of the
 store; payloads are read and written with preadv / pwritev.
 
-A slot header (HDR, 72 bytes): magic, format version, state (FREE,
-WRITING, LIVE), reserved, payload length, reserved, the pool key, the
-namespace digest, the xxh3-64 of the payload; the xxh3-64 of those 56
-bytes (state LIVE); and the stamp (outside the checksum): for a LIVE slot
+A slot header (HDR, 72 bytes; defined in cxlkv/_core/src/spill_format.h,
+mirrored here and checked against it at import): magic, format version,
+state (FREE, WRITING, LIVE), reserved, payload length, reserved, the pool
+key, the namespace digest, the xxh3-64 of the payload; the xxh3-64 of those
+56 bytes (state LIVE); and the stamp (outside the checksum): for a LIVE slot
 when it was last written or used (ns), for a WRITING one the writer's pid.
 
 Every change to the metadata (claiming, publishing and freeing slots, the
@@ -26,9 +27,11 @@ index) is made under the exclusive flock of DIR/.usage; reads take no lock
 and verify: a slot is a block only when its header is LIVE, its checksum
 verifies, its key, namespace and length are the ones asked for and the
 payload's checksum verifies, with the header unchanged across the payload
-read.  A torn write is therefore a miss, never a wrong block: the payload
-is written before its header turns LIVE, and a crash between the two leaves
-a WRITING slot, freed by the next owner's recount.
+read (runs of slots are read and verified in one C call, the GIL
+released: `SlotFile.read_run`, cxlkv/_core/src/spill.c).  A torn write is
+therefore a miss, never a wrong block: the payload is written before its
+header turns LIVE, and a crash between the two leaves a WRITING slot, freed
+by the next owner's recount.
 
 The old format (one ``DIR/<2 hex>/<32 hex key>.blk`` file per block,
 version 1) is migrated by the owner when it opens the directory (`legacy`).
@@ -44,6 +47,8 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from cxlkv import _core
+
 #: a slot file's header: magic, version, reserved, slot bytes, slots, index
 #: entries (a power of two), probe window
 FILE_MAGIC = b"CXLKVSF\0"
@@ -52,12 +57,44 @@ FILE_HDR = struct.Struct("<8sIIQQQQ")
 MAGIC = b"CXSB"
 VERSION = 2
 FREE, WRITING, LIVE = 0, 1, 2
-#: magic, version, state, reserved, length, reserved, key, ns digest, xxh3-64 of
-#: the payload | xxh3-64 of those 56 bytes | stamp
-HDR = struct.Struct("<4sBBHII16s16sQ")
+#: the checksummed fields, in order (| xxh3-64 of those 56 bytes | stamp)
+_FIELDS = (("magic", "4s"), ("version", "B"), ("state", "B"), ("reserved0", "H"),
+           ("length", "I"), ("reserved1", "I"), ("key", "16s"), ("ns_digest", "16s"),
+           ("psum", "Q"))
+HDR = struct.Struct("<" + "".join(code for _, code in _FIELDS))
 HDR_SIZE = HDR.size + 16                     # 72
 _SUM = HDR.size                              # offset of the header checksum
 _STAMP = HDR.size + 8                        # offset of the stamp
+#: what read_run compares across a payload read (the header and its sum)
+SNAP = _STAMP
+
+
+def _check_layout(c: dict) -> None:
+    """This mirror against the C definition (spill_format.h): every field's
+    offset and size, the constants.  A mismatch is a stale or foreign build."""
+    mine, off = {}, 0
+    for name, code in _FIELDS + (("hsum", "Q"), ("stamp", "Q")):
+        size = struct.calcsize("<" + code)
+        mine[name] = (off, size)
+        off += size
+    if (mine != c["fields"] or c["size"] != HDR_SIZE or c["snap"] != SNAP or c["magic"] != MAGIC
+            or c["version"] != VERSION or c["states"] != {"free": FREE, "writing": WRITING,
+                                                          "live": LIVE}):
+        raise ImportError("the spill slot header in cxlkv/kv/tiers/spill/files.py does not match "
+                          "the C core's (spill_format.h): rebuild with `pip install -e .`")
+
+
+_check_layout(_core.spill_layout())
+#: read_run's per-slot statuses (spill.c): a good block; a miss (freed or
+#: reused, I/O error, changed while read); damaged (freed by the reader)
+STATUS = _core.spill_layout()["status"]
+OK = STATUS["ok"]
+MISS = frozenset(STATUS[k] for k in ("gone", "ioerr", "changed"))
+TORN = STATUS["torn"]
+IOERR = STATUS["ioerr"]
+#: read_run reads adjacent full slots with one preadv of up to this many
+#: bytes, then verifies them while they are still in cache
+READ_BYTES = 1 << 20
 ALIGN = 4096
 #: index entries per slot (a load of at most 1/4) and the probe window
 INDEX_PER_SLOT = 4
@@ -281,9 +318,17 @@ class SlotFile:
                 i = raw.find(fpb, i + 1)
         return out
 
-    def read(self, slot: int, length: int, buf) -> bool:
-        """Read `length` payload bytes of `slot` into `buf`; False: short (truncated)."""
-        return os.preadv(self.fd, [memoryview(buf)[:length]], self.payload_off(slot)) == length
+    def read_run(self, slots, keys: bytes, ns_digest: bytes, length: int, bufs,
+                 snap=None) -> tuple[int, int, int]:
+        """Read and verify `slots` (uint64 array) into `bufs` (a writable
+        buffer of >= length bytes each), block i expected to hold key
+        keys[16i:16i+16] of namespace ns_digest and `length` payload bytes:
+        (good leading blocks, the status of the slot it stopped at, errno).
+        `snap` (64 bytes) receives that slot's header as checked.  Raises
+        ValueError for out-of-range arguments or a closed file."""
+        return _core.spill_read(self.fd, self.mm, self.geo["hdr_off"], self.nslots,
+                                self.data_off, self.sbytes, slots, keys, ns_digest, length,
+                                bufs, READ_BYTES, snap)
 
     def live(self) -> list[tuple[bytes, int, int, int]]:
         """(key, slot, length, stamp) of every LIVE slot whose header verifies."""

@@ -403,6 +403,33 @@ class SpillStore(Tier):
         slot = None if sf is None else sf.find(key)
         return None if slot is None else (sf, slot)
 
+    def _locate_run(self, keys: list, i: int, length: int) -> tuple:
+        """(slot file, [slot]) of the leading run of keys[i:] that this
+        process knows where they are, in one slot file, as _where finds
+        each (the owner's index under one lock, its entries touched)."""
+        if self.mode == "owner":
+            slots, sb = [], None
+            with self._mu:
+                index = self._index
+                for k in keys[i:]:
+                    if not index.touch(k):
+                        break
+                    loc = index.get(k)[2]
+                    if loc is None or (sb is not None and loc[0] != sb):
+                        break
+                    sb = loc[0]
+                    slots.append(loc[1])
+            sf = self._files.get(sb) if slots else None
+            return (sf, slots) if sf is not None else (None, [])
+        sf, slots = None, []
+        for k in keys[i:]:
+            where = self._where(k, length)
+            if where is None or (sf is not None and where[0] is not sf):
+                break
+            sf = where[0]
+            slots.append(where[1])
+        return sf, slots
+
     def _remove(self, key: bytes, sf, slot: int, bad: bytes | None = None) -> bool:
         """Free a slot whose block failed verification (header `bad` as
         read, or any when None): whoever frees it takes its bytes off the
@@ -821,43 +848,43 @@ class SpillStore(Tier):
             self._bump("misses", 1)
             return None
         sf, slot = where
+        buf = np.empty(length, dtype=np.uint8)       # not zeroed: read over at once
+        snap = bytearray(files.SNAP)
         try:
-            raw = sf.raw_header(slot)
-            p = files.parse(raw)
-            if p is None or p[0] != key:
-                o = sf.hdr_off(slot)
-                torn = sf.mm[o + 5] == files.LIVE and p is None
-                if torn and self._remove(key, sf, slot, raw):     # a header that does not verify
-                    self._corrupt(sf, slot)
-                    return None
-                with self._mu:                      # removed, or the slot reused
-                    self._index.pop(key)
-                self._bump("misses", 1)
-                return None
-            if p[1] != ns_digest or p[2] != length:
-                self._remove(key, sf, slot, raw)
-                self._corrupt(sf, slot)
-                return None
-            buf = np.empty(length, dtype=np.uint8)   # not zeroed: read over at once
-            whole = sf.read(slot, length, buf)
-            if sf.raw_header(slot) != raw:          # freed or rewritten while read: a miss
-                with self._mu:
-                    self._index.pop(key)
-                self._bump("misses", 1)
-                return None
+            ok, status, err = sf.read_run(np.array([slot], dtype=np.uint64), key, ns_digest,
+                                          length, [buf], snap)
         except (OSError, ValueError) as e:
             self._log_once("read", f"cannot read {sf.path} ({e})")
             self._bump("misses", 1)
             return None
-        if not whole or xxhash.xxh3_64_intdigest(buf) != p[3]:
-            self._remove(key, sf, slot, raw)
-            self._corrupt(sf, slot)
+        if not ok:
+            self._failed(key, sf, slot, status, err, bytes(snap))
             return None
         if self.mode == "reader":
             sf.touch(slot)
             self._remember(key, files.HDR_SIZE + sf.sbytes, 0, (sf.sbytes, slot))
         self._bump("hits", 1)
         return memoryview(buf)
+
+    def _failed(self, key: bytes, sf, slot: int, status: int, err: int, raw: bytes) -> None:
+        """A slot read_run stopped at (its header `raw` as checked): a miss,
+        or a damaged block freed (whoever frees it counts it corrupt)."""
+        if status == files.IOERR:
+            self._log_once("read", f"cannot read {sf.path} ({os.strerror(err)})")
+        elif status == files.TORN:                 # a LIVE header that does not verify
+            if self._remove(key, sf, slot, raw):
+                self._corrupt(sf, slot)
+                return
+            with self._mu:                          # removed, or the slot reused
+                self._index.pop(key)
+        elif status in files.MISS:                  # freed or reused, or changed while read
+            with self._mu:
+                self._index.pop(key)
+        else:                                       # another namespace or length, cut, bad sum
+            self._remove(key, sf, slot, raw)
+            self._corrupt(sf, slot)
+            return
+        self._bump("misses", 1)
 
     def _corrupt(self, sf, slot: int) -> None:
         self._bump("corrupt", 1)
@@ -872,10 +899,11 @@ class SpillStore(Tier):
 
     def fetch(self, keys, ns_digest: bytes, block_bytes: int,
               budget_s: float | None = None) -> list:
-        """The leading run of `keys` the store holds, read and verified:
-        blocks in adjacent slots are read with one preadv into one buffer,
-        each verified as get() does; the first block that does not verify
-        goes through get() (a miss, freed when corrupt) and ends the run."""
+        """The leading run of `keys` the store holds, read and verified in
+        one C call per run of slots this process knows of (adjacent slots
+        with one preadv, into buffers reused across calls); the first block
+        that does not verify goes through get() (a miss, freed when
+        corrupt; the run ends there unless get() finds it after all)."""
         out: list = []
         if not self.run(keys[:1]):
             return out
@@ -908,49 +936,33 @@ class SpillStore(Tier):
 
     def _fetch(self, keys: list, ns_digest: bytes, length: int) -> list:
         out: list = []
-        locs = []                                  # (slot file, slot, header, payload sum)
-        for k in keys:
-            where = self._where(k, length)
-            if where is None:
-                break
-            sf, slot = where
-            raw = sf.raw_header(slot)
-            p = files.parse(raw)
-            if p is None or p[0] != k or p[1] != ns_digest or p[2] != length:
-                break
-            locs.append((sf, slot, raw, p[3]))
-        bufs = self._buffers(length, len(locs))
         i = 0
-        while i < len(locs):                       # runs of adjacent slots: one preadv
-            sf, j = locs[i][0], i + 1
-            while (j < len(locs) and locs[j][0] is sf and locs[j][1] == locs[j - 1][1] + 1
-                   and length == sf.sbytes):
-                j += 1
-            try:
-                n = os.preadv(sf.fd, bufs[i:j], sf.payload_off(locs[i][1]))
-            except OSError:
-                n = 0
-            for m in range(i, j):
-                sfm, slot, raw, psum = locs[m]
-                view = memoryview(bufs[m])
-                if (n < (m - i + 1) * length or sfm.raw_header(slot) != raw
-                        or xxhash.xxh3_64_intdigest(view) != psum):
-                    b = self._get(keys[m], ns_digest, length)    # the careful path
-                    if b is not None:
-                        out.append(b)
-                    self._bump("hits", len(out) - (1 if b is not None else 0))
-                    return out
-                if self.mode == "reader":
-                    sfm.touch(slot)
-                    self._remember(keys[m], files.HDR_SIZE + sfm.sbytes, 0, (sfm.sbytes, slot))
-                out.append(view)
-            i = j
-        self._bump("hits", len(out))
-        if len(locs) < len(keys):                  # the run ends: as get() would tell
-            b = self._get(keys[len(locs)], ns_digest, length)
-            if b is not None:
-                out.append(b)
-                out.extend(self._fetch(keys[len(out):], ns_digest, length))
+        while i < len(keys):
+            sf, slots = self._locate_run(keys, i, length)
+            ok = 0
+            if slots:
+                bufs = self._buffers(length, len(slots))
+                try:
+                    ok, _, _ = sf.read_run(np.array(slots, dtype=np.uint64),
+                                           b"".join(keys[i:i + len(slots)]), ns_digest,
+                                           length, bufs)
+                except (OSError, ValueError):
+                    ok = 0
+                for m in range(ok):
+                    if self.mode == "reader":
+                        sf.touch(slots[m])
+                        self._remember(keys[i + m], files.HDR_SIZE + sf.sbytes, 0,
+                                       (sf.sbytes, slots[m]))
+                    out.append(memoryview(bufs[m]))
+                self._bump("hits", ok)
+                i += ok
+            if i == len(keys):
+                break
+            b = self._get(keys[i], ns_digest, length)   # the careful path: a miss (the run
+            if b is None:                                # ends), freed when damaged
+                break
+            out.append(b)
+            i += 1
         return out
 
     def promoted(self, blocks: int) -> None:

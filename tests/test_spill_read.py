@@ -1,0 +1,217 @@
+"""The spill tier's read path in C (cxlkv/_core/src/spill.c, through
+`SlotFile.read_run`): a run of slots read and verified in one call - the
+good leading blocks bit-exact, the first slot that fails stops the run
+with its status (a torn or damaged header, a wrong key, namespace or
+length, a cut or damaged payload), never a wrong block; every argument
+bounds-checked before anything is read."""
+from __future__ import annotations
+
+import errno
+import os
+import struct
+
+import numpy as np
+import pytest
+import xxhash
+
+from cxlkv import _core
+from cxlkv.kv.tiers.spill import files
+
+NSD = b"n" * 16
+ST = files.STATUS
+
+
+def key(i: int) -> bytes:
+    return struct.pack("<QQ", i * 0x9E3779B97F4A7C15 & (2**64 - 1), i)
+
+
+def payload(k: bytes, n: int) -> bytes:
+    return (k * (n // 16 + 1))[:n]
+
+
+def make(tmp_path, length: int, n: int = 6, nslots: int = 8) -> files.SlotFile:
+    """A slot file with blocks key(0..n-1) of `length` bytes in slots 0..n-1."""
+    sb = files.slot_bytes(length)
+    sf = files.SlotFile.create(tmp_path / files.file_name(sb), sb, nslots)
+    for i in range(n):
+        s = sf.claim(key(i), os.getpid())
+        assert s == i
+        p = payload(key(i), length)
+        files.write_all(sf.fd, [p], sf.payload_off(s))
+        sf.publish(s, files.header(key(i), NSD, length, xxhash.xxh3_64_intdigest(p), 1))
+    return sf
+
+
+def read(sf, slots, length, keys=None, ns=NSD, snap=None, size=None):
+    keys = [key(s) for s in slots] if keys is None else keys
+    bufs = [bytearray(size or length) for _ in slots]
+    r = sf.read_run(np.array(slots, np.uint64), b"".join(keys), ns, length, bufs, snap)
+    return r, bufs
+
+
+def poke(sf, off, data: bytes) -> None:
+    os.pwrite(sf.fd, data, off)
+
+
+def test_the_header_layout_is_the_c_definition():
+    c = _core.spill_layout()
+    assert c["size"] == files.HDR_SIZE == 72 and c["snap"] == files.SNAP == 64
+    assert c["fields"]["hsum"] == (56, 8) and c["fields"]["stamp"] == (64, 8)
+    assert c["magic"] == files.MAGIC and c["version"] == files.VERSION
+    assert set(ST) == {"ok", "gone", "torn", "mismatch", "short", "ioerr", "changed", "badsum"}
+
+
+@pytest.mark.parametrize("length", [1, 17, 128, 129, 240, 241, 1000, 4096, 65536, 256 * 1024,
+                                    256 * 1024 + 1])
+def test_a_run_is_read_bit_exact_and_hashed_as_python_does(tmp_path, length):
+    """Every xxh3 size class (short, mid, long inputs): the payload sums the
+    writer made with the Python xxhash verify in C; full slots are read
+    together, partial ones one by one."""
+    sf = make(tmp_path, length)
+    try:
+        (ok, status, err), bufs = read(sf, [0, 1, 2, 4, 5], length, size=length + 100)
+        assert (ok, status, err) == (5, ST["ok"], 0)
+        for s, b in zip([0, 1, 2, 4, 5], bufs):
+            assert bytes(b[:length]) == payload(key(s), length) and b[length:] == bytes(100)
+    finally:
+        sf.close()
+
+
+def test_an_empty_run_reads_nothing(tmp_path):
+    sf = make(tmp_path, 4096)
+    try:
+        assert read(sf, [], 4096)[0] == (0, ST["ok"], 0)
+    finally:
+        sf.close()
+
+
+# -- the run stops at the first slot that fails ------------------------------------------------
+
+L = 4096 * 4
+
+
+def damage(sf, how: str) -> dict:
+    """Damage slot 3 `how`; the read_run keyword arguments that ask for it."""
+    o, p = sf.hdr_off(3), sf.payload_off(3)
+    if how == "header-bit":                   # the length: the header checksum fails
+        poke(sf, o + 9, b"\x7f")
+    elif how == "header-sum":
+        poke(sf, o + 56, bytes(8))
+    elif how == "magic":
+        poke(sf, o, b"XXXX")
+    elif how == "version":
+        poke(sf, o + 4, b"\x09")
+    elif how == "writing":                    # a crash between payload and header
+        poke(sf, o + 5, bytes([files.WRITING]))
+    elif how == "free":
+        poke(sf, o + 5, bytes([files.FREE]))
+    elif how == "payload-bit":
+        poke(sf, p + L - 1, bytes([payload(key(3), L)[-1] ^ 0x80]))
+    elif how == "other-payload":              # slot 4's bytes under 3's header
+        poke(sf, p, payload(key(4), L))
+    elif how == "truncated":                  # cut inside slot 3's payload
+        os.ftruncate(sf.fd, p + L // 3)
+    elif how == "wrong-key":
+        return {"keys": [key(s) for s in (0, 1, 2)] + [key(77), key(4)]}
+    elif how == "wrong-ns":
+        return {"ns": b"x" * 16}
+    return {}
+
+
+EXPECT = {"header-bit": "torn", "header-sum": "torn", "magic": "torn", "version": "torn",
+          "writing": "gone", "free": "gone", "payload-bit": "badsum",
+          "other-payload": "badsum", "truncated": "short", "wrong-key": "gone",
+          "wrong-ns": "mismatch"}
+
+
+@pytest.mark.parametrize("how", sorted(EXPECT))
+def test_the_run_stops_at_a_damaged_slot_with_its_status(tmp_path, how):
+    sf = make(tmp_path, L)
+    try:
+        kw = damage(sf, how)
+        before = sf.raw_header(3)
+        snap = bytearray(64)
+        (ok, status, err), bufs = read(sf, [0, 1, 2, 3, 4], L, snap=snap, **kw)
+        if how == "wrong-ns":                 # every block is of another namespace
+            assert (ok, status) == (0, ST["mismatch"]) and snap == sf.raw_header(0)
+            return
+        assert (ok, status, err) == (3, ST[EXPECT[how]], 0)
+        assert [bytes(b) for b in bufs[:3]] == [payload(key(s), L) for s in range(3)]
+        assert snap == before                 # the header as checked
+    finally:
+        sf.close()
+
+
+def test_another_length_is_a_mismatch(tmp_path):
+    sf = make(tmp_path, L)
+    try:
+        assert read(sf, [0, 1], L - 1)[0] == (0, ST["mismatch"], 0)
+    finally:
+        sf.close()
+
+
+def test_a_read_error_is_reported_with_its_errno(tmp_path):
+    sf = make(tmp_path, L)
+    wfd = os.open(sf.path, os.O_WRONLY)
+    try:
+        bufs = [bytearray(L)]
+        r = _core.spill_read(wfd, sf.mm, sf.geo["hdr_off"], sf.nslots, sf.data_off, sf.sbytes,
+                             np.array([0], np.uint64), key(0), NSD, L, bufs, 1 << 20)
+        assert r == (0, ST["ioerr"], errno.EBADF)
+    finally:
+        os.close(wfd)
+        sf.close()
+
+
+# -- bounds ----------------------------------------------------------------------------------
+
+def call(sf, **over):
+    a = {"fd": sf.fd, "meta": sf.mm, "hdr_off": sf.geo["hdr_off"], "nslots": sf.nslots,
+         "data_off": sf.data_off, "slot_bytes": sf.sbytes, "slots": np.array([0, 1], np.uint64),
+         "keys": key(0) + key(1), "ns": NSD, "length": L,
+         "bufs": [bytearray(L), bytearray(L)], "read_bytes": 1 << 20, "snap": None}
+    a.update(over)
+    return _core.spill_read(*a.values())
+
+
+BAD = {
+    "slot out of range": ({"slots": np.array([0, 8], np.uint64)}, ValueError),
+    "length over the slot": ({"length": L + 1, "bufs": [bytearray(L + 1)] * 2}, ValueError),
+    "slot bytes 0": ({"slot_bytes": 0}, ValueError),
+    "headers outside the mapping": ({"nslots": 10**6, }, ValueError),
+    "header offset outside": ({"hdr_off": 2**63}, ValueError),
+    "header area overflows": ({"nslots": 2**62}, ValueError),
+    "payload offsets overflow": ({"data_off": 2**63}, ValueError),
+    "payload area overflows": ({"slot_bytes": 2**60, "length": 1}, ValueError),
+    "keys short": ({"keys": key(0)}, ValueError),
+    "namespace short": ({"ns": b"n"}, ValueError),
+    "a buffer short": ({"bufs": [bytearray(L), bytearray(L - 1)]}, ValueError),
+    "buffers missing": ({"bufs": [bytearray(L)]}, ValueError),
+    "read-only buffer": ({"bufs": [bytearray(L), bytes(L)]}, (TypeError, BufferError)),
+    "not buffers": ({"bufs": 5}, TypeError),
+    "slots not uint64": ({"slots": np.array([0, 1], np.int32)}, TypeError),
+    "negative fd": ({"fd": -1}, ValueError),
+    "snap short": ({"snap": bytearray(63)}, ValueError),
+    "negative offset": ({"data_off": -1}, IndexError),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_every_argument_is_bounds_checked_before_anything_is_read(tmp_path, case):
+    sf = make(tmp_path, L)
+    try:
+        over, exc = BAD[case]
+        with pytest.raises(exc):
+            call(sf, **over)
+        assert call(sf) == (2, ST["ok"], 0)   # the file is untouched
+    finally:
+        sf.close()
+
+
+def test_a_closed_slot_file_is_refused(tmp_path):
+    sf = make(tmp_path, L)
+    mm = sf.mm
+    sf.close()
+    with pytest.raises(ValueError):
+        _core.spill_read(0, mm, 0, 1, 0, L, np.array([0], np.uint64), key(0), NSD, L,
+                         [bytearray(L)], 1 << 20)
