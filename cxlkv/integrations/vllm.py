@@ -715,7 +715,7 @@ class CxlkvConnector(KVConnectorBase_V1, SupportsHMA):
     def _load_async(self, t: CxlkvTransfer) -> None:
         """One asynchronous load, on the load thread: pin, copy every layer,
         release; the outcome waits for get_finished."""
-        n = 0
+        n = done = 0
         try:
             if t.block_hashes:
                 loaded = self._kv(self._rank, t.salt).load_hashes(t.block_hashes)
@@ -727,15 +727,16 @@ class CxlkvConnector(KVConnectorBase_V1, SupportsHMA):
                             self._copy_in(li, views, t.ids(g)[:n])
                 finally:
                     loaded.release()
+            done = n
         except Exception as e:                  # any failure: vLLM recomputes what is missing
             logger.warning("cxlkv: asynchronous load of request %s failed: %s", t.req_id, e)
-            n = 0
-        bad = sorted({i for g in range(len(self._layout.groups)) for i in t.ids(g)[n:]
-                      if i >= 0}) if n < len(t.block_hashes) else []
-        with self._mu:
-            self.stats["loaded_blocks"] += n
-            self.stats["missed_blocks"] += len(t.block_hashes) - n
-            self._recv_done[t.req_id] = bad
+        finally:                                # always reported: vLLM waits for it
+            bad = sorted({i for g in range(len(self._layout.groups)) for i in t.ids(g)[done:]
+                          if i >= 0}) if done < len(t.block_hashes) else []
+            with self._mu:
+                self.stats["loaded_blocks"] += done
+                self.stats["missed_blocks"] += len(t.block_hashes) - done
+                self._recv_done[t.req_id] = bad
 
     def _finish_layer_load(self) -> None:
         ll, self._layer_load = self._layer_load, None
@@ -815,6 +816,10 @@ class CxlkvConnector(KVConnectorBase_V1, SupportsHMA):
             self._finish_layer_load()           # layers the forward did not wait for
             if not isinstance(meta, CxlkvConnectorMetadata) or not meta.stores:
                 return
+            if self._async_save:                # vLLM now holds these requests' blocks for us
+                with self._mu:
+                    self.stats["async_saves"] += len(meta.stores)
+                    self._saving.update(t.req_id for t in meta.stores)
             staged = []
             if not (self._async_save and self._cpu):
                 for i, t in enumerate(meta.stores):
@@ -827,10 +832,6 @@ class CxlkvConnector(KVConnectorBase_V1, SupportsHMA):
                 for t, buf in staged:
                     self._publish(t, buf)
                 return
-            with self._mu:
-                self.stats["async_saves"] += len(meta.stores)
-                for t in meta.stores:
-                    self._saving.add(t.req_id)
             if staged:                          # staged already (GPU caches): publish behind
                 for t, buf in staged:
                     self._storer.submit(functools.partial(self._publish, t, buf))
