@@ -4,10 +4,11 @@ caches as CPU tensors; and, with a CPU build of vLLM, two real vLLM engines
 sharing a prompt's KV through the pool.
 
 vLLM pins its own torch (the PyPI build: a CUDA build of several GB), so these
-tests run in separate venvs, made with
+tests run in separate venvs: `scripts/setup --vllm` makes .venv-vllm (vLLM
+0.33.0 from PyPI and what the tests import), the same as
 
     python3 -m venv .venv-vllm && echo '*' > .venv-vllm/.gitignore
-    .venv-vllm/bin/pip install vllm pytest pytest-timeout xxhash cbor2 pyudev \
+    .venv-vllm/bin/pip install vllm==0.33.0 pytest pytest-timeout xxhash cbor2 pyudev \
         py-libnuma 'redis[hiredis]' click rich psutil numpy
 
 and, for the engine test (run with CXLKV_VLLM_ENGINE=1), the same with the
