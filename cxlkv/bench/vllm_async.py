@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -173,7 +174,6 @@ def _request(rid: str, tokens: list[int]):
 
 
 def _tokens(seed: int, n: int) -> list[int]:
-    import random
     r = random.Random(seed)
     return [r.randrange(3, 32000) for _ in range(n)]
 
