@@ -717,10 +717,10 @@ def test_async_save_holds_a_finished_requests_blocks_until_reported(model_dir, p
         out, _ = a.step()
         assert out.finished_req_ids == {"r"} and not a.kv_output.finished_sending
         assert "r" in a.scheduler.requests
-        barrier.wait()                                 # the gather thread reads the blocks now
+        barrier.wait()                                 # the save thread reads the blocks now
         a.step(drain=True)
         assert a.kv_output.finished_sending == {"r"} and "r" not in a.scheduler.requests
-        assert seen == ["cxlkv-gather"] and a.worker.stats["stored_blocks"] == 2
+        assert seen == ["cxlkv-save"] and a.worker.stats["stored_blocks"] == 2
         b.scheduler.add_request(make_request("s", toks))
         out, _ = b.step()
         assert out.num_scheduled_tokens["s"] == 40 - 32

@@ -31,9 +31,10 @@ default, "fail", fails the request).  kv_connector_extra_config:
     async_load  true: loads never hold up a step (vLLM's asynchronous loads: the
                 request waits in WAITING_FOR_REMOTE_KVS while a thread copies
                 its blocks, get_finished reports it, the next step schedules it)
-    async_save  true: a step's saves are copied out of the paged KV and
-                published on threads behind the next steps' compute; vLLM keeps
-                a finished request's blocks until get_finished reports them
+    async_save  true: a step's saves are copied out of the paged KV into the
+                pool and published on a thread behind the next steps' compute;
+                vLLM keeps a finished request's blocks until get_finished
+                reports them
     async       true: both of the above
 
 Keys.  A pool block is one vLLM block (block_size tokens), keyed by the block
@@ -85,10 +86,12 @@ pinned pool views straight into the paged KV, one strided pass per layer in C
 with the GIL released (cxlkv.integrations.kvcopy; CPU caches - a GPU cache
 goes through one CPU staging copy).  Synchronous loads: start_load_kv does
 every layer before the forward, or with layerwise=true starts them on a thread
-and wait_for_layer_load waits for its layer only.  Synchronous saves copy each
-layer's newly completed blocks in save_kv_layer (one pass into staging blocks)
-and publish them in wait_for_save.  Asynchronous ones: see async_load and
-async_save above.  Blocks evicted between the scheduler's match and the
+and wait_for_layer_load waits for its layer only.  Synchronous saves store the
+step's completed blocks in wait_for_save, written in place into the pool slots
+the store reserved (KVCache.store_hashes_with), one strided pass per layer from
+the paged KV, only for blocks the pool lacks (a GPU cache: staged per layer in
+save_kv_layer, then stored).  Asynchronous ones: see async_load and async_save
+above.  Blocks evicted between the scheduler's match and the
 worker's load are reported through get_block_ids_with_load_errors (vLLM
 recomputes them), or for hybrid models as failed loads of their requests.
 """
@@ -334,10 +337,9 @@ class CxlkvConnector(KVConnectorBase_V1, SupportsHMA):
         self._cpu = True                       # every registered cache is a CPU tensor
         self._rank = 0
         self._loader = _Jobs("cxlkv-load")     # asynchronous loads
-        self._gatherer = _Jobs("cxlkv-gather")  # asynchronous saves: out of the paged KV
-        self._storer = _Jobs("cxlkv-store")    # ... and into the pool
+        self._saver = _Jobs("cxlkv-save")      # asynchronous saves
         self._recv_done: dict[str, list[int] | None] = {}   # req -> failed block ids
-        self._holds: dict[str, int] = {}       # req -> save gathers still to read its blocks
+        self._holds: dict[str, int] = {}       # req -> saves still to read its blocks
         self._saving: set[str] = set()         # reqs with an async save since admission
         self._finishing: set[str] = set()      # ... that vLLM has finished
         self.stats = {"loaded_blocks": 0, "stored_blocks": 0, "missed_blocks": 0,
@@ -636,13 +638,13 @@ class CxlkvConnector(KVConnectorBase_V1, SupportsHMA):
         self._scatter(li, ids, pages)
 
     def _settle(self, meta) -> None:
-        """Before a step may reuse blocks: the asynchronous save gathers still
+        """Before a step may reuse blocks: the asynchronous saves still
         reading blocks vLLM freed (preempted requests; blocks that left a
         sliding window) finish first."""
         if not isinstance(meta, CxlkvConnectorMetadata):
             return
-        if self._gatherer.pending and (meta.preempted or self._layout.windowed):
-            self._gatherer.drain()
+        if self._saver.pending and (meta.preempted or self._layout.windowed):
+            self._saver.drain()
         if meta.preempted:                     # the scheduler holds nothing of them now
             with self._mu:
                 self._saving -= meta.preempted
@@ -759,13 +761,14 @@ class CxlkvConnector(KVConnectorBase_V1, SupportsHMA):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
                       **kwargs: Any) -> None:
-        """Copy this layer's newly completed blocks out of the paged KV
-        (asynchronous saves of CPU caches copy on the gather thread instead)."""
+        """GPU caches: copy this layer's newly completed blocks out of the paged
+        KV into staging blocks.  CPU caches: nothing (wait_for_save, or the
+        save thread, copies them straight into their pool slots)."""
         meta = self._connector_metadata
         li = self._layer_index.get(layer_name)
         if li is None or not isinstance(meta, CxlkvConnectorMetadata) or not meta.stores:
             return
-        if self._async_save and self._cpu:
+        if self._cpu:
             return
         for i, t in enumerate(meta.stores):
             buf, done = self._staging(i, t)
@@ -776,31 +779,36 @@ class CxlkvConnector(KVConnectorBase_V1, SupportsHMA):
                     cache: torch.Tensor | None = None) -> None:
         """Layer li's pages of the transfer's blocks into the staging blocks `buf`."""
         cache = self._caches[li] if cache is None else cache
-        ids = t.ids(self._layout.layer_group[li])
-        if cache.device.type == "cpu" and cache.dtype == buf.dtype:
-            lay = self._layout
-            flat = memoryview(buf.view(torch.uint8).numpy().reshape(-1))
-            bb = lay.block_bytes
-            kvcopy.paged_layer([flat[j * bb:(j + 1) * bb] for j in range(len(ids))],
-                               bb, li, cache, ids, lay.heads, lay.block_size, to_blocks=True)
-        else:
-            buf[:, li].copy_(self._gather(li, ids, cache))
-
-    def _new_staging(self, t: CxlkvTransfer) -> torch.Tensor:
-        lay = self._layout
-        c = lay.content_bytes // _itemsize(lay.dtype)
-        return torch.empty((len(t.block_hashes), len(lay.layer_names), lay.heads,
-                            lay.block_size, c), dtype=lay.dtype)
+        buf[:, li].copy_(self._gather(li, t.ids(self._layout.layer_group[li]), cache))
 
     def _staging(self, i: int, t: CxlkvTransfer):
         if i not in self._staged:
-            self._staged[i] = (self._new_staging(t), set())
+            lay = self._layout
+            c = lay.content_bytes // _itemsize(lay.dtype)
+            buf = torch.empty((len(t.block_hashes), len(lay.layer_names), lay.heads,
+                               lay.block_size, c), dtype=lay.dtype)
+            self._staged[i] = (buf, set())
         return self._staged[i]
 
-    def _publish(self, t: CxlkvTransfer, buf: torch.Tensor) -> None:
+    def _store(self, t: CxlkvTransfer, buf: torch.Tensor | None = None) -> None:
+        """Store a transfer's blocks: from the staging blocks `buf`, or (CPU
+        caches) written in place into the pool slots the store reserved, one
+        strided pass per layer from the paged KV - only the blocks the pool
+        lacks (a parent in front is linked to, not copied)."""
+        lay = self._layout
+
+        def fill(which, target):
+            for li, g in enumerate(lay.layer_group):
+                ids = t.ids(g)
+                kvcopy.paged_layer(target, lay.block_bytes, li, self._caches[li],
+                                   [ids[int(w)] for w in which], lay.heads, lay.block_size,
+                                   to_blocks=True)
         try:
-            new = self._kv(self._rank, t.salt).store_hashes(
-                t.block_hashes, buf.view(torch.uint8).numpy().reshape(-1))
+            kv = self._kv(self._rank, t.salt)
+            if buf is None:
+                new = kv.store_hashes_with(t.block_hashes, fill)
+            else:
+                new = kv.store_hashes(t.block_hashes, buf.view(torch.uint8).numpy().reshape(-1))
             self._count(stored_blocks=new)
         except CxlkvError as e:                  # full pool, quota: a cache, not an error
             self._count(store_failures=1)
@@ -808,9 +816,8 @@ class CxlkvConnector(KVConnectorBase_V1, SupportsHMA):
                            len(t.block_hashes) - t.lead, t.req_id, e)
 
     def wait_for_save(self):
-        """Publish this step's completed blocks in the pool (layers that
-        save_kv_layer did not see are copied from the registered caches);
-        asynchronous saves: hand them to the save threads."""
+        """Store this step's completed blocks in the pool; asynchronous saves:
+        hand them to the save thread (GPU caches: staged first, here)."""
         meta = self._connector_metadata
         try:
             self._finish_layer_load()           # layers the forward did not wait for
@@ -820,52 +827,44 @@ class CxlkvConnector(KVConnectorBase_V1, SupportsHMA):
                 with self._mu:
                     self.stats["async_saves"] += len(meta.stores)
                     self._saving.update(t.req_id for t in meta.stores)
-            staged = []
-            if not (self._async_save and self._cpu):
+            bufs = [None] * len(meta.stores)
+            if not self._cpu:                   # layers save_kv_layer did not see
                 for i, t in enumerate(meta.stores):
                     buf, done = self._staging(i, t)
                     for li in range(len(self._caches)):
                         if li not in done:
                             self._save_layer(li, t, buf)
-                    staged.append((t, buf))
+                    bufs[i] = buf
             if not self._async_save:
-                for t, buf in staged:
-                    self._publish(t, buf)
+                for t, buf in zip(meta.stores, bufs):
+                    self._store(t, buf)
                 return
-            if staged:                          # staged already (GPU caches): publish behind
-                for t, buf in staged:
-                    self._storer.submit(functools.partial(self._publish, t, buf))
-                return
-            with self._mu:
-                for t in meta.stores:
-                    self._holds[t.req_id] = self._holds.get(t.req_id, 0) + 1
-            self._gatherer.submit(functools.partial(self._gather_job, list(meta.stores)))
+            if self._cpu:                        # the save thread reads the paged KV
+                with self._mu:
+                    for t in meta.stores:
+                        self._holds[t.req_id] = self._holds.get(t.req_id, 0) + 1
+            self._saver.submit(functools.partial(self._save_job, list(meta.stores), bufs))
         finally:
             self._staged.clear()
 
-    def _gather_job(self, stores: list[CxlkvTransfer]) -> None:
-        """On the gather thread: copy each store's blocks out of the paged
-        KV (then vLLM may free them), and queue its publication."""
-        for t in stores:
-            buf = None
+    def _save_job(self, stores: list[CxlkvTransfer], bufs: list) -> None:
+        """On the save thread: store each transfer; once a store no longer
+        reads the paged KV, vLLM may have its blocks back."""
+        for t, buf in zip(stores, bufs):
             try:
-                buf = self._new_staging(t)
-                for li in range(len(self._caches)):
-                    self._save_layer(li, t, buf)
+                self._store(t, buf)
             except Exception as e:
-                buf = None
                 self._count(store_failures=1)
-                logger.warning("cxlkv: could not copy out %d blocks of request %s: %s",
-                               len(t.block_hashes), t.req_id, e)
+                logger.warning("cxlkv: could not store %d blocks of request %s: %s",
+                               len(t.block_hashes) - t.lead, t.req_id, e)
             finally:
-                with self._mu:
-                    left = self._holds.get(t.req_id, 1) - 1
-                    if left > 0:
-                        self._holds[t.req_id] = left
-                    else:
-                        self._holds.pop(t.req_id, None)
-            if buf is not None:
-                self._storer.submit(functools.partial(self._publish, t, buf))
+                if buf is None:
+                    with self._mu:
+                        left = self._holds.get(t.req_id, 1) - 1
+                        if left > 0:
+                            self._holds[t.req_id] = left
+                        else:
+                            self._holds.pop(t.req_id, None)
 
     def get_finished(self,
                      finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -900,8 +899,7 @@ class CxlkvConnector(KVConnectorBase_V1, SupportsHMA):
         """Wait for every asynchronous load and save in flight (their outcomes
         are still reported through get_finished)."""
         self._loader.drain()
-        self._gatherer.drain()                  # which queues the stores
-        self._storer.drain()
+        self._saver.drain()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._mu:
@@ -910,7 +908,7 @@ class CxlkvConnector(KVConnectorBase_V1, SupportsHMA):
 
     def shutdown(self):
         self._finish_layer_load()
-        for jobs in (self._loader, self._gatherer, self._storer):
+        for jobs in (self._loader, self._saver):
             jobs.stop()
         self._kvs.clear()
         if self._pool is not None:
