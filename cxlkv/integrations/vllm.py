@@ -318,6 +318,9 @@ class CxlkvConnector(KVConnectorBase_V1, SupportsHMA):
         if self._layout is not None and self._layout.hybrid:
             # vLLM takes a failed block of a several-group model only as a
             # failed asynchronous load of its request
+            if KVConnectorTransferResults is None:
+                raise UsageError("CxlkvConnector: hybrid models (several KV cache groups) "
+                                 "need vLLM >= 0.33 (failed_recving)")
             self._async_load = True
         self._pool = None
         self._kvs: dict[tuple[int, str | None], Any] = {}
