@@ -4,10 +4,11 @@ caches as CPU tensors; and, with a CPU build of vLLM, two real vLLM engines
 sharing a prompt's KV through the pool.
 
 vLLM pins its own torch (the PyPI build: a CUDA build of several GB), so these
-tests run in separate venvs, made with
+tests run in separate venvs: `scripts/setup --vllm` makes .venv-vllm (vLLM
+0.33.0 from PyPI and what the tests import), the same as
 
     python3 -m venv .venv-vllm && echo '*' > .venv-vllm/.gitignore
-    .venv-vllm/bin/pip install vllm pytest pytest-timeout xxhash cbor2 pyudev \
+    .venv-vllm/bin/pip install vllm==0.33.0 pytest pytest-timeout xxhash cbor2 pyudev \
         py-libnuma 'redis[hiredis]' click rich psutil numpy
 
 and, for the engine test (run with CXLKV_VLLM_ENGINE=1), the same with the
@@ -105,17 +106,24 @@ def pool_path(tmp_path):
     return path
 
 
-def make_config(model_dir, pool_path, role="kv_both", **extra):
-    from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
-                             SchedulerConfig, VllmConfig)
+def make_config(model_dir, pool_path, role="kv_both", batched=512, **extra):
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
 
     mc = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True)
-    sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=2048,
+    sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=batched, max_model_len=2048,
                          enable_chunked_prefill=True, is_encoder_decoder=False)
     cc = CacheConfig(block_size=BS, gpu_memory_utilization=0.9, cache_dtype="auto",
                      enable_prefix_caching=True, prefix_caching_hash_algo="sha256_cbor")
     kt = KVTransferConfig(kv_connector="CxlkvConnector",
                           kv_connector_module_path="cxlkv.integrations.vllm", kv_role=role,
+                          kv_load_failure_policy="recompute",
                           kv_connector_extra_config={"pool": pool_path, **extra})
     return VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc,
                       kv_transfer_config=kt, device_config=DeviceConfig("cpu"))
@@ -125,28 +133,46 @@ def layer_names():
     return [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-def make_kv_cache_config(num_blocks=NUM_BLOCKS):
+WINDOW = 2 * BS           # the sliding window of the hybrid configs
+
+
+def make_kv_cache_config(num_blocks=NUM_BLOCKS, hybrid=False):
+    """One group of full attention; hybrid: layers 0-1 full attention, layers
+    2-3 sliding window (vLLM's hybrid allocator: one group each)."""
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
 
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD,
                              dtype=torch.float32)
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(layer_names(), spec)])
+    if not hybrid:
+        groups = [KVCacheGroupSpec(layer_names(), spec)]
+    else:
+        swa = SlidingWindowSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD,
+                                dtype=torch.float32, sliding_window=WINDOW)
+        groups = [KVCacheGroupSpec(layer_names()[:2], spec),
+                  KVCacheGroupSpec(layer_names()[2:], swa)]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
 class Instance:
     """One vLLM instance in miniature: the real Scheduler (with the connector
-    it creates from the config) and a worker-side connector over CPU caches."""
+    it creates from the config) and a worker-side connector over CPU caches,
+    driven in the order of vLLM's model runner."""
 
-    def __init__(self, vllm_config, caches=None):
+    def __init__(self, vllm_config, caches=None, hybrid=False):
         import torch
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
-        kvc = make_kv_cache_config()
+        kvc = make_kv_cache_config(hybrid=hybrid)
+        self.group_of = {n: i for i, g in enumerate(kvc.kv_cache_groups) for n in g.layer_names}
         vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS
         self.scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kvc,
                                    structured_output_manager=StructuredOutputManager(vllm_config),
@@ -157,15 +183,22 @@ class Instance:
         self.caches = caches
         self.worker.register_kv_caches(caches)
 
-    def step(self, compute=None):
-        """One engine step: schedule, load, 'forward' (compute(self, request,
-        block ids, computed, scheduled) fills the KV), save, then update."""
-        from vllm.v1.outputs import ModelRunnerOutput
+    def step(self, compute=None, drain=False):
+        """One engine step as vLLM's model runner does it: schedule, preemptions,
+        load (before the forward when a load is synchronous, else after it),
+        'forward' (compute(self, request, block ids by group, computed,
+        scheduled) fills the KV), save, the connector's transfer results, then
+        update.  drain: wait for the connector's threads before its results
+        (so an asynchronous load or save is reported in this step)."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
+        self.worker.handle_preemptions(meta)
         self.worker.bind_connector_metadata(meta)
-        self.worker.start_load_kv(None)
+        sync_first = getattr(out, "has_sync_kv_loads", True)
+        if sync_first:
+            self.worker.start_load_kv(None)
         cached = out.scheduled_cached_reqs
         starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         starts.update(zip(cached.req_ids, cached.num_computed_tokens))
@@ -173,16 +206,33 @@ class Instance:
         for rid in reqs:
             if compute:
                 req = self.scheduler.requests[rid]
-                ids = self.scheduler.kv_cache_manager.get_blocks(rid).get_block_ids()[0]
+                blocks = self.scheduler.kv_cache_manager.get_blocks(rid).blocks
+                ids = [[None if b.is_null else b.block_id for b in g] for g in blocks]
                 compute(self, req, ids, starts[rid], out.num_scheduled_tokens[rid])
         for n in layer_names():
             self.worker.save_kv_layer(n, self.caches[n], None)
+        if not sync_first:
+            self.worker.start_load_kv(None)
         self.worker.wait_for_save()
+        if drain:
+            self.worker.flush()
+        res = self.worker.get_transfer_results(out.finished_req_ids)
+        kvo = KVConnectorOutput(finished_sending=res.finished_sending or None,
+                                finished_recving=res.finished_recving or None,
+                                failed_recving=res.failed_recving,
+                                invalid_block_ids=self.worker.get_block_ids_with_load_errors())
         self.worker.clear_connector_metadata()
+        self.kv_output = kvo
+        # a token for each request, none for a prompt's chunk before its last
+        sampled = [[] if getattr(self.scheduler.requests[r], "is_prefill_chunk", False) else [7]
+                   for r in reqs]
         mro = ModelRunnerOutput(req_ids=reqs, req_id_to_index={r: i for i, r in enumerate(reqs)},
-                                sampled_token_ids=[[7] for _ in reqs])
+                                sampled_token_ids=sampled, kv_connector_output=kvo)
         self.scheduler.update_from_output(out, mro)
         return out, meta
+
+    def ids(self, rid, group=0):
+        return self.scheduler.kv_cache_manager.get_block_ids(rid)[group]
 
     def close(self):
         self.worker.shutdown()
@@ -198,12 +248,15 @@ def kv_value(layer: int, token: int, position: int):
 
 
 def fake_forward(inst, req, block_ids, start, scheduled):
-    """Write the KV of the scheduled tokens into the request's blocks."""
+    """Write the KV of the scheduled tokens into the request's blocks (each
+    layer in its group's block; none where a window left vLLM's null block)."""
     toks = req.all_token_ids
     for pos in range(start, start + scheduled):
-        b, off = block_ids[pos // BS], pos % BS
+        off = pos % BS
         for i, n in enumerate(layer_names()):
-            inst.caches[n][b, :, off] = kv_value(i, toks[pos], pos)
+            b = block_ids[inst.group_of[n]][pos // BS]
+            if b is not None:
+                inst.caches[n][b, :, off] = kv_value(i, toks[pos], pos)
 
 
 def make_request(rid, tokens, cache_salt=None, max_tokens=2):
@@ -227,18 +280,20 @@ def prompt(n, seed=0):
     return [r.randrange(1, 1000) for _ in range(n)]
 
 
-def blocks_equal(a: Instance, a_ids, b: Instance, b_ids) -> bool:
+def blocks_equal(a: Instance, a_ids, b: Instance, b_ids, layers=None) -> bool:
     import torch
 
-    return all(torch.equal(a.caches[n][a_ids], b.caches[n][b_ids]) for n in layer_names())
+    return all(torch.equal(a.caches[n][a_ids], b.caches[n][b_ids])
+               for n in (layers or layer_names()))
 
 
 @in_vllm
 def test_keys_are_vllm_block_hashes(pool_path):
     """kv.block_hashes(tokens) with hash="sha256_cbor" is what vLLM's own
     request hasher computes (default seed and PYTHONHASHSEED alike)."""
-    import cxlkv
     from vllm.v1.core.kv_cache_utils import get_none_hash_seed
+
+    import cxlkv
 
     toks = prompt(100)
     req = make_request("k", toks)
@@ -320,8 +375,10 @@ def test_kv_events_decode_with_vllms_own_classes(pool_path):
 @in_vllm
 def test_vllm_loads_the_connector_by_module_path(model_dir, pool_path):
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
-                                                                   KVConnectorRole)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorRole,
+    )
 
     from cxlkv.integrations.vllm import CxlkvConnector
 
@@ -390,8 +447,11 @@ def test_partial_prefix_and_salts(model_dir, pool_path):
         out, meta = b.step(fake_forward)
         assert out.num_scheduled_tokens["p"] == len(other) - 2 * BS
         assert [len(x.block_ids) for x in meta.loads] == [2]
-        # kv_both: what it computed beyond the shared blocks is stored
-        assert [len(s.block_hashes) for s in meta.stores] == [len(other) // BS - 2]
+        # kv_both: what it computed beyond the shared blocks is stored, behind
+        # the last loaded block (its parent in the pool: linked, not copied)
+        assert [len(s.block_hashes) - s.lead for s in meta.stores] == [len(other) // BS - 2]
+        assert meta.stores[0].lead == 1 and meta.stores[0].block_hashes[0] == \
+            meta.loads[0].block_hashes[-1]
         a_ids = a.scheduler.kv_cache_manager.get_blocks("a").get_block_ids()[0][:2]
         b_ids = b.scheduler.kv_cache_manager.get_blocks("p").get_block_ids()[0][:2]
         assert blocks_equal(a, a_ids, b, b_ids)
@@ -469,8 +529,13 @@ def test_physical_layouts_and_kernel_blocks(model_dir, pool_path):
 def test_refuses_what_it_cannot_share(model_dir, pool_path):
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
-                                            SlidingWindowSpec)
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
 
     from cxlkv.errors import UsageError
     from cxlkv.integrations.vllm import CxlkvConnector
@@ -478,17 +543,23 @@ def test_refuses_what_it_cannot_share(model_dir, pool_path):
     cfg = make_config(model_dir, pool_path)
     full = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD,
                              dtype=torch.float32)
-    swa = SlidingWindowSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD,
-                            dtype=torch.float32, sliding_window=64)
-    two = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
-                        kv_cache_groups=[KVCacheGroupSpec(["x"], full),
-                                         KVCacheGroupSpec(["y"], swa)])
-    with pytest.raises(UsageError, match="one KV cache group"):
-        CxlkvConnector(cfg, KVConnectorRole.WORKER, two)
-    one_swa = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
-                            kv_cache_groups=[KVCacheGroupSpec(["y"], swa)])
-    with pytest.raises(UsageError, match="SlidingWindowSpec"):
-        CxlkvConnector(cfg, KVConnectorRole.WORKER, one_swa)
+
+    def groups(*specs):
+        return KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                             kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], s)
+                                              for i, s in enumerate(specs)])
+
+    mamba = MambaSpec(block_size=BS, shapes=((4, 8),), dtypes=(torch.float32,))
+    with pytest.raises(UsageError, match="MambaSpec layers cannot be shared"):
+        CxlkvConnector(cfg, KVConnectorRole.WORKER, groups(full, mamba))
+    wide = FullAttentionSpec(block_size=BS, num_kv_heads=2 * HEADS, head_size=HEAD,
+                             dtype=torch.float32)
+    with pytest.raises(UsageError, match="different page shapes"):
+        CxlkvConnector(cfg, KVConnectorRole.WORKER, groups(full, wide))
+    coarse = SlidingWindowSpec(block_size=2 * BS, num_kv_heads=HEADS, head_size=HEAD,
+                               dtype=torch.float32, sliding_window=64)
+    with pytest.raises(UsageError, match="blocks of 32 tokens"):
+        CxlkvConnector(cfg, KVConnectorRole.WORKER, groups(full, coarse))
     w = CxlkvConnector(cfg, KVConnectorRole.WORKER, make_kv_cache_config())
     try:
         with pytest.raises(UsageError, match="does not match"):
@@ -498,6 +569,279 @@ def test_refuses_what_it_cannot_share(model_dir, pool_path):
             w.register_kv_caches({})
     finally:
         w.shutdown()
+
+
+@in_vllm
+def test_hybrid_model_groups_share_one_pool_block(model_dir, pool_path):
+    """vLLM keeps its hybrid allocator on with this connector (SupportsHMA);
+    a full-attention + sliding-window model gets one pool block per vLLM
+    block holding both groups' layers, in a namespace of its own."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    cfg = make_config(model_dir, pool_path)
+    # vLLM would keep the hybrid allocator on (on a GPU platform; a CPU one turns it off)
+    assert KVConnectorFactory.supports_hma_config(cfg.kv_transfer_config)
+    c = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER,
+                                            make_kv_cache_config(hybrid=True))
+    one = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER,
+                                              make_kv_cache_config())
+    try:
+        lay = c._layout
+        assert lay.hybrid and lay.windowed and lay.layer_group == (0, 0, 1, 1)
+        assert lay.block_bytes == one._layout.block_bytes      # every layer, both groups
+        assert "/g" in c._namespace(0) and c._namespace(0) != one._namespace(0)
+        assert "/g" not in one._namespace(0)                    # unchanged for one group
+    finally:
+        c.shutdown()
+        one.shutdown()
+
+
+def _gate(monkeypatch, *, to_blocks):
+    """Hold the connector's copies of one direction (kvcopy.paged_layer into
+    the paged KV, or out of it with to_blocks=True) at a barrier with the
+    test (BrokenBarrierError after 60 s: they never ran at the same time)."""
+    import threading
+
+    from cxlkv.integrations import kvcopy
+
+    barrier = threading.Barrier(2, timeout=60)
+    real = kvcopy.paged_layer
+    seen = []
+
+    def gated(*args, **kw):
+        if bool(kw.get("to_blocks")) == to_blocks and not seen:
+            seen.append(threading.current_thread().name)
+            barrier.wait()
+        return real(*args, **kw)
+
+    monkeypatch.setattr(kvcopy, "paged_layer", gated)
+    return barrier, seen
+
+
+@in_vllm
+def test_async_load_overlaps_a_step_and_is_reported_finished(model_dir, pool_path, monkeypatch):
+    """async_load: the matched request waits in WAITING_FOR_REMOTE_KVS while
+    the load thread copies its blocks; another request's forward (the compute
+    stand-in) runs while that copy is under way; get_finished reports the
+    load, and the next step schedules only the request's tail, with the KV
+    bit for bit what the other instance stored."""
+    from vllm.v1.request import RequestStatus
+
+    toks = prompt(70, seed=5)
+    a = Instance(make_config(model_dir, pool_path, role="kv_producer"))
+    b = Instance(make_config(model_dir, pool_path, **{"async": True}))
+    try:
+        a.scheduler.add_request(make_request("a1", toks))
+        a.step(fake_forward)
+        barrier, seen = _gate(monkeypatch, to_blocks=False)
+        b.scheduler.add_request(make_request("b1", toks))
+        b.scheduler.add_request(make_request("c", prompt(40, seed=6), max_tokens=4))
+        out, meta = b.step(fake_forward)              # c computes; b1's load starts after
+        assert "b1" not in out.num_scheduled_tokens and out.num_scheduled_tokens["c"] == 40
+        assert [(t.req_id, t.async_load, len(t.block_ids)) for t in meta.loads] == \
+            [("b1", True, 4)] and not out.has_sync_kv_loads
+        assert b.scheduler.requests["b1"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert not b.kv_output.finished_recving       # the copy waits at the barrier
+
+        def compute(inst, req, ids, start, scheduled):
+            barrier.wait()             # the load thread is copying while this step computes
+            inst.worker.flush()        # then its end is reported in this step
+            fake_forward(inst, req, ids, start, scheduled)
+
+        out, _ = b.step(compute)
+        assert list(out.num_scheduled_tokens) == ["c"] and seen == ["cxlkv-load"]
+        assert b.kv_output.finished_recving == {"b1"} and not b.kv_output.invalid_block_ids
+        out, _ = b.step(fake_forward)
+        assert out.num_scheduled_tokens["b1"] == 70 - 64        # 4 blocks from the pool
+        assert blocks_equal(a, a.ids("a1")[:4], b, b.ids("b1")[:4])
+        assert b.worker.stats["async_loads"] == 1 and b.worker.stats["loaded_blocks"] == 4
+    finally:
+        a.close()
+        b.close()
+
+
+@in_vllm
+def test_async_load_of_evicted_blocks_reports_them_with_the_load(model_dir, pool_path):
+    """Blocks gone between the match and the asynchronous load: their ids come
+    back through get_block_ids_with_load_errors in the pass that reports the
+    load finished, and vLLM (policy recompute) computes the whole prompt."""
+    import cxlkv
+    from cxlkv.kv.cache import drop_namespace
+
+    toks = prompt(50, seed=7)
+    a = Instance(make_config(model_dir, pool_path))
+    b = Instance(make_config(model_dir, pool_path, async_load=True))
+    try:
+        a.scheduler.add_request(make_request("a", toks))
+        a.step(fake_forward)
+        b.scheduler.add_request(make_request("b", toks))
+        with cxlkv.open_pool(pool_path) as pool:
+            real = b.scheduler.schedule
+
+            def schedule():                        # an operator drops it right after the match
+                out = real()
+                drop_namespace(pool, a.worker._namespace(0))
+                return out
+
+            b.scheduler.schedule = schedule
+            out, meta = b.step(fake_forward, drain=True)
+            b.scheduler.schedule = real
+        assert [len(t.block_ids) for t in meta.loads] == [3]
+        assert b.kv_output.finished_recving == {"b"}
+        assert b.kv_output.invalid_block_ids == set(meta.loads[0].block_ids)
+        out, _ = b.step(fake_forward)
+        assert out.num_scheduled_tokens["b"] == 50                # recomputed
+    finally:
+        a.close()
+        b.close()
+
+
+@in_vllm
+def test_async_save_holds_a_finished_requests_blocks_until_reported(model_dir, pool_path,
+                                                                    monkeypatch):
+    """async_save: the copy out of the paged KV and the store run on threads
+    after the step; a request that finishes meanwhile keeps its blocks in
+    vLLM (request_finished -> True) until get_finished reports it; then
+    another instance loads what was stored."""
+    barrier, seen = _gate(monkeypatch, to_blocks=True)
+    toks = prompt(40, seed=8)
+    a = Instance(make_config(model_dir, pool_path, async_save=True))
+    b = Instance(make_config(model_dir, pool_path, role="kv_consumer"))
+    try:
+        a.scheduler.add_request(make_request("r", toks, max_tokens=1))
+        out, meta = a.step(fake_forward)               # computes, samples its one token: done
+        assert [len(s.block_hashes) for s in meta.stores] == [2]
+        a_ids = a.ids("r")[:2]
+        assert "r" in a.scheduler.requests and len(a_ids) == 2      # kept for the save
+        out, _ = a.step()
+        assert out.finished_req_ids == {"r"} and not a.kv_output.finished_sending
+        assert "r" in a.scheduler.requests
+        barrier.wait()                                 # the save thread reads the blocks now
+        a.step(drain=True)
+        assert a.kv_output.finished_sending == {"r"} and "r" not in a.scheduler.requests
+        assert seen == ["cxlkv-save"] and a.worker.stats["stored_blocks"] == 2
+        b.scheduler.add_request(make_request("s", toks))
+        out, _ = b.step()
+        assert out.num_scheduled_tokens["s"] == 40 - 32
+        assert blocks_equal(a, a_ids, b, b.ids("s")[:2])
+    finally:
+        a.close()
+        b.close()
+
+
+@in_vllm
+def test_blocks_of_later_steps_are_linked_to_their_parent(model_dir, pool_path):
+    """Chunked prefill stores a prompt over two steps; the second step's blocks
+    are stored behind the first step's last block, so eviction (leaf first)
+    takes the chain's end, not its middle."""
+    from vllm.v1.core.kv_cache_utils import get_none_hash_seed
+
+    import cxlkv
+
+    toks = prompt(5 * BS + 1, seed=9)
+    a = Instance(make_config(model_dir, pool_path, batched=3 * BS))
+    try:
+        req = make_request("a", toks)
+        a.scheduler.add_request(req)
+        _, m1 = a.step(fake_forward)
+        _, m2 = a.step(fake_forward)
+        hashes = [bytes(h) for h in req.block_hashes]
+        assert [(s.lead, len(s.block_hashes)) for s in m1.stores] == [(0, 3)]
+        assert [(s.lead, s.block_hashes) for s in m2.stores] == [(1, hashes[2:5])]
+        assert a.worker.stats["stored_blocks"] == 5
+        with cxlkv.open_pool(pool_path) as pool:
+            kv = pool.kv(model=a.worker._namespace(0), block_tokens=BS,
+                         block_bytes=a.worker._layout.block_bytes, hash="sha256_cbor",
+                         hash_seed=get_none_hash_seed())
+            assert kv.match_hashes(hashes) == 5
+            with pool.lock():
+                assert kv.area.evict(need_entries=1, limit=1)[0] == 1
+            assert kv.match_hashes(hashes) == 4        # the leaf went; the chain stands
+    finally:
+        a.close()
+
+
+@in_vllm
+def test_hybrid_chunked_prompt_stored_and_loaded_async(model_dir, pool_path):
+    """A full-attention + sliding-window model: a prompt stored over several
+    chunks (the window frees blocks behind it meanwhile; asynchronous saves)
+    is loaded by another instance (loads of hybrid models are asynchronous):
+    every block of the full-attention layers, the window's blocks of the
+    sliding-window layers, nothing into vLLM's null block."""
+    import torch
+
+    toks = prompt(12 * BS + 8, seed=10)
+    a = Instance(make_config(model_dir, pool_path, batched=4 * BS, async_save=True), hybrid=True)
+    b = Instance(make_config(model_dir, pool_path), hybrid=True)
+    try:
+        a.scheduler.add_request(make_request("a", toks))
+        stores = []
+        for _ in range(4):
+            _, meta = a.step(fake_forward)
+            stores += meta.stores
+        a.worker.flush()
+        assert sum(len(s.block_hashes) - s.lead for s in stores) == 12
+        assert [s.lead for s in stores] == [0, 1, 1]
+        assert all(len(s.group_block_ids) == 2 and min(map(min, s.group_block_ids)) >= 0
+                   for s in stores)
+        assert a.worker.stats["stored_blocks"] == 12
+        full_ids = a.ids("a", 0)[:12]
+        a_swa = [stores[-1].group_block_ids[1][i - 7] for i in (10, 11)]   # the last chunk's
+
+        b.scheduler.add_request(make_request("b", toks))
+        out, meta = b.step(drain=True)
+        (load,) = meta.loads
+        assert load.async_load and load.block_ids == b.ids("b", 0)[:12]
+        swa = load.group_block_ids[1]
+        assert swa[:10] == [-1] * 10 and min(swa[10:]) > 0      # only the window's blocks
+        assert b.kv_output.finished_recving == {"b"}
+        out, _ = b.step()
+        assert out.num_scheduled_tokens["b"] == len(toks) - 12 * BS
+        assert blocks_equal(a, full_ids, b, b.ids("b", 0)[:12], layers=layer_names()[:2])
+        assert blocks_equal(a, a_swa, b, swa[10:], layers=layer_names()[2:])
+        assert all(not b.caches[n][0].any() for n in layer_names())   # the null block
+        assert b.worker.stats["loaded_blocks"] == 12
+        assert not torch.equal(b.caches[layer_names()[2]][swa[10]],
+                               torch.zeros_like(b.caches[layer_names()[2]][swa[10]]))
+    finally:
+        a.close()
+        b.close()
+
+
+@in_vllm
+def test_hybrid_failed_load_fails_the_request_not_blocks(model_dir, pool_path):
+    """Hybrid: vLLM maps no block id of several groups back to a request, so a
+    load that finds its blocks gone is reported as a failed receive
+    (failed_recving, also finished); vLLM then recomputes the prompt."""
+    import cxlkv
+    from cxlkv.kv.cache import drop_namespace
+
+    toks = prompt(50, seed=11)
+    a = Instance(make_config(model_dir, pool_path), hybrid=True)
+    b = Instance(make_config(model_dir, pool_path), hybrid=True)
+    try:
+        a.scheduler.add_request(make_request("a", toks))
+        a.step(fake_forward)
+        b.scheduler.add_request(make_request("b", toks))
+        real = b.scheduler.schedule
+        with cxlkv.open_pool(pool_path) as pool:
+            def schedule():
+                out = real()
+                drop_namespace(pool, a.worker._namespace(0))
+                return out
+
+            b.scheduler.schedule = schedule
+            b.step(drain=True)
+            b.scheduler.schedule = real
+        kvo = b.kv_output
+        assert kvo.finished_recving == {"b"} and kvo.failed_recving == {"b"}
+        assert not kvo.invalid_block_ids
+        out, _ = b.step(fake_forward)
+        assert out.num_scheduled_tokens["b"] == 50
+    finally:
+        a.close()
+        b.close()
 
 
 ENGINE = '''

@@ -65,6 +65,7 @@ SCENARIOS = {
     "lmcache": "cxlkv.bench.lmcache_plugin",
     "spill": "cxlkv.bench.spill",
     "ttft": "cxlkv.bench.ttft",
+    "vllm-async": "cxlkv.bench.vllm_async",
 }
 
 
