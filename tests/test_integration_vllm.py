@@ -334,7 +334,8 @@ def test_kv_events_decode_with_vllms_own_classes(pool_path):
     import cxlkv
     from cxlkv.daemons.kv_events import KVEventsPublisher, settings
 
-    arr = bool(getattr(vk.KVEventBatch.__struct_config__, "array_like", False))
+    # the batch is an array in every vLLM; the events are arrays or maps
+    arr = bool(getattr(vk.KVCacheEvent.__struct_config__, "array_like", False))
     s = settings("tcp://127.0.0.1:0", {"wire": "array" if arr else "map"})
     pub = KVEventsPublisher(s)
     pub.bind()

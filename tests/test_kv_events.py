@@ -66,7 +66,8 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 DECODE = msgspec.msgpack.Decoder(type=KVEventBatch)
 
 
-# the newer vLLM's format (structs as maps; BlockStored.lora_name required)
+# the newer vLLM's format (0.33: events as maps in an array batch; BlockStored.lora_name
+# required)
 class MapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
@@ -93,7 +94,7 @@ class MapAllBlocksCleared(MapEvent, tag="AllBlocksCleared"):
     pass
 
 
-class MapKVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+class MapKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[MapBlockStored | MapBlockRemoved | MapAllBlocksCleared]
     data_parallel_rank: int | None = None

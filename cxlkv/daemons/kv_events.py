@@ -15,10 +15,11 @@ Wire format (vLLM's vllm/distributed/kv_events.py, ZmqEventPublisher):
 * events are msgspec tagged unions (tag field "type", the class name):
   ``BlockStored(block_hashes, parent_block_hash, token_ids, block_size,
   lora_id, medium)``, ``BlockRemoved(block_hashes, medium)``,
-  ``AllBlocksCleared()``; wire "array" encodes structs as msgpack arrays
-  (array_like=True, the layout of vLLM's documented subscriber), wire "map"
-  as maps with the newer fields (lora_name, group_idx ...) of vLLM versions
-  whose KVCacheEvent is not array_like;
+  ``AllBlocksCleared()``, inside a batch that is a msgpack array in every
+  vLLM; wire "array" encodes the events as arrays too (array_like=True, the
+  layout of vLLM's documented subscriber), wire "map" as maps with the newer
+  fields (lora_name ...) of vLLM versions whose KVCacheEvent is not
+  array_like (0.33, for one);
 * a ROUTER socket at the replay endpoint (default: the PUB port + 1, as
   vLLM's 5557/5558) answers a request [empty, start seq as 8-byte
   big-endian] with every buffered batch from that seq on, each as [empty,
@@ -94,7 +95,8 @@ _FLAGS = layout.field_offset(layout.NodeStruct, "flags")
 # -- the wire types ----------------------------------------------------------------------
 def wire_types(wire: str):
     """(KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared) msgspec
-    types of a wire format: "array" (array_like=True) or "map"."""
+    types of a wire format: the batch is always an array (vLLM's EventBatch);
+    its events are arrays ("array": array_like=True) or maps ("map")."""
     if wire not in WIRES:
         raise UsageError(f"kv_events wire must be one of {', '.join(WIRES)}, not {wire!r}")
     arr = wire == "array"
@@ -127,7 +129,9 @@ def wire_types(wire: str):
     class AllBlocksCleared(KVCacheEvent):
         pass
 
-    class KVEventBatch(msgspec.Struct, array_like=arr, omit_defaults=True, gc=False):
+    # the batch is an array in every vLLM (EventBatch is array_like); the
+    # wire chooses how the events inside it are encoded
+    class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
         ts: float
         events: list
         data_parallel_rank: int | None = None
