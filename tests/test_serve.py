@@ -626,6 +626,17 @@ def test_slow_device_tools_never_delay_a_tick(agent, monkeypatch):
         release.set()
 
 
+def test_a_dax_pool_without_the_poison_trace_event_is_said(agent, monkeypatch, tmp_path):
+    """On a DAX pool whose kernel offers no cxl_poison trace event (tracefs
+    not mounted, an old kernel) the agent says it does not follow poison."""
+    from cxlkv.host import numa
+
+    monkeypatch.setenv("CXLKV_SYSFS_ROOT", str(tmp_path / "sys"))     # no tracefs in it
+    monkeypatch.setattr(numa, "dax_of", lambda path: "dax0.0")
+    a = agent()
+    assert "poison: not following poison on dax0.0" in a.logbuf.getvalue()
+
+
 # -- the spill store the agent owns -----------------------------------------------------------
 
 def _pattern(kv, toks):

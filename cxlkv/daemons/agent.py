@@ -562,6 +562,11 @@ class Agent:
         self._device_thread.start()
         if poison.supported()["trace_event"]:
             threading.Thread(target=self._poison_loop, daemon=True, name="cxlkv-poison").start()
+        else:
+            # a DAX pool whose poison nobody follows: said once, not silently skipped
+            self.event(logging.WARNING, f"poison: not following poison on {self._dax}: no "
+                                        f"cxl_poison trace event at {poison.poison_event_dir()} "
+                                        "(tracefs not mounted, or a kernel older than 6.5)")
 
     def _poison_loop(self) -> None:
         """Poison on the pool's device: the memdevs' poison lists at start,
