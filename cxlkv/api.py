@@ -118,6 +118,12 @@ class Pool(PoolImage):
             return self._lock
         return _TimedLock(self._lock, timeout)
 
+    @property
+    def existing_lock(self):
+        """The pool lock object pool.lock() made in this process (since the
+        attach), or None: asks without making one."""
+        return self._lock
+
     def attach(self, numa_node=None, expect_uuid: str | None = None, **kw):
         """Attach as a node: claim a slot and start heartbeating (see state.nodes).
 

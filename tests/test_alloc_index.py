@@ -389,7 +389,7 @@ def test_the_census_matches_the_numpy_computation(small_chunks):
                 assert g.tolist() == w.tolist()
             assert [len(x) for x in got[:5]] == [1, 1, 1, 1, 1]   # 100 KiB slots: 2 slabs
             m.store64(base + h * layout.CHUNK_DESC_SIZE, layout.CHUNK_HEAD)
-            alloc._repair_dangling(p)
+            alloc.repair_dangling(p)
             assert [len(x) for x in alloc.census(p)[3:5]] == [0, 0]
         p.free_batch(offs)
 

@@ -187,6 +187,124 @@ def test_library_code_does_not_write_to_stderr():
                      "logging.getLogger(__name__)):\n" + "\n".join(bad))
 
 
+#: private names a module may reach on another package's objects, each with
+#: its reason: (module, name)
+PRIVATE_REACHES = {
+    # a benchmark times the recovery a reaper runs, alone, on a dead node's slot
+    ("cxlkv/bench/alloc_scale.py", "_recover_allocations"),
+    # a benchmark picks the sequences whose first block left the pool itself
+    # (match() counts the spill tier too)
+    ("cxlkv/bench/spill.py", "_lookup"),
+    ("cxlkv/bench/spill.py", "_keys"),
+    # other libraries' names: ctypes' structure fields and library path,
+    # namedtuple's _replace, os._exit, torch's storage use count
+    ("cxlkv/kv/area.py", "_fields_"),
+    ("cxlkv/state/alloc.py", "_fields_"),
+    ("cxlkv/host/numa.py", "_name"),
+    ("cxlkv/daemons/metrics.py", "_replace"),
+    ("cxlkv/daemons/agent.py", "_exit"),
+    ("cxlkv/integrations/transformers.py", "_C"),
+    ("cxlkv/integrations/transformers.py", "_storage_Use_Count"),
+    ("cxlkv/integrations/transformers.py", "_cdata"),
+    # the engine class this module makes with type(), its own attribute
+    ("cxlkv/integrations/lmcache.py", "_memory_format"),
+}
+
+
+def _package(rel: str) -> str:
+    """The subpackage a module belongs to (cxlkv/kv/tiers/hot.py: kv), or the
+    top-level module's own name (cxlkv/api.py: api)."""
+    parts = rel.split("/")
+    return parts[1] if len(parts) > 2 else parts[1].removesuffix(".py")
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__") and \
+        not (PKG / name).is_dir()                   # _core: the C core's package
+
+
+def _private_reaches(tree):
+    """(line, name, the node's cxlkv module or None) of each reach to a private
+    name outside self and cls: obj._name, getattr(obj, "_name"),
+    obj.__dict__["_name"] / .get("_name"), and from cxlkv.x import _name."""
+    modules = {}                                    # local name -> cxlkv module it binds
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("cxlkv.") and a.asname:
+                    modules[a.asname] = a.name
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cxlkv"):
+            for a in node.names:
+                if _is_private(a.name):
+                    yield node.lineno, a.name, node.module
+                modules[a.asname or a.name] = f"{node.module}.{a.name}"
+
+    def own(obj) -> bool:
+        return isinstance(obj, ast.Name) and obj.id in ("self", "cls")
+
+    def text(node) -> str | None:
+        return node.value if isinstance(node, ast.Constant) and \
+            isinstance(node.value, str) and _is_private(node.value) else None
+
+    for node in ast.walk(tree):
+        obj = name = None
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            obj, name = node.value, node.attr
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) >= 2:
+            obj, name = node.args[0], text(node.args[1])
+        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and \
+                node.value.attr == "__dict__":
+            obj, name = node.value.value, text(node.slice)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                isinstance(node.func.value, ast.Attribute) and \
+                node.func.value.attr == "__dict__" and node.args:
+            obj, name = node.func.value.value, text(node.args[0])
+        if name and not own(obj):
+            mod = modules.get(obj.id) if isinstance(obj, ast.Name) else None
+            yield node.lineno, name, mod
+
+
+def test_no_private_reach_across_packages():
+    """Nobody calls another package's private members (rule 4): a package
+    reaches others only through public names.  The AST knows no types, so a
+    reach `obj._name` counts as another package's when `obj` is a cxlkv
+    module of another package, or when no module of this package defines or
+    assigns `_name` (another package does, or another library); a name this
+    package defines too passes.  PRIVATE_REACHES lists the exceptions."""
+    trees = list(_sources())
+    defined: dict[str, set[str]] = {}
+    for rel, tree in trees:
+        for node in ast.walk(tree):
+            name = None
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = node.name
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                name = node.id
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                name = node.attr
+            if name and _is_private(name):
+                defined.setdefault(name, set()).add(_package(rel))
+    bad, used = [], set()
+    for rel, tree in trees:
+        here = _package(rel)
+        for line, name, mod in _private_reaches(tree):
+            if mod is not None:
+                mine = _package(mod.replace(".", "/") + ".py") == here
+            else:
+                mine = here in defined.get(name, ())
+            if mine:
+                continue
+            if (rel, name) in PRIVATE_REACHES:
+                used.add((rel, name))
+                continue
+            bad.append(f"{rel}:{line}: {name}")
+    assert not bad, ("private names reached across packages (give the owner a public "
+                     "method):\n" + "\n".join(sorted(set(bad))))
+    stale = sorted(f"{rel}: {name}" for rel, name in PRIVATE_REACHES - used)
+    assert not stale, "PRIVATE_REACHES lists reaches that are gone:\n" + "\n".join(stale)
+
+
 def test_the_tiers_old_names_still_import_with_a_warning():
     """cxlkv.kv.spill / hot / remote moved to cxlkv.kv.tiers: `from cxlkv.kv
     import spill` keeps working (deprecated) and gives the same module."""

@@ -519,3 +519,24 @@ def test_an_evictor_resumed_inside_a_list_edit_neither_rebuilds_nor_clears_the_l
         wait_for(lambda: not [n for n in nodes.read_nodes(pool) if n.state == "fenced"],
                  timeout=30, what="the evictor's quarantine to end")
     fsck_clean(pool_path)
+
+
+def test_evict_hashes_takes_one_unpinned_leaf(pool_path):
+    """KVCache.evict_hashes: the chain's last block, only when it is a leaf no
+    reader pins; absent, a parent or pinned: 0, nothing evicted."""
+    make(pool_path, slots=1 << 12, size=16 * MiB)
+    with cxlkv.open_pool(pool_path) as pool:
+        kv = pool.kv(model="m", block_tokens=4, block_bytes=BB)
+        chain = [bytes([i]) * 16 for i in range(1, 4)]
+        assert kv.store_hashes(chain, b"\1" * (3 * BB)) == 3
+        a = Area(pool)
+        assert kv.evict_hashes([b"\x09" * 16]) == 0               # absent
+        assert kv.evict_hashes(chain[:2]) == 0                     # a parent
+        with kv.load_hashes(chain):                                # pinned
+            assert kv.evict_hashes(chain) == 0
+        assert a.header().live == 3
+        assert kv.evict_hashes(chain) == 1
+        assert a.header().live == 2 and kv.match_hashes(chain) == 2
+        assert len(a.victims()) == 2                               # the rest, leaf first
+        lists_clean(pool)
+    fsck_clean(pool_path)

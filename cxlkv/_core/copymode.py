@@ -148,6 +148,12 @@ def modes() -> dict:
     return d
 
 
+def use(read: str, write: str) -> None:
+    """Set both modes in this process (a benchmark comparing them); apply()
+    goes back to the configured ones."""
+    _native.set_copy_modes(read, write)
+
+
 def _gbps(nbytes: int, secs: float) -> float:
     return round(nbytes / secs / 1e9, 2) if secs > 0 else 0.0
 

@@ -36,7 +36,7 @@ import warnings
 import numpy as np
 
 import cxlkv
-from cxlkv._core import _native
+from cxlkv._core import copymode
 from cxlkv.bench import harness
 from cxlkv.bench import kv as kvbench
 from cxlkv.errors import UsageError
@@ -157,17 +157,17 @@ def _hit_figures(torch, hf, kvcopy, pool, tokens: int, runs: int) -> dict:
 def _put_get(pool, runs: int) -> dict:
     """put/get under every copy mode, interleaved, with memcpy measured alongside."""
     total = 64 * harness.MiB
-    cur = _native.copy_modes()
+    cur = copymode.modes()
     res: dict = {"memcpy_gbps": harness.memcpy_gbps(total)}
     try:
         for read, write in (("plain", "nt"), ("nt", "clwb"), ("plain", "clwb"), ("nt", "nt")):
-            _native.set_copy_modes(read, write)
+            copymode.use(read, write)
             put, get = kvbench.kv_put_get(pool, f"bench-hitpath-pg-{os.getpid()}", total,
                                           reps=max(3, runs // 2))
             res.setdefault("put_gbps", {}).setdefault(write, []).append(put)
             res.setdefault("get_gbps", {}).setdefault(read, []).append(get)
     finally:
-        _native.set_copy_modes(cur["read"], cur["write"])
+        copymode.use(cur["read"], cur["write"])
     res["memcpy_gbps"] = (res["memcpy_gbps"] + harness.memcpy_gbps(total)) / 2
     for k in ("put_gbps", "get_gbps"):
         res[k] = {mode: max(v) for mode, v in res[k].items()}

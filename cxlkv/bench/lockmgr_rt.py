@@ -115,7 +115,7 @@ def add_arguments(ap) -> None:
 
 def run(args, progress) -> dict:
     doc = {"cxlkv": os.path.dirname(cxlkv.__file__), "cpus": os.cpu_count(),
-           "c_loop": hasattr(_core._native.Mapping, "mgr_loop"),
+           "c_loop": hasattr(_core.Mapping, "mgr_loop"),
            "loadavg_start": os.getloadavg()[0],
            "loop": "python" if os.environ.get("CXLKV_LOCKMGR_PY") == "1" else "default",
            "noncoherent": os.environ.get("CXLKV_NONCOHERENT") == "1"}

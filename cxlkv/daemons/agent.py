@@ -436,7 +436,7 @@ class Agent:
         # recovery takes a new one (see _pool_lock), until the stop deadline
         if deadline is not None and not self._ticket_passed(deadline, pool):
             if node is not None:
-                node._stop.set()                # no more heartbeats
+                node.stop_heartbeats()
             self._abandoned_detach(pool, slot)
             return False
         if deadline is None:
@@ -460,7 +460,7 @@ class Agent:
         t.join(max(0.0, deadline - time.monotonic()))
         if t.is_alive():
             if node is not None:
-                node._stop.set()                # no more heartbeats, whatever detach waits on
+                node.stop_heartbeats()          # whatever detach waits on
             self._abandoned_detach(pool, slot)
             return False
         _AGENTS.pop(id(pool), None)
@@ -831,11 +831,10 @@ class Agent:
         bad = []
         if pool is not None and (node is None or node.fenced):
             bad.append("this agent's node is fenced")
-        if node is not None and node._thread is not None and not node._thread.is_alive() \
-                and not node.fenced:
+        stopped = node.stopped_threads() if node is not None and not node.fenced else []
+        if "heartbeat" in stopped:
             bad.append("this agent's heartbeat thread stopped")
-        if node is not None and node._reaper is not None and not node._reaper.is_alive() \
-                and not node.fenced:
+        if "reaper" in stopped:
             bad.append("this agent's reaper thread stopped: dead nodes are not reaped"
                        + (f" ({node.reap_error})" if node.reap_error else ""))
         ev = self.kv_events

@@ -461,14 +461,11 @@ class LockManager:
         observer what C saw (control, heartbeat and since when on the same
         monotonic clock), so its verdict is the one it would have reached
         watching every scan itself."""
-        tb, seen = self._tb, self.observer._seen
+        tb, saw = self._tb, self.observer.saw
         local = tb[:, _TB_LOCAL]
         for slot in np.flatnonzero((tb[:, _TB_CTL] >= 0) & ((local == 0) | (local == 3))).tolist():
             ctl, hb, since = (int(x) & 0xFFFFFFFFFFFFFFFF for x in tb[slot, :_TB_PIDFD])
-            prev = seen.get(slot)
-            if prev is None or (prev.control, prev.heartbeat) != (ctl, hb) or \
-                    prev.since > since / 1e9:
-                seen[slot] = node_table._Seen(ctl, hb, since / 1e9)
+            saw(slot, ctl, hb, since / 1e9)
 
     def close(self) -> None:
         for fd in self._tb[:, _TB_PIDFD].tolist():

@@ -238,22 +238,8 @@ class LMCacheCore:
     # -- remove ------------------------------------------------------------------------------
     def remove(self, key, force: bool = True) -> bool:
         """Evict the chunk's block now (False if absent or pinned by a reader)."""
-        kv = self._kv
-        keys = kv.keys_for_hashes([chunk_hash_bytes(key)])
-        # cxlkv has no public per-block eviction yet: this is the KV area's own
-        # eviction step, under the pool lock, for one leaf (LMCache's chunks are
-        # stored one a chain, so each is a leaf)
-        node = self._pool.node
-        node.enter()
-        try:
-            with self._pool.lock():
-                node.guard()
-                found, idx, _, _ = kv._lookup(keys)
-                if not found or int(kv.area._rows(idx[:1])["children"][0]):
-                    return False
-                gone = kv.area._evict_batch(idx[:1])[0]
-        finally:
-            node.leave()
+        # LMCache's chunks are stored one a chain, so each is a leaf
+        gone = self._kv.evict_hashes([chunk_hash_bytes(key)])
         self.stats["removed"] += gone
         return bool(gone)
 

@@ -347,6 +347,12 @@ class Area:
         self.purge_tombstones()
         return done_blocks, done_bytes
 
+    def victims(self, t: np.ndarray | None = None) -> np.ndarray:
+        """Entry indices evict() may take now, in its order (leaf first, least
+        recently used first); t: a snapshot of the table (entries()), read
+        when None."""
+        return self._victims(self.entries() if t is None else t, None, None, None)
+
     def _victims(self, t: np.ndarray, tenant, ns, keep) -> np.ndarray:
         """Entry indices that may be evicted, in eviction order: a block only
         after all its descendants (leaf first), least recently used first.

@@ -780,6 +780,29 @@ class KVCache:
     def drop(self) -> dict:
         return drop_namespace(self.pool, self.name)
 
+    def evict_hashes(self, hashes) -> int:
+        """Evict now the last block of the chain `hashes` (store_hashes's
+        form) when it is stored, has no children and no reader pins it: 1
+        when it was evicted, else 0.  Under the pool lock; a spill tier on the
+        pool takes the block, as it takes evict()'s victims."""
+        keys = self.keys_for_hashes(hashes)
+        if not len(keys):
+            return 0
+        node = self.pool.node
+        node.enter()
+        try:
+            with self.pool.lock():
+                node.guard()
+                found, idx, _, _ = self._lookup(keys)
+                if found < len(keys):
+                    return 0
+                last = idx[found - 1:found]
+                if int(self.area._rows(last)["children"][0]):
+                    return 0
+                return int(self.area._evict_batch(last)[0])
+        finally:
+            node.leave()
+
     def __repr__(self) -> str:
         return (f"<cxlkv.KVCache {self.name!r} block_tokens={self.block_tokens} "
                 f"block_bytes={self.block_bytes} hash={self.hash}>")

@@ -169,7 +169,7 @@ def usage(pool) -> dict:
             st = t["ctl"] & 0xFF
             live = np.flatnonzero((st == layout.KV_PENDING) | (st == layout.KV_PUBLISHED)
                                   | (st == layout.KV_EVICTING))
-            victims = a._victims(t, None, None, None)      # exactly what evict() may take
+            victims = a.victims(t)                         # exactly what evict() may take
             out["kv_entries"] = int(len(live))
             out["kv_evictable_entries"] = int(len(victims))
             out["kv_bytes"] = int(a.slot_sizes(t["length"][live]).sum())

@@ -61,7 +61,8 @@ from cxlkv.pool import layout
 from cxlkv.state import alloc, locks, nodes, protocol
 from cxlkv.version import __version__
 
-_F = alloc._F
+#: the chunk descriptor's field offsets
+_F = {name: off for name, (off, _size) in layout.field_layout(layout.ChunkStruct).items()}
 _CONTROL = layout.field_offset(layout.NodeStruct, "control")
 _HEARTBEAT = layout.field_offset(layout.NodeStruct, "heartbeat")
 _MGR_LINE = layout.field_offset(layout.NodeStruct, "mgr_control")
@@ -143,7 +144,7 @@ def repair(path: str, *, force: bool = False, live: bool | None = None,
             if lock is not None:
                 lock.acquire()
             try:
-                tokens = alloc._live_tokens(pool) - _placeholder_tokens(pool, rep)
+                tokens = alloc.live_tokens(pool) - _placeholder_tokens(pool, rep)
                 _locks(pool, rep, tokens, offline=not rep.attached)
                 _allocator(pool, rep, tokens)
 
@@ -486,7 +487,7 @@ def _allocator(pool, rep: Repair, live: set[int]) -> None:
     before_tails = int(((alloc.descriptors(pool)["control"] & 0xFF) == layout.CHUNK_TAIL).sum())
     leaked = int((alloc.bitmap(pool) & ((alloc.descriptors(pool)["control"] & 0xFF)
                                     == layout.CHUNK_FREE)).sum())
-    alloc._repair_dangling(pool)
+    alloc.repair_dangling(pool)
     after_tails = int(((alloc.descriptors(pool)["control"] & 0xFF) == layout.CHUNK_TAIL).sum())
     if before_tails != after_tails:
         rep.did("chunk-orphan-tail", "chunks", f"{before_tails - after_tails} tail(s) without "
@@ -514,7 +515,7 @@ def _allocator(pool, rep: Repair, live: set[int]) -> None:
                 rep.did("slab-pub", f"chunk {h}", "published bits of free slots cleared")
         m.flush(base, layout.CHUNK_DESC_SIZE)
     dirty_before = _count_dirty(pool, live)
-    alloc._finish_interrupted_frees(pool, live_owner=live)
+    alloc.finish_interrupted_frees(pool, live_owner=live)
     if dirty_before:
         rep.did("slab-dirty", "slabs", f"{dirty_before} interrupted free(s) finished")
 

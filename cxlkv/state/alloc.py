@@ -717,7 +717,7 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
                     pass                    # the free had got as far as the alloc bit
             m.store64(rec, 0)
             m.flush(rec, 8)
-        live = _live_tokens(pool)
+        live = live_tokens(pool)
         releasing, mine, interrupted, dangling, leaked, empty = census(pool, token, live)
         for head in releasing:                  # only a dead lock holder leaves these
             if not release_slab(pool, int(head), resume=True) and \
@@ -744,8 +744,8 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
         _release_batch(pool, np.concatenate((mine.astype(np.uint64),
                                              np.frombuffer(raw, dtype=np.uint64),
                                              empty.astype(np.uint64))))
-        _finish_interrupted_frees(pool, live, heads=interrupted)
-        _repair_dangling(pool, dangling=dangling, leaked=leaked)
+        finish_interrupted_frees(pool, live, heads=interrupted)
+        repair_dangling(pool, dangling=dangling, leaked=leaked)
 
 
 def census(pool, token: int = 0, live=()) -> tuple[np.ndarray, ...]:
@@ -874,14 +874,14 @@ def _release_batch(pool, heads) -> int:
     return done
 
 
-def _live_tokens(pool) -> set[int]:
+def live_tokens(pool) -> set[int]:
     """Owner tokens of nodes that still hold what they own: attached ones and
     fenced ones (quarantined: a fenced node may still be finishing a step)."""
     return {(n.slot + 1) | n.epoch << 16 for n in nodes.read_nodes(pool)
             if n.state in ("attached", "fenced")}
 
 
-def _finish_interrupted_frees(pool, live_owner: set[int], heads=None) -> None:
+def finish_interrupted_frees(pool, live_owner: set[int], heads=None) -> None:
     """Allocated slots with their dirty bit set are frees a dead node began;
     finish them - in slabs no live node owns (a live owner frees its own
     slots without the lock, and its own recovery finishes them) - and return
@@ -907,7 +907,7 @@ def _finish_interrupted_frees(pool, live_owner: set[int], heads=None) -> None:
     _release_batch(pool, empty)                     # refused while a slot stays allocated
 
 
-def _repair_dangling(pool, dangling=None, leaked=None) -> None:
+def repair_dangling(pool, dangling=None, leaked=None) -> None:
     """Tails whose head does not cover them, and bitmap bits with no slab
     behind them, left by a node that died making or releasing a slab.
     Caller holds the pool lock (so no slab is being made right now).

@@ -346,6 +346,11 @@ class PoolLock:
     def held_by_me(self) -> bool:
         return self._holder == get_ident()
 
+    def held_here(self) -> bool:
+        """A thread of this process holds the lock or is taking it (from
+        acquire until release): a section in flight (Attachment._in_flight)."""
+        return self._holder != 0
+
     def _wait(self, t: int, serving: int, deadline) -> int:
         m = self.pool.mapping
         backoff = 1e-5
@@ -548,6 +553,11 @@ class ManagerLock:
 
     def held_by_me(self) -> bool:
         return self._holder == get_ident()
+
+    def held_here(self) -> bool:
+        """A thread of this process holds the lock or is taking it (from
+        acquire until release): a section in flight (Attachment._in_flight)."""
+        return self._holder != 0
 
     __enter__ = acquire
 

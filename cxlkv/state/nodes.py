@@ -278,6 +278,16 @@ class Observer:
         grace = self.pool.sb.quarantine_grace_ms / 1000.0
         return "grace" if now - seen[1] >= grace else None
 
+    def saw(self, slot: int, control: int, heartbeat: int, since: float) -> None:
+        """Another watcher (the lock manager's C loop) saw `slot` with this
+        control word and heartbeat, unchanged since `since` (this observer's
+        clock): judge it from that, unless this observer already saw the same
+        words earlier."""
+        prev = self._seen.get(slot)
+        if prev is None or (prev.control, prev.heartbeat) != (control, heartbeat) or \
+                prev.since > since:
+            self._seen[slot] = _Seen(control, heartbeat, since)
+
     def quarantined_for(self, n: NodeInfo, now: float | None = None) -> float | None:
         """Seconds this observer has seen `n` fenced (None if it has not)."""
         seen = self._fenced.get(n.slot)
@@ -515,6 +525,17 @@ class Attachment:
                                                 daemon=True)
                 self._reaper.start()
 
+    def stop_heartbeats(self) -> None:
+        """Stop beating and reaping (at the threads' next wake-up) without
+        leaving the table: a detach given up on leaves the slot for others to
+        reap."""
+        self._stop.set()
+
+    def stopped_threads(self) -> list[str]:
+        """The threads start() began that have ended: "heartbeat", "reaper"."""
+        return [name for name, t in (("heartbeat", self._thread), ("reaper", self._reaper))
+                if t is not None and not t.is_alive()]
+
     # -- manager mode: slots are granted by the lock manager --------------------
     def _claim_managed(self) -> None:
         pool, m = self.pool, self.pool.mapping
@@ -726,9 +747,9 @@ class Attachment:
     def _in_flight(self) -> bool:
         """Sections begun and not ended, C calls running with the GIL released,
         or the pool lock held by a thread of this process (the lock keeps its
-        holder in _holder, so its hot path pays no bookkeeping here)."""
-        lk = self.pool.__dict__.get("_lock")
-        return self.pool.mapping.in_flight > 0 or (lk is not None and lk._holder != 0)
+        holder itself, so its hot path pays no bookkeeping here)."""
+        lk = self.pool.existing_lock
+        return self.pool.mapping.in_flight > 0 or (lk is not None and lk.held_here())
 
     def acknowledge_if_idle(self) -> bool:
         """Acknowledge the fencing once nothing is in flight (called when a
@@ -853,7 +874,7 @@ class Attachment:
         lock, each step guarded) and free the slot.  A node found fenced
         recovers nothing - its quarantine is the reaper's - and only
         acknowledges the fencing."""
-        lock = getattr(self.pool, "_lock", None)
+        lock = self.pool.existing_lock
         if lock is not None and lock.held_by_me():
             raise CxlkvError(f"{self.pool.path}: close the pool after leaving pool.lock(), "
                              "not inside it (detaching takes the lock)")
