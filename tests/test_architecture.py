@@ -9,6 +9,7 @@ import builtins
 import contextlib
 import io
 import logging
+import re
 import tomllib
 from pathlib import Path
 
@@ -185,6 +186,18 @@ def test_library_code_does_not_write_to_stderr():
                 bad.append(f"{rel}:{node.lineno}: sys.{node.value.attr}.write")
     assert not bad, ("library code writing to stderr (log through "
                      "logging.getLogger(__name__)):\n" + "\n".join(bad))
+
+
+def test_the_c_core_does_not_write_to_stderr():
+    """The C core returns what went wrong (an exception, or a value the
+    Python side logs); it never writes to stderr or stdout itself."""
+    writes = re.compile(r"PySys_Write(Stderr|Stdout)|PySys_Format(Stderr|Stdout)|"
+                        r"fprintf\s*\(\s*stderr|fputs\s*\([^;]*stderr|\bperror\s*\(|"
+                        r"\bprintf\s*\(|write\s*\(\s*(2|STDERR_FILENO)\s*,")
+    bad = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+           for path in sorted((PKG / "_core" / "src").glob("*.[ch]"))
+           for n, line in enumerate(path.read_text().splitlines(), 1) if writes.search(line)]
+    assert not bad, "the C core writing to stderr:\n" + "\n".join(bad)
 
 
 #: private names a module may reach on another package's objects, each with

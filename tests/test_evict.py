@@ -540,3 +540,22 @@ def test_evict_hashes_takes_one_unpinned_leaf(pool_path):
         assert len(a.victims()) == 2                               # the rest, leaf first
         lists_clean(pool)
     fsck_clean(pool_path)
+
+
+def test_a_refused_free_is_logged_not_written_to_stderr(pool_path, caplog, capfd):
+    """A victim whose slot the allocator refuses (freed behind the cache's
+    back) still leaves the table; the C core hands the failure back and the
+    library logs it (no write to stderr of its own)."""
+    make(pool_path, slots=1 << 12, size=16 * MiB)
+    with cxlkv.open_pool(pool_path) as pool:
+        kv = pool.kv(model="m", block_tokens=4, block_bytes=BB)
+        kv.store([1, 2, 3, 4], b"\1" * BB)
+        found, _idx, _ctl, pay = kv._lookup(kv._keys([1, 2, 3, 4]))
+        assert found == 1
+        pool.free(int(pay[0]))                           # the damage: a double free to come
+        capfd.readouterr()
+        with caplog.at_level("WARNING", logger="cxlkv.kv.area"):
+            assert kv.evict_hashes(kv.block_hashes([1, 2, 3, 4])) == 1
+        assert kv.match([1, 2, 3, 4]) == 0
+        assert any("free failed" in r.getMessage() for r in caplog.records), caplog.text
+        assert capfd.readouterr().err == ""

@@ -478,7 +478,9 @@ class Area:
         # MemoryError) leaves the counters to a recount, which this node's
         # own detach then makes (see recover)
         _COUNTS_SUSPECT.add(self.pool)
-        m.kv_evict_free(self.hdr, rec, np.zeros(1, dtype=np.uint64), idx, zero)
+        _, _, failed = m.kv_evict_free(self.hdr, rec, np.zeros(1, dtype=np.uint64), idx, zero)
+        for i, why in failed:
+            log.warning("evicting entry %d: free failed: %s (fsck will report it)", i, why)
         lengths = rows["length"].astype(np.int64)
         sizes = self.slot_sizes(lengths)
         nsd = {int(k): [int((rows["ns"] == k).sum()), int(lengths[rows["ns"] == k].sum())]

@@ -777,17 +777,19 @@ Mapping_kv_lru_check(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
                          (unsigned long long)leaves);
 }
 
-/* kv_evict_free(hdr, rec_off, one, idx[, zero=True]) -> (freed, errors)
+/* kv_evict_free(hdr, rec_off, one, idx[, zero=True]) -> (freed, errors, failed)
  * Free the victims `idx` (entries marked EVICTING by this evictor whose
  * payload slots the caller marked as being freed - slab_mark_freeing - pool
  * lock held), in order, each crash-safe as recovery expects: the payload
  * offset recorded in this node's lock entry (`rec_off`, its `freeing`
  * word), the entry removed, the slot freed (zeroed unless zero is false:
- * quarantine never writes a poisoned chunk), the record cleared.  `one` is a scratch uint64 array of one item.  A slot
- * the allocator refuses (a corrupt or double free: ValueError) is reported
- * on stderr and counted in errors; its entry still goes (fsck reports the
- * slot).  Any other exception (a stalled node's guard raising NodeFenced
- * before a victim's writes) stops the loop and propagates. */
+ * quarantine never writes a poisoned chunk), the record cleared.  `one` is
+ * a scratch uint64 array of one item.  A slot the allocator refuses (a
+ * corrupt or double free: ValueError) is counted in errors and returned in
+ * `failed`, a list of (entry, message) for the caller to log; its entry
+ * still goes (fsck reports the slot).  Any other exception (a stalled
+ * node's guard raising NodeFenced before a victim's writes) stops the loop
+ * and propagates. */
 PyObject *
 Mapping_kv_evict_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -807,11 +809,11 @@ Mapping_kv_evict_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         PyBuffer_Release(&bo);
         return NULL;
     }
-    PyObject *ret = NULL, *zero = PyLong_FromLong(0);
+    PyObject *ret = NULL, *zero = PyLong_FromLong(0), *failed = PyList_New(0);
     uint64_t n = (uint64_t)bi.len / 8, freed = 0, errors = 0, parent;
     const uint64_t *ix = bi.buf;
     uint64_t *one = bo.buf;
-    if (!zero)
+    if (!zero || !failed)
         goto done;
     if (bo.len < 8) {
         PyErr_SetString(PyExc_ValueError, "kv_evict_free: scratch array too small");
@@ -848,9 +850,19 @@ Mapping_kv_evict_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
             goto done;
         }
         if (!r) {
-            PySys_WriteStderr("cxlkv: evicting entry %llu: free failed (fsck will report "
-                              "it)\n", (unsigned long long)i);
-            PyErr_Clear();
+            PyObject *et, *ev, *etb, *why, *item;
+            PyErr_Fetch(&et, &ev, &etb);
+            why = ev ? PyObject_Str(ev) : PyUnicode_FromString("free refused");
+            Py_XDECREF(et);
+            Py_XDECREF(ev);
+            Py_XDECREF(etb);
+            item = why ? Py_BuildValue("(KN)", (unsigned long long)i, why) : NULL;
+            if (!item || PyList_Append(failed, item) < 0) {
+                Py_XDECREF(item);
+                lru_end(m);
+                goto done;
+            }
+            Py_DECREF(item);
             errors++;
         } else {
             freed++;
@@ -861,8 +873,9 @@ Mapping_kv_evict_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     }
     if (lru_end(m) < 0)
         goto done;
-    ret = Py_BuildValue("(KK)", (unsigned long long)freed, (unsigned long long)errors);
+    ret = Py_BuildValue("(KKO)", (unsigned long long)freed, (unsigned long long)errors, failed);
 done:
+    Py_XDECREF(failed);
     Py_XDECREF(zero);
     PyBuffer_Release(&bo);
     PyBuffer_Release(&bi);

@@ -116,7 +116,7 @@ static PyMethodDef Mapping_methods[] = {
     FAST(kv_lru_path_victim, "kv_lru_path_victim(key_lo, pinned, keep) -> idx | -1: LRU leaf on a key's probe path; pool lock held"),
     FAST(kv_lru_check, "kv_lru_check() -> (problems, first_problem, on_lists, leaves)"),
     FAST(kv_purge, "kv_purge(start, budget) -> (next_start, freed): bounded tombstone purge; pool lock held"),
-    FAST(kv_evict_free, "kv_evict_free(hdr, rec_off, one, idx[, zero]) -> (freed, errors): remove EVICTING victims and free their (marked) slots (zeroed unless zero is false), one by one, crash-safe; pool lock held"),
+    FAST(kv_evict_free, "kv_evict_free(hdr, rec_off, one, idx[, zero]) -> (freed, errors, failed): remove EVICTING victims and free their (marked) slots (zeroed unless zero is false), one by one, crash-safe; pool lock held; failed: (entry, message) of each free refused"),
     FAST(write_blocks, "write_blocks(offsets, src, block_bytes, nt=None) -> blocks written: block i of src to offsets[i]; flushed; stops before a block once write_deadline_ns passed"),
     FAST(read_blocks, "read_blocks(offsets, dst, block_bytes): offsets[i] to block i of dst"),
     FAST(kv_scatter, "kv_scatter(offsets, block_bytes, src_offset, buf, buf_offsets, shape, src_strides, buf_strides, run) -> blocks written: kv_copy's store walk straight into the pool slots at offsets (write copy mode, lines in memory on return); stops before a block once write_deadline_ns passed"),
