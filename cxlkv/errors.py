@@ -186,6 +186,14 @@ class DeviceError(CxlkvError):
     kind = "device"
 
 
+class InternalError(CxlkvError, RuntimeError):
+    """A broken invariant of cxlkv itself (a bug), e.g. the C allocator used
+    before its geometry was set (raised by the C core; also a RuntimeError)."""
+
+    exit_code = EXIT_INTERNAL
+    kind = "internal"
+
+
 class PoolRangeError(CxlkvError, IndexError):
     """An offset or length outside the pool mapping (raised by the C core)."""
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from cxlkv import _core
-from cxlkv.errors import PoolRangeError
+from cxlkv.errors import InternalError, PoolRangeError, PoolReadOnly
 
 SIZE = 1 << 20
 
@@ -163,7 +163,7 @@ def test_read_only_mapping_refuses_writes(mapfile):
         for call in (lambda: m.store64(0, 1), lambda: m.cas64(0, 0, 1),
                      lambda: m.fetch_add64(0, 1), lambda: m.write(0, b"x"),
                      lambda: m.zero(0, 8), lambda: m.view(0, 8, True)):
-            with pytest.raises(PermissionError):
+            with pytest.raises(PoolReadOnly, match="read-only"):     # also a PermissionError
                 call()
 
 
@@ -280,6 +280,15 @@ def test_closed_mapping_raises(mapfile):
             call()
 
 
+def test_the_allocator_before_its_geometry_is_an_internal_error():
+    """A bug, not a bad argument: the C allocator used before set_geometry."""
+    with _core.Mapping.from_buffer(bytearray(4096)) as m:
+        with pytest.raises(InternalError, match="slab_free: allocator geometry not set"):
+            m.slab_free(np.zeros(1, dtype=np.uint64), True, 0)
+        with pytest.raises(InternalError, match="chunk_find_run: allocator geometry not set"):
+            m.chunk_find_run(0, 1, 0)
+
+
 def test_from_buffer(mapfile):
     b = bytearray(4096)
     with _core.Mapping.from_buffer(b) as m:
@@ -287,7 +296,7 @@ def test_from_buffer(mapfile):
         assert b[8] == 9
     with _core.Mapping.from_buffer(b"\0" * 64) as m:
         assert not m.writable
-        with pytest.raises(PermissionError):
+        with pytest.raises(PoolReadOnly):
             m.store64(0, 1)
     with pytest.raises(ValueError):
         _core.Mapping.from_buffer(bytearray())

@@ -383,7 +383,7 @@ def test_copy_modes_env_override_and_cache(monkeypatch, tmp_path):
     m = copymode.apply()
     assert (m["read"], m["write"], m["source"]) == ("plain", "clwb", "env")
     monkeypatch.setenv("CXLKV_COPY", "read=fast")
-    with pytest.raises(ValueError, match="read=plain"):
+    with pytest.raises(UsageError, match="read=plain"):
         copymode.apply()
     with pytest.raises(UsageError, match="CXLKV_COPY"):
         kvcopy.prepare()

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from cxlkv.errors import (NotFormatted, PoolCorrupt, PoolIncompatible, PoolTruncated,
-                          WrongMagic)
+                          UsageError, WrongMagic)
+from cxlkv.ops.init import init_pool
 from cxlkv.pool import layout
 from cxlkv.pool.format import build_superblock
 from cxlkv.pool.superblock import checksum, decode, select
@@ -110,3 +111,11 @@ def test_an_incompatible_pool_names_the_cxlkv_it_needs():
         decode(reencode(sb_bytes(), incompat=1 << 40, creator=b"cxlkv 9.9.9"))
     with pytest.raises(PoolIncompatible, match="needs a newer cxlkv"):
         decode(reencode(sb_bytes(), incompat=1 << 40, creator=b"someone else"))
+
+
+def test_bad_format_arguments_are_usage_errors(tmp_path):
+    """Arguments a caller got wrong are UsageError (exit 2), with the message."""
+    with pytest.raises(UsageError, match="tenant secret must be 32 bytes"):
+        build_superblock(small_params(), secret=b"short")
+    with pytest.raises(UsageError, match=r"unknown format parameters: \['sizes'\]"):
+        init_pool(str(tmp_path / "p.pool"), {"sizes": 1 << 20})

@@ -6,7 +6,8 @@ takes a byte offset from the pool base and is bounds-checked in C.
 import logging
 import os
 
-from cxlkv.errors import MetadataCorrupt, PoolRangeError
+from cxlkv.errors import (InternalError, LockLost, MetadataCorrupt, PoolRangeError,
+                          PoolReadOnly, UsageError)
 
 try:
     from cxlkv._core import _native
@@ -25,7 +26,7 @@ if _native.ABI_VERSION != EXPECTED_ABI:  # pragma: no cover - depends on the bui
         f"(expects {EXPECTED_ABI}): rebuild with `pip install -e .`"
     )
 
-_native.set_error_types(PoolRangeError, MetadataCorrupt)
+_native.set_error_types(PoolRangeError, MetadataCorrupt, PoolReadOnly, InternalError, LockLost)
 
 #: crash points are live only when CXLKV_CRASH_AT or CXLKV_PAUSE_AT is set
 #: (tests); hot paths test this flag before calling crashpoint().
@@ -56,7 +57,7 @@ from cxlkv._core import copymode  # noqa: E402  (needs _native; sets the copy mo
 
 try:
     copymode.apply()                 # CXLKV_COPY, else this host's cached calibration
-except ValueError as e:              # a bad CXLKV_COPY: the defaults, and say so
+except UsageError as e:              # a bad CXLKV_COPY: the defaults, and say so
     logging.getLogger(__name__).warning("%s; using the default copy modes", e)
 
 __all__ = ["Mapping", "fence", "sfence", "cpu_info", "layout", "constants", "kv_chain", "kv_keys", "gather", "kv_copy",

@@ -34,6 +34,7 @@ import time
 import numpy as np
 
 from cxlkv._core import _native
+from cxlkv.errors import UsageError
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def cache_path() -> str:
 
 
 def _parse_env() -> dict:
-    """The CXLKV_COPY override ({} when unset); ValueError for a bad value."""
+    """The CXLKV_COPY override ({} when unset); UsageError for a bad value."""
     raw = os.environ.get("CXLKV_COPY", "").strip()
     out: dict = {}
     if not raw:
@@ -80,7 +81,7 @@ def _parse_env() -> dict:
         k, v = k.strip(), v.strip()
         allowed = {"read": READ_MODES, "write": WRITE_MODES}.get(k)
         if not sep or allowed is None or (v not in allowed and v != "auto"):
-            raise ValueError(f"CXLKV_COPY={raw!r}: expected read=plain|nt|auto and/or "
+            raise UsageError(f"CXLKV_COPY={raw!r}: expected read=plain|nt|auto and/or "
                              "write=nt|clwb|auto, comma-separated")
         if v != "auto":
             out[k] = v

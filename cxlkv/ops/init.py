@@ -200,7 +200,7 @@ def sb_params(sb: Superblock) -> dict:
 def _check_given(given: dict) -> None:
     unknown = set(given) - set(PARAM_NAMES)
     if unknown:
-        raise TypeError(f"unknown format parameters: {sorted(unknown)}")
+        raise UsageError(f"unknown format parameters: {sorted(unknown)}")
 
 
 def _resolve_params(given: dict, default_size: int | None, size_source: str = "") -> FormatParams:

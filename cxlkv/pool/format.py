@@ -134,7 +134,7 @@ def build_superblock(p: FormatParams, *, pool_uuid: uuidlib.UUID | None = None,
                      creator: str | None = None) -> Superblock:
     lay = compute_layout(p)
     if secret is not None and len(secret) != 32:
-        raise ValueError("tenant secret must be 32 bytes")
+        raise UsageError("tenant secret must be 32 bytes")
     return Superblock(
         pool_size=p.size, sync=p.sync, chunk_size=p.chunk_size, max_nodes=p.max_nodes,
         lease_ms=p.lease_ms, grace_ms=p.grace_ms, hash_slots=lay.hash_slots, hash_max_load_pct=p.hash_max_load_pct,

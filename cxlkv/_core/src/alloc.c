@@ -36,7 +36,7 @@ need_geometry(Mapping *m, const char *what)
     if (check_open(m) < 0)
         return -1;
     if (!m->geo_set) {
-        PyErr_Format(PyExc_RuntimeError, "%s: allocator geometry not set", what);
+        PyErr_Format(cxlkv_InternalError, "%s: allocator geometry not set", what);
         return -1;
     }
     return 0;

@@ -82,6 +82,9 @@ write_deadline_passed(const Mapping *m)
 /* module.c: the exception types (set_error_types) */
 extern PyObject *cxlkv_RangeError;
 extern PyObject *cxlkv_CorruptError;
+extern PyObject *cxlkv_ReadOnlyError;
+extern PyObject *cxlkv_InternalError;
+extern PyObject *cxlkv_LockLostError;
 
 /* mapping.c: the checks every access goes through, before a pointer is formed
  * (check_writable also runs the node's guard once its write deadline passed) */

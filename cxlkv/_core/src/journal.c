@@ -136,7 +136,7 @@ Mapping_journal_append(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         PyBuffer_Release(&b);
         if (check_writable(m, "journal_append") < 0)
             return NULL;
-        PyErr_SetString(PyExc_RuntimeError,
+        PyErr_SetString(cxlkv_LockLostError,
                         "journal_append: next_seq moved while this node held the pool lock");
         return NULL;
     }

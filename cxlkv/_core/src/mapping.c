@@ -79,7 +79,7 @@ int
 check_writable(Mapping *m, const char *what)
 {
     if (!m->writable) {
-        PyErr_Format(PyExc_PermissionError, "%s: pool is mapped read-only", what);
+        PyErr_Format(cxlkv_ReadOnlyError, "%s: pool is mapped read-only", what);
         return -1;
     }
     /* every write primitive passes here (GIL held): once the attached node's

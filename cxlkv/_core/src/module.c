@@ -21,6 +21,9 @@
 
 PyObject *cxlkv_RangeError;   /* set by _native.set_error_types() */
 PyObject *cxlkv_CorruptError; /* impossible pool metadata; set by set_error_types() */
+PyObject *cxlkv_ReadOnlyError; /* a write to a read-only mapping; set by set_error_types() */
+PyObject *cxlkv_InternalError; /* a broken invariant of cxlkv (a bug); set_error_types() */
+PyObject *cxlkv_LockLostError; /* the pool lock was taken from this node; set_error_types() */
 
 static PyObject *
 mod_fence(PyObject *self, PyObject *Py_UNUSED(ignored))
@@ -56,20 +59,26 @@ static PyObject *
 mod_set_error_types(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *range, *corrupt;
-    if (!PyArg_ParseTuple(args, "O!O!:set_error_types", &PyType_Type, &range, &PyType_Type,
-                          &corrupt))
+    PyObject *range, *corrupt, *ro, *internal, *lost;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!:set_error_types", &PyType_Type, &range,
+                          &PyType_Type, &corrupt, &PyType_Type, &ro, &PyType_Type, &internal,
+                          &PyType_Type, &lost))
         return NULL;
     if (!PyType_IsSubtype((PyTypeObject *)range, (PyTypeObject *)PyExc_IndexError) ||
-        !PyType_IsSubtype((PyTypeObject *)corrupt, (PyTypeObject *)PyExc_ValueError)) {
-        PyErr_SetString(PyExc_TypeError, "range error type must subclass IndexError, "
-                                         "corrupt error type ValueError");
+        !PyType_IsSubtype((PyTypeObject *)corrupt, (PyTypeObject *)PyExc_ValueError) ||
+        !PyType_IsSubtype((PyTypeObject *)ro, (PyTypeObject *)PyExc_PermissionError) ||
+        !PyType_IsSubtype((PyTypeObject *)internal, (PyTypeObject *)PyExc_RuntimeError) ||
+        !PyType_IsSubtype((PyTypeObject *)lost, (PyTypeObject *)PyExc_Exception)) {
+        PyErr_SetString(PyExc_TypeError, "error types must subclass IndexError (range), "
+                                         "ValueError (corrupt), PermissionError (read-only), "
+                                         "RuntimeError (internal), Exception (lock lost)");
         return NULL;
     }
-    Py_INCREF(range);
-    Py_XSETREF(cxlkv_RangeError, range);
-    Py_INCREF(corrupt);
-    Py_XSETREF(cxlkv_CorruptError, corrupt);
+    Py_XSETREF(cxlkv_RangeError, Py_NewRef(range));
+    Py_XSETREF(cxlkv_CorruptError, Py_NewRef(corrupt));
+    Py_XSETREF(cxlkv_ReadOnlyError, Py_NewRef(ro));
+    Py_XSETREF(cxlkv_InternalError, Py_NewRef(internal));
+    Py_XSETREF(cxlkv_LockLostError, Py_NewRef(lost));
     Py_RETURN_NONE;
 }
 
@@ -189,8 +198,10 @@ static PyMethodDef module_methods[] = {
     {"layout", mod_layout, METH_NOARGS, "on-media structure offsets and sizes, from the C header"},
     {"constants", mod_constants, METH_NOARGS, "on-media constants, from the C header"},
     {"set_error_types", mod_set_error_types, METH_VARARGS,
-     "set_error_types(range_error, corrupt_error): the exception classes raised for "
-     "out-of-range offsets and for impossible pool metadata"},
+     "set_error_types(range_error, corrupt_error, read_only_error, internal_error, "
+     "lock_lost_error): the exception classes raised for out-of-range offsets, impossible "
+     "pool metadata, writes to a read-only mapping, broken invariants (bugs) and a pool "
+     "lock taken from this node"},
     {NULL},
 };
 
@@ -215,6 +226,9 @@ PyInit__native(void)
     if (PyModule_AddObject(m, "RangeError", cxlkv_RangeError) < 0)
         goto fail;
     cxlkv_CorruptError = Py_NewRef(PyExc_ValueError);
+    cxlkv_ReadOnlyError = Py_NewRef(PyExc_PermissionError);
+    cxlkv_InternalError = Py_NewRef(PyExc_RuntimeError);
+    cxlkv_LockLostError = Py_NewRef(PyExc_RuntimeError);
     Py_INCREF(&MappingType);
     if (PyModule_AddObject(m, "Mapping", (PyObject *)&MappingType) < 0)
         goto fail;

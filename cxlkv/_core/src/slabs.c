@@ -211,7 +211,7 @@ Mapping_chunk_find_run(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         as_u64(args[2], &hint, "hint") < 0)
         return NULL;
     if (!m->geo_set) {
-        PyErr_SetString(PyExc_RuntimeError, "chunk_find_run: allocator geometry not set");
+        PyErr_SetString(cxlkv_InternalError, "chunk_find_run: allocator geometry not set");
         return NULL;
     }
     if (check_word(m, bm, "chunk_find_run bitmap") < 0 ||
@@ -358,7 +358,7 @@ Mapping_slabs_release(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         as_u64(args[3], &max_nodes, "max_nodes") < 0 || check_writable(m, "slabs_release") < 0)
         return NULL;
     if (!m->geo_set) {
-        PyErr_SetString(PyExc_RuntimeError, "slabs_release: allocator geometry not set");
+        PyErr_SetString(cxlkv_InternalError, "slabs_release: allocator geometry not set");
         return NULL;
     }
     if (check_word(m, bm, "slabs_release bitmap") < 0 ||
@@ -412,7 +412,7 @@ Mapping_slabs_set_owner(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         check_writable(m, "slabs_set_owner") < 0)
         return NULL;
     if (!m->geo_set) {
-        PyErr_SetString(PyExc_RuntimeError, "slabs_set_owner: allocator geometry not set");
+        PyErr_SetString(cxlkv_InternalError, "slabs_set_owner: allocator geometry not set");
         return NULL;
     }
     Py_buffer in;
@@ -476,7 +476,7 @@ Mapping_slab_census(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         as_u64(args[0], &bm, "bitmap_off") < 0 || as_u64(args[1], &token, "token") < 0)
         return NULL;
     if (!m->geo_set) {
-        PyErr_SetString(PyExc_RuntimeError, "slab_census: allocator geometry not set");
+        PyErr_SetString(cxlkv_InternalError, "slab_census: allocator geometry not set");
         return NULL;
     }
     if (check_word(m, bm, "slab_census bitmap") < 0 ||
