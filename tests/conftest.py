@@ -3,6 +3,7 @@ the caller's environment.  Shared helpers that are not fixtures live in
 cxlkv.testing (pools, damage, data, checks, nodes, redis, replay, models)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -105,6 +106,17 @@ def pytest_collection_modifyitems(config, items):
         for marker, skip in skips.items():
             if marker in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture
+def tool_seam():
+    """install(runner) -> runner: every external tool call (cxl, ndctl, daxctl)
+    goes through `runner` from then until the test ends - the one seam,
+    cxlkv.host.tools.use_runner; a later install replaces an earlier one."""
+    from cxlkv.host import tools
+
+    with contextlib.ExitStack() as stack:
+        yield lambda r: stack.enter_context(tools.use_runner(r))
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ import pytest
 
 from cxlkv.host import discovery
 from cxlkv.ops import doctor
-from cxlkv.host import tools
 from cxlkv.testing.damage import fake_node
 from cxlkv.testing.replay import ReplayRunner
 
@@ -21,13 +20,13 @@ LAB = Path(__file__).resolve().parent / "fixtures" / "lab"
 class Host:
     """A captured guest state as this test's host: tool replay + a writable sysfs copy."""
 
-    def __init__(self, tmp_path, monkeypatch, state, **kw):
+    def __init__(self, tmp_path, monkeypatch, tool_seam, state, **kw):
         self.root = tmp_path / "root"
         self.dev = tmp_path / "dev"
         self.dev.mkdir(exist_ok=True)
         self.runner = ReplayRunner(LAB, state, sysfs_dest=self.root,
                                    setenv=monkeypatch.setenv, **kw)
-        monkeypatch.setattr(tools, "_runner", self.runner)
+        tool_seam(self.runner)
         monkeypatch.setenv("CXLKV_DEV_ROOT", str(self.dev))
         monkeypatch.setenv("COLUMNS", "200")
 
@@ -50,8 +49,8 @@ class Host:
 
 
 @pytest.fixture
-def host(tmp_path, monkeypatch):
-    return lambda state="devdax", **kw: Host(tmp_path, monkeypatch, state, **kw)
+def host(tmp_path, monkeypatch, tool_seam):
+    return lambda state="devdax", **kw: Host(tmp_path, monkeypatch, tool_seam, state, **kw)
 
 
 def only(checks, cid, subject=None):

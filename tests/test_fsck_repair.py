@@ -367,13 +367,14 @@ def test_offline_repair_blocks_attaches_while_it_runs(cli, kv_pool, monkeypatch)
     damage(kv_pool, lambda p: alloc.set_bits(p, p.sb.nchunks - 1, 1, True))
     q = NodeProc()
     seen = {}
-    real = repair._allocator
+    real = repair.Repair.did
 
-    def during(pool, rep, live):
-        seen["attach"] = q.call(op="attach", path=kv_pool)
-        real(pool, rep, live)
+    def during(rep, *args):                 # the first fix: attaches are blocked by then
+        if "attach" not in seen:
+            seen["attach"] = q.call(op="attach", path=kv_pool)
+        real(rep, *args)
 
-    monkeypatch.setattr(repair, "_allocator", during)
+    monkeypatch.setattr(repair.Repair, "did", during)
     try:
         rc, doc = fsck(cli, kv_pool, "--repair")
         assert rc == 1 and doc["after"]["clean"], doc

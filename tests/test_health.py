@@ -305,15 +305,15 @@ def test_device_temperature_thresholds(cli, hpool, monkeypatch):
     assert (code, st) == (2, "CRITICAL")
 
 
-def test_device_health_from_the_captured_guest(tmp_path, monkeypatch):
+def test_device_health_from_the_captured_guest(tmp_path, monkeypatch, tool_seam):
     """A DAX pool's memdevs, read through the tool seam (output of a real
     guest): QEMU's device reports no health, so the temperature is unknown."""
-    from cxlkv.host import numa, tools
+    from cxlkv.host import numa
     from cxlkv.ops import health as pool_health
     from cxlkv.testing.replay import ReplayRunner
 
     r = ReplayRunner(LAB, "devdax", sysfs_dest=tmp_path / "root", setenv=monkeypatch.setenv)
-    monkeypatch.setattr(tools, "_runner", r)
+    tool_seam(r)
     monkeypatch.setattr(numa, "dax_of", lambda path: "dax0.0")
     d = pool_health.device_health("/dev/dax0.0", timeout=5)
     assert d["device"] == "dax0.0" and d["error"] is None

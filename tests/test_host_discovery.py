@@ -19,14 +19,14 @@ LAB = Path(__file__).resolve().parent / "fixtures" / "lab"
 
 
 @pytest.fixture
-def host(tmp_path, monkeypatch):
+def host(tmp_path, monkeypatch, tool_seam):
     """host(state) -> a ReplayRunner in that state, installed as the tool seam, with the
     state's sysfs/procfs as the roots (switched as the runner's state moves)."""
     runners = []
 
     def make(state: str, **kw) -> ReplayRunner:
         r = ReplayRunner(LAB, state, sysfs_dest=tmp_path / "root", setenv=monkeypatch.setenv, **kw)
-        monkeypatch.setattr(tools, "_runner", r)
+        tool_seam(r)
         monkeypatch.setenv("CXLKV_DEV_ROOT", str(tmp_path / "dev"))
         monkeypatch.setenv("COLUMNS", "200")          # tables unwrapped, for asserting text
         (tmp_path / "dev").mkdir(exist_ok=True)
@@ -206,11 +206,11 @@ def test_inspect_system_ram_shows_the_cxl_node(cli, host):
     assert "tier 22: node 1" in r.out
 
 
-def test_inspect_on_a_host_without_cxl(cli, tmp_path, monkeypatch):
+def test_inspect_on_a_host_without_cxl(cli, tmp_path, monkeypatch, tool_seam):
     """No CXL (no /sys/bus/cxl, no tools): said plainly, NUMA/THP/tiers still shown, exit 0."""
     root = install_sysfs(LAB, "raw", tmp_path / "root", monkeypatch.setenv)
     shutil.rmtree(root / "sys" / "bus" / "cxl")
-    monkeypatch.setattr(tools, "_runner", tools.Runner(path=str(tmp_path / "empty-path")))
+    tool_seam(tools.Runner(path=str(tmp_path / "empty-path")))
     r = cli("inspect")
     assert r.code == 0, r.err
     assert "CXL: no CXL memory devices on this host." in r.out

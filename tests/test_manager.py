@@ -229,9 +229,10 @@ def test_managers_step_down_when_the_pool_is_reformatted(mpool, manager, monkeyp
     while not _maps(standby.p.pid, mpool):               # it has opened the old pool
         assert time.monotonic() < deadline and standby.p.poll() is None
         time.sleep(0.01)
-    monkeypatch.setattr(admin, "_refuse_manager", lambda pool, path: None)   # skip the refusal
-    admin.format_pool(mpool, {"sync": "manager", "max_nodes": 64, "chunk_size": 1 << 20,
-                              "lease_ms": LEASE_MS}, force=True, observe_remote=False)
+    with monkeypatch.context() as mp:                    # the format's refusal skipped:
+        mp.setattr(protocol, "manager_alive", lambda pool: False)   # no manager seen
+        admin.format_pool(mpool, {"sync": "manager", "max_nodes": 64, "chunk_size": 1 << 20,
+                                  "lease_ms": LEASE_MS}, force=True, observe_remote=False)
     for m in (active, standby):
         assert m.p.wait(15) == 1
         err = m.p.stderr.read()

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from cxlkv import errors
-from cxlkv.host import tools
 from cxlkv.testing.replay import ReplayRunner
 
 LAB = Path(__file__).resolve().parent / "fixtures" / "lab"
@@ -27,12 +26,12 @@ MUTATING = {"create-region", "create-namespace", "reconfigure-device", "destroy-
 
 
 class Machine:
-    def __init__(self, tmp_path, monkeypatch, state, **kw):
+    def __init__(self, tmp_path, monkeypatch, tool_seam, state, **kw):
         self.dev = tmp_path / "dev"
         self.root = tmp_path / "root"
         self.r = ReplayRunner(LAB, state, sysfs_dest=self.root, setenv=monkeypatch.setenv,
                               dev_dest=self.dev, **kw)
-        monkeypatch.setattr(tools, "_runner", self.r)
+        tool_seam(self.r)
         monkeypatch.setenv("CXLKV_DEV_ROOT", str(self.dev))
         monkeypatch.setenv("COLUMNS", "200")
 
@@ -47,8 +46,8 @@ class Machine:
 
 
 @pytest.fixture
-def machine(tmp_path, monkeypatch):
-    return lambda state="raw", **kw: Machine(tmp_path, monkeypatch, state, **kw)
+def machine(tmp_path, monkeypatch, tool_seam):
+    return lambda state="raw", **kw: Machine(tmp_path, monkeypatch, tool_seam, state, **kw)
 
 
 @pytest.fixture(autouse=True)

@@ -150,7 +150,7 @@ def test_a_block_that_changes_while_copied_is_not_pushed(tmp_path, cluster, monk
         kv = pa.kv(model="m", block_bytes=BB)
         kv.store(list(range(16)), data(1, 6))
         push = remote.Pusher(pa, rca, ["m"], policy="all")
-        real = push._read
+        real = push.read_block
 
         def read_then_evict(off, n):
             out = real(off, n)
@@ -158,7 +158,7 @@ def test_a_block_that_changes_while_copied_is_not_pushed(tmp_path, cluster, monk
                 kv.area.evict(need_bytes=1 << 40)
             return out
 
-        monkeypatch.setattr(push, "_read", read_then_evict)
+        monkeypatch.setattr(push, "read_block", read_then_evict)
         got = push.scan()
         assert got["changed"] == 1 and got["queued"] == 0, got
 

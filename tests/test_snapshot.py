@@ -151,7 +151,7 @@ def test_snapshot_while_a_writer_stores_then_restore_is_bit_exact(tmp_path, cli)
 def test_snapshot_skips_blocks_that_change_while_copied(tmp_path, monkeypatch):
     src = make_pool(tmp_path / "src.pool")
     seqs = store_chains(src, 6)
-    real = snapshot._ctl
+    real = snapshot.entry_controls
     calls = []
 
     def evicted_meanwhile(area, idx):
@@ -162,7 +162,7 @@ def test_snapshot_skips_blocks_that_change_while_copied(tmp_path, monkeypatch):
         calls.append(1)
         return out
 
-    monkeypatch.setattr(snapshot, "_ctl", evicted_meanwhile)
+    monkeypatch.setattr(snapshot, "entry_controls", evicted_meanwhile)
     with cxlkv.open_pool(src) as pool:
         r = snapshot.snapshot(pool, tmp_path / "snap")
         total = Area(pool).header().live

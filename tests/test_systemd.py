@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cxlkv.daemons import units as U
+from cxlkv.daemons import units as systemd_units
 
 EXE = str(Path(sys.executable).parent / "cxlkv")
 
@@ -34,12 +34,12 @@ def directives(text: str) -> dict[str, list[str]]:
 
 
 def test_install_writes_the_units_ready_for_this_installation(cli, tmp_path, monkeypatch):
-    monkeypatch.setattr(U, "_HIDDEN", ())        # a checkout under /home (CI) is warned about
+    monkeypatch.setattr(systemd_units, "HOME_DIRS", ())   # CI checks out under /home
     doc = install(cli, tmp_path)
     units = tmp_path / "units"
-    assert sorted(p.name for p in units.iterdir()) == sorted(U.UNITS)
+    assert sorted(p.name for p in units.iterdir()) == sorted(systemd_units.UNITS)
     assert doc["warnings"] == [] and doc["exe"] == EXE
-    for name in U.UNITS:
+    for name in systemd_units.UNITS:
         text = (units / name).read_text()
         assert "@CXLKV@" not in text and "@CONFDIR@" not in text and "@GROUP@" not in text
     serve = directives((units / "cxlkv-serve@.service").read_text())
@@ -116,13 +116,13 @@ def test_systemd_analyze_verify(cli, tmp_path):
 def test_sandbox_warnings(cli, tmp_path):
     """What ProtectHome=, ProtectSystem=strict and PrivateTmp= would break is
     said at install time, with the drop-in that fixes it."""
-    w = U.sandbox_warnings("/home/alice/venv/bin/cxlkv", {})
+    w = systemd_units.sandbox_warnings("/home/alice/venv/bin/cxlkv", {})
     assert len(w) == 1 and "ProtectHome" in w[0] and "/home/alice/venv/bin/cxlkv" in w[0]
     script = tmp_path / "cxlkv"
     script.write_text("#!/root/venv/bin/python3\nimport cxlkv\n")
-    w = U.sandbox_warnings(str(script), {})
+    w = systemd_units.sandbox_warnings(str(script), {})
     assert len(w) == 1 and "interpreter /root/venv/bin/python3" in w[0]
-    w = U.sandbox_warnings("/opt/cxlkv/bin/cxlkv", {
+    w = systemd_units.sandbox_warnings("/opt/cxlkv/bin/cxlkv", {
         "kv0": "/srv/pools/kv0.pool", "kv1": "/tmp/kv1.pool", "kv2": "/dev/shm/kv2.pool",
         "kv3": "/dev/dax0.0", "kv4": "/dev/hugepages/kv4.pool"})
     assert len(w) == 2, w

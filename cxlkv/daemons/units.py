@@ -58,7 +58,8 @@ def render(name: str, *, exe: str, confdir: str, group: str) -> str:
             .replace("@GROUP@", group))
 
 
-_HIDDEN = ("/home", "/root", "/run/user")
+#: what ProtectHome=yes hides from the units (install-units warns about paths there)
+HOME_DIRS = ("/home", "/root", "/run/user")
 _PRIVATE = ("/tmp", "/var/tmp")
 
 
@@ -107,7 +108,7 @@ def sandbox_warnings(exe: str, pools: dict[str, str]) -> list[str]:
         if not path:
             continue
         for p in dict.fromkeys((path, os.path.realpath(path))):
-            if _under(p, _HIDDEN):
+            if _under(p, HOME_DIRS):
                 out.append(f"{what} {p} lies under /home or /root, which the units cannot "
                            "see (ProtectHome=yes): install cxlkv system-wide (e.g. a venv in "
                            "/opt/cxlkv, then --exe /opt/cxlkv/bin/cxlkv), or add "
@@ -117,7 +118,7 @@ def sandbox_warnings(exe: str, pools: dict[str, str]) -> list[str]:
     for name, pool in sorted(pools.items()):
         if not pool or (_under(pool, ("/dev",)) and not _under(pool, _PRIVATE)):
             continue                       # a DAX device, /dev/shm, /dev/hugepages: fine
-        if _under(pool, _HIDDEN + _PRIVATE):
+        if _under(pool, HOME_DIRS + _PRIVATE):
             out.append(f"{name}: pool {pool} is invisible to the units (ProtectHome=yes, "
                        "PrivateTmp=yes): move it to /dev/shm, /dev/hugepages or a directory "
                        "elsewhere named in ReadWritePaths=")

@@ -89,8 +89,9 @@ def _file_sum(path: Path) -> str:
     return h.hexdigest()
 
 
-def _ctl(area: Area, idx: np.ndarray) -> np.ndarray:
-    """Current control words of entries `idx`."""
+def entry_controls(area: Area, idx: np.ndarray) -> np.ndarray:
+    """Current control words of entries `idx`: read again after a copy, any
+    change means the block changed under it (a seam: tests change them)."""
     m = area.m
     if m.flush_meta:
         out = np.empty(len(idx), dtype=np.uint64)
@@ -220,7 +221,7 @@ def snapshot(pool, dest, progress=None) -> dict:
                         for p in pay:
                             m.invalidate(int(p), ln)
                     m.read_blocks(pay, buf, ln)
-                    good &= _ctl(area, pidx) == pctl       # unchanged during the copy
+                    good &= entry_controls(area, pidx) == pctl       # unchanged during the copy
                 finally:
                     m.kv_unpin(pins_off, area.npins, prec)
                 changed += int((~good).sum())

@@ -291,7 +291,9 @@ class Pusher:
         got["seconds"] = round(time.monotonic() - t0, 4)
         return got
 
-    def _read(self, payload: int, length: int) -> bytes:
+    def read_block(self, payload: int, length: int) -> bytes:
+        """A block's bytes out of the pool, between the two reads of its
+        entry's version (a seam: tests change the entry under it)."""
         m = self.pool.mapping
         if m.flush_meta:
             m.invalidate(payload, length)
@@ -305,7 +307,7 @@ class Pusher:
             m.invalidate(off, 8)
         if m.load64(off) != ctl:
             return None
-        data = self._read(payload, length)
+        data = self.read_block(payload, length)
 
         fence()
         if m.flush_meta:
