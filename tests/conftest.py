@@ -59,6 +59,27 @@ def kvpool(pool_path):
 
 
 @pytest.fixture
+def engine_pool(pool_path):
+    """A formatted 64 MiB pool of the default geometry, for the engine
+    integrations (vLLM, SGLang, LMCache); returns its path."""
+    from cxlkv.ops.init import init_pool
+
+    init_pool(pool_path, {"size": 64 * MiB})
+    return pool_path
+
+
+@pytest.fixture
+def spool(pool_path):
+    """A formatted 16 MiB pool for the serving agent's tests (64 KiB chunks,
+    512 hash slots, a 1 s lease); returns its path."""
+    from cxlkv.ops.init import init_pool
+
+    init_pool(pool_path, {"size": 16 * MiB, "chunk_size": 64 * 1024, "max_nodes": 8,
+                          "lease_ms": 1000, "hash_slots": 512})
+    return pool_path
+
+
+@pytest.fixture
 def small_pool(pool_path):
     """A formatted small pool file; returns its path."""
     from cxlkv.ops.init import init_pool
@@ -117,6 +138,19 @@ def tool_seam():
 
     with contextlib.ExitStack() as stack:
         yield lambda r: stack.enter_context(tools.use_runner(r))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A Redis Cluster of three local redis-servers for one test module
+    (cxlkv.testing.redis.TestCluster); skipped where redis-server is missing."""
+    from cxlkv.testing.redis import TestCluster, skip_reason
+
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    with TestCluster(masters=3) as c:
+        yield c
 
 
 @pytest.fixture

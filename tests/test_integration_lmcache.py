@@ -185,26 +185,19 @@ def _child(role: str, pool: str, n: int) -> str:
     return r.stdout
 
 
-@pytest.fixture
-def pool_path(tmp_path):
-    path = str(tmp_path / "lmc.pool")
-    cxlkv.init_pool(path, {"size": 64 << 20})
-    return path
+@in_lmcache
+@pytest.mark.lmcache
+def test_store_in_one_process_retrieve_bit_exact_in_another(engine_pool):
+    assert "stored 2" in _child("store", engine_pool, 40)           # 2 full chunks of 16
+    assert "retrieved 32 2" in _child("retrieve", engine_pool, 40)  # from the pool, bit for bit
 
 
 @in_lmcache
 @pytest.mark.lmcache
-def test_store_in_one_process_retrieve_bit_exact_in_another(pool_path):
-    assert "stored 2" in _child("store", pool_path, 40)           # 2 full chunks of 16
-    assert "retrieved 32 2" in _child("retrieve", pool_path, 40)  # from the pool, bit for bit
-
-
-@in_lmcache
-@pytest.mark.lmcache
-def test_plugin_contains_remove_and_keys(pool_path):
+def test_plugin_contains_remove_and_keys(engine_pool):
     from lmcache.utils import CacheEngineKey
 
-    eng = make_engine("here", pool_path)
+    eng = make_engine("here", engine_pool)
     try:
         be = eng.storage_manager.storage_backends["cxlkv"]
         assert type(be).__name__ == "CxlkvLMCacheBackend"
@@ -215,7 +208,7 @@ def test_plugin_contains_remove_and_keys(pool_path):
         assert all(isinstance(k, CacheEngineKey) for k in ckeys) and len(ckeys) == 3
         # LMCache's chunk keys map into the cxlkv namespace: the pool finds them
         # by the SHA-256 of the key string
-        with cxlkv.open_pool(pool_path) as pool:
+        with cxlkv.open_pool(engine_pool) as pool:
             kv = pool.kv(model=be.namespace, block_tokens=C,
                          block_bytes=lmc.HEADER_BYTES + be.chunk_bytes)
             assert kv.match_hashes([lmc.chunk_hash_bytes(k) for k in ckeys]) == 3

@@ -199,29 +199,22 @@ def _child(*args) -> str:
     return r.stdout
 
 
-@pytest.fixture
-def pool_path(tmp_path):
-    path = str(tmp_path / "sg.pool")
-    cxlkv.init_pool(path, {"size": 64 << 20})
-    return path
-
-
 @in_sglang
 @pytest.mark.sglang
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_pages_set_by_one_instance_are_read_bit_exact_by_another(pool_path, layout):
-    assert "set 6" in _child("set", pool_path, layout, 6)
-    assert "got 6" in _child("get", pool_path, layout, 6)
+def test_pages_set_by_one_instance_are_read_bit_exact_by_another(engine_pool, layout):
+    assert "set 6" in _child("set", engine_pool, layout, 6)
+    assert "got 6" in _child("get", engine_pool, layout, 6)
 
 
 @in_sglang
 @pytest.mark.sglang
-def test_partial_prefix_legacy_forms_and_namespaces(pool_path):
+def test_partial_prefix_legacy_forms_and_namespaces(engine_pool):
     import torch
     from sglang.srt.mem_cache.hicache_storage import PoolTransfer, PoolTransferResult
 
     host = HostPool("page_first", 8)
-    be = make_backend(pool_path, host)
+    be = make_backend(engine_pool, host)
     keys = chain(6, 9)
     idx = fill(host, 6, 4)
     ref = host.kv_buffer.clone()
@@ -244,8 +237,8 @@ def test_partial_prefix_legacy_forms_and_namespaces(pool_path):
     assert res == {"kv": [True, True]}
     assert be.batch_exists_v2(keys, [PoolTransfer(name="mamba", keys=keys[:1])]).kv_hit_pages == 0
     # another TP rank, another layout: other namespaces, nothing shared
-    other = make_backend(pool_path, HostPool("page_first", 8), tp_rank=1, tp_size=2)
+    other = make_backend(engine_pool, HostPool("page_first", 8), tp_rank=1, tp_size=2)
     assert other.batch_exists(keys) == 0
-    assert make_backend(pool_path, HostPool("layer_first", 8)).batch_exists(keys) == 0
+    assert make_backend(engine_pool, HostPool("layer_first", 8)).batch_exists(keys) == 0
     assert be.namespace().endswith("/page_first/2x16x4x2x16/p16/tp0of1")
     assert be.clear() and be.batch_exists(keys) == 0

@@ -9,31 +9,20 @@ import re
 import socket
 from types import SimpleNamespace
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_serve import Serve
 
 import cxlkv
 from cxlkv.api import Pool
 from cxlkv.daemons.metrics import POOL_WIDE, SnapshotCollector, version_label
-from cxlkv.ops.init import init_pool
 from cxlkv.testing.checks import wait_for
 
-MiB = 1 << 20
-BLOCK = 64 * 1024
 #: pool-wide families that exist only in some setups
 CONDITIONAL = {
     "cxlkv_lock_manager_up": "sync mode manager only",
     "cxlkv_node_pinned_blocks": "per-node pins: another branch",
     "cxlkv_node_pinned_bytes": "per-node pins: another branch",
 }
-
-
-@pytest.fixture
-def spool(pool_path):
-    init_pool(pool_path, {"size": 16 * MiB, "chunk_size": BLOCK, "max_nodes": 8,
-                          "lease_ms": 1000, "hash_slots": 512})
-    return pool_path
 
 
 def scrape(s: Serve) -> tuple[str, dict]:

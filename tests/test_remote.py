@@ -20,6 +20,7 @@ from cxlkv.errors import UsageError
 from cxlkv.remote import (RemoteClient, RemoteConfig, RemoteTier, key_name, ns_hash_name,
                           value)
 from cxlkv.testing.checks import wait_for
+from cxlkv.testing.data import random_blocks
 from cxlkv.testing.redis import TestCluster, skip_reason
 
 KiB = 1 << 10
@@ -29,12 +30,6 @@ SKIP = skip_reason()
 #: delays these tests inject are seconds, far above it)
 SLACK = 0.3
 needs_redis = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
-
-
-def blocks(n, size, seed=0):
-    rng = __import__("random").Random(seed)
-    keys = [rng.randbytes(16) for _ in range(n)]
-    return keys, [rng.randbytes(size) for _ in range(n)]
 
 
 # -- the value format (no cluster) ---------------------------------------------------------
@@ -175,14 +170,6 @@ def test_config_never_shows_the_password(tmp_path):
 
 # -- a real cluster ---------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def cluster():
-    if SKIP:
-        pytest.skip(SKIP)
-    with TestCluster(masters=3) as c:
-        yield c
-
-
 def cfg_of(c: TestCluster, **kw) -> RemoteConfig:
     return RemoteConfig(nodes=tuple(c.addrs), **kw)
 
@@ -198,7 +185,7 @@ def test_round_trip_bit_exact(cluster):
     with RemoteClient(cfg_of(cluster, ttl_s=600)) as rc:
         rc.register_namespace(ns, ns_name)
         for size in (256 * KiB, 64 * KiB, 1000):
-            keys, data = blocks(24, size, seed=size)
+            keys, data = random_blocks(24, size, seed=size)
             assert all(rc.push(k, ns, d) for k, d in zip(keys, data))
             assert rc.flush(30)
             got = rc.lookup(ns, keys, size, budget_s=5.0)
@@ -236,7 +223,7 @@ def test_round_trip_bit_exact(cluster):
 @needs_redis
 def test_damaged_values_are_misses_and_deleted(cluster, caplog):
     size = 8 * KiB
-    keys, data = blocks(6, size, seed=99)
+    keys, data = random_blocks(6, size, seed=99)
     with RemoteClient(cfg_of(cluster)) as rc:
         for k, d in zip(keys, data):
             rc.push(k, NS, d)
@@ -297,7 +284,7 @@ def test_queue_full_drops_counted_and_logged_once(cluster, caplog):
     size = 64 * KiB
     cfg = cfg_of(cluster, queue_bytes=3 * (size + value.HEADER_SIZE))
     tier = GatedTier(cfg)
-    keys, data = blocks(10, size, seed=5)
+    keys, data = random_blocks(10, size, seed=5)
     with RemoteClient(cfg, tier=tier) as rc:
         caplog.clear()
         took = [rc.push(k, NS, d) for k, d in zip(keys, data)]
@@ -318,7 +305,7 @@ def test_queue_full_drops_counted_and_logged_once(cluster, caplog):
 @needs_redis
 def test_over_budget_drops(cluster):
     size = 16 * KiB
-    keys, data = blocks(4, size, seed=7)
+    keys, data = random_blocks(4, size, seed=7)
     with RemoteClient(cfg_of(cluster, max_bytes=1)) as rc:
         rc.push(keys[0], NS, data[0])
         assert rc.flush(30)           # the first flush also reads used_memory (INFO)
@@ -357,7 +344,7 @@ RemoteTier.register(MemTier)
 @needs_redis
 def test_pushes_resume_when_the_cluster_has_room_again(cluster):
     size = 4 * KiB
-    keys, data = blocks(3, size, seed=8)
+    keys, data = random_blocks(3, size, seed=8)
     cfg = cfg_of(cluster, max_bytes=10 * size)
     tier = MemTier(cfg)
     tier.used = 10 * size
@@ -373,7 +360,7 @@ def test_pushes_resume_when_the_cluster_has_room_again(cluster):
         assert st["pushed"] == 1 and st["dropped_over-budget"] == 2
         # between polls the writer adds what it pushed to the last figure
         rc.budget_poll_s = 3600
-        for k, d in zip(*blocks(12, size, seed=9)):
+        for k, d in zip(*random_blocks(12, size, seed=9)):
             rc.push(k, NS, d)
         assert rc.flush(10)
         assert rc.stats()["over_budget"]
@@ -386,7 +373,7 @@ def test_cluster_pipeline_strategy_and_bad_arguments(cluster):
     from cxlkv.remote.redis_cluster import RedisClusterTier
 
     size = 32 * KiB
-    keys, data = blocks(20, size, seed=13)
+    keys, data = random_blocks(20, size, seed=13)
     cfg = cfg_of(cluster)
     with RemoteClient(cfg, tier=lambda: RedisClusterTier(cfg, strategy="pipeline")) as rc:
         for k, d in zip(keys, data):
@@ -430,7 +417,7 @@ RemoteTier.register(SlowTier)
 @needs_redis
 def test_lookup_returns_within_budget_with_what_arrived(cluster):
     size = 64 * KiB
-    keys, data = blocks(8, size, seed=11)
+    keys, data = random_blocks(8, size, seed=11)
     with RemoteClient(cfg_of(cluster)) as rc:
         for k, d in zip(keys, data):
             rc.push(k, NS, d)
@@ -463,7 +450,7 @@ def test_cluster_down_misses_within_budget_and_drops():
     if SKIP:
         pytest.skip(SKIP)
     size = 64 * KiB
-    keys, data = blocks(16, size, seed=3)
+    keys, data = random_blocks(16, size, seed=3)
     with TestCluster(masters=3) as c:
         with RemoteClient(cfg_of(c), retry_s=0.2) as rc:
             for k, d in zip(keys, data):
@@ -500,7 +487,7 @@ def test_replicated_blocks_survive_master_kill(cli):
     if SKIP:
         pytest.skip(SKIP)
     size = 64 * KiB
-    keys, data = blocks(40, size, seed=21)
+    keys, data = random_blocks(40, size, seed=21)
     with TestCluster(masters=3, replicas=1) as c:
         cfg = cfg_of(c, wait_replicas=1)
         with RemoteClient(cfg) as rc:
@@ -544,7 +531,7 @@ def test_password_never_shows(tmp_path, capsys, caplog, cli):
     wrongf = tmp_path / "wrong.pass"
     wrong = "Wr0ng-guess-of-it"
     wrongf.write_text(wrong + "\n")
-    keys, data = blocks(4, 4 * KiB, seed=1)
+    keys, data = random_blocks(4, 4 * KiB, seed=1)
     with TestCluster(masters=3, password=pw) as c:
         cfg = RemoteConfig(nodes=tuple(c.addrs), password_file=str(pwf))
         with RemoteClient(cfg) as rc:
@@ -590,7 +577,7 @@ def test_password_never_shows(tmp_path, capsys, caplog, cli):
 @pytest.mark.skipif(__import__("shutil").which("openssl") is None,
                     reason="openssl is not installed (makes the test certificates)")
 def test_tls_with_client_certificates(cli):
-    keys, data = blocks(6, 8 * KiB, seed=17)
+    keys, data = random_blocks(6, 8 * KiB, seed=17)
     with TestCluster(masters=3, tls=True) as c:
         f = c.tls_files
         cfg = cfg_of(c, tls=True, tls_ca=f["ca"], tls_cert=f["cert"], tls_key=f["key"])
@@ -679,7 +666,7 @@ def test_a_silent_cluster_costs_three_budgets_then_backs_off():
     t = threading.Thread(target=accept, daemon=True)
     t.start()
     cfg = RemoteConfig(nodes=(f"127.0.0.1:{bh.getsockname()[1]}",), timeout_s=30.0)
-    keys, _ = blocks(4, 1024, seed=5)
+    keys, _ = random_blocks(4, 1024, seed=5)
     try:
         rc = RemoteClient(cfg, retry_s=60.0)
         try:

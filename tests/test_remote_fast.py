@@ -17,6 +17,7 @@ import xxhash
 from cxlkv.remote import Batch, RemoteClient, RemoteConfig, RemoteTier, key_name, value
 from cxlkv.remote.fastpath import FastCluster, command
 from cxlkv.testing.checks import wait_for
+from cxlkv.testing.data import random_blocks
 from cxlkv.testing.redis import TestCluster, skip_reason
 
 KiB = 1 << 10
@@ -24,19 +25,6 @@ SKIP = skip_reason()
 NS = xxhash.xxh3_128_digest(b"cxlkv-namespace\0fast-model")
 OTHER_NS = xxhash.xxh3_128_digest(b"cxlkv-namespace\0another-model")
 needs_redis = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
-
-
-def blocks(n, size, seed=0):
-    rng = __import__("random").Random(seed)
-    return [rng.randbytes(16) for _ in range(n)], [rng.randbytes(size) for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    if SKIP:
-        pytest.skip(SKIP)
-    with TestCluster(masters=3) as c:
-        yield c
 
 
 def cfg_of(c, **kw) -> RemoteConfig:
@@ -54,7 +42,7 @@ def test_command_encoding():
 @needs_redis
 def test_lookups_in_windows_sized_by_bytes_come_back_whole_and_in_order(cluster):
     size = 16 * KiB
-    keys, data = blocks(40, size, seed=1)
+    keys, data = random_blocks(40, size, seed=1)
     # chunk_bytes fits 3 values: each master's pipeline goes in windows of 3
     with RemoteClient(cfg_of(cluster), chunk_bytes=3 * (size + value.HEADER_SIZE)) as rc:
         assert rc.fast is not None
@@ -82,7 +70,7 @@ def test_lookups_in_windows_sized_by_bytes_come_back_whole_and_in_order(cluster)
 @needs_redis
 def test_corrupt_or_foreign_values_are_misses_never_wrong_blocks(cluster):
     size = 8 * KiB
-    keys, data = blocks(6, size, seed=2)
+    keys, data = random_blocks(6, size, seed=2)
     with RemoteClient(cfg_of(cluster)) as rc:
         assert rc.fast is not None
         names = [key_name("cxlkv:", NS, k) for k in keys]
@@ -174,7 +162,7 @@ def test_writer_batches_are_sized_by_bytes():
 @needs_redis
 def test_auth_and_a_wrong_password():
     with TestCluster(masters=3, password="s3cret-fast") as c:
-        keys, data = blocks(8, 4 * KiB, seed=3)
+        keys, data = random_blocks(8, 4 * KiB, seed=3)
         with RemoteClient(RemoteConfig(nodes=tuple(c.addrs), password="s3cret-fast", fast=True)) as rc:
             assert rc.fast is not None
             for k, d in zip(keys, data):

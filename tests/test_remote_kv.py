@@ -25,12 +25,6 @@ SKIP = skip_reason()
 pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with TestCluster(masters=3) as c:
-        yield c
-
-
 def mkpool(path):
     init_pool(str(path), {"size": 32 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8,
                           "lease_ms": 2000})

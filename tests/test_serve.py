@@ -27,6 +27,7 @@ from cxlkv.state import nodes as node_table
 from cxlkv.ops.fsck import check
 
 from cxlkv.testing.checks import wait_for
+from cxlkv.testing.data import pattern_bytes
 from cxlkv.testing.nodes import NodeProc
 
 MiB = 1 << 20
@@ -126,13 +127,6 @@ class Serve:
 
 def sample(m, name, **labels):
     return m.get((name, tuple(sorted(labels.items()))))
-
-
-@pytest.fixture
-def spool(pool_path):
-    init_pool(pool_path, {"size": 16 * MiB, "chunk_size": BLOCK, "max_nodes": 8,
-                          "lease_ms": 1000, "hash_slots": 512})
-    return pool_path
 
 
 @pytest.fixture
@@ -639,11 +633,6 @@ def test_a_dax_pool_without_the_poison_trace_event_is_said(agent, monkeypatch, t
 
 # -- the spill store the agent owns -----------------------------------------------------------
 
-def _pattern(kv, toks):
-    """What NodeProc's kv_store writes: each block its chain hash repeated."""
-    return [h * (kv.block_bytes // len(h)) for h in kv.block_hashes(toks)]
-
-
 def _fill_and_squeeze(q, spool, first: int, nseq: int, other: float):
     """q stores `nseq` sequences of 8 blocks (numbered from `first`), then
     allocates `other` of the data area outside the KV cache: free space
@@ -707,7 +696,7 @@ def test_agent_spills_its_evictions_and_a_reader_promotes_them(spool, serve, tmp
             for t in cold[:2]:
                 out = bytearray(8 * BLOCK)
                 assert kv.load_into(t, out) == 8
-                assert bytes(out) == b"".join(_pattern(kv, t))      # bit-exact
+                assert bytes(out) == pattern_bytes(kv, t)           # bit-exact
                 assert kv._lookup(kv._keys(t))[0] == 8               # promoted into the pool
             st = sp.stats()
             assert st["promoted"] >= 1 and st["hits"] >= 1 and st["corrupt"] == 0

@@ -13,7 +13,7 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def spool(pool_path):
+def stress_pool(pool_path):
     init_pool(pool_path, {"size": 64 * MiB, "chunk_size": MiB, "max_nodes": 16, "lease_ms": 300})
     return pool_path
 
@@ -28,8 +28,8 @@ def assert_empty(path):
     assert rep.stats["allocator"]["slots_allocated"] == rep.stats["allocator"]["chunks_used"] == 0
 
 
-def test_clean_run_passes_and_reports(cli, spool):
-    r = cli("stress", "--pool", spool, "--nodes", "4", "--seconds", "2", "--seed", "7", "--json")
+def test_clean_run_passes_and_reports(cli, stress_pool):
+    r = cli("stress", "--pool", stress_pool, "--nodes", "4", "--seconds", "2", "--seed", "7", "--json")
     assert r.code == 0, r.err
     doc = r.json()
     assert doc["passed"] and doc["violations"] == []
@@ -43,23 +43,23 @@ def test_clean_run_passes_and_reports(cli, spool):
         assert 0 < q["p50"] <= q["p99"]
     assert set(doc["checks"]) == set(stress.CHECKS)
     assert all(c["passed"] for c in doc["checks"].values())
-    assert_empty(spool)
+    assert_empty(stress_pool)
 
 
-def test_kills_are_survived(cli, spool):
-    r = cli("stress", "--pool", spool, "--nodes", "4", "--seconds", "3", "--kill-rate", "3",
+def test_kills_are_survived(cli, stress_pool):
+    r = cli("stress", "--pool", stress_pool, "--nodes", "4", "--seconds", "3", "--kill-rate", "3",
             "--seed", "11", "--json")
     assert r.code == 0, r.err
     doc = r.json()
     assert doc["kills"] > 0 and doc["kills"] == doc["restarts"]
     assert doc["passed"], doc["violations"]
-    assert_empty(spool)
+    assert_empty(stress_pool)
 
 
-def test_human_output_and_ops_limit(cli, spool):
-    r = cli("stress", "--pool", spool, "--nodes", "2", "--ops", "300", "--mix", "alloc=1,lock=1")
+def test_human_output_and_ops_limit(cli, stress_pool):
+    r = cli("stress", "--pool", stress_pool, "--nodes", "2", "--ops", "300", "--mix", "alloc=1,lock=1")
     assert r.code == 0, r.err
-    assert f"stress {spool}: passed" in r.out
+    assert f"stress {stress_pool}: passed" in r.out
     assert "verify 0" in r.out and "lock" in r.out and "p99" in r.out
     assert r.err == ""
 
@@ -102,7 +102,7 @@ def _overwrite_kv_block(pool, sup):
                                          (_leak_unowned_payload, "unowned-payload"),
                                          (_skip_lock, "lost-update"),
                                          (_overwrite_kv_block, "kv-mismatch")])
-def test_checks_catch_damage(cli, spool, monkeypatch, damage, kind):
+def test_checks_catch_damage(cli, stress_pool, monkeypatch, damage, kind):
     """Damage the pool after the workers stopped, before the end checks."""
     check_pool = stress.Supervisor.check_pool
 
@@ -112,13 +112,13 @@ def test_checks_catch_damage(cli, spool, monkeypatch, damage, kind):
         check_pool(self)
 
     monkeypatch.setattr(stress.Supervisor, "check_pool", damaged)
-    r = cli("stress", "--pool", spool, "--nodes", "2", "--ops", "400",
+    r = cli("stress", "--pool", stress_pool, "--nodes", "2", "--ops", "400",
             "--mix", "alloc=3,free=1,lock=1,kv=1", "--json")
     assert r.code == 1, r.err
     doc = r.json()
     assert not doc["passed"] and [v["kind"] for v in doc["violations"]] == [kind]
     assert f"violation: {kind}" in r.err
-    assert_empty(spool)                        # the supervisor still cleans up
+    assert_empty(stress_pool)                        # the supervisor still cleans up
 
 
 @pytest.mark.parametrize("args,words", [
@@ -136,19 +136,19 @@ def test_checks_catch_damage(cli, spool, monkeypatch, damage, kind):
     (["--seconds", "1", "--pause-seconds", "a:b"], "invalid --pause-seconds"),
     (["--seconds", "1", "--nodes", "17"], "16 slots"),
 ])
-def test_usage_errors(cli, spool, args, words):
-    r = cli("stress", "--pool", spool, *args, "--json")
+def test_usage_errors(cli, stress_pool, args, words):
+    r = cli("stress", "--pool", stress_pool, *args, "--json")
     assert r.code == 2, (r.out, r.err)
     assert r.json()["error"]["kind"] == "usage"
     assert words in r.err
 
 
-def test_refuses_a_pool_in_use(cli, spool):
-    with cxlkv.open_pool(spool) as pool:
-        r = cli("stress", "--pool", spool, "--seconds", "1")
+def test_refuses_a_pool_in_use(cli, stress_pool):
+    with cxlkv.open_pool(stress_pool) as pool:
+        r = cli("stress", "--pool", stress_pool, "--seconds", "1")
         assert r.code == 1 and "in use by node" in r.err, r.err
         pool.publish(pool.alloc(4096))
-    r = cli("stress", "--pool", spool, "--seconds", "1")
+    r = cli("stress", "--pool", stress_pool, "--seconds", "1")
     assert r.code == 1 and "holds 1 allocated slot" in r.err, r.err
 
 
@@ -236,14 +236,14 @@ def test_host_root_gives_a_boot_id_of_its_own(tmp_path, monkeypatch):
     assert nodes.local_pidns() != 0                 # what a process reads about itself holds
 
 
-def test_a_paused_worker_is_judged_by_heartbeat_reaped_and_fenced(spool, tmp_path):
+def test_a_paused_worker_is_judged_by_heartbeat_reaped_and_fenced(stress_pool, tmp_path):
     """The pause machinery: a worker with a host root of its own, SIGSTOPped,
     is judged dead by another node's heartbeat observer (its process still
     exists, so a pid check would call it alive) and reaped; after SIGCONT it
     reports that it was fenced and attaches again as a new node."""
     from cxlkv.state import nodes
 
-    with cxlkv.open_pool(spool) as pool:            # the observer: a node whose reaper judges
+    with cxlkv.open_pool(stress_pool) as pool:            # the observer: a node whose reaper judges
         control = pool.alloc(stress.LINE * 2)
         pool.publish(control)
         cfg = stress.worker_config(pool, control, 1, {"alloc": 1, "free": 1, "verify": 1,
@@ -329,7 +329,7 @@ def test_kv_blocks_name_what_overwrote_them():
     assert stress.kv_block_bytes(MiB) == 4096 and stress.kv_block_bytes(1 << 40) == MiB
 
 
-def test_quarantine_check_names_a_node_left(cli, spool, monkeypatch):
+def test_quarantine_check_names_a_node_left(cli, stress_pool, monkeypatch):
     """A node that never leaves the table fails the drain check, within its bound."""
     import time
 
@@ -343,7 +343,7 @@ def test_quarantine_check_names_a_node_left(cli, spool, monkeypatch):
             took.append(time.monotonic() - t0)
 
     monkeypatch.setattr(stress.Supervisor, "check_pool", with_a_node_left)
-    r = cli("stress", "--pool", spool, "--nodes", "2", "--ops", "200", "--json")
+    r = cli("stress", "--pool", stress_pool, "--nodes", "2", "--ops", "200", "--json")
     assert r.code == 1, r.err
     doc = r.json()
     assert [(v["check"], v["kind"]) for v in doc["violations"]] == [("quarantine",
@@ -351,10 +351,10 @@ def test_quarantine_check_names_a_node_left(cli, spool, monkeypatch):
     assert "is still attached" in doc["violations"][0]["detail"]
     bound = doc["grace_s"] + 2 * doc["lease_s"]
     assert bound <= took[0] < bound + 5
-    assert_empty(spool)
+    assert_empty(stress_pool)
 
 
-def test_watchdog_names_a_stuck_worker(spool):
+def test_watchdog_names_a_stuck_worker(stress_pool):
     """A worker stopped behind the supervisor's back (local, so never reaped:
     its pid lives) is reported as hung, killed and replaced; the run ends."""
     import os
@@ -369,7 +369,7 @@ def test_watchdog_names_a_stuck_worker(spool):
 
     def stop_one():
         deadline = time.monotonic() + 30
-        with Pool.open(spool, writable=False) as p:
+        with Pool.open(stress_pool, writable=False) as p:
             while time.monotonic() < deadline:
                 workers = [n for n in nodes.read_nodes(p)
                            if n.state == "attached" and n.pid != os.getpid()]
@@ -382,7 +382,7 @@ def test_watchdog_names_a_stuck_worker(spool):
 
     t = threading.Thread(target=stop_one)
     t.start()
-    res = stress.run(stress.Options(spool, 2, {"alloc": 3, "free": 2, "verify": 1, "lock": 1,
+    res = stress.run(stress.Options(stress_pool, 2, {"alloc": 3, "free": 2, "verify": 1, "lock": 1,
                                                "kv": 1}, seconds=3, seed=3, op_timeout=2.0))
     t.join()
     assert stopped, "no worker to stop"
@@ -391,7 +391,7 @@ def test_watchdog_names_a_stuck_worker(spool):
     assert any(f"pid {stopped[0]}," in v["detail"] for v in hung), hung
     assert res.hangs >= 1 and not res.checks["hang"]["passed"]
     assert {v["check"] for v in res.violations} == {"hang"}, res.violations
-    assert_empty(spool)
+    assert_empty(stress_pool)
 
 
 @pytest.mark.long
