@@ -38,11 +38,11 @@ def consumer(path: str, q) -> None:
 
 
 def main(path: str) -> int:
-    from cxlkv.pool import layout as L
+    from cxlkv.pool import layout
     from cxlkv.api import Pool
 
     with Pool.open(path, writable=False) as p:
-        has_kv = bool(p.sb.compat & L.COMPAT_KV)
+        has_kv = bool(p.sb.compat & layout.COMPAT_KV)
     if not has_kv:
         print(f"demo: {path} was made by a cxlkv from before the KV cache (it has no KV "
               "region). Re-create it - what it holds is lost - with\n"

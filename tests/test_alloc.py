@@ -353,7 +353,7 @@ def crowded_pool(pool_path):
 def test_stress_on_a_crowded_pool_finds_nothing(crowded_pool, nodes, seed):
     """Workers allocate, publish, verify and free in a pool that is full most
     of the time (releases racing lock-free allocation in other nodes' slabs)."""
-    from cxlkv.api import Pool as P
+    from cxlkv.api import Pool
     from cxlkv.ops import stress
     from cxlkv.ops.fsck import check
 
@@ -361,7 +361,7 @@ def test_stress_on_a_crowded_pool_finds_nothing(crowded_pool, nodes, seed):
                                     mix={"alloc": 40, "free": 30, "verify": 20, "lock": 10}))
     assert res.violations == []
     assert res.ops["total"] >= 5000 and res.ops["alloc"] > 1000
-    with P.open(crowded_pool, writable=False) as p:
+    with Pool.open(crowded_pool, writable=False) as p:
         rep = check(p)
     assert rep.clean, rep.to_json()
     assert rep.stats["allocator"]["slots_allocated"] == rep.stats["allocator"]["chunks_used"] == 0

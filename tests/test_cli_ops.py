@@ -1,4 +1,4 @@
-"""What an operator trips over (issue 16): documented exit codes for
+"""What an operator trips over: documented exit codes for
 operational states, clean stops, one JSON document, messages that name the
 cause and the next step, liveness and the lock manager in inspect, the
 units' sandbox."""

@@ -176,10 +176,11 @@ def test_dead_holder_half_made_slab_does_not_hurt_the_next_holder(pool_path):
     with cxlkv.open_pool(pool_path) as w:
         w.node.interval = 0.02
         d = subprocess.run([sys.executable, "-c", "import sys, cxlkv\n"
-                            "from cxlkv.state import alloc as A\n"
+                            "from cxlkv.state import alloc\n"
                             "p = cxlkv.open_pool(sys.argv[1])\n"
                             "with p.lock():\n"
-                            "    p.allocator._new_slab(A.descriptors(p), A.slot_size_for(p, 3 << 20))\n",
+                            "    p.allocator._new_slab(alloc.descriptors(p),\n"
+                            "                          alloc.slot_size_for(p, 3 << 20))\n",
                             pool_path], env={**os.environ, "CXLKV_CRASH_AT": "slab.head:1"},
                            capture_output=True, text=True, timeout=60)
         assert d.returncode == -9, d.stderr

@@ -390,7 +390,7 @@ def test_usage_error(cli):
 @pytest.mark.parametrize("state,mode", [("devdax", "pool"), ("system-ram", "tiering"),
                                         ("raw", "none")])
 def test_cxl_mode_says_pool_or_kernel_tiering(host, state, mode):
-    """Seed 001's two setups: CXL as a devdax pool vs CXL as a NUMA node tiered by the kernel."""
+    """The two setups: CXL as a devdax pool vs CXL as a NUMA node tiered by the kernel."""
     c = only(host(state).checks(), "cxl-mode")
     assert c["status"] == "pass" and c["detail"].startswith(mode + ":")
     if mode == "tiering":

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cxlkv.host import numa as N
+from cxlkv.host import numa as host_numa
 from cxlkv.testing.replay import install_sysfs
 
 LAB = Path(__file__).resolve().parent / "fixtures" / "lab"
@@ -25,8 +25,8 @@ def topology(tmp_path, monkeypatch):
 
 def numa_usable() -> str | None:
     try:
-        N.libnuma()
-    except N.NumaError as e:
+        host_numa.libnuma()
+    except host_numa.NumaError as e:
         return e.message
     return None
 
@@ -41,7 +41,7 @@ def test_auto_on_devdax_binds_to_the_node_the_device_hangs_off(topology):
     """devdax: target_node 1 is the device's memory, offline (not system RAM) and
     CPU-less; the device is attached to node 0 (its numa_node)."""
     topology("devdax")
-    p = N.resolve("auto", dax="dax0.0")
+    p = host_numa.resolve("auto", dax="dax0.0")
     assert (p.cpu_node, p.mem_node, p.target_node, p.device) == (0, 0, 1, "dax0.0")
     assert any("no CPUs: CPUs of node 0, the node dax0.0 is attached to" in r for r in p.reasons)
     assert any("no memory online" in r for r in p.reasons)
@@ -50,29 +50,29 @@ def test_auto_on_devdax_binds_to_the_node_the_device_hangs_off(topology):
 def test_auto_with_the_cxl_memory_online(topology):
     """system-ram: node 1 has the CXL memory online (no CPUs): memory there, CPUs on 0."""
     topology("system-ram")
-    p = N.resolve("auto", dax="dax0.0")
+    p = host_numa.resolve("auto", dax="dax0.0")
     assert (p.cpu_node, p.mem_node, p.target_node) == (0, 1, 1)
 
 
 def test_explicit_cpu_less_node_uses_the_nearest_cpus(topology):
     topology("system-ram")
-    p = N.resolve("1")
+    p = host_numa.resolve("1")
     assert (p.cpu_node, p.mem_node) == (0, 1)
     assert any("nearest by distance" in r for r in p.reasons)
-    assert (N.resolve(0).cpu_node, N.resolve(0).mem_node) == (0, 0)
+    assert (host_numa.resolve(0).cpu_node, host_numa.resolve(0).mem_node) == (0, 0)
 
 
 def test_bad_requests(topology):
     topology("devdax")
-    with pytest.raises(N.NumaUsage, match="no such node"):
-        N.resolve("7")
-    with pytest.raises(N.NumaUsage, match="node number or auto"):
-        N.resolve("near")
-    with pytest.raises(N.NumaUsage, match="needs a device-dax pool"):
-        N.resolve("auto")
-    with pytest.raises(N.NumaUsage, match="no such DAX device"):
-        N.resolve("auto", dax="dax9.9")
-    assert N.NumaUsage("x").exit_code == 2 and N.NumaError("x").exit_code == 7
+    with pytest.raises(host_numa.NumaUsage, match="no such node"):
+        host_numa.resolve("7")
+    with pytest.raises(host_numa.NumaUsage, match="node number or auto"):
+        host_numa.resolve("near")
+    with pytest.raises(host_numa.NumaUsage, match="needs a device-dax pool"):
+        host_numa.resolve("auto")
+    with pytest.raises(host_numa.NumaUsage, match="no such DAX device"):
+        host_numa.resolve("auto", dax="dax9.9")
+    assert host_numa.NumaUsage("x").exit_code == 2 and host_numa.NumaError("x").exit_code == 7
 
 
 def test_auto_when_the_kernel_knows_no_node(topology):
@@ -80,8 +80,8 @@ def test_auto_when_the_kernel_knows_no_node(topology):
     d = root / "sys/bus/dax/devices/dax0.0"
     for attr in ("target_node", "numa_node"):
         (d / attr).write_text("-1\n")
-    with pytest.raises(N.NumaError, match="no NUMA node"):
-        N.resolve("auto", dax="dax0.0")
+    with pytest.raises(host_numa.NumaError, match="no NUMA node"):
+        host_numa.resolve("auto", dax="dax0.0")
 
 
 # -- applying and verifying on this machine -----------------------------------------
@@ -116,14 +116,14 @@ def run_child(path, spec, cpus=None):
 
 @needs_libnuma
 def test_binding_is_applied_and_read_back(small_pool):
-    node0 = N.node_cpus(0)
+    node0 = host_numa.node_cpus(0)
     r = run_child(small_pool, 0)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     b = doc["binding"]
     assert (b["cpu_node"], b["mem_node"], b["membind"]) == (0, 0, [0])
     # the process's policy: MPOL_BIND to node 0 (not the default policy)
-    assert doc["policy"] == [N.MPOL_BIND, [0]]
+    assert doc["policy"] == [host_numa.MPOL_BIND, [0]]
     # allowed CPUs, of the process and of every thread (the heartbeat thread included)
     assert b["cpus"] == node0 and doc["status"]["Cpus_allowed_list"] == node0
     assert len(doc["tasks"]) >= 2 and all(c == node0 for c in doc["tasks"].values())
@@ -136,7 +136,7 @@ def test_binding_is_applied_and_read_back(small_pool):
 @needs_libnuma
 def test_binding_changes_what_was_there(small_pool):
     """Started on one CPU, the process runs on all of node 0's CPUs after binding."""
-    node0 = N.node_cpus(0)
+    node0 = host_numa.node_cpus(0)
     if len(node0) < 2:
         pytest.skip("node 0 has one CPU: nothing to widen")
     r = run_child(small_pool, 0, cpus=str(node0[-1]))
@@ -157,17 +157,17 @@ def test_verify_catches_a_binding_that_did_not_happen(monkeypatch):
 
     monkeypatch.setattr(numa.memory, "set_membind_nodes", lambda *nodes: None)
     try:
-        with pytest.raises(N.NumaError, match="memory binding not applied"):
-            N.apply(N.resolve(0))
+        with pytest.raises(host_numa.NumaError, match="memory binding not applied"):
+            host_numa.apply(host_numa.resolve(0))
     finally:
-        N.unbind()
-    assert N.mempolicy_of()[0] != N.MPOL_BIND
+        host_numa.unbind()
+    assert host_numa.mempolicy_of()[0] != host_numa.MPOL_BIND
 
 
 @needs_libnuma
 def test_unknown_node_is_refused_before_libnuma_sees_it():
-    with pytest.raises(N.NumaUsage):
-        N.bind(max(N.nodes_with("possible") or [0]) + 64)
+    with pytest.raises(host_numa.NumaUsage):
+        host_numa.bind(max(host_numa.nodes_with("possible") or [0]) + 64)
 
 
 def test_without_libnuma_the_error_says_what_to_install(monkeypatch):
@@ -181,6 +181,6 @@ def test_without_libnuma_the_error_says_what_to_install(monkeypatch):
         return real(name, *a, **kw)
 
     monkeypatch.setattr(builtins, "__import__", no_numa)
-    with pytest.raises(N.NumaError) as ei:
-        N.libnuma()
+    with pytest.raises(host_numa.NumaError) as ei:
+        host_numa.libnuma()
     assert "libnuma1" in ei.value.hint

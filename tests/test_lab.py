@@ -222,7 +222,7 @@ KV = r"""
 import hashlib, json, sys, time
 import numpy as np
 import cxlkv
-from cxlkv import errors as E
+from cxlkv import errors
 
 role = sys.argv[1]
 tokens = np.arange(7000, 7000 + 16 * 8, dtype=np.uint32)            # 8 blocks of 16
@@ -243,7 +243,7 @@ else:
         try:
             pool = cxlkv.open_pool("/dev/dax0.0", numa_node="auto")
             break
-        except (E.PoolInvalid, E.PoolNotFound):
+        except (errors.PoolInvalid, errors.PoolNotFound):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
@@ -306,7 +306,7 @@ def test_two_guests_share_kv_blocks_through_one_cxl_memory(lab, tmp_path):
 SEE = r"""
 import json, sys, time
 import cxlkv
-from cxlkv import errors as E
+from cxlkv import errors
 from cxlkv.api import Pool
 from cxlkv.ops import doctor
 from cxlkv.state import visibility
@@ -329,7 +329,7 @@ else:
             with Pool.open(dev) as p:
                 if visibility.probe(p, timeout=0.5).sights:
                     break
-        except (E.PoolInvalid, E.PoolNotFound):
+        except (errors.PoolInvalid, errors.PoolNotFound):
             pass
         if time.monotonic() > deadline:
             raise SystemExit("the other host never attached")

@@ -647,7 +647,7 @@ def test_a_silent_cluster_costs_three_budgets_then_backs_off():
     import socket
     import threading
 
-    from cxlkv.remote import tier as T
+    from cxlkv.remote import tier as remote_tier
 
     bh = socket.socket()
     bh.bind(("127.0.0.1", 0))
@@ -671,12 +671,12 @@ def test_a_silent_cluster_costs_three_budgets_then_backs_off():
         rc = RemoteClient(cfg, retry_s=60.0)
         try:
             budget = 0.2
-            for i in range(T.SILENT_READS):
+            for i in range(remote_tier.SILENT_READS):
                 t0 = time.monotonic()
                 assert rc.lookup(NS, keys, 1024, budget) == [None] * 4
                 assert time.monotonic() - t0 >= budget * 0.9        # it waited: no answer
             st = rc.stats()
-            assert st["timeouts"] == T.SILENT_READS and st["skipped"] == 0
+            assert st["timeouts"] == remote_tier.SILENT_READS and st["skipped"] == 0
             assert st["unavailable"] and st["failing"]
             t0 = time.monotonic()
             assert rc.lookup(NS, keys, 1024, budget) == [None] * 4

@@ -30,7 +30,7 @@ from cxlkv._core import copymode
 from cxlkv.bench import harness
 from cxlkv.errors import UsageError
 
-#: targets (recompute / pooled hit) by context length (issue 22)
+#: what a pooled hit must beat recompute by (recompute / hit), by context length
 TARGETS = {4096: 40.0, 8192: 80.0}
 TARGET_RATIO_4K = TARGETS[4096]
 #: how to install what this scenario needs

@@ -1,8 +1,9 @@
 """NUMA placement of processes that attach a pool (`--numa-node N|auto`).
 
-Seed 000 measured ~30 % lower latency with processes bound to the node of
-the CXL device.  Node numbers can change across reboots, hence `auto`: the
-node of the pool's DAX device, read from sysfs at bind time.
+A process bound to the node of the CXL device reaches the pool with lower
+latency (about 30 % lower where it was measured).  Node numbers can change
+across reboots, hence `auto`: the node of the pool's DAX device, read from
+sysfs at bind time.
 
 What a binding does (applied, then verified, or NumaError):
 

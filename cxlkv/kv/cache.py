@@ -104,8 +104,8 @@ class KVCache:
         self._stats_off = self.area.stats_off(slot, self.ns)
         # the tiers are the pool object's (pool.tiers); a tier's module is
         # loaded when the tier is enabled: the KV cache alone does not pull
-        # in asyncio, Redis or Prometheus (architecture test: the one import
-        # inside a function outside cli/)
+        # in asyncio, Redis or Prometheus (test_architecture's LAZY_CXLKV
+        # lists these imports inside a function)
         if spill_dir is not None:
             from cxlkv.kv.tiers import spill
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-import redis.exceptions as X
+import redis.exceptions as redis_errors
 from redis._parsers.helpers import parse_info
 from redis.asyncio.cluster import ClusterNode, PipelineCommand, RedisCluster
 from redis.backoff import NoBackoff
@@ -49,9 +49,10 @@ def client_kwargs(cfg: RemoteConfig) -> dict:
 
 
 def _conn_errors():
-    return (X.ConnectionError, X.TimeoutError, X.ClusterDownError, X.SlotNotCoveredError,
-            X.MasterDownError, X.AuthenticationError, X.RedisClusterException, OSError,
-            asyncio.TimeoutError)
+    return (redis_errors.ConnectionError, redis_errors.TimeoutError,
+            redis_errors.ClusterDownError, redis_errors.SlotNotCoveredError,
+            redis_errors.MasterDownError, redis_errors.AuthenticationError,
+            redis_errors.RedisClusterException, OSError, asyncio.TimeoutError)
 
 
 class RedisClusterTier(RemoteTier):
@@ -210,7 +211,8 @@ class RedisClusterTier(RemoteTier):
         Returns the positions retried."""
 
         redo = [i for i, r in enumerate(results)
-                if isinstance(r, (X.MovedError, X.AskError, X.TryAgainError))]
+                if isinstance(r, (redis_errors.MovedError, redis_errors.AskError,
+                                  redis_errors.TryAgainError))]
         if any(isinstance(r, _conn_errors()) for r in results) or redo:
             self._refresh = True
         if not redo:
