@@ -13,6 +13,7 @@ import re
 import tomllib
 from pathlib import Path
 
+import pytest
 from importlinter import cli as importlinter_cli
 
 import cxlkv
@@ -332,3 +333,23 @@ def test_the_tiers_old_names_still_import_with_a_warning():
         assert old is mod
         assert any(issubclass(w.category, DeprecationWarning) and "cxlkv.kv.tiers" in
                    str(w.message) for w in seen)
+
+
+def test_tiny_llama_still_imports_from_transformers_with_a_warning():
+    """tiny_llama (and TINY_LLAMA) moved to cxlkv.testing.models: the old
+    import keeps working (deprecated) and gives the same object."""
+    import warnings
+
+    pytest.importorskip("transformers")
+    from cxlkv.integrations import transformers as hf_integration
+    from cxlkv.testing import models
+
+    for name in ("tiny_llama", "TINY_LLAMA"):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            old = getattr(hf_integration, name)
+        assert old is getattr(models, name)
+        assert any(issubclass(w.category, DeprecationWarning) and "cxlkv.testing.models" in
+                   str(w.message) for w in seen)
+    with pytest.raises(AttributeError):
+        hf_integration.no_such_name

@@ -54,9 +54,11 @@ are refused (UsageError); batches must be of one sequence.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import json
 import threading
+import warnings
 
 import numpy as np
 import torch
@@ -67,6 +69,21 @@ from cxlkv.integrations import kvcopy
 
 __all__ = ["BlockLayout", "ModelKV", "block_layout", "cache_kwarg", "cache_prefix", "cache_tensors",
            "kv_for_model", "load_prefix", "model_namespace", "output_cache", "store_prefix"]
+
+#: names that moved to the test helpers; they still import from here, deprecated
+_MOVED = {"tiny_llama": "cxlkv.testing.models", "TINY_LLAMA": "cxlkv.testing.models"}
+
+
+def __getattr__(name):
+    # `from cxlkv.integrations.transformers import tiny_llama` (its home before the
+    # test helpers moved to cxlkv.testing): loaded on first use, with a
+    # DeprecationWarning.  By importlib: the import contract keeps the library off
+    # cxlkv.testing, and this forward of deprecated names is the one way in.
+    if name in _MOVED:
+        warnings.warn(f"cxlkv.integrations.transformers.{name} moved to "
+                      f"{_MOVED[name]}.{name}", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module 'cxlkv.integrations.transformers' has no attribute {name!r}")
 
 #: config keys that say nothing about the KV a model computes
 _VOLATILE = {"transformers_version", "_name_or_path", "name_or_path", "torch_dtype", "dtype",
