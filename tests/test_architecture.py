@@ -353,3 +353,51 @@ def test_tiny_llama_still_imports_from_transformers_with_a_warning():
                    str(w.message) for w in seen)
     with pytest.raises(AttributeError):
         hf_integration.no_such_name
+
+
+#: packages whose modules the README's architecture section names as a group:
+#: one module per command (cli/) or per `cxlkv bench run` scenario (bench/)
+NAMED_AS_A_GROUP = ("cxlkv/cli/", "cxlkv/bench/")
+
+
+def _architecture_section() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("\n## Architecture\n")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def test_the_readme_architecture_section_names_every_module_and_c_source():
+    """The section cannot drift from the code: every module is named in the
+    lines of its package in the layer drawing (from its `cxlkv/PKG/` to the
+    next package's, or the lines that name `PKG/` when it shares its layer's
+    lines), a top-level module by its path, every C source and header of the
+    core in the section."""
+    section = _architecture_section()
+    drawing = section[section.index("```"):section.index("```", section.index("```") + 3)]
+    blocks: dict[str, str] = {}                 # "cxlkv/kv/" -> its lines
+    current = None
+    for line in drawing.splitlines():
+        m = re.match(r"(cxlkv/[\w/.]+)", line)
+        if m:
+            current = m.group(1)
+        if current is not None:
+            blocks[current] = blocks.get(current, "") + line + "\n"
+    missing = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if path.name == "__init__.py" or rel.startswith(NAMED_AS_A_GROUP):
+            continue
+        if rel.count("/") == 1:                 # cxlkv/api.py
+            if rel not in drawing:
+                missing.append(rel)
+            continue
+        pkg = rel.split("/")[1]
+        lines = blocks.get(f"cxlkv/{pkg}/") or "".join(
+            b for b in blocks.values() if re.search(rf"(?<![\w/]){pkg}/", b))
+        if not re.search(rf"(?<![\w.]){re.escape(path.name)}\b", lines):
+            missing.append(rel)
+    for path in sorted((PKG / "_core" / "src").glob("*.[ch]")):
+        if not re.search(rf"`{re.escape(path.name)}`", section):
+            missing.append(path.relative_to(ROOT).as_posix())
+    assert not missing, ("README.md's architecture section does not name:\n"
+                         + "\n".join(missing))
