@@ -4,8 +4,8 @@ Cluster or Valkey cluster (never a store of cxlkv's own).
     from cxlkv.remote import RemoteClient, RemoteConfig
     rc = RemoteClient(RemoteConfig.from_toml("/etc/cxlkv/kv0.toml"))
 
-Modules: `value` (the value format), `config` (RemoteConfig), `tier`
-(the RemoteTier interface and the synchronous RemoteClient),
+Modules: `value` (the value format), `config` (RemoteConfig), `base` (the
+RemoteTier interface), `tier` (the synchronous RemoteClient),
 `redis_cluster` (RemoteTier on redis-py's asyncio cluster client),
 `status` (what `cxlkv remote status` reports).  A real cluster on
 loopback for tests and benches is `cxlkv.testing.redis.TestCluster`.

@@ -27,7 +27,7 @@ from redis.retry import Retry
 
 from cxlkv.errors import RemoteError, RemoteUnavailable
 from cxlkv.remote.config import RemoteConfig
-from cxlkv.remote.tier import Batch, RemoteTier
+from cxlkv.remote.base import Batch, RemoteTier
 
 __all__ = ["RedisClusterTier", "RemoteConfig", "client_kwargs"]
 
