@@ -97,16 +97,7 @@ def model_dir(tmp_path_factory):
     return str(d)
 
 
-@pytest.fixture
-def pool_path(tmp_path):
-    import cxlkv
-
-    path = str(tmp_path / "vllm.pool")
-    cxlkv.init_pool(path, {"size": 64 << 20})
-    return path
-
-
-def make_config(model_dir, pool_path, role="kv_both", batched=512, **extra):
+def make_config(model_dir, engine_pool, role="kv_both", batched=512, **extra):
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -124,7 +115,7 @@ def make_config(model_dir, pool_path, role="kv_both", batched=512, **extra):
     kt = KVTransferConfig(kv_connector="CxlkvConnector",
                           kv_connector_module_path="cxlkv.integrations.vllm", kv_role=role,
                           kv_load_failure_policy="recompute",
-                          kv_connector_extra_config={"pool": pool_path, **extra})
+                          kv_connector_extra_config={"pool": engine_pool, **extra})
     return VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc,
                       kv_transfer_config=kt, device_config=DeviceConfig("cpu"))
 
@@ -288,7 +279,7 @@ def blocks_equal(a: Instance, a_ids, b: Instance, b_ids, layers=None) -> bool:
 
 
 @in_vllm
-def test_keys_are_vllm_block_hashes(pool_path):
+def test_keys_are_vllm_block_hashes(engine_pool):
     """kv.block_hashes(tokens) with hash="sha256_cbor" is what vLLM's own
     request hasher computes (default seed and PYTHONHASHSEED alike)."""
     from vllm.v1.core.kv_cache_utils import get_none_hash_seed
@@ -297,7 +288,7 @@ def test_keys_are_vllm_block_hashes(pool_path):
 
     toks = prompt(100)
     req = make_request("k", toks)
-    with cxlkv.open_pool(pool_path) as pool:
+    with cxlkv.open_pool(engine_pool) as pool:
         kv = pool.kv(model="keys", block_tokens=BS, block_bytes=4096, hash="sha256_cbor",
                      hash_seed=get_none_hash_seed())
         assert [bytes(h) for h in req.block_hashes] == kv.block_hashes(toks)
@@ -321,7 +312,7 @@ def test_keys_are_vllm_block_hashes(pool_path):
 
 
 @in_vllm
-def test_kv_events_decode_with_vllms_own_classes(pool_path):
+def test_kv_events_decode_with_vllms_own_classes(engine_pool):
     """What `cxlkv serve --kv-events` publishes decodes with vLLM's own
     KVEventBatch / BlockStored / BlockRemoved / AllBlocksCleared (the wire
     that fits this vLLM: array_like structs or maps), and a store keyed by
@@ -347,7 +338,7 @@ def test_kv_events_decode_with_vllms_own_classes(pool_path):
     toks = prompt(4 * BS)
     req = make_request("ev", toks)
     try:
-        with cxlkv.open_pool(pool_path) as pool:
+        with cxlkv.open_pool(engine_pool) as pool:
             kv = pool.kv(model="events", block_tokens=BS, block_bytes=4096,
                          hash="sha256_cbor", hash_seed=get_none_hash_seed())
             want = [bytes(k) for k in kv.keys_for_hashes([bytes(h) for h in req.block_hashes])]
@@ -374,7 +365,7 @@ def test_kv_events_decode_with_vllms_own_classes(pool_path):
 
 
 @in_vllm
-def test_vllm_loads_the_connector_by_module_path(model_dir, pool_path):
+def test_vllm_loads_the_connector_by_module_path(model_dir, engine_pool):
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorBase_V1,
@@ -383,7 +374,7 @@ def test_vllm_loads_the_connector_by_module_path(model_dir, pool_path):
 
     from cxlkv.integrations.vllm import CxlkvConnector
 
-    cfg = make_config(model_dir, pool_path)
+    cfg = make_config(model_dir, engine_pool)
     c = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, make_kv_cache_config())
     try:
         assert isinstance(c, CxlkvConnector) and isinstance(c, KVConnectorBase_V1)
@@ -396,14 +387,14 @@ def test_vllm_loads_the_connector_by_module_path(model_dir, pool_path):
 
 
 @in_vllm
-def test_prefix_stored_by_one_instance_is_loaded_by_another(model_dir, pool_path):
+def test_prefix_stored_by_one_instance_is_loaded_by_another(model_dir, engine_pool):
     """Instance A computes and stores a prompt's blocks; instance B (another
     node, empty paged KV) gets them from the pool instead of computing."""
     from cxlkv.integrations.vllm import CxlkvConnectorMetadata
 
     toks = prompt(70)
-    a = Instance(make_config(model_dir, pool_path, role="kv_producer"))
-    b = Instance(make_config(model_dir, pool_path, role="kv_consumer"))
+    a = Instance(make_config(model_dir, engine_pool, role="kv_producer"))
+    b = Instance(make_config(model_dir, engine_pool, role="kv_consumer"))
     try:
         ra = make_request("a1", toks)
         a.scheduler.add_request(ra)
@@ -435,10 +426,10 @@ def test_prefix_stored_by_one_instance_is_loaded_by_another(model_dir, pool_path
 
 
 @in_vllm
-def test_partial_prefix_and_salts(model_dir, pool_path):
+def test_partial_prefix_and_salts(model_dir, engine_pool):
     toks = prompt(80)
-    a = Instance(make_config(model_dir, pool_path))
-    b = Instance(make_config(model_dir, pool_path))
+    a = Instance(make_config(model_dir, engine_pool))
+    b = Instance(make_config(model_dir, engine_pool))
     try:
         a.scheduler.add_request(make_request("a", toks))
         a.step(fake_forward)
@@ -466,12 +457,12 @@ def test_partial_prefix_and_salts(model_dir, pool_path):
 
 
 @in_vllm
-def test_blocks_evicted_after_the_match_are_reported(model_dir, pool_path):
+def test_blocks_evicted_after_the_match_are_reported(model_dir, engine_pool):
     import cxlkv
 
     toks = prompt(50)
-    a = Instance(make_config(model_dir, pool_path))
-    b = Instance(make_config(model_dir, pool_path))
+    a = Instance(make_config(model_dir, engine_pool))
+    b = Instance(make_config(model_dir, engine_pool))
     try:
         a.scheduler.add_request(make_request("a", toks))
         a.step(fake_forward)
@@ -479,7 +470,7 @@ def test_blocks_evicted_after_the_match_are_reported(model_dir, pool_path):
         out = b.scheduler.schedule()
         meta = out.kv_connector_metadata
         assert [len(x.block_ids) for x in meta.loads] == [3]
-        with cxlkv.open_pool(pool_path) as pool:          # an operator drops the namespace
+        with cxlkv.open_pool(engine_pool) as pool:          # an operator drops the namespace
             from cxlkv.kv.cache import drop_namespace
             drop_namespace(pool, a.worker._namespace(0))
         b.worker.bind_connector_metadata(meta)
@@ -492,20 +483,20 @@ def test_blocks_evicted_after_the_match_are_reported(model_dir, pool_path):
 
 
 @in_vllm
-def test_physical_layouts_and_kernel_blocks(model_dir, pool_path):
+def test_physical_layouts_and_kernel_blocks(model_dir, engine_pool):
     """A backend whose physical order is not [B, H, N, C], and one that splits
     each vLLM block into kernel blocks: the pool payload is the same."""
     import torch
 
     toks = prompt(40)
-    a = Instance(make_config(model_dir, pool_path))
+    a = Instance(make_config(model_dir, engine_pool))
     # heads outermost physically ([H, B, N, C] memory, [B, H, N, C] view)
     strided = {n: torch.zeros(HEADS, NUM_BLOCKS, BS, 2 * HEAD).transpose(0, 1)
                for n in layer_names()}
-    b = Instance(make_config(model_dir, pool_path), caches=strided)
+    b = Instance(make_config(model_dir, engine_pool), caches=strided)
     # kernel blocks of 8 tokens: [2 x blocks, H, 8, C]
     split = {n: torch.zeros(2 * NUM_BLOCKS, HEADS, BS // 2, 2 * HEAD) for n in layer_names()}
-    c = Instance(make_config(model_dir, pool_path), caches=split)
+    c = Instance(make_config(model_dir, engine_pool), caches=split)
     try:
         a.scheduler.add_request(make_request("a", toks))
         a.step(fake_forward)
@@ -527,7 +518,7 @@ def test_physical_layouts_and_kernel_blocks(model_dir, pool_path):
 
 
 @in_vllm
-def test_refuses_what_it_cannot_share(model_dir, pool_path):
+def test_refuses_what_it_cannot_share(model_dir, engine_pool):
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import (
@@ -541,7 +532,7 @@ def test_refuses_what_it_cannot_share(model_dir, pool_path):
     from cxlkv.errors import UsageError
     from cxlkv.integrations.vllm import CxlkvConnector
 
-    cfg = make_config(model_dir, pool_path)
+    cfg = make_config(model_dir, engine_pool)
     full = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD,
                              dtype=torch.float32)
 
@@ -573,14 +564,14 @@ def test_refuses_what_it_cannot_share(model_dir, pool_path):
 
 
 @in_vllm
-def test_hybrid_model_groups_share_one_pool_block(model_dir, pool_path):
+def test_hybrid_model_groups_share_one_pool_block(model_dir, engine_pool):
     """vLLM keeps its hybrid allocator on with this connector (SupportsHMA);
     a full-attention + sliding-window model gets one pool block per vLLM
     block holding both groups' layers, in a namespace of its own."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    cfg = make_config(model_dir, pool_path)
+    cfg = make_config(model_dir, engine_pool)
     # vLLM would keep the hybrid allocator on (on a GPU platform; a CPU one turns it off)
     assert KVConnectorFactory.supports_hma_config(cfg.kv_transfer_config)
     c = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER,
@@ -621,7 +612,7 @@ def _gate(monkeypatch, *, to_blocks):
 
 
 @in_vllm
-def test_async_load_overlaps_a_step_and_is_reported_finished(model_dir, pool_path, monkeypatch):
+def test_async_load_overlaps_a_step_and_is_reported_finished(model_dir, engine_pool, monkeypatch):
     """async_load: the matched request waits in WAITING_FOR_REMOTE_KVS while
     the load thread copies its blocks; another request's forward (the compute
     stand-in) runs while that copy is under way; get_finished reports the
@@ -630,8 +621,8 @@ def test_async_load_overlaps_a_step_and_is_reported_finished(model_dir, pool_pat
     from vllm.v1.request import RequestStatus
 
     toks = prompt(70, seed=5)
-    a = Instance(make_config(model_dir, pool_path, role="kv_producer"))
-    b = Instance(make_config(model_dir, pool_path, **{"async": True}))
+    a = Instance(make_config(model_dir, engine_pool, role="kv_producer"))
+    b = Instance(make_config(model_dir, engine_pool, **{"async": True}))
     try:
         a.scheduler.add_request(make_request("a1", toks))
         a.step(fake_forward)
@@ -663,7 +654,7 @@ def test_async_load_overlaps_a_step_and_is_reported_finished(model_dir, pool_pat
 
 
 @in_vllm
-def test_async_load_of_evicted_blocks_reports_them_with_the_load(model_dir, pool_path):
+def test_async_load_of_evicted_blocks_reports_them_with_the_load(model_dir, engine_pool):
     """Blocks gone between the match and the asynchronous load: their ids come
     back through get_block_ids_with_load_errors in the pass that reports the
     load finished, and vLLM (policy recompute) computes the whole prompt."""
@@ -671,13 +662,13 @@ def test_async_load_of_evicted_blocks_reports_them_with_the_load(model_dir, pool
     from cxlkv.kv.cache import drop_namespace
 
     toks = prompt(50, seed=7)
-    a = Instance(make_config(model_dir, pool_path))
-    b = Instance(make_config(model_dir, pool_path, async_load=True))
+    a = Instance(make_config(model_dir, engine_pool))
+    b = Instance(make_config(model_dir, engine_pool, async_load=True))
     try:
         a.scheduler.add_request(make_request("a", toks))
         a.step(fake_forward)
         b.scheduler.add_request(make_request("b", toks))
-        with cxlkv.open_pool(pool_path) as pool:
+        with cxlkv.open_pool(engine_pool) as pool:
             real = b.scheduler.schedule
 
             def schedule():                        # an operator drops it right after the match
@@ -699,7 +690,7 @@ def test_async_load_of_evicted_blocks_reports_them_with_the_load(model_dir, pool
 
 
 @in_vllm
-def test_async_save_holds_a_finished_requests_blocks_until_reported(model_dir, pool_path,
+def test_async_save_holds_a_finished_requests_blocks_until_reported(model_dir, engine_pool,
                                                                     monkeypatch):
     """async_save: the copy out of the paged KV and the store run on threads
     after the step; a request that finishes meanwhile keeps its blocks in
@@ -707,8 +698,8 @@ def test_async_save_holds_a_finished_requests_blocks_until_reported(model_dir, p
     another instance loads what was stored."""
     barrier, seen = _gate(monkeypatch, to_blocks=True)
     toks = prompt(40, seed=8)
-    a = Instance(make_config(model_dir, pool_path, async_save=True))
-    b = Instance(make_config(model_dir, pool_path, role="kv_consumer"))
+    a = Instance(make_config(model_dir, engine_pool, async_save=True))
+    b = Instance(make_config(model_dir, engine_pool, role="kv_consumer"))
     try:
         a.scheduler.add_request(make_request("r", toks, max_tokens=1))
         out, meta = a.step(fake_forward)               # computes, samples its one token: done
@@ -732,7 +723,7 @@ def test_async_save_holds_a_finished_requests_blocks_until_reported(model_dir, p
 
 
 @in_vllm
-def test_blocks_of_later_steps_are_linked_to_their_parent(model_dir, pool_path):
+def test_blocks_of_later_steps_are_linked_to_their_parent(model_dir, engine_pool):
     """Chunked prefill stores a prompt over two steps; the second step's blocks
     are stored behind the first step's last block, so eviction (leaf first)
     takes the chain's end, not its middle."""
@@ -741,7 +732,7 @@ def test_blocks_of_later_steps_are_linked_to_their_parent(model_dir, pool_path):
     import cxlkv
 
     toks = prompt(5 * BS + 1, seed=9)
-    a = Instance(make_config(model_dir, pool_path, batched=3 * BS))
+    a = Instance(make_config(model_dir, engine_pool, batched=3 * BS))
     try:
         req = make_request("a", toks)
         a.scheduler.add_request(req)
@@ -751,7 +742,7 @@ def test_blocks_of_later_steps_are_linked_to_their_parent(model_dir, pool_path):
         assert [(s.lead, len(s.block_hashes)) for s in m1.stores] == [(0, 3)]
         assert [(s.lead, s.block_hashes) for s in m2.stores] == [(1, hashes[2:5])]
         assert a.worker.stats["stored_blocks"] == 5
-        with cxlkv.open_pool(pool_path) as pool:
+        with cxlkv.open_pool(engine_pool) as pool:
             kv = pool.kv(model=a.worker._namespace(0), block_tokens=BS,
                          block_bytes=a.worker._layout.block_bytes, hash="sha256_cbor",
                          hash_seed=get_none_hash_seed())
@@ -764,7 +755,7 @@ def test_blocks_of_later_steps_are_linked_to_their_parent(model_dir, pool_path):
 
 
 @in_vllm
-def test_hybrid_chunked_prompt_stored_and_loaded_async(model_dir, pool_path):
+def test_hybrid_chunked_prompt_stored_and_loaded_async(model_dir, engine_pool):
     """A full-attention + sliding-window model: a prompt stored over several
     chunks (the window frees blocks behind it meanwhile; asynchronous saves)
     is loaded by another instance (loads of hybrid models are asynchronous):
@@ -773,8 +764,8 @@ def test_hybrid_chunked_prompt_stored_and_loaded_async(model_dir, pool_path):
     import torch
 
     toks = prompt(12 * BS + 8, seed=10)
-    a = Instance(make_config(model_dir, pool_path, batched=4 * BS, async_save=True), hybrid=True)
-    b = Instance(make_config(model_dir, pool_path), hybrid=True)
+    a = Instance(make_config(model_dir, engine_pool, batched=4 * BS, async_save=True), hybrid=True)
+    b = Instance(make_config(model_dir, engine_pool), hybrid=True)
     try:
         a.scheduler.add_request(make_request("a", toks))
         stores = []
@@ -811,7 +802,7 @@ def test_hybrid_chunked_prompt_stored_and_loaded_async(model_dir, pool_path):
 
 
 @in_vllm
-def test_hybrid_failed_load_fails_the_request_not_blocks(model_dir, pool_path):
+def test_hybrid_failed_load_fails_the_request_not_blocks(model_dir, engine_pool):
     """Hybrid: vLLM maps no block id of several groups back to a request, so a
     load that finds its blocks gone is reported as a failed receive
     (failed_recving, also finished); vLLM then recomputes the prompt."""
@@ -819,14 +810,14 @@ def test_hybrid_failed_load_fails_the_request_not_blocks(model_dir, pool_path):
     from cxlkv.kv.cache import drop_namespace
 
     toks = prompt(50, seed=11)
-    a = Instance(make_config(model_dir, pool_path), hybrid=True)
-    b = Instance(make_config(model_dir, pool_path), hybrid=True)
+    a = Instance(make_config(model_dir, engine_pool), hybrid=True)
+    b = Instance(make_config(model_dir, engine_pool), hybrid=True)
     try:
         a.scheduler.add_request(make_request("a", toks))
         a.step(fake_forward)
         b.scheduler.add_request(make_request("b", toks))
         real = b.scheduler.schedule
-        with cxlkv.open_pool(pool_path) as pool:
+        with cxlkv.open_pool(engine_pool) as pool:
             def schedule():
                 out = real()
                 drop_namespace(pool, a.worker._namespace(0))
@@ -890,7 +881,7 @@ def _can_run_models() -> str | None:
 
 @in_vllm
 @pytest.mark.slow
-def test_two_real_engines_share_a_prompt_through_the_pool(tmp_path, pool_path):
+def test_two_real_engines_share_a_prompt_through_the_pool(tmp_path, engine_pool):
     """Two vLLM engines (separate processes, the connector loaded through
     kv_connector_module_path) run the same prompt: the first computes and
     stores it, the second gets its 4 full blocks from the pool; both generate
@@ -911,7 +902,7 @@ def test_two_real_engines_share_a_prompt_through_the_pool(tmp_path, pool_path):
 
     def engine(role):
         r = subprocess.run([sys.executable, str(tmp_path / "engine.py"),
-                            str(tmp_path / "tiny-llama"), pool_path, role],
+                            str(tmp_path / "tiny-llama"), engine_pool, role],
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
         lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
         assert r.returncode == 0 and lines, (r.stdout + r.stderr)[-5000:]
@@ -925,7 +916,7 @@ def test_two_real_engines_share_a_prompt_through_the_pool(tmp_path, pool_path):
     assert first["tokens"] == second["tokens"] == plain["tokens"]
     for a, b in ((first, second), (first, plain)):
         assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) <= 1e-5
-    with cxlkv.open_pool(pool_path) as pool:
+    with cxlkv.open_pool(engine_pool) as pool:
         from cxlkv.kv.cache import kv_report
         (ns,) = kv_report(pool)["namespaces"]
     assert ns["namespace"].startswith("vllm/tiny-llama/") and ns["blocks"] == 4
