@@ -38,18 +38,51 @@ pytestmark = pytest.mark.skipif(shutil.which("man") is None,
 
 #: words a shell command in the pages starts with
 SHELL_WORDS = ("cxlkv ", "systemctl ", "udevadm ", "groupadd ", "install ", "ls ", "cxl ",
-               "ndctl ", "daxctl ", "chmod ", "chgrp ", "kill ", "journalctl ", "man ")
+               "ndctl ", "daxctl ", "chmod ", "chgrp ", "kill ", "journalctl ", "man ",
+               "promtool ", "kubectl ", "curl ", "cp ")
 TOML_LINE = re.compile(r"^[a-z][a-z0-9_-]* = \S")   # TOML as the pages write it (key = value)
+#: in an example block, where Python's `x = f(...)` looks the same: a TOML value
+TOML_EXAMPLE = re.compile(r"""^[a-z][a-z0-9_-]* = (["'[{\d]|true\b|false\b)""")
 BOLD = re.compile(r"(.)\x08\1")
 
 
-def render(page: Path) -> list[str]:
+#: marks the example blocks (.nf/.EX ... .fi/.EE) in a copy of a page, so their
+#: rendered lines can be told from the prose around them
+EX_BEGIN, EX_END = "CXLKVEXAMPLEBEGIN", "CXLKVEXAMPLEEND"
+
+
+def render(page: Path, mark_examples: bool = False) -> list[str]:
     """The page as `man` renders it for a terminal: no wrapping (one line per
-    paragraph), bold kept as overstrike (X backspace X)."""
-    r = subprocess.run(["man", "-E", "ascii", "-l", str(page)], capture_output=True, text=True,
-                       timeout=60, env=foreign_env(MANWIDTH="4000", MAN_KEEP_FORMATTING="1"))
+    paragraph), bold kept as overstrike (X backspace X); with mark_examples,
+    each example block between a line EX_BEGIN and a line EX_END."""
+    src = page.read_text()
+    if mark_examples:
+        src = re.sub(r"^\.(nf|EX)\b.*$", lambda m: f"{m.group(0)}\n{EX_BEGIN}", src, flags=re.M)
+        src = re.sub(r"^\.(fi|EE)\b.*$", lambda m: f"{EX_END}\n{m.group(0)}", src, flags=re.M)
+    r = subprocess.run(["man", "-E", "ascii", "-l", "-"], input=src, capture_output=True,
+                       text=True, timeout=60,
+                       env=foreign_env(MANWIDTH="4000", MAN_KEEP_FORMATTING="1"))
     assert r.returncode == 0, r.stderr
     return r.stdout.splitlines()
+
+
+def example_lines(lines: list[str]) -> list[str]:
+    """The lines of the example blocks of a page rendered with mark_examples,
+    plain, a shell line continued with a backslash joined to the next."""
+    out, inside, cont = [], False, False
+    for line in lines:
+        text = plain(line).strip()
+        if text == EX_BEGIN:
+            inside, cont = True, False
+        elif text == EX_END:
+            inside = False
+        elif inside and text:
+            if cont:
+                out[-1] = out[-1][:-1].rstrip() + " " + text
+            else:
+                out.append(text)
+            cont = text.endswith("\\")
+    return out
 
 
 def bold_spans(line: str) -> list[str]:
@@ -105,13 +138,24 @@ def subsections(lines: list[str]) -> list[list[str]]:
 
 
 def commands(lines: list[str]) -> list[str]:
-    """The bold shell commands of some lines, in order."""
-    out = []
+    """The bold shell commands of some lines and the shell lines of their
+    example blocks (when rendered with mark_examples), in order."""
+    out: list[str] = []
+    block: list[str] | None = None
     for line in lines:
-        for span in bold_spans(line):
-            for part in re.split(r"\s*&&\s*", span):
-                if part.startswith(SHELL_WORDS):
-                    out.append(part)
+        text = plain(line).strip()
+        if text == EX_BEGIN:
+            block = [line]
+        elif text == EX_END and block is not None:
+            out += [c for c in example_lines(block + [line]) if c.startswith(SHELL_WORDS)]
+            block = None
+        elif block is not None:
+            block.append(line)
+        else:
+            for span in bold_spans(line):
+                for part in re.split(r"\s*&&\s*", span):
+                    if part.startswith(SHELL_WORDS):
+                        out.append(part)
     return out
 
 
@@ -122,20 +166,44 @@ PAGES = sorted(MAN.glob("*.[1-8]"))
 
 @pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
 def test_toml_and_shell_lines_survive_rendering(page):
+    """Bold TOML and shell lines, and the lines of the example blocks."""
     seen = 0
-    for line in render(page):
-        for span in bold_spans(line):
-            if TOML_LINE.match(span) and not span.startswith(SHELL_WORDS):
-                tomllib.loads(span)              # raises on a line groff mangled
-                seen += 1
-            elif span.startswith(SHELL_WORDS):
-                argv = shlex.split(span)
-                assert argv, span
-                r = subprocess.run(["bash", "-n", "-c", span], capture_output=True, text=True)
-                assert r.returncode == 0, (span, r.stderr)
-                seen += 1
+    lines = render(page, mark_examples=True)
+    examples = example_lines(lines)
+    tomls = [e for e in examples if TOML_EXAMPLE.match(e)]
+    for span in [s for line in lines for s in bold_spans(line)] + examples:
+        if (TOML_LINE.match(span) and span not in examples or span in tomls) \
+                and not span.startswith(SHELL_WORDS):
+            tomllib.loads(span)              # raises on a line groff mangled
+            seen += 1
+        elif span.startswith(SHELL_WORDS):
+            argv = shlex.split(span, comments=True)
+            assert argv, span
+            r = subprocess.run(["bash", "-n", "-c", span], capture_output=True, text=True)
+            assert r.returncode == 0, (span, r.stderr)
+            seen += 1
     if page.name in ("cxlkv-runbook.7", "cxlkv.1"):
         assert seen > 5
+    # every example block that shows commands: each command line is checked
+    source_cmds = [ln for ln in re.findall(r"^\.(?:nf|EX)\b.*?\n(.*?)^\.(?:fi|EE)\b",
+                                           page.read_text(), flags=re.M | re.S)
+                   for ln in ln.splitlines()
+                   if re.match(r"(cxlkv|systemctl|promtool|kubectl|curl|cp) ", ln)]
+    assert len([e for e in examples if e.startswith(SHELL_WORDS)]) == len(source_cmds), \
+        (examples, source_cmds)
+
+
+def test_example_blocks_are_found_and_joined(tmp_path):
+    """The example-block reader sees a block's lines, joins a continued
+    command, and does not take the prose around it."""
+    page = tmp_path / "t.1"
+    page.write_text('.TH T 1\n.SH X\ncxlkv prose \\- not a block\n.PP\n.nf\n'
+                    'cxlkv kv stats \\-\\-pool /dev/dax0.0 \\e\n    \\-\\-json\n'
+                    'spill\\-dir = "/var/lib/cxlkv/spill"\n.fi\n')
+    lines = render(page, mark_examples=True)
+    assert example_lines(lines) == ["cxlkv kv stats --pool /dev/dax0.0 --json",
+                                    'spill-dir = "/var/lib/cxlkv/spill"']
+    assert commands(lines) == ["cxlkv kv stats --pool /dev/dax0.0 --json"]
 
 
 def test_the_check_would_catch_groff_eating_quotes(tmp_path):
@@ -268,7 +336,7 @@ class Rack:
 
 
 def steps_of(name: str) -> list[str]:
-    secs = sections(render(RUNBOOK))
+    secs = sections(render(RUNBOOK, mark_examples=True))
     assert name in secs, f"no section {name!r} in the runbook: {list(secs)}"
     return commands(secs[name])
 
