@@ -288,7 +288,9 @@ def test_killed_node_is_reaped_within_lease_plus_one_scan(spool, serve, where):
     # counted, and the next snapshot shows the pins gone
     wait_for(lambda: (lambda m: sample(m, "cxlkv_reaps_total") == 1 and sample(
         m, "cxlkv_pool_bytes", state="kv_unevictable") == 0)(s.metrics()), what="metrics")
-    s.wait_log(lambda d: d["msg"] == "reaped a dead node" and d["node"] == q.slot)
+    # the log names who it was
+    s.wait_log(lambda d: d["msg"] == "reaped a dead node" and d["node"] == q.slot
+               and d.get("pid") == q.p.pid and d.get("host"))
     assert s.stop() == 0
 
 
