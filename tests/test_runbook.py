@@ -226,7 +226,7 @@ class Rack:
         self.pool = str(tmp / "kv0.pool")
         self.toml = tmp / "kv0.toml"
         self.toml.write_text('[serve]\nmetrics-addr = "127.0.0.1:0"\ninterval = 0.1\n'
-                             'stop-timeout = 5\n')
+                             'stop-timeout = 5\nlog-json = true\n')
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("CXLKV_N")}
         self.env["CXLKV_POOL"] = self.pool
         self.managers: list[subprocess.Popen] = []
@@ -236,6 +236,7 @@ class Rack:
         self.mentions: list[str] = []
         self.group = grp.getgrgid(os.getgid()).gr_name
         self.nlogs = 0
+        self.logs: dict[int, Path] = {}          # pid -> its log (the journal)
         self.hosts = 2        # "every host": two of each unit (their processes stand in)
 
     # -- what stands for what --------------------------------------------------------
@@ -267,8 +268,10 @@ class Rack:
         if argv[0] != "cxlkv" or argv[1] in ("doctor", "provision", "install-units"):
             self.parsed_only.append(cmd)           # root or CXL hardware: parsed, not run
             return None
-        if len(argv) == 2 and argv[1] in ("init", "format") or argv[1] not in COMMANDS:
-            # "never cxlkv init or format on a pool in use", "cxlkv 0.2.0": named, not steps
+        if (argv[1] in NAMED_ONLY and not {"--pool", "--config", "--nodes"} & set(argv)
+                or argv[1] not in COMMANDS):
+            # "never cxlkv init or format on a pool in use", "cxlkv 0.2.0", "cxlkv
+            # format --grace", "cxlkv snapshot": named in the prose, not steps
             self.mentions.append(cmd)
             return None
         return self.cxlkv(argv[1:], ok)
@@ -298,7 +301,20 @@ class Rack:
         wait_until(lambda: any(w in log.read_text() for w in words) or p.poll() is not None,
                    timeout=60, what=f"{argv[0]} to log {words}")
         assert p.poll() is None, log.read_text()
+        self.logs[p.pid] = log
         return p
+
+    def events(self, p: subprocess.Popen) -> list[dict]:
+        """The JSON log lines of a unit's process."""
+        import json
+
+        out = []
+        for line in self.logs[p.pid].read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+        return out
 
     def start_unit(self, unit: str):
         if unit.startswith("cxlkv-lock-manager@"):
@@ -333,6 +349,24 @@ class Rack:
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+
+
+#: commands the prose names without the arguments a step would give them
+NAMED_ONLY = ("init", "format", "serve", "snapshot", "restore", "remote")
+
+
+def numbered(lines: list[str]) -> dict[int, list[str]]:
+    """A section's numbered steps: number -> its lines."""
+    out: dict[int, list[str]] = {}
+    n = None
+    for line in lines:
+        m = re.match(r"^\s+(\d+)\. ", plain(line))
+        if m:
+            n = int(m.group(1))
+            out[n] = []
+        if n is not None:
+            out[n].append(line)
+    return out
 
 
 def steps_of(name: str) -> list[str]:
@@ -373,11 +407,58 @@ def test_start_a_rack_order_and_the_spill_settings():
                                                "spill-bytes": "64G"}
 
 
+def inspect_json(rack: Rack, pool: str | None = None) -> dict:
+    import json
+
+    r = rack.cxlkv(["inspect", "--pool", pool or rack.pool, "--json"])
+    return json.loads(r.stdout)["pool"]
+
+
+def active_manager(rack: Rack) -> int | None:
+    lm = inspect_json(rack)["lock_manager"] or {}
+    return lm.get("pid") if lm.get("state") == "active" else None
+
+
+def check_health(doc: dict, status: str, text: str = "") -> bool:
+    return doc["status"] == status and text in doc["summary"] + "".join(
+        c.get("text", "") for c in doc.get("checks", []))
+
+
+def stalled_node(rack: Rack, first: int, **env):
+    """A serving process of 'another host' (its own boot id: judged by its
+    heartbeat) that stops with 3 blocks reserved, as a GC pause or SIGSTOP
+    would stop it."""
+    from cxlkv.ops.stress import make_host_root
+    from cxlkv.testing.nodes import NodeProc
+
+    q = NodeProc(env={"CXLKV_POOL": rack.pool, "CXLKV_PAUSE_AT": "kv.reserved:1",
+                      "CXLKV_PROCFS_ROOT": make_host_root(rack.tmp)[0], **env})
+    q.attach(rack.pool)
+    q.call(op="kv_open", args={"model": "m", "block_tokens": 4, "block_bytes": 4096})
+    q.send(op="kv_store", tokens=list(range(first, first + 12)))  # stops, 3 reserved
+    wait_until(lambda: check_health(health_json(rack), "WARNING",
+                                    f"fenced node(s) quarantined: node {q.slot} "),
+               timeout=30, what="the stalled node fenced and quarantined")
+    return q
+
+
 @pytest.mark.long
 def test_runbook_procedures_in_order(tmp_path):
-    """Every procedure, in order, on an emulated two-host rack (about two
-    to four minutes on a shared 2-core machine: pytest -m long, or CXLKV_LONG=1)."""
+    """Every procedure that can run on emulated pools, in the page's order,
+    on an emulated rack of two hosts (three while one is added): START A
+    RACK, ADD / REMOVE / REPLACE A HOST, POOL FULL, the spill tier, SHARE
+    BLOCKS ACROSS RACKS (a local Redis Cluster), POISON (by --offset), A NODE
+    STALLED, RECOVER AFTER A CRASH, UPGRADE, MONITOR A RACK and DEPLOY ON
+    KUBERNETES (offline: kubectl kustomize and the schemas).  TEMPERATURE
+    ALARM's steps need a CXL device: parsed only.  About two to four minutes
+    on a shared 2-core machine: pytest -m long, or CXLKV_LONG=1."""
+    import contextlib
+
+    from cxlkv.testing.nodes import NodeProc
+
     rack = Rack(tmp_path)
+    later = contextlib.ExitStack()
+    page = sections(render(RUNBOOK, mark_examples=True))
     try:
         # START A RACK, steps in the order the page gives them
         start = steps_of("START A RACK")
@@ -392,22 +473,53 @@ def test_runbook_procedures_in_order(tmp_path):
         assert rack.managers and rack.agents
         doc = health_json(rack)
         assert doc["status"] == "OK", doc["summary"]
-
         assert doc["nodes"]["alive"] == 2        # one agent per host
+
+        # ADD A HOST: START A RACK's steps 1, 2 and 5 on the new host, then inspect
+        steps = numbered(page["START A RACK"])
+        for n in (1, 2, 5):
+            for cmd in commands(steps[n]):
+                rack.run(cmd, hosts=1)
+        for cmd in steps_of("ADD A HOST"):
+            r = rack.run(cmd)
+            if cmd.startswith("cxlkv inspect"):
+                # the pool's max_nodes slots, one more in use per agent
+                assert re.search(r"nodes\s+3 of \d+ slots in use", r.stdout), r.stdout
+        rack.hosts = 3
+        assert len(rack.agents) == len(rack.managers) == 3
+        assert health_json(rack)["nodes"]["alive"] == 3
 
         # REMOVE A HOST: its units stop cleanly (exit 0, checked in stop_unit), the
         # active lock manager included; health on the other host: one node fewer
         for cmd in steps_of("REMOVE A HOST"):
             r = rack.run(cmd, hosts=1)
             if cmd.startswith("cxlkv health"):
-                assert r.returncode == 0 and "1 node(s) alive" in r.stdout, r.stdout
-        assert len(rack.agents) == len(rack.managers) == 1
-        for cmd in units:                      # the host comes back (ADD A HOST: step 5)
+                assert r.returncode == 0 and "2 node(s) alive" in r.stdout, r.stdout
+        rack.hosts = 2
+        assert len(rack.agents) == len(rack.managers) == 2
+
+        # REPLACE A HOST: a host dies without stopping (kill -9 its agent and the
+        # active lock manager); a standby takes over and reaps the dead node (sync
+        # mode manager; same machine here: proven dead at once, so no quarantine)
+        lm = active_manager(rack)
+        (dead_lm,) = [p for p in rack.managers if p.pid == lm]
+        dead_agent = rack.agents[-1]
+        rack.managers.remove(dead_lm)
+        rack.agents.remove(dead_agent)
+        rack.kill9([dead_lm, dead_agent])
+        wait_until(lambda: active_manager(rack) not in (None, lm), timeout=30,
+                   what="a standby lock manager to take over")
+        wait_until(lambda: health_json(rack)["status"] == "OK", timeout=30,
+                   what="the dead host's node reaped")
+        for cmd in steps_of("REPLACE A HOST"):
+            r = rack.run(cmd)
+            if cmd.startswith("cxlkv health"):
+                assert "1 node(s) alive" in r.stdout, r.stdout
+        for cmd in commands(steps[5]):                 # "then add the new host"
             rack.run(cmd, hosts=1)
+        assert len(rack.agents) == len(rack.managers) == 2
 
         # POOL FULL: a reader pins blocks; stats names it; drop says who pins
-        from cxlkv.testing.nodes import NodeProc
-
         reader = NodeProc(env={"CXLKV_POOL": rack.pool})
         try:
             reader.attach(rack.pool)
@@ -425,8 +537,7 @@ def test_runbook_procedures_in_order(tmp_path):
             reader.close()
 
         # A CACHE BIGGER THAN THE POOL: the TOML lines of the page go into the config
-        secs = sections(render(RUNBOOK))
-        spill = [s for line in secs["A CACHE BIGGER THAN THE POOL: THE SPILL TIER"]
+        spill = [s for line in page["A CACHE BIGGER THAN THE POOL: THE SPILL TIER"]
                  for s in bold_spans(line) if TOML_LINE.match(s)]
         assert any(s.startswith("spill-dir") for s in spill), spill
         conf = rack.toml.read_text() + "".join(
@@ -434,14 +545,112 @@ def test_runbook_procedures_in_order(tmp_path):
             .replace('"64G"', '"64M"') + "\n" for s in spill)
         tomllib.loads(conf)
         rack.toml.write_text(conf)
-        for i in range(rack.hosts + 1):                  # "install -d" on every host
+        for i in range(rack.hosts + 2):                  # "install -d" on every host
             (tmp_path / f"spill-{i}").mkdir(mode=0o2770)
         for cmd in steps_of("A CACHE BIGGER THAN THE POOL: THE SPILL TIER"):
             rack.run(cmd)
         rack.systemctl(["restart", "cxlkv-serve@kv0"])
         assert rack.agents[0].poll() is None
 
-        # REPLACE A HOST / RECOVER AFTER A CRASH: kill -9 the agent, then the steps
+        # SHARE BLOCKS ACROSS RACKS: rack B's fresh pool gets rack A's secret, the
+        # fingerprints agree; a [remote] table (a Redis Cluster on loopback) and
+        # the page's remote-push; remote status exits 0
+        from cxlkv.testing.redis import TestCluster, skip_reason
+
+        pool_b = str(tmp_path / "rackb.pool")
+        rack.cxlkv(["init", "--pool", pool_b, "--size", "16M"])
+        share = steps_of("SHARE BLOCKS ACROSS RACKS")
+        export = next(c for c in share if "--export" in c)
+        rack.run(export)
+        rack.run(export.replace("--export", "--import").replace("/dev/dax0.0", pool_b))
+        fp = next(c for c in share if c.endswith("--pool P"))
+        prints = [rack.run(fp).stdout, rack.run(fp.replace("--pool P", f"--pool {pool_b}")
+                                                ).stdout]
+        assert prints[0].replace(rack.pool, "") == prints[1].replace(pool_b, ""), prints
+        reason = skip_reason()
+        status = next(c for c in share if c.startswith("cxlkv remote status"))
+        if reason is None:
+            cluster = later.enter_context(TestCluster(masters=3))
+            push = [s for line in page["SHARE BLOCKS ACROSS RACKS"] for s in bold_spans(line)
+                    if s.startswith("remote-push")]
+            assert push, "the page's remote-push line"
+            conf = rack.toml.read_text().replace("[serve]\n", "[serve]\n" + push[0] + "\n")
+            conf += (f"[remote]\nnodes = {list(cluster.addrs)!r}\n"
+                     f"prefix = 'runbook-{os.getpid()}'\n")
+            tomllib.loads(conf)
+            rack.toml.write_text(conf)
+            rack.systemctl(["restart", "cxlkv-serve@kv0"])
+            rack.run(status)
+        else:
+            rack.parsed_only.append(f"{status}   # {reason}")
+
+        # TEMPERATURE ALARM: its steps read a CXL device - health runs, the rest parses
+        for cmd in steps_of("TEMPERATURE ALARM"):
+            rack.run(cmd, ok=(0, 1, 2))
+
+        # POISON AND MEDIA ERRORS, on rack B's pool (the page's /dev/daxX.Y: its
+        # retired chunk warns for good, which rack A's later steps would see): the
+        # trace records need a CXL device, a known range is quarantined by --offset
+        from cxlkv.api import Pool
+
+        with Pool.open(pool_b, writable=False) as p:
+            data_off = p.sb.regions["data"][0]
+        rack.env["CXLKV_POOL"] = pool_b
+        try:
+            for cmd in steps_of("POISON AND MEDIA ERRORS"):
+                if "--trace" in cmd:
+                    rack.parsed_only.append(cmd)
+                    cmd = cmd.replace("--trace poison.txt",
+                                      f"--offset {data_off + 8192} --length 64")
+                    rack.run(cmd.replace("/dev/daxX.Y", pool_b))
+                    continue
+                r = rack.run(cmd, ok=(0, 1))
+                if cmd.startswith(("cxlkv kv stats", "cxlkv inspect")):
+                    assert "retired" in r.stdout, r.stdout
+                if cmd == "cxlkv fsck":
+                    assert r.returncode == 0, r.stdout
+            # the introduction's health (before step 1 on the page): WARNING from 1 chunk
+            r = rack.run("cxlkv health", ok=(1,))
+            assert "retired" in r.stdout, r.stdout
+        finally:
+            rack.env["CXLKV_POOL"] = rack.pool
+
+        # A NODE STALLED: a paused process of another host is fenced; health and
+        # inspect name it; when it resumes it acknowledges and the quarantine ends
+        stalled = stalled_node(rack, 1000)
+        try:
+            for cmd in commands(numbered(page["A NODE STALLED (QUARANTINE)"])[1]):
+                r = rack.run(cmd, ok=(0, 1))
+                if cmd.startswith(("cxlkv health", "cxlkv inspect --pool")):
+                    assert f"{stalled.p.pid}" in r.stdout and "quarantin" in r.stdout, r.stdout
+            stalled.p.send_signal(signal.SIGCONT)                 # step 2: it resumes
+            assert stalled.reply().get("error") == "NodeFenced"
+            wait_until(lambda: health_json(rack)["status"] == "OK", timeout=30,
+                       what="the quarantine to end once the node acknowledged")
+        finally:
+            stalled.close()
+        # step 3: a host frozen for good, then powered off (kill -9; its host lock in
+        # a directory of its own, as on a host of its own, so nothing here proves
+        # it gone); on a quiet pool fsck --repair ends its quarantine before the grace
+        locks = tmp_path / "frozen-host-locks"
+        locks.mkdir()
+        frozen = stalled_node(rack, 2000, CXLKV_HOSTLOCK_DIR=str(locks))
+        frozen.kill()
+        stop = [c for c in commands(numbered(page["A NODE STALLED (QUARANTINE)"])[3])
+                if c.startswith("systemctl stop")]
+        assert stop, "step 3 stops the lock managers too"
+        for cmd in commands(numbered(page["A NODE STALLED (QUARANTINE)"])[3]):
+            r = rack.run(cmd, ok=(1,))                       # 1: repaired, clean now
+            if cmd.startswith("systemctl stop"):
+                doc = health_json(rack)
+                assert check_health(doc, "CRITICAL", f"node {frozen.slot} "), doc
+            if cmd.startswith("cxlkv fsck"):
+                assert "repair(s) made" in r.stdout, r.stdout
+        rack.systemctl(["start", "cxlkv-lock-manager@kv0", "cxlkv-serve@kv0"])
+        wait_until(lambda: health_json(rack)["status"] == "OK", timeout=30,
+                   what="health OK once the quarantine was repaired")
+
+        # RECOVER AFTER A CRASH: the whole rack's agents kill -9, then the steps
         rack.kill9(rack.agents)
         wait_until(lambda: health_json(rack)["nodes"]["alive"] == 0, what="the kill seen")
         rack.systemctl(["start", "cxlkv-serve@kv0"])      # "start ... agents again"
@@ -454,7 +663,7 @@ def test_runbook_procedures_in_order(tmp_path):
         rack.systemctl(["start", "cxlkv-serve@kv0"])      # the agents serve again
 
         # UPGRADE: the rolling upgrade one host at a time, then the format's
-        rolling, fmt = subsections(sections(render(RUNBOOK))["UPGRADE"])
+        rolling, fmt = subsections(page["UPGRADE"])
         stopped = []
         for cmd in commands(rolling):
             if cmd.startswith("systemctl stop"):
@@ -483,9 +692,67 @@ def test_runbook_procedures_in_order(tmp_path):
         rack.systemctl(["start", "cxlkv-lock-manager@kv0", "cxlkv-serve@kv0"])
         wait_until(lambda: health_json(rack)["status"] == "OK", timeout=30,
                    what="health OK on the new format")
+
+        # MONITOR A RACK: the rules and dashboard written, the rules' unit tests
+        # pass; every agent is a scrape target (its /metrics and /healthz answer)
+        monitoring = tmp_path / "monitoring"
+        for cmd in steps_of("MONITOR A RACK"):
+            cmd = cmd.replace("/etc/cxlkv/monitoring", str(monitoring))
+            if cmd.startswith("promtool") and shutil.which("promtool"):
+                r = subprocess.run(shlex.split(cmd), capture_output=True, text=True,
+                                   timeout=120)
+                assert r.returncode == 0 and "SUCCESS" in r.stdout, (r.stdout, r.stderr)
+                rack.ran.append((cmd, r.returncode))
+            elif cmd.startswith("cxlkv "):
+                rack.run(cmd, ok=(0, 1))
+            else:
+                rack.parsed_only.append(cmd)    # promtool missing; systemctl status
+        assert (monitoring / "prometheus" / "cxlkv-rules.yml").is_file()
+        assert (monitoring / "grafana" / "cxlkv.json").is_file()
+        import urllib.request
+
+        for a in rack.agents:
+            (url,) = {e["metrics_url"] for e in rack.events(a) if "metrics_url" in e}
+            with urllib.request.urlopen(url + "/metrics", timeout=10) as m:
+                assert b"cxlkv_pool_bytes{" in m.read()
+            with urllib.request.urlopen(url + "/healthz", timeout=10) as h:
+                assert h.status == 200
         rack.systemctl(["stop", "cxlkv-serve@kv0", "cxlkv-lock-manager@kv0"])
+
+        # DEPLOY ON KUBERNETES, offline: the manifests written with the page's image,
+        # pool and gid; `kubectl apply -k` stands as `kubectl kustomize` plus the
+        # Kubernetes schemas (no cluster here); the cluster's own steps parse
+        deploy = tmp_path / "deploy"
+        kubectl = shutil.which("kubectl")
+        try:
+            import kubernetes_validate
+        except ImportError:
+            kubernetes_validate = None
+        for cmd in steps_of("DEPLOY ON KUBERNETES"):
+            cmd = cmd.replace("./cxlkv-deploy", str(deploy))
+            if cmd.startswith("cxlkv install-manifests"):
+                # written into the manifests, never opened here: the device stays
+                rack.cxlkv(shlex.split(cmd)[1:])
+            elif cmd.startswith("kubectl apply -k") and kubectl and kubernetes_validate:
+                import yaml
+
+                r = subprocess.run([kubectl, "kustomize", shlex.split(cmd)[-1]],
+                                   capture_output=True, text=True, timeout=120)
+                assert r.returncode == 0, r.stderr
+                rack.ran.append((cmd, r.returncode))
+                docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+                for d in docs:
+                    if d["apiVersion"].startswith("monitoring.coreos.com"):
+                        continue                  # the Prometheus Operator's: no schema
+                    kubernetes_validate.validate(d, "1.30", strict=True)
+                assert "registry.example/cxlkv:0.2" in r.stdout and "990" in r.stdout
+                assert "/dev/dax0.0" in r.stdout
+            else:
+                rack.parsed_only.append(cmd)      # a cluster's: kubectl label/get/logs
+        assert (deploy / "k8s" / "kustomization.yaml").is_file()
     finally:
         rack.close()
+        later.close()
     assert rack.parsed_only, "nothing needed hardware? the translation table is stale"
     for cmd in rack.parsed_only:                      # still valid shell
         assert subprocess.run(["bash", "-n", "-c", cmd]).returncode == 0, cmd
