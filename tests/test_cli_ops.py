@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,19 @@ def test_no_lock_manager_is_a_documented_exit_code_not_a_bug(cli, mgr_pool):
     root = Path(__file__).resolve().parent.parent
     assert ".B 9\n" in (root / "man" / "cxlkv.1").read_text()
     assert "| 9 |" in (root / "README.md").read_text()
+
+
+@pytest.mark.parametrize("cmd", ["serve", "snapshot"])
+def test_serve_and_snapshot_without_a_lock_manager_exit_9(cli, mgr_pool, tmp_path, cmd):
+    """The other two commands that attach: the same exit code and remedy."""
+    args = {"serve": ["serve", "--pool", mgr_pool],
+            "snapshot": ["snapshot", "--pool", mgr_pool, "--to", tmp_path / "snap"]}[cmd]
+    t0 = time.monotonic()
+    r = cli(*args)
+    assert r.code == errors.EXIT_NO_MANAGER, (r.out, r.err)
+    assert f"cxlkv {cmd}: error:" in r.err and "cxlkv lock-manager --pool" in r.err, r.err
+    assert "internal error" not in r.err
+    assert time.monotonic() - t0 < 30
 
 
 def test_standby_stopped_before_it_became_active_exits_0(mgr_pool):
