@@ -74,6 +74,9 @@ def test_writes_every_part(written):
     assert sorted(rep["written"]) == sorted(str(dest / r) for r in rel)
     assert rep["kept"] == [] and rep["unchanged"] == []
     assert any("kubectl apply -k" in x for x in rep["next"])
+    # the image and the pool were given: nothing left to edit, only the hosts to label
+    assert not any("edit" in x for x in rep["next"]), rep["next"]
+    assert any(x.startswith("label the hosts") for x in rep["next"]), rep["next"]
 
 
 def test_again_keeps_edits_unless_forced(cli, written):
@@ -103,6 +106,11 @@ def test_only_and_dry_run(cli, tmp_path):
     assert r.code == 0
     assert sorted(p.name for p in (tmp_path / "x").rglob("*") if p.is_file()) == [
         "cxlkv-rules.test.yml", "cxlkv-rules.yml"]
+    # what --image / --pool left at the shipped default is named as still to edit
+    r = cli("install-manifests", "--dest", tmp_path / "z", "--only", "k8s", "--image",
+            "registry.example/cxlkv:0.2", "--json")
+    nxt = r.json()["next"]
+    assert any("kustomization.yaml (pool)" in x for x in nxt), nxt
 
 
 @pytest.mark.parametrize("args, message", [

@@ -169,8 +169,12 @@ def install(dest: str, parts=PARTS, *, image: str = DEFAULT_IMAGE, pool: str = D
     if "grafana" in parts:
         nxt.append(f"import {d / 'grafana' / 'cxlkv.json'} into Grafana")
     if "k8s" in parts:
-        nxt += [f"edit {d / 'k8s' / 'kustomization.yaml'} (image, pool) and label the hosts: "
-                "kubectl label node HOST cxlkv.io/pool=kv0",
+        # only what --image / --pool left at the shipped default still needs an edit
+        left = [w for w, v, dflt in (("image", image, DEFAULT_IMAGE), ("pool", pool, DEFAULT_POOL))
+                if v == dflt]
+        edit = (f"edit {d / 'k8s' / 'kustomization.yaml'} ({', '.join(left)}) and "
+                if left else "")
+        nxt += [f"{edit}label the hosts: kubectl label node HOST cxlkv.io/pool=kv0",
                 f"kubectl apply -k {d / 'k8s'}   (one host, an emulated pool: "
                 f"{d / 'k8s-emulated'})"]
     return {"dest": str(dest), "parts": list(parts), "written": written,
