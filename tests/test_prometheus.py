@@ -29,7 +29,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-import warnings
 from importlib import resources
 from pathlib import Path
 
@@ -64,9 +63,6 @@ NOT_LIVE = {
 }
 #: (the rules also read kube-state-metrics' kube_deployment_status_replicas_available and
 #: node_exporter's node_systemd_unit_state: not cxlkv's, covered by the unit tests only)
-#: exported by another branch (per-node pins, the operator-experience issue): checked once
-#: the agents export it, skipped with this reason until then
-PENDING = {"cxlkv_node_pinned_blocks": "per-node pins are not exported by this cxlkv yet"}
 
 
 def rules_doc() -> dict:
@@ -449,8 +445,6 @@ def test_live_prometheus_rules_and_dashboard(rack):
         if name in NOT_LIVE:
             assert name not in exported, f"{name} is exported: drop it from NOT_LIVE"
             continue
-        if name in PENDING and name not in exported:
-            continue
         series = prom.api("series", **{"match[]": name, "start": t0})
         assert series, f"no series {name}"
         for s in series:
@@ -474,14 +468,7 @@ def test_live_prometheus_rules_and_dashboard(rack):
 
     # -- every dashboard query returns data over the run ---------------------------------
     end = time.time()
-    pending = []
     for title, e in dashboard_exprs():
-        names = metric_names(e)
-        if names & set(PENDING) and not names & exported:
-            pending.append(title)
-            continue
         got = prom.api("query_range", query=concrete(e, pool=uuid), start=t0, end=end,
                        step="1s")["result"]
         assert got, f"panel {title!r}: no data for {e}"
-    if pending:
-        warnings.warn(f"dashboard panels {pending} not checked: {PENDING}")
