@@ -1,16 +1,18 @@
 """The runbook as a test: every man page rendered with `man`, every TOML and
-shell line in bold on it must still parse after rendering, and the
-procedures of cxlkv-runbook(7) run in order on emulated pools - the commands
-taken from the rendered page, not copied here.
+shell line in bold or in an example block on it must still parse after
+rendering, and the procedures of cxlkv-runbook(7) run in order on emulated
+pools - the commands taken from the rendered page, not copied here.
 
-What an emulated pool cannot stand for is translated, openly (RACK.translate):
-/dev/dax0.0 is a pool file; `systemctl ... cxlkv-lock-manager@kv0` starts or
-stops `cxlkv lock-manager --standby` processes and `cxlkv-serve@kv0` agents
-(the units' ExecStart); `cxlkv init --device` becomes `--pool`; the
-acceptance stress test runs for seconds, not a minute.  Steps that need root
-or CXL hardware (udev, groupadd, provision, cxl list) are only checked to
-parse, and the test lists them.  A step fails the test when its command
-fails.
+What an emulated pool cannot stand for is translated, openly (RACK.translate
+and the long test): /dev/dax0.0 is a pool file, /dev/daxX.Y (POISON) a second
+one; `systemctl ... cxlkv-lock-manager@kv0` starts or stops `cxlkv
+lock-manager --standby` processes and `cxlkv-serve@kv0` agents (the units'
+ExecStart); `cxlkv init --device` becomes `--pool`; the acceptance stress test
+runs for seconds, not a minute; poison is quarantined by --offset, not from
+trace records; `kubectl apply -k` is `kubectl kustomize` plus the Kubernetes
+schemas.  Steps that need root, CXL hardware or a cluster (udev, groupadd,
+provision, cxl list, kubectl label/get/logs) are only checked to parse, and
+the test lists them.  A step fails the test when its command fails.
 """
 from __future__ import annotations
 
@@ -450,8 +452,8 @@ def test_runbook_procedures_in_order(tmp_path):
     BLOCKS ACROSS RACKS (a local Redis Cluster), POISON (by --offset), A NODE
     STALLED, RECOVER AFTER A CRASH, UPGRADE, MONITOR A RACK and DEPLOY ON
     KUBERNETES (offline: kubectl kustomize and the schemas).  TEMPERATURE
-    ALARM's steps need a CXL device: parsed only.  About two to four minutes
-    on a shared 2-core machine: pytest -m long, or CXLKV_LONG=1."""
+    ALARM's steps need a CXL device: parsed only.  About 70 s on a shared
+    2-core machine (load 2-3): pytest -m long, or CXLKV_LONG=1."""
     import contextlib
 
     from cxlkv.testing.nodes import NodeProc
