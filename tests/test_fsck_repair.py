@@ -461,3 +461,27 @@ def test_repair_ends_a_quarantine_the_reaper_never_ended(cli, kv_pool):
     rc, doc = fsck(cli, kv_pool)
     assert rc == 0 and not doc["findings"], doc
     assert kv_intact(kv_pool, *CHAINS) == 8
+
+
+def test_a_node_the_running_lock_manager_does_not_reap_is_left_and_said(cli, pool_path,
+                                                                         monkeypatch):
+    """Sync mode manager: a running lock manager owns its nodes' lines, and one
+    that does not reap a dead node (a quarantine it ends only after its grace)
+    leaves it - --repair says so and exits 4, never "clean"."""
+    from cxlkv.state import protocol
+
+    init_pool(pool_path, {"size": 32 << 20, "sync": "manager", "lease_ms": 300})
+    # node 2 fenced by the lock manager (its line in the manager's words)
+    damage(pool_path, lambda p: protocol.set_mgr(p, 2, layout.node_control(layout.NODE_FENCED, 4),
+                                                 0))
+    monkeypatch.setattr(protocol, "manager_alive", lambda pool: True)   # one runs, idle
+    rc, doc = fsck(cli, pool_path, "--repair")
+    assert rc == 4, doc
+    assert [x["code"] for x in doc["left"]] == ["node-not-reaped"], doc
+    assert "stop the lock managers" in doc["left"][0]["message"]
+    r = cli("fsck", "--pool", pool_path, "--repair")
+    assert r.code == 4 and "not repaired: node 2" in r.out, r.out
+    assert "node 2 (identity not written)" in r.out
+    monkeypatch.undo()                                 # no lock manager: fsck reaps itself
+    rc, doc = fsck(cli, pool_path, "--repair")
+    assert rc == 1 and "node-reaped" in repaired_codes(doc) and not doc["left"], doc

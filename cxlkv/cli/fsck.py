@@ -11,7 +11,8 @@ from cxlkv.errors import CxlkvError, FsckUsage
 EXIT_CLEAN, EXIT_CORRECTED, EXIT_ERRORS, EXIT_OPERATIONAL, EXIT_USAGE = 0, 1, 4, 8, 16
 FSCK_CODES = ((EXIT_CLEAN, "clean"),
               (EXIT_CORRECTED, "errors found and corrected (--repair); the pool is clean now"),
-              (EXIT_ERRORS, "errors found and left uncorrected"),
+              (EXIT_ERRORS, "errors found and left uncorrected, or a repair that could not be "
+                            "made (named under 'not repaired')"),
               (EXIT_OPERATIONAL, "operational error: the pool could not be checked or "
                                  "repaired (or --repair refused: live nodes attached, or a "
                                  "node attached while it ran)"),
@@ -147,6 +148,8 @@ def _repair(app: Application, pool: str, force: bool, live: bool) -> int:
         app.out.print(t)
     if rep.after.errors:
         _findings(app, f"fsck {pool}: left", rep.after.findings)
+    for a in rep.left:
+        app.out.print(f"fsck {pool}: not repaired: {a['where']}: {a['message']}")
     _summary(app, pool, rep.after)
     if rep.attached:
         app.out.print(f"{pool}: repaired under the pool lock, attached as a node (--live)")

@@ -79,14 +79,20 @@ class Repair:
     verdicts: dict = field(default_factory=dict)
     #: free slots held by placeholders while an offline repair runs (sync mode cas)
     blocked: set = field(default_factory=set)
+    #: what this repair could not do, and why (exit 4 like errors left)
+    left: list[dict] = field(default_factory=list)
 
     def did(self, code: str, where: str, message: str) -> None:
         self.actions.append({"code": code, "where": where, "message": message})
 
+    def could_not(self, code: str, where: str, message: str) -> None:
+        self.left.append({"code": code, "where": where, "message": message})
+
     @property
     def exit_code(self) -> int:
-        """e2fsck: 0 clean, 1 errors corrected, 4 errors left."""
-        if self.after is not None and not self.after.clean:
+        """e2fsck: 0 clean, 1 errors corrected, 4 errors left (or a repair
+        this run could not make)."""
+        if (self.after is not None and not self.after.clean) or self.left:
             return 4
         return 1 if (self.before.errors or self.actions) else 0
 
@@ -94,7 +100,7 @@ class Repair:
         return {"clean": self.after.clean if self.after else self.before.clean,
                 "exit_code": self.exit_code, "attached": self.attached,
                 "nodes": {str(k): v for k, v in sorted(self.verdicts.items())},
-                "before": self.before.to_json(), "repairs": self.actions,
+                "before": self.before.to_json(), "repairs": self.actions, "left": self.left,
                 "after": self.after.to_json() if self.after else None}
 
 
@@ -314,6 +320,14 @@ def _nodes(pool, rep: Repair, judged: dict) -> None:
             continue
         if pool.sb.sync == "manager":
             done = _reap_managed(pool, n)
+            if not done:
+                # the running lock manager owns its nodes' lines and did not
+                # reap this one (a quarantine it ends only after its grace)
+                rep.could_not("node-not-reaped", where,
+                              f"{n.describe()} ({n.state}, epoch {n.epoch}) was not alive, but "
+                              "the running lock manager did not reap it within two leases: "
+                              "stop the lock managers (active and standby), run "
+                              "`cxlkv fsck --repair` again, then start them")
         else:
             cur = nodes.read_slot(pool, n.slot)
             if cur.epoch == n.epoch and cur.state == "fenced":

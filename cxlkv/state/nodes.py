@@ -122,7 +122,11 @@ class NodeInfo:
                 "acknowledged": self.acknowledged}
 
     def describe(self) -> str:
-        return f"node {self.slot} ({self.hostname} pid {self.pid})"
+        """"node 3 (host-a pid 812)"; a slot whose identity was never written
+        (claimed, abandoned): "node 3 (identity not written)"."""
+        if not self.hostname and not self.pid:
+            return f"node {self.slot} (identity not written)"
+        return f"node {self.slot} ({self.hostname or 'unknown host'} pid {self.pid})"
 
 
 def local_pidns() -> int:
