@@ -255,6 +255,7 @@ class Allocator:
         self._tls = threading.local()           # per-thread scratch (_scratch)
         # the retired-chunk list as last read: (entry count, chunk indices)
         self._retired: tuple[int, np.ndarray] = (0, np.zeros(0, dtype=np.int64))
+        self._bc_off = _badlist_off(pool)
 
     # -- public ----------------------------------------------------------------
     def _locked(self):
@@ -380,12 +381,21 @@ class Allocator:
             self.m.store64(rec, 0)
             self.m.flush(rec, 8)
 
+    def _retired_entries(self) -> int:
+        """The retired-chunk list's entry count, read from the pool (0: no
+        list) - the store path's check, so three C calls and nothing else."""
+        m, off = self.m, self._bc_off
+        m.invalidate(off, 16)
+        if m.load64(off) != layout.BADCHUNK_MAGIC:
+            return 0
+        return m.load64(off + _BC_COUNT) & 0xFFFF_FFFF
+
     def retired_mask(self, offsets) -> np.ndarray:
         """Which of these slot offsets lie in a retired (poisoned) chunk: one
         read of the list's entry count from the pool, the list itself read
         again only when the count changed (it only grows)."""
         arr = np.atleast_1d(np.asarray(offsets, dtype=np.uint64))
-        n = retired_count(self.pool)
+        n = self._retired_entries()
         if not n:
             return np.zeros(len(arr), dtype=bool)
         if n != self._retired[0]:
@@ -396,6 +406,8 @@ class Allocator:
     def check_retired(self, offsets) -> None:
         """Raise RetiredSlots if any reserved slot lies in a retired chunk
         (quarantine retired it after the slot was handed out)."""
+        if not self._retired_entries():
+            return                              # no list, or an empty one: the common case
         arr = np.atleast_1d(np.asarray(offsets, dtype=np.uint64))
         bad = self.retired_mask(arr)
         if bad.any():
@@ -967,6 +979,7 @@ RETIRED_OWNER = 0xBAD0_C4C4_0000_0000
 
 _BC_HDR = layout.BadChunkHdrStruct
 _BC = layout.BadChunkStruct
+_BC_COUNT = _BC_HDR.count.offset
 
 
 def _badlist_off(pool) -> int:
@@ -1011,7 +1024,7 @@ def retired_count(pool) -> int:
     m.invalidate(off, 16)
     if m.load64(off) != layout.BADCHUNK_MAGIC:
         return 0
-    return m.load64(off + _BC_HDR.count.offset) & 0xFFFF_FFFF
+    return m.load64(off + _BC_COUNT) & 0xFFFF_FFFF
 
 
 def retired_summary(pool) -> dict:
