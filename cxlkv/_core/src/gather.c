@@ -262,60 +262,101 @@ get_i64(PyObject *obj, Py_buffer *b)
     return 0;
 }
 
+/* The arguments kv_copy and kv_scatter share, at the same positions:
+ * block_bytes (1), src_offset (2), shape / src_strides / buf_strides (5-7)
+ * and run (8).  Fills the walk, checks every dimension and that the walk
+ * stays inside each block ([src_offset, block_bytes)); dlo/dhi: the walk's
+ * byte extent on the buffer side.  -1 with an exception set. */
+static int
+parse_walk(PyObject *const *args, const char *fn, struct walk *w, uint64_t *bb,
+           uint64_t *soff, int *empty, int64_t *dlo, int64_t *dhi)
+{
+    uint64_t run;
+    if (as_u64(args[1], bb, "block_bytes") < 0 || as_u64(args[2], soff, "src_offset") < 0 ||
+        as_u64(args[8], &run, "run") < 0)
+        return -1;
+    int64_t shp[CXLKV_GATHER_MAXDIM];
+    int n1, n2, n3;
+    if (int_tuple(args[5], shp, &n1, "shape") < 0 ||
+        int_tuple(args[6], w->sst, &n2, "src_strides") < 0 ||
+        int_tuple(args[7], w->dst, &n3, "buf_strides") < 0)
+        return -1;
+    if (n1 != n2 || n1 != n3) {
+        PyErr_Format(PyExc_ValueError, "%s: shape has %d dims, src_strides %d, "
+                     "buf_strides %d", fn, n1, n2, n3);
+        return -1;
+    }
+    if (run == 0 || *bb == 0 || run > (uint64_t)INT64_MAX || *bb > (uint64_t)INT64_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s: run and block_bytes must be >= 1", fn);
+        return -1;
+    }
+    w->ndim = n1;
+    w->run = (size_t)run;
+    *empty = 0;
+    for (int i = 0; i < n1; i++) {
+        if (shp[i] < 0) {
+            PyErr_Format(PyExc_ValueError, "%s: shape[%d] = %lld is negative", fn, i,
+                         (long long)shp[i]);
+            return -1;
+        }
+        if (w->sst[i] < 0) {
+            PyErr_Format(PyExc_ValueError, "%s: src_strides[%d] = %lld is negative", fn, i,
+                         (long long)w->sst[i]);
+            return -1;
+        }
+        *empty |= shp[i] == 0;
+        w->shape[i] = (Py_ssize_t)shp[i];
+    }
+    int64_t slo = 0, shi = 0;
+    *dlo = *dhi = 0;
+    if (!*empty && (walk_extent(w, w->sst, &slo, &shi) < 0 ||
+                    walk_extent(w, w->dst, dlo, dhi) < 0))
+        return -1;
+    if (!*empty && (*soff > *bb || (uint64_t)shi > *bb - *soff)) {
+        PyErr_Format(cxlkv_RangeError, "%s: the walk spans bytes [%llu, %llu) of a block "
+                     "of %llu bytes", fn, (unsigned long long)*soff,
+                     (unsigned long long)*soff + (unsigned long long)shi,
+                     (unsigned long long)*bb);
+        return -1;
+    }
+    return 0;
+}
+
+/* Every block's walk in buf (origins buf_offsets, n of them) inside the
+ * extent buf's exporter describes; -1 (RangeError) otherwise. */
+static int
+check_buf_walks(const char *fn, const Py_buffer *buf, const int64_t *off, Py_ssize_t n,
+                int64_t dlo, int64_t dhi)
+{
+    int64_t blo, bhi;
+    buffer_extent(buf, &blo, &bhi);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t a, z;
+        if (__builtin_add_overflow(off[i], dlo, &a) || __builtin_add_overflow(off[i], dhi, &z) ||
+            a < blo || z > bhi) {
+            PyErr_Format(cxlkv_RangeError, "%s: block %zd at buffer offset %lld spans "
+                         "[%lld, %lld), outside the buffer's [%lld, %lld)", fn, i,
+                         (long long)off[i], (long long)(off[i] + dlo),
+                         (long long)(off[i] + dhi), (long long)blo, (long long)bhi);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 PyObject *
 mod_kv_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    uint64_t bb, run;
-    int to_blocks = 0;
-    uint64_t soff;
-    if (nargs_check(nargs, 9, 10, "kv_copy") < 0 || as_u64(args[1], &bb, "block_bytes") < 0 ||
-        as_u64(args[2], &soff, "src_offset") < 0 || as_u64(args[8], &run, "run") < 0)
+    uint64_t bb, soff;
+    int to_blocks = 0, empty;
+    struct walk w;
+    int64_t dlo, dhi;
+    if (nargs_check(nargs, 9, 10, "kv_copy") < 0 ||
+        parse_walk(args, "kv_copy", &w, &bb, &soff, &empty, &dlo, &dhi) < 0)
         return NULL;
     if (nargs > 9 && (to_blocks = PyObject_IsTrue(args[9])) < 0)
         return NULL;
-    struct walk w;
-    int64_t shp[CXLKV_GATHER_MAXDIM];
-    int n1, n2, n3;
-    if (int_tuple(args[5], shp, &n1, "shape") < 0 ||
-        int_tuple(args[6], w.sst, &n2, "src_strides") < 0 ||
-        int_tuple(args[7], w.dst, &n3, "buf_strides") < 0)
-        return NULL;
-    if (n1 != n2 || n1 != n3) {
-        PyErr_Format(PyExc_ValueError, "kv_copy: shape has %d dims, src_strides %d, "
-                     "buf_strides %d", n1, n2, n3);
-        return NULL;
-    }
-    if (run == 0 || bb == 0 || run > (uint64_t)INT64_MAX || bb > (uint64_t)INT64_MAX) {
-        PyErr_SetString(PyExc_ValueError, "kv_copy: run and block_bytes must be >= 1");
-        return NULL;
-    }
-    w.ndim = n1;
-    w.run = (size_t)run;
-    int empty = 0;
-    for (int i = 0; i < n1; i++) {
-        if (shp[i] < 0) {
-            PyErr_Format(PyExc_ValueError, "kv_copy: shape[%d] = %lld is negative", i,
-                         (long long)shp[i]);
-            return NULL;
-        }
-        if (w.sst[i] < 0) {
-            PyErr_Format(PyExc_ValueError, "kv_copy: src_strides[%d] = %lld is negative", i,
-                         (long long)w.sst[i]);
-            return NULL;
-        }
-        empty |= shp[i] == 0;
-        w.shape[i] = (Py_ssize_t)shp[i];
-    }
-    int64_t slo = 0, shi = 0, dlo = 0, dhi = 0;
-    if (!empty && (walk_extent(&w, w.sst, &slo, &shi) < 0 || walk_extent(&w, w.dst, &dlo, &dhi) < 0))
-        return NULL;
-    if (!empty && (soff > bb || (uint64_t)shi > bb - soff)) {
-        PyErr_Format(cxlkv_RangeError, "kv_copy: the walk spans bytes [%llu, %llu) of a block "
-                     "of %llu bytes", (unsigned long long)soff,
-                     (unsigned long long)soff + (unsigned long long)shi, (unsigned long long)bb);
-        return NULL;
-    }
 
     PyObject *seq = PySequence_Fast(args[0], "kv_copy: blocks must be a sequence of buffers");
     if (!seq)
@@ -340,20 +381,9 @@ mod_kv_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Format(PyExc_ValueError, "kv_copy: %zd offsets for %zd blocks", offs.len / 8, n);
         goto done;
     }
-    int64_t blo, bhi;
-    buffer_extent(&buf, &blo, &bhi);
     const int64_t *off = offs.buf;
-    for (Py_ssize_t i = 0; i < n && !empty; i++) {
-        int64_t a, z;
-        if (__builtin_add_overflow(off[i], dlo, &a) || __builtin_add_overflow(off[i], dhi, &z) ||
-            a < blo || z > bhi) {
-            PyErr_Format(cxlkv_RangeError, "kv_copy: block %zd at buffer offset %lld spans "
-                         "[%lld, %lld), outside the buffer's [%lld, %lld)", i,
-                         (long long)off[i], (long long)(off[i] + dlo),
-                         (long long)(off[i] + dhi), (long long)blo, (long long)bhi);
-            goto done;
-        }
-    }
+    if (!empty && check_buf_walks("kv_copy", &buf, off, n, dlo, dhi) < 0)
+        goto done;
     for (; got < n; got++) {
         PyObject *it = PySequence_Fast_GET_ITEM(seq, got);
         if (PyObject_GetBuffer(it, &b[got], PyBUF_C_CONTIGUOUS |
@@ -509,49 +539,14 @@ walk_to_pool(Mapping *m, const struct walk *w, uint64_t blk, const char *buf, in
 PyObject *
 Mapping_kv_scatter(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    uint64_t bb, run, soff;
-    if (nargs_check(nargs, 9, 9, "kv_scatter") < 0 || check_open(m) < 0 ||
-        check_writable(m, "kv_scatter") < 0 || as_u64(args[1], &bb, "block_bytes") < 0 ||
-        as_u64(args[2], &soff, "src_offset") < 0 || as_u64(args[8], &run, "run") < 0)
-        return NULL;
+    uint64_t bb, soff;
+    int empty;
     struct walk w;
-    int64_t shp[CXLKV_GATHER_MAXDIM];
-    int n1, n2, n3;
-    if (int_tuple(args[5], shp, &n1, "shape") < 0 ||
-        int_tuple(args[6], w.sst, &n2, "src_strides") < 0 ||
-        int_tuple(args[7], w.dst, &n3, "buf_strides") < 0)
+    int64_t dlo, dhi;
+    if (nargs_check(nargs, 9, 9, "kv_scatter") < 0 || check_open(m) < 0 ||
+        check_writable(m, "kv_scatter") < 0 ||
+        parse_walk(args, "kv_scatter", &w, &bb, &soff, &empty, &dlo, &dhi) < 0)
         return NULL;
-    if (n1 != n2 || n1 != n3) {
-        PyErr_Format(PyExc_ValueError, "kv_scatter: shape has %d dims, src_strides %d, "
-                     "buf_strides %d", n1, n2, n3);
-        return NULL;
-    }
-    if (run == 0 || bb == 0 || run > (uint64_t)INT64_MAX || bb > (uint64_t)INT64_MAX) {
-        PyErr_SetString(PyExc_ValueError, "kv_scatter: run and block_bytes must be >= 1");
-        return NULL;
-    }
-    w.ndim = n1;
-    w.run = (size_t)run;
-    int empty = 0;
-    for (int i = 0; i < n1; i++) {
-        if (shp[i] < 0 || w.sst[i] < 0) {
-            PyErr_Format(PyExc_ValueError, "kv_scatter: shape[%d] = %lld and src_strides[%d] = "
-                         "%lld must not be negative", i, (long long)shp[i], i,
-                         (long long)w.sst[i]);
-            return NULL;
-        }
-        empty |= shp[i] == 0;
-        w.shape[i] = (Py_ssize_t)shp[i];
-    }
-    int64_t slo = 0, shi = 0, dlo = 0, dhi = 0;
-    if (!empty && (walk_extent(&w, w.sst, &slo, &shi) < 0 || walk_extent(&w, w.dst, &dlo, &dhi) < 0))
-        return NULL;
-    if (!empty && (soff > bb || (uint64_t)shi > bb - soff)) {
-        PyErr_Format(cxlkv_RangeError, "kv_scatter: the walk spans bytes [%llu, %llu) of a "
-                     "block of %llu bytes", (unsigned long long)soff,
-                     (unsigned long long)soff + (unsigned long long)shi, (unsigned long long)bb);
-        return NULL;
-    }
     Py_buffer po, buf, bo;
     if (get_offsets(args[0], &po, 0) < 0)
         return NULL;
@@ -573,20 +568,9 @@ Mapping_kv_scatter(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
                      bo.len / 8, n);
         goto done;
     }
-    int64_t blo, bhi;
-    buffer_extent(&buf, &blo, &bhi);
     const int64_t *boff = bo.buf;
-    for (Py_ssize_t i = 0; i < n && !empty; i++) {
-        int64_t a, z;
-        if (__builtin_add_overflow(boff[i], dlo, &a) || __builtin_add_overflow(boff[i], dhi, &z) ||
-            a < blo || z > bhi) {
-            PyErr_Format(cxlkv_RangeError, "kv_scatter: block %zd at buffer offset %lld spans "
-                         "[%lld, %lld), outside the buffer's [%lld, %lld)", i,
-                         (long long)boff[i], (long long)(boff[i] + dlo),
-                         (long long)(boff[i] + dhi), (long long)blo, (long long)bhi);
-            goto done;
-        }
-    }
+    if (!empty && check_buf_walks("kv_scatter", &buf, boff, n, dlo, dhi) < 0)
+        goto done;
     walk_simplify(&w);
     int nt = m->nt_default && !__atomic_load_n(&cxlkv_write_clwb, __ATOMIC_RELAXED);
     Py_ssize_t done_n = 0;
