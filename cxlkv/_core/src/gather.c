@@ -101,6 +101,23 @@ struct walk {
     size_t run;
 };
 
+/* The next point of a walk (odometer order, last dimension fastest): the
+ * byte offsets in the block (*so) and in buf (*bo); 0 once the walk is done. */
+static inline int
+walk_next(const struct walk *w, Py_ssize_t *idx, int64_t *so, int64_t *bo)
+{
+    for (int d = w->ndim - 1; d >= 0; d--) {
+        *so += w->sst[d];
+        *bo += w->dst[d];
+        if (++idx[d] < w->shape[d])
+            return 1;
+        *so -= w->sst[d] * w->shape[d];
+        *bo -= w->dst[d] * w->shape[d];
+        idx[d] = 0;
+    }
+    return 0;
+}
+
 /* Copy one block's strided walk; `to_blocks` swaps the direction. */
 static void
 walk_copy(const struct walk *w, char *blk, char *buf, int to_blocks, int nt)
@@ -119,17 +136,7 @@ walk_copy(const struct walk *w, char *blk, char *buf, int to_blocks, int nt)
             memcpy(blk + so, buf + bo, w->run);
         else
             copy_run(buf + bo, blk + so, w->run, nt);
-        int d = w->ndim - 1;
-        for (; d >= 0; d--) {
-            so += w->sst[d];
-            bo += w->dst[d];
-            if (++idx[d] < w->shape[d])
-                break;
-            so -= w->sst[d] * w->shape[d];
-            bo -= w->dst[d] * w->shape[d];
-            idx[d] = 0;
-        }
-        if (d < 0)
+        if (!walk_next(w, idx, &so, &bo))
             return;
     }
 }
@@ -509,17 +516,7 @@ walk_to_pool(Mapping *m, const struct walk *w, uint64_t blk, const char *buf, in
     for (;;) {
         if (run_to_pool(m, blk + (uint64_t)so, buf + bo, w->run, nt) < 0)
             return -1;
-        int d = w->ndim - 1;
-        for (; d >= 0; d--) {
-            so += w->sst[d];
-            bo += w->dst[d];
-            if (++idx[d] < w->shape[d])
-                break;
-            so -= w->sst[d] * w->shape[d];
-            bo -= w->dst[d] * w->shape[d];
-            idx[d] = 0;
-        }
-        if (d < 0)
+        if (!walk_next(w, idx, &so, &bo))
             return 0;
     }
 }
