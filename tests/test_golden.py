@@ -6,10 +6,15 @@ import os
 import uuid
 from pathlib import Path
 
+import pytest
+
+from cxlkv.pool import layout
 from cxlkv.pool.format import FormatParams, format_buffer
 from cxlkv.pool.superblock import select
 
 GOLDEN = Path(__file__).parent / "golden" / "pool-v1-4m.img.gz"
+#: the same parameters formatted before the block names (compat NAMES) existed
+BEFORE_NAMES = Path(__file__).parent / "golden" / "pool-v1-4m-before-names.img.gz"
 PARAMS = FormatParams(size=4 << 20, sync="manager", chunk_size=64 << 10, max_nodes=4,
                       lease_ms=5000, hash_slots=64, hash_max_load_pct=80, label="golden")
 INJECT = dict(pool_uuid=uuid.UUID("6f0c1b5e-2d4a-4e59-9a59-0c8c1f1e2d3a"),
@@ -22,8 +27,9 @@ def make_image() -> bytes:
     return bytes(buf)
 
 
-def test_golden_image_still_reads():
-    raw = gzip.decompress(GOLDEN.read_bytes())
+@pytest.mark.parametrize("image", [GOLDEN, BEFORE_NAMES], ids=["current", "before-names"])
+def test_golden_image_still_reads(image):
+    raw = gzip.decompress(image.read_bytes())
     sel = select(raw[:4096], raw[4096:8192])
     sb = sel.sb
     assert sb.sync == "manager" and sb.max_nodes == 4 and sb.chunk_size == 64 << 10
@@ -31,6 +37,7 @@ def test_golden_image_still_reads():
     assert sb.label == "golden" and sb.uuid == INJECT["pool_uuid"]
     assert sb.tenant_secret == INJECT["secret"] and sb.ctime_ns == INJECT["ctime_ns"]
     assert sel.problems == {}
+    assert bool(sb.compat & layout.COMPAT_NAMES) == (image == GOLDEN)
 
 
 def test_format_reproduces_golden_image():

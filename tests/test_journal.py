@@ -19,6 +19,7 @@ import pytest
 import cxlkv
 from cxlkv.errors import PoolIncompatible
 from cxlkv.kv import journal
+from cxlkv.kv import keys as block_keys
 from cxlkv.kv.area import Area
 from cxlkv.pool import layout
 from cxlkv.ops.init import init_pool
@@ -60,6 +61,30 @@ def key(rec) -> bytes:
     return int(rec["key_lo"]).to_bytes(8, "little") + int(rec["key_hi"]).to_bytes(8, "little")
 
 
+def name_of(rec, prefix: str = "") -> bytes:
+    return bytes(rec[prefix + "name"][:int(rec[prefix + "name_len"])])
+
+
+def names_hash_to_keys(recs, model: str = KV_ARGS["model"]) -> None:
+    """Every STORED / EVICTED record is named, and its names are the chain
+    hashes its keys were made of (unsalted tenant): the block's and, where it
+    has one, its parent's."""
+    recs = recs[np.isin(recs["op"], [journal.STORED, journal.EVICTED])]
+    if not len(recs):
+        return
+    assert (recs["name_len"] > 0).all(), "an unnamed record"
+    digest = block_keys.namespace_digest(model)
+    rows = np.stack([np.frombuffer(name_of(r), dtype=np.uint8) for r in recs])
+    keys = block_keys.pool_keys(rows, digest, bytes(16))
+    assert [bytes(k) for k in keys] == [key(r) for r in recs]
+    child = (recs["parent_lo"] != 0) | (recs["parent_hi"] != 0)
+    assert (recs["parent_name_len"][child] > 0).all(), "an unnamed parent"
+    for r in recs[child]:
+        k = block_keys.pool_keys(np.frombuffer(name_of(r, "parent_"), dtype=np.uint8)[None],
+                                 digest, bytes(16))
+        assert bytes(k[0]) == key({"key_lo": r["parent_lo"], "key_hi": r["parent_hi"]})
+
+
 def published(pool) -> set[bytes]:
     t = Area(pool).entries()
     t = t[(t["ctl"] & 0xFF) == layout.KV_PUBLISHED]
@@ -80,6 +105,7 @@ class Follower:
 
     def poll(self) -> journal.Changes:
         ch = self.reader.poll()
+        names_hash_to_keys(ch.records)
         if ch.resync:
             self.resyncs.append(ch.reasons)
             self.present = {key(r) for r in ch.records}
@@ -406,3 +432,83 @@ def test_inspect_and_kv_stats_show_the_rings(cli, pool_path):
                                                          dict) else doc)["kv"]["journal"]
         assert j["appended"] == 3 and j["next_seq"] == 4
         assert j["rings"] == [{"slot": slot, "head": 3, "writer_slot": slot, "writer_epoch": 1}]
+
+
+# -- block names ----------------------------------------------------------------------------
+def test_an_eviction_record_keeps_the_name_after_the_entry_is_reused(pool_path):
+    """The record of an eviction carries the block's name (copied from the
+    entry's name when the record was appended), so a reader that comes later,
+    when the entry already names another block, still learns which block went."""
+    from cxlkv.kv import names
+
+    init_pool(pool_path, {"size": 8 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8})
+    with cxlkv.open_pool(pool_path) as pool:
+        r = journal.JournalReader(pool, start="now")
+        kv = pool.kv(**KV_ARGS)
+        t = toks(3, 4)
+        assert kv.store(t, bytes(4 * BB)) == 4
+        hashes = kv.block_hashes(t)
+        stored = r.poll().records
+        assert [name_of(x) for x in stored] == hashes
+        assert [name_of(x, "parent_") for x in stored] == [b""] + hashes[:-1]
+        with pool.lock():
+            assert kv.area.evict(everything=True)[0] == 4
+        nm = names.Names.of(pool)
+        entries = stored["entry"].astype(np.uint64) - 1
+        # the entries now name other blocks (as a store after the eviction
+        # would make them): what the table holds no longer names these keys
+        other = np.zeros(4, dtype=names.NAME)
+        other["key_lo"], other["key_hi"], other["len"] = 7, 7, 16
+        nm.write_records(pool.node, entries, other)
+        gone = r.poll().records
+        assert gone["op"].tolist() == [journal.EVICTED] * 4
+        assert sorted(name_of(x) for x in gone) == sorted(hashes)
+        names_hash_to_keys(gone)
+
+
+def test_names_of_hashes_the_caller_gives_and_names_too_long_to_keep(pool_path):
+    init_pool(pool_path, {"size": 8 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8})
+    with cxlkv.open_pool(pool_path) as pool:
+        r = journal.JournalReader(pool, start="now")
+        kv = pool.kv(**KV_ARGS)
+        vllm = [bytes([i]) * 32 for i in range(1, 4)]        # vLLM's 32-byte block hashes
+        assert kv.store_hashes(vllm, bytes(3 * BB)) == 3
+        recs = r.poll().records
+        assert [name_of(x) for x in recs] == vllm
+        assert [name_of(x, "parent_") for x in recs] == [b""] + vllm[:-1]
+        long = [bytes([i]) * 48 for i in range(1, 3)]        # more than a name record holds
+        assert kv.store_hashes(long, bytes(2 * BB)) == 2
+        recs = r.poll().records
+        assert recs["name_len"].tolist() == [0, 0]           # unnamed: published by pool key
+        assert [key(x) for x in recs] == [bytes(k) for k in kv.keys_for_hashes(long)]
+        res = journal.JournalReader(pool).poll()             # a resync names them the same
+        assert res.resync
+        by_key = {key(x): name_of(x) for x in res.records}
+        assert [by_key[bytes(k)] for k in kv.keys_for_hashes(vllm)] == vllm
+        assert [by_key[bytes(k)] for k in kv.keys_for_hashes(long)] == [b"", b""]
+
+
+def test_a_pool_formatted_before_block_names_stores_unnamed_blocks(tmp_path):
+    """The golden image of the format before NAMES (manager mode): the KV
+    cache works as before and its journal records name nothing."""
+    raw = gzip.decompress((Path(__file__).parent / "golden" / "pool-v1-4m-before-names.img.gz")
+                          .read_bytes())
+    path = tmp_path / "old.pool"
+    path.write_bytes(raw)
+    os.chmod(path, 0o660)
+    with Pool.open(str(path), writable=False) as p:
+        assert not p.sb.compat & layout.COMPAT_NAMES and p.sb.incompat & layout.INCOMPAT_JOURNAL
+    mgr = lock_manager(str(path))
+    try:
+        with cxlkv.open_pool(str(path)) as pool:
+            r = journal.JournalReader(pool, start="now")
+            kv = pool.kv(model="old", block_tokens=16, block_bytes=4096)
+            assert kv.store(toks(1, 2), bytes(2 * 4096)) == 2
+            recs = r.poll().records
+            assert recs["name_len"].tolist() == [0, 0]
+            assert recs["parent_name_len"].tolist() == [0, 0]
+            with kv.load(toks(1, 2)) as views:
+                assert len(views) == 2
+    finally:
+        mgr.terminate()
+        mgr.wait(10)

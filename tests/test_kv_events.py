@@ -198,8 +198,8 @@ with cxlkv.open_pool(path) as pool:
             continue
         toks = np.arange(cmd["base"], cmd["base"] + cmd["n"] * %d, dtype=np.int64)
         kv.store(toks, bytes(cmd["n"] * %d))
-        keys = [bytes(k).hex() for k in kv.keys_for_hashes(kv.block_hashes(toks))]
-        print(json.dumps({"keys": keys}), flush=True)
+        # what routers see: the blocks' names, their chain hashes
+        print(json.dumps({"hashes": [h.hex() for h in kv.block_hashes(toks)]}), flush=True)
 ''' % (BT, BB, BT, BB)
 
 
@@ -219,7 +219,7 @@ class Node:
     def store(self, base, n):
         self.p.stdin.write(json.dumps({"base": base, "n": n}) + "\n")
         self.p.stdin.flush()
-        return [bytes.fromhex(k) for k in self._reply()["keys"]]
+        return [bytes.fromhex(k) for k in self._reply()["hashes"]]
 
     def evict(self):
         self.p.stdin.write('{"evict": 1}\n')
@@ -234,10 +234,10 @@ class Node:
 
 
 def node(path, base, n):
-    """Store n blocks from a node process of their own; their keys."""
+    """Store n blocks from a node process of their own; their hashes."""
     nd = Node(path)
     try:
-        return {"keys": nd.store(base, n), "slot": nd.slot}
+        return {"hashes": nd.store(base, n), "slot": nd.slot}
     finally:
         nd.close()
 
@@ -321,6 +321,60 @@ def test_stores_and_evictions_of_two_nodes_are_announced_once(agents, epool):
         two.close()
 
 
+def test_blocks_are_announced_by_the_hashes_the_engine_keyed_them_with(agents, epool):
+    """vLLM's block hashes (a sha256_cbor namespace, and hashes given as the
+    vLLM connector gives them) come out as block_hashes and parent hashes, in
+    stores, evictions and the resync of a new leader; a hash too long to keep
+    goes out as the pool key, counted as unnamed."""
+    a = agents()
+    wait_for(lambda: a.kv_events.leader, timeout=10)
+    sub = subscribe(a)
+    try:
+        with cxlkv.open_pool(epool) as pool:                 # another node, in this process
+            kv = pool.kv(model="vllm-model", block_tokens=BT, block_bytes=BB,
+                         hash="sha256_cbor", hash_seed="0")
+            toks = list(range(3 * BT))
+            assert kv.store(toks, bytes(3 * BB)) == 3
+            vllm = kv.block_hashes(toks)                     # vLLM's own, for this seed
+            assert {len(h) for h in vllm} == {32}
+            given = [bytes([0xA0 + i]) * 32 for i in range(2)]
+            assert kv.store_hashes(given, bytes(2 * BB)) == 2
+            long = [bytes([0xB0]) * 48]
+            assert kv.store_hashes(long, bytes(BB)) == 1
+            pool_key = bytes(kv.keys_for_hashes(long)[0])
+            until(sub, lambda: set(vllm + given + [pool_key]) <= set(sub.state()))
+            stored = [e for e in sub.events() if isinstance(e, BlockStored)]
+            chain = next(e for e in stored if e.block_hashes[0] == vllm[0])
+            assert chain.block_hashes == vllm and chain.parent_block_hash is None
+            assert next(e for e in stored if e.block_hashes[0] == given[0]).block_hashes == given
+            assert a.kv_events.stats["unnamed"] == 1
+            with pool.lock():
+                assert kv.area.evict(everything=True)[0] == 6
+            until(sub, lambda: sub.state() == {})
+            removed = {h for e in sub.events() if isinstance(e, BlockRemoved)
+                       for h in e.block_hashes}
+            assert removed == set(vllm + given + [pool_key])
+            assert kv.store(toks[:2 * BT], bytes(2 * BB)) == 2
+            until(sub, lambda: set(vllm[:2]) <= set(sub.state()))
+        b = agents()                                         # a new leader: its resync
+        sub2 = subscribe(b)
+        try:
+            assert not b.kv_events.leader
+            a.shutdown()
+            wait_for(lambda: b.kv_events.leader, timeout=10)
+            until(sub2, lambda: set(vllm[:2]) <= set(sub2.state()))
+            evs = sub2.events()
+            assert isinstance(evs[0], AllBlocksCleared)
+            second = next(e for e in evs if isinstance(e, BlockStored)
+                          and vllm[1] in e.block_hashes)
+            i = second.block_hashes.index(vllm[1])
+            assert (second.block_hashes[i - 1] if i else second.parent_block_hash) == vllm[0]
+        finally:
+            sub2.close()
+    finally:
+        sub.close()
+
+
 def test_a_missed_range_comes_back_through_the_replay_socket(agents, epool):
     a = agents()
     wait_for(lambda: a.kv_events.leader, timeout=10)
@@ -366,7 +420,7 @@ def test_a_journal_overrun_publishes_all_blocks_cleared_and_the_state(agents, ep
         assert a.kv_events.stats["resync_overrun"] == 1
         after = {h for e in evs[clears[-1]:] if isinstance(e, BlockStored)
                  for h in e.block_hashes}
-        assert set(mine["keys"]) == after == set(sub.state())
+        assert set(mine["hashes"]) == after == set(sub.state())
     finally:
         sub.close()
 
@@ -382,14 +436,14 @@ def test_one_publisher_per_pool_and_a_takeover(agents, epool):
     s_lead, s_other = subscribe(lead), subscribe(other)
     try:
         first = node(epool, 0, 3)
-        until(s_lead, lambda: set(first["keys"]) <= set(s_lead.state()))
+        until(s_lead, lambda: set(first["hashes"]) <= set(s_lead.state()))
         s_other.pump(200)
         assert s_other.batches == {}                   # the follower publishes nothing
         assert not other.kv_events.leader
         lead.shutdown()                                # gives the flag up; the other takes over
         wait_for(lambda: other.kv_events.leader, timeout=10)
         second = node(epool, 5000, 2)
-        until(s_other, lambda: set(first["keys"] + second["keys"]) <= set(s_other.state()))
+        until(s_other, lambda: set(first["hashes"] + second["hashes"]) <= set(s_other.state()))
         assert isinstance(s_other.events()[0], AllBlocksCleared)
         assert flagged_slots(other.pool) == [other.pool.node.slot]
     finally:
@@ -443,7 +497,7 @@ def test_kv_events_table_settings(tmp_path, cli, epool):
 
 def test_map_wire_int_hashes_and_a_dropped_namespace(epool):
     """wire "map" decodes with the newer vLLM's structs; hashes "int" are the
-    keys' last 8 bytes; `kv drop` (the journal says only "namespace cleared")
+    names' last 8 bytes, big-endian (vLLM's maybe_convert_block_hash); `kv drop` (the journal says only "namespace cleared")
     publishes AllBlocksCleared and the state without that namespace."""
 
     pub = KVEventsPublisher(settings("tcp://127.0.0.1:0", {"wire": "map", "hashes": "int",
@@ -483,13 +537,12 @@ def test_map_wire_int_hashes_and_a_dropped_namespace(epool):
             while not got:
                 toks = list(range(len(kept) * BT, (len(kept) + 1) * BT))
                 keep.store(toks, bytes(BB))
-                kept += [bytes(k) for k in keep.keys_for_hashes(keep.block_hashes(toks))]
+                kept += keep.block_hashes(toks)
                 receive(0.2)
-            want = [int.from_bytes(k[8:], "big") for k in kept]
+            want = [int.from_bytes(h[-8:], "big") for h in kept]   # vLLM's int conversion
             toks = list(range(3 * BT))
             gone.store(toks, bytes(3 * BB))
-            gone_keys = {int.from_bytes(bytes(k)[8:], "big")
-                         for k in gone.keys_for_hashes(gone.block_hashes(toks))}
+            gone_keys = {int.from_bytes(h[-8:], "big") for h in gone.block_hashes(toks)}
             until(lambda: gone_keys <= {h for e in got if isinstance(e, MapBlockStored)
                                         for h in e.block_hashes})
             n = len(got)
@@ -533,7 +586,7 @@ def test_a_killed_leader_is_replaced_with_a_resync(agents, epool):
             child.kill()
             child.wait(30)
             wait_for(lambda: b.kv_events.leader, timeout=15)
-            until(sub, lambda: set(before["keys"]) <= set(sub.state()))
+            until(sub, lambda: set(before["hashes"]) <= set(sub.state()))
             assert isinstance(sub.events()[0], AllBlocksCleared)
             assert flagged_slots(b.pool) == [b.pool.node.slot]
         finally:

@@ -98,6 +98,10 @@ PINNED = {
         "parent_hi": (32, 8), "length": (40, 4), "ns": (44, 2), "tenant": (46, 2),
         "time_us": (48, 8), "entry": (56, 4), "op": (60, 1), "reserved": (61, 3),
     }),
+    "block_name": (64, {
+        "key_lo": (0, 8), "key_hi": (8, 8), "len": (16, 4), "reserved": (20, 4),
+        "name": (24, 40),
+    }),
     "badchunk_hdr": (32, {
         "magic": (0, 8), "count": (8, 4), "capacity": (12, 4), "retired_bytes": (16, 8),
         "metadata_hits": (24, 8),
@@ -150,6 +154,8 @@ def test_constants_agree():
         "CHUNK_RELEASING": layout.CHUNK_RELEASING, "SLAB_MAX_SLOTS": layout.SLAB_MAX_SLOTS,
         "HEAP_HAZARDS": layout.HEAP_HAZARDS,
         "FEATURE_COMPAT_KV": layout.COMPAT_KV, "FEATURE_COMPAT_SUPP": layout.COMPAT_SUPPORTED,
+        "FEATURE_COMPAT_NAMES": layout.COMPAT_NAMES, "NAME_SIZE": layout.NAME_SIZE,
+        "NAME_MAX": layout.NAME_MAX,
         "FEATURE_INCOMPAT_SUPP": layout.INCOMPAT_SUPPORTED,
         "FEATURE_INCOMPAT_KV_LRU": layout.INCOMPAT_KV_LRU, "KV_LRU_LISTS": layout.KV_LRU_LISTS,
         "FEATURE_RO_COMPAT_SUPP": layout.RO_COMPAT_SUPPORTED,

@@ -28,18 +28,22 @@ Wire format (vLLM's vllm/distributed/kv_events.py, ZmqEventPublisher):
   buffer also gets what the buffer has (the first reply's seq shows the
   gap) and makes the next published batch a *resync*.
 
-What is published.  block_hashes are the pool's block keys: 16 bytes (the
-128-bit key, key_lo then key_hi little-endian), or with hashes = "int" its
-last 8 bytes as a big-endian unsigned int.  The pool key of a block is
-xxh3-128(namespace digest || tenant salt || chain hash) (cxlkv.kv.keys); the
-pool keeps no other name for a block, so this holds for every namespace,
-including those keyed with vLLM's sha256_cbor hashes (the vLLM connector's):
-a router maps its own vLLM block hashes to the published keys with
-``KVCache.keys_for_hashes`` (same namespace and tenant).  parent_block_hash
-is the parent block's key (None for a first block); token_ids is empty (the
-pool does not keep tokens); block_size is the namespace's block_tokens;
-lora_id None; medium the configured tier name ("cxl").  Consecutive stores
-of one chain in one namespace go into one BlockStored.
+What is published.  block_hashes are the blocks' names (cxlkv.kv.names):
+the chain hash each block was keyed by - for the vLLM connector's blocks
+(and any namespace keyed with hash="sha256_cbor"), vLLM's own block hash,
+32 bytes; for xxh3_128 namespaces the 16-byte xxh3-128 chain hash; for the
+SGLang and LMCache backends the page or chunk hash they were given.  With
+hashes = "int" a name is sent as vLLM sends it with
+VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES: its last 8 bytes as a big-endian
+unsigned int.  A block without a name (a pool formatted without the NAMES
+feature, a block stored by a cxlkv without it, a name longer than 40
+bytes) is published under its pool key instead (16 bytes: key_lo then key_hi
+little-endian; the same int conversion), and counted as "unnamed"; a router
+maps its hashes to pool keys with ``KVCache.keys_for_hashes``.
+parent_block_hash is the parent block's name (None for a first block);
+token_ids is empty (the pool keeps no tokens); block_size is the namespace's
+block_tokens; lora_id None; medium the configured tier name ("cxl").
+Consecutive stores of one chain in one namespace go into one BlockStored.
 
 Resyncs.  The publisher never loses a change silently: when the journal
 reader resyncs (a ring overrun, torn or reused ring, a re-formatted pool),
@@ -77,7 +81,7 @@ import numpy as np
 import zmq
 
 from cxlkv.errors import CxlkvError, NodeFenced, RefusedError, UsageError
-from cxlkv.kv import journal
+from cxlkv.kv import journal, names
 from cxlkv.kv.area import Area
 from cxlkv.pool import layout
 from cxlkv.state import nodes as node_table
@@ -320,8 +324,10 @@ class KVEventsPublisher:
         self._pool_of = self._lock = None
         self.error = ""
         self._last_failure = ""
+        self._said_unnamed = False
         self.lags_ms: deque = deque(maxlen=100_000)
         self.stats = {"batches": 0, "events": 0, "stored": 0, "removed": 0, "cleared": 0,
+                      "unnamed": 0,
                       "resyncs": 0, "replays": 0, "replayed_batches": 0, "leader_changes": 0,
                       "failures": 0}
 
@@ -481,9 +487,13 @@ class KVEventsPublisher:
         self._reader = None
 
     # -- journal -> events -------------------------------------------------------------
+    def _external(self, b: bytes):
+        """A hash as vLLM puts it in an event: bytes, or (hashes = "int") the
+        big-endian int of its last 8 bytes (vLLM's maybe_convert_block_hash)."""
+        return b if self.s.hashes == "bytes" else int.from_bytes(b[-8:], "big")
+
     def _key(self, lo: int, hi: int):
-        b = int(lo).to_bytes(8, "little") + int(hi).to_bytes(8, "little")
-        return b if self.s.hashes == "bytes" else int.from_bytes(b[8:], "big")
+        return self._external(int(lo).to_bytes(8, "little") + int(hi).to_bytes(8, "little"))
 
     def _bsize(self, pool, ns: int) -> int:
         bt = self._block_tokens.get(ns)
@@ -497,6 +507,11 @@ class KVEventsPublisher:
     def _pump(self, pool) -> int:
         """One journal poll, published; returns how many events were sent."""
         if self._reader is None or self._resync_wanted:
+            if not names.has_names(pool) and not self._said_unnamed:
+                self._said_unnamed = True
+                self.log.warning("kv events: %s was formatted without block names (feature "
+                                 "NAMES): blocks are published under their pool keys, not the "
+                                 "engines' hashes", pool.path)
             if self._resync_wanted:
                 self.log.info("kv events: resync (%s)", self._resync_wanted)
             self._reader = journal.JournalReader(pool, start="resync")
@@ -527,12 +542,25 @@ class KVEventsPublisher:
         prev = None                                  # (ns, key) of the last stored block
         now_us = time.time_ns() // 1000
         cols = [recs[f].tolist() for f in ("op", "key_lo", "key_hi", "parent_lo", "parent_hi",
-                                           "ns", "tenant", "time_us")]
+                                           "ns", "tenant", "time_us", "name_len",
+                                           "parent_name_len")]
+        name, pname = recs["name"], recs["parent_name"]
         sent = 0
-        for op, klo, khi, plo, phi, ns, tenant, t_us in zip(*cols):
-            key = self._key(klo, khi)
+        for i, (op, klo, khi, plo, phi, ns, tenant, t_us, nlen, plen) in enumerate(zip(*cols)):
+            if op not in (journal.STORED, journal.EVICTED):
+                continue
+            if nlen:
+                key = self._external(name[i, :nlen].tobytes())
+            else:
+                key = self._key(klo, khi)
+                self.stats["unnamed"] += 1
             if op == journal.STORED:
-                parent = self._key(plo, phi) if (plo or phi) else None
+                if not (plo or phi):
+                    parent = None
+                elif plen:
+                    parent = self._external(pname[i, :plen].tobytes())
+                else:
+                    parent = self._key(plo, phi)
                 last = events[-1] if events else None
                 if (prev is not None and prev == (ns, tenant, parent)
                         and isinstance(last, stored_t)):
@@ -551,8 +579,6 @@ class KVEventsPublisher:
                     events.append(removed_t(block_hashes=[key], medium=medium))
                 prev = None
                 self.stats["removed"] += 1
-            else:
-                continue
             if not clear:
                 self.lags_ms.append((now_us - t_us) / 1000.0)
             if len(events) >= self.s.max_events:

@@ -27,6 +27,7 @@ from cxlkv._core import CRASH_ENABLED, crashpoint, gather
 from cxlkv.errors import RetiredSlots, StaleViews, UsageError
 from cxlkv.kv import journal
 from cxlkv.kv import keys as block_keys
+from cxlkv.kv import names as block_names
 from cxlkv.kv.area import (ENTRY, INLINE_SLACK, LOW_WATERMARK, STATS, Area, KVPoolFull,
                            KVTableFull, QuotaExceeded, TooManyPins, stamp)
 from cxlkv.pool import layout
@@ -82,6 +83,7 @@ class KVCache:
         self.pool = pool
         self.area = Area(pool)
         self.area.journal.require()
+        self._names = block_names.Names.of(pool)
         self.m = pool.mapping
         self.name = model
         self.block_tokens = block_tokens
@@ -216,11 +218,20 @@ class KVCache:
         return [bytes(r) for r in self._chain(block_keys.tokens_array(tokens))]
 
     def _keys(self, tokens) -> np.ndarray:
-        return block_keys.pool_keys(self._chain(block_keys.tokens_array(tokens)), self._digest,
-                                    self._salt)
+        return self._chain_keys(tokens)[1]
+
+    def _chain_keys(self, tokens) -> tuple[np.ndarray, np.ndarray]:
+        """(chain hashes, pool keys) of the full blocks of `tokens`: the chain
+        hashes are the blocks' names (cxlkv.kv.names)."""
+        chain = self._chain(block_keys.tokens_array(tokens))
+        return chain, block_keys.pool_keys(chain, self._digest, self._salt)
 
     def keys_for_hashes(self, hashes) -> np.ndarray:
         """Pool keys for chain hashes the caller computed (e.g. vLLM's)."""
+        return self._hash_keys(hashes)[1]
+
+    def _hash_keys(self, hashes) -> tuple[np.ndarray, np.ndarray]:
+        """(the hashes as rows, pool keys) for chain hashes the caller computed."""
         rows = []
         for h in hashes:
             if not isinstance(h, (bytes, bytearray, memoryview)):
@@ -228,11 +239,11 @@ class KVCache:
                                  "(vLLM's BlockHash is bytes; encode integer hashes yourself)")
             rows.append(bytes(h))
         if not rows:
-            return np.zeros((0, 16), dtype=np.uint8)
+            return np.zeros((0, 0), dtype=np.uint8), np.zeros((0, 16), dtype=np.uint8)
         if len({len(r) for r in rows}) != 1 or not 1 <= len(rows[0]) <= 64:
             raise UsageError("block hashes must all have the same length, 1 to 64 bytes")
         chain = np.frombuffer(b"".join(rows), dtype=np.uint8).reshape(len(rows), -1)
-        return block_keys.pool_keys(chain, self._digest, self._salt)
+        return chain, block_keys.pool_keys(chain, self._digest, self._salt)
 
     # -- lookups -----------------------------------------------------------------------
     def _lookup(self, keys: np.ndarray, stop: bool = True):
@@ -276,17 +287,17 @@ class KVCache:
 
     def match(self, tokens) -> int:
         """Leading tokens covered by published blocks (a multiple of block_tokens)."""
-        return self._match(self._keys(tokens)) * self.block_tokens
+        return self._match(*self._chain_keys(tokens)[::-1]) * self.block_tokens
 
     def match_hashes(self, hashes) -> int:
         """Leading blocks present, for chain hashes the caller computed."""
-        return self._match(self.keys_for_hashes(hashes))
+        return self._match(*self._hash_keys(hashes)[::-1])
 
-    def _match(self, keys: np.ndarray) -> int:
+    def _match(self, keys: np.ndarray, chain: np.ndarray | None = None) -> int:
         found = self._lookup(keys)[0]
         if found < len(keys) and self._remote is not None:
             # read-through: what the remote tier has is brought into the pool now
-            self._fill(keys)
+            self._fill(keys, chain)
             found = self._lookup(keys)[0]
         sp = self.pool.tiers.get("spill")
         if sp is not None and found < len(keys):
@@ -350,18 +361,18 @@ class KVCache:
     def store(self, tokens, blocks) -> int:
         """Store the full blocks of `tokens` (one buffer of block_bytes per
         block, or one buffer of all of them); returns how many were new."""
-        keys = self._keys(tokens)
+        chain, keys = self._chain_keys(tokens)
         n = len(keys)
         src, items = self._sources(blocks, n)
         if n == 0:
             return 0
-        return self._store(keys, src, items)
+        return self._store(keys, src, items, names=chain)
 
     def store_hashes(self, hashes, blocks) -> int:
         """Store blocks keyed by chain hashes the caller computed."""
-        keys = self.keys_for_hashes(hashes)
+        chain, keys = self._hash_keys(hashes)
         src, items = self._sources(blocks, len(keys))
-        return self._store(keys, src, items) if len(keys) else 0
+        return self._store(keys, src, items, names=chain) if len(keys) else 0
 
     def store_with(self, tokens, fill) -> int:
         """Store the full blocks of `tokens`, their payloads written in place:
@@ -371,18 +382,19 @@ class KVCache:
         engine's own tensors: cxlkv.integrations.kvcopy).  Present blocks are
         skipped; returns how many were new.  An exception from fill abandons
         the store (nothing published)."""
-        keys = self._keys(tokens)
-        return self._store(keys, None, None, fill) if len(keys) else 0
+        chain, keys = self._chain_keys(tokens)
+        return self._store(keys, None, None, fill, chain) if len(keys) else 0
 
     def store_hashes_with(self, hashes, fill) -> int:
         """store_with for blocks keyed by chain hashes the caller computed."""
-        keys = self.keys_for_hashes(hashes)
-        return self._store(keys, None, None, fill) if len(keys) else 0
+        chain, keys = self._hash_keys(hashes)
+        return self._store(keys, None, None, fill, chain) if len(keys) else 0
 
     def store_many(self, pairs) -> int:
         return sum(self.store(t, b) for t, b in pairs)
 
-    def _store(self, keys: np.ndarray, src, items, fill=None) -> int:
+    def _store(self, keys: np.ndarray, src, items, fill=None, names=None) -> int:
+        """names: the blocks' chain hashes (rows), written as their names."""
         n = len(keys)
         for attempt in range(RETIRED_RETRIES + 1):
             lead, lead_idx, _, _ = self._lookup(keys)
@@ -392,7 +404,7 @@ class KVCache:
             node = self.pool.node
             node.enter()                    # the fencing acknowledgement waits for it
             try:
-                return self._store_new(keys, src, items, lead, lead_idx, fill)
+                return self._store_new(keys, src, items, lead, lead_idx, fill, names)
             except RetiredSlots:
                 # a quarantine retired chunks of our reservation after the
                 # allocator handed the slots out: it was abandoned, and the
@@ -403,7 +415,8 @@ class KVCache:
                 node.leave()
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _store_new(self, keys: np.ndarray, src, items, lead: int, lead_idx, fill=None) -> int:
+    def _store_new(self, keys: np.ndarray, src, items, lead: int, lead_idx, fill=None,
+                   names=None) -> int:
         """Reserve entries and payload slots (pool lock), copy the payloads
         (no lock; each block only while this node is known fresh), publish
         (pool lock).  Every phase is guarded: a node fenced meanwhile writes
@@ -490,6 +503,8 @@ class KVCache:
                 self._copy(new, pay, src, items)
             else:
                 fill(new.astype(np.int64), ReservedBlocks(node, pay, self.block_bytes))
+            if self._names is not None and names is not None:
+                self._names.write(node, slots[new], keys[new], names[new])
             if CRASH_ENABLED:
                 crashpoint("kv.copied")
             with self.pool.lock():
@@ -645,22 +660,23 @@ class KVCache:
     def load(self, tokens) -> "Loaded":
         """Pin the matched leading blocks of `tokens`; `with kv.load(t) as views`
         gives read-only zero-copy memoryviews, valid inside the block."""
-        return self._load(self._keys(tokens))
+        return self._load(*self._chain_keys(tokens)[::-1])
 
     def load_hashes(self, hashes) -> "Loaded":
-        return self._load(self.keys_for_hashes(hashes))
+        return self._load(*self._hash_keys(hashes)[::-1])
 
-    def _fill(self, keys: np.ndarray) -> None:
+    def _fill(self, keys: np.ndarray, chain: np.ndarray | None = None) -> None:
         """Bring the blocks the lower tiers hold after the pool's leading run
         of `keys` into the pool: the spill tier's first, then the remote
         tier's (read-through namespaces)."""
         sp = self.pool.tiers.get("spill")
         if sp is not None:
-            self._promote(keys, sp)
+            self._promote(keys, sp, chain=chain)
         if self._remote is not None:
-            self._promote(keys, self._remote, self._remote_budget)
+            self._promote(keys, self._remote, self._remote_budget, chain)
 
-    def _promote(self, keys: np.ndarray, tier, budget_s: float | None = None) -> int:
+    def _promote(self, keys: np.ndarray, tier, budget_s: float | None = None,
+                 chain: np.ndarray | None = None) -> int:
         """Store the blocks `tier` fetches for the keys after the pool's
         leading run (a leading run of buffers) through the normal store path,
         chained under the run (pinned meanwhile); returns how many were
@@ -684,7 +700,8 @@ class KVCache:
                     return 0
                 items = [None] * base + list(got)
                 try:
-                    n = self._store(keys[:len(items)], None, items)
+                    n = self._store(keys[:len(items)], None, items,
+                                    names=None if chain is None else chain[:len(items)])
                 except (KVPoolFull, KVTableFull, QuotaExceeded) as e:
                     tier.promote_failed(e)
                     return 0
@@ -696,8 +713,8 @@ class KVCache:
         finally:
             node.leave()
 
-    def _load(self, keys) -> "Loaded":
-        self._fill(keys)
+    def _load(self, keys, chain: np.ndarray | None = None) -> "Loaded":
+        self._fill(keys, chain)
         node = self.pool.node
         node.enter()                        # pins held: a section in flight until release
         rec = None
@@ -725,14 +742,14 @@ class KVCache:
         last call."""
         if not isinstance(start, int) or start < 0:
             raise UsageError("start must be a block index >= 0")
-        keys = self._keys(tokens)
+        chain, keys = self._chain_keys(tokens)
         try:
             mv = memoryview(out)
         except TypeError:
             raise UsageError("out must be a writable buffer") from None
         if mv.readonly or not mv.c_contiguous:
             raise UsageError("out must be a writable C-contiguous buffer")
-        self._fill(keys)
+        self._fill(keys, chain)
         node = self.pool.node
         node.enter()                        # pins held: a section in flight
         try:

@@ -52,6 +52,7 @@ import numpy as np
 
 from cxlkv._core import fence
 from cxlkv.errors import MetadataCorrupt, PoolIncompatible, UsageError
+from cxlkv.kv import names
 from cxlkv.pool import layout
 
 STORED = layout.JOURNAL_STORED
@@ -62,9 +63,11 @@ REC = np.dtype([("seq", "<u8"), ("key_lo", "<u8"), ("key_hi", "<u8"), ("parent_l
                 ("parent_hi", "<u8"), ("length", "<u4"), ("ns", "<u2"), ("tenant", "<u2"),
                 ("time_us", "<u8"), ("entry", "<u4"), ("op", "u1"), ("reserved", "u1", (3,))])
 assert REC.itemsize == layout.JOURNAL_REC_SIZE
-#: what poll() returns: a record, without its padding, with the node slot of its ring
+#: what poll() returns: a record, without its padding, with the node slot of its ring and
+#: the names of the block and of its parent (cxlkv.kv.names; length 0: unnamed)
 CHANGE = np.dtype([(n, REC.fields[n][0]) for n in REC.names if n != "reserved"]
-                  + [("node", "<u2")])
+                  + [("node", "<u2"), ("name_len", "u1"), ("name", "u1", (names.NAME_MAX,)),
+                     ("parent_name_len", "u1"), ("parent_name", "u1", (names.NAME_MAX,))])
 _ENTRY = np.dtype(layout.HashEntryStruct)
 _RING_HDR = ctypes.sizeof(layout.JournalRingStruct)
 _NEXT_SEQ = layout.field_offset(layout.JournalHdrStruct, "next_seq")
@@ -112,6 +115,7 @@ class _Geometry:
                                   hint="run `cxlkv fsck` on the pool")
         self.table, _ = sb.regions["hash"]
         self.nslots = sb.hash_slots
+        self.names = names.Names.of(pool)
 
     def ring_off(self, slot: int) -> int:
         if not 0 <= slot < self.max_nodes:
@@ -173,14 +177,17 @@ class Writer:
             idx = self._none
         elif not isinstance(idx, np.ndarray) or idx.dtype != np.uint64 or idx.ndim != 1:
             idx = np.ascontiguousarray(np.atleast_1d(idx), dtype=np.uint64)
+        nm = g.names
         return g.m.journal_append(g.hdr, g.ring_off(node.slot), g.nrec, g.table, g.nslots, op,
-                                  node.owner_token, max(1, time.time_ns() // 1000), idx, ns)
+                                  node.owner_token, max(1, time.time_ns() // 1000), idx, ns,
+                                  nm.table if nm else 0, nm.ring(node.slot) if nm else 0)
 
 
 @dataclasses.dataclass
 class Changes:
     """What one poll saw.  records: CHANGE array (op, key, parent key, length,
-    namespace, tenant, time, entry index + 1, ring position + 1, node slot).
+    namespace, tenant, time, entry index + 1, node slot, the block's and its
+    parent's names: cxlkv.kv.names, length 0 where unnamed).
     resync: the records are the table's published entries, the reader's whole
     state (reasons: why it resynced)."""
 
@@ -295,25 +302,54 @@ class JournalReader:
 
         a = copy()
         fence()
+        # the names between the two copies: a record whose seq is the same in
+        # both was not rewritten meanwhile, and neither were its names
+        nm = self.geo.names
+        ring_names = (np.concatenate([nm.read_ring(slot, p, k) for p, k in spans])
+                      if nm is not None else None)
+        fence()
         b = copy()
         seq = a["seq"]
         if not (np.array_equal(seq, b["seq"]) and seq[0] > self.last[slot]
                 and (n == 1 or bool((np.diff(seq.astype(np.int64)) > 0).all()))):
             now, _ = self.geo.heads()
             return None, "overrun" if int(now[slot]) - cur > nrec else "torn"
-        out = np.empty(n, dtype=CHANGE)
-        for f in CHANGE.names:
-            out[f] = slot if f == "node" else a[f]
+        out = np.zeros(n, dtype=CHANGE)
+        for f in REC.names:
+            if f != "reserved":
+                out[f] = a[f]
+        out["node"] = slot
+        if ring_names is not None:
+            _set_names(out, ring_names[:, 0], a["key_lo"], a["key_hi"], "")
+            _set_names(out, ring_names[:, 1], a["parent_lo"], a["parent_hi"], "parent_")
         return out, ""
+
+    def _table(self) -> np.ndarray:
+        return np.frombuffer(self.geo._read(self.geo.table,
+                                            self.geo.nslots * layout.HASH_ENTRY_SIZE),
+                             dtype=_ENTRY)
 
     def _resync(self, reasons: tuple[str, ...]) -> Changes:
         """The table's published entries as STORED records (seq 0); cursors
-        at the heads read before the table."""
+        at the heads read before the table.  With block names: the table is
+        read again after the names, and an entry that changed in between is
+        left out (it was evicted or reused meanwhile: its records come in
+        the next poll)."""
         heads, writers = self.geo.heads()
         self._mark(heads, writers)
-        t = np.frombuffer(self.geo._read(self.geo.table, self.geo.nslots * layout.HASH_ENTRY_SIZE),
-                          dtype=_ENTRY)
-        idx = np.flatnonzero((t["ctl"] & 0xFF) == layout.KV_PUBLISHED)
+        t = self._table()
+        nm = self.geo.names
+        if nm is not None:
+            fence()
+            tnames = nm.read_table()
+            fence()
+            t2 = self._table()
+            pub = (t["ctl"] & 0xFF) == layout.KV_PUBLISHED
+            stable = ((t["ctl"] == t2["ctl"]) & (t["key_lo"] == t2["key_lo"])
+                      & (t["key_hi"] == t2["key_hi"]) & (t["parent"] == t2["parent"]))
+            idx = np.flatnonzero(pub & stable)
+        else:
+            idx = np.flatnonzero((t["ctl"] & 0xFF) == layout.KV_PUBLISHED)
         e = t[idx]
         out = np.zeros(len(idx), dtype=CHANGE)
         for f in ("key_lo", "key_hi", "length", "ns", "tenant"):
@@ -322,6 +358,11 @@ class JournalReader:
         ok = (par > 0) & (par <= self.geo.nslots)
         out["parent_lo"][ok] = t["key_lo"][par[ok] - 1]
         out["parent_hi"][ok] = t["key_hi"][par[ok] - 1]
+        if nm is not None:
+            _set_names(out, tnames[idx], out["key_lo"], out["key_hi"], "")
+            pidx = np.where(ok, par - 1, 0)
+            _set_names(out, tnames[pidx], out["parent_lo"], out["parent_hi"], "parent_",
+                       ok & stable[pidx])
         out["time_us"] = e["lru"]
         out["entry"] = idx + 1
         out["op"] = STORED
@@ -332,6 +373,17 @@ class JournalReader:
         for r in reasons:
             self.stats[f"resync_{r}"] += 1
         return Changes(out, True, reasons)
+
+
+def _set_names(out: np.ndarray, rec: np.ndarray, key_lo, key_hi, prefix: str,
+               mask: np.ndarray | None = None) -> None:
+    """The names of `rec` (NAME records) that name the blocks with these
+    keys into out's `prefix`name fields (the others stay unnamed)."""
+    ok = names.valid(rec, key_lo, key_hi)
+    if mask is not None:
+        ok &= mask
+    out[prefix + "name_len"] = np.where(ok, rec["len"], 0)
+    out[prefix + "name"][ok] = rec["name"][ok]
 
 
 def report(pool) -> dict | None:

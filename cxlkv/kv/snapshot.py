@@ -1,7 +1,7 @@
 """KV snapshot and restore: the published blocks of a pool to a directory and
 back (warm restart after a power cycle, or moving a cache to another pool).
 
-A snapshot directory holds three files (mode 0600, directory 0700 - they hold
+A snapshot directory holds three or four files (mode 0600, directory 0700 - they hold
 every tenant's blocks and the pool's tenant secret):
 
 * ``blocks.dat``  the block payloads, back to back, in the order they were copied;
@@ -9,6 +9,9 @@ every tenant's blocks and the pool's tenant secret):
   the index, -1 for a chain root), namespace and tenant (positions in the
   manifest's lists), length, LRU stamp, offset in blocks.dat, xxh3-64 of the
   payload;
+* ``names.bin``   (from a pool with block names) one block name record per
+  index record (cxlkv.kv.names: the chain hash the block was keyed by), so
+  that a restored block keeps the name KV events publish it under;
 * ``manifest.json`` written last (so a snapshot without one is incomplete):
   format name and version, the namespaces (name, hash, block_tokens,
   block_bytes) and tenants (derived salt, quota), the source pool's tenant
@@ -51,6 +54,7 @@ import xxhash
 from cxlkv import errors
 from cxlkv.errors import SnapshotError, SnapshotIncompatible
 from cxlkv.kv import journal
+from cxlkv.kv import names as block_names
 from cxlkv.kv.area import ENTRY, Area, stamp
 from cxlkv.kv.cache import set_tenant_secret
 from cxlkv.kv.keys import namespace_digest
@@ -63,6 +67,7 @@ VERSION = 1
 MANIFEST = "manifest.json"
 INDEX = "index.bin"
 DATA = "blocks.dat"
+NAMES = "names.bin"
 
 INDEX_DTYPE = np.dtype([("key_lo", "<u8"), ("key_hi", "<u8"), ("parent", "<i8"),
                         ("ns", "<u2"), ("tenant", "<u2"), ("length", "<u4"), ("lru", "<u8"),
@@ -156,6 +161,8 @@ def snapshot(pool, dest, progress=None) -> dict:
     t0 = time.monotonic()
     area = Area(pool)
     m = area.m
+    nm = block_names.Names.of(pool)
+    name_rows: dict[int, bytes] = {}     # entry -> its name record, read under the pin
     t = area.entries()
     now = stamp()
     st = t["ctl"] & 0xFF
@@ -221,6 +228,7 @@ def snapshot(pool, dest, progress=None) -> dict:
                         for p in pay:
                             m.invalidate(int(p), ln)
                     m.read_blocks(pay, buf, ln)
+                    nrec = nm.read_at(pidx) if nm is not None else None
                     good &= entry_controls(area, pidx) == pctl       # unchanged during the copy
                 finally:
                     m.kv_unpin(pins_off, area.npins, prec)
@@ -232,6 +240,8 @@ def snapshot(pool, dest, progress=None) -> dict:
                     rows.append((int(pidx[q]), int(e["key_lo"]), int(e["key_hi"]),
                                  int(e["parent"]), int(e["ns"]), int(e["tenant"]), ln,
                                  int(lru[int(pidx[q])]), off, xxhash.xxh3_64_intdigest(blk)))
+                    if nrec is not None:
+                        name_rows[int(pidx[q])] = nrec[q].tobytes()
                     off += ln
                 done_bytes += len(idx) * ln
                 if progress:
@@ -276,6 +286,16 @@ def snapshot(pool, dest, progress=None) -> dict:
             f.write(idx_arr.tobytes())
             f.flush()
             os.fsync(f.fileno())
+        names_doc = None
+        if nm is not None:
+            npath = dest / NAMES
+            raw = b"".join(name_rows[rows[p][0]] for p in order)
+            fd = os.open(npath, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(raw)
+                f.flush()
+                os.fsync(f.fileno())
+            names_doc = {"file": NAMES, "size": len(raw), "xxh3_64": _file_sum(npath)}
         namespaces = [{"name": nsrec[n].name.decode("utf-8", "replace"),
                        "hash": layout.KV_HASH_NAMES.get(nsrec[n].hash_kind,
                                                         str(nsrec[n].hash_kind)),
@@ -296,6 +316,8 @@ def snapshot(pool, dest, progress=None) -> dict:
             "data": {"file": DATA, "size": off},
             "index": {"file": INDEX, "size": idx_arr.nbytes, "xxh3_64": _file_sum(ipath)},
         }
+        if names_doc is not None:
+            doc["names"] = names_doc
         doc["checksum"] = _manifest_sum(doc)
         tmp = dest / (MANIFEST + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -305,7 +327,7 @@ def snapshot(pool, dest, progress=None) -> dict:
             os.fsync(f.fileno())
         os.replace(tmp, dest / MANIFEST)
     except BaseException:
-        for name in (DATA, INDEX, MANIFEST + ".tmp"):
+        for name in (DATA, INDEX, NAMES, MANIFEST + ".tmp"):
             try:
                 (dest / name).unlink()
             except FileNotFoundError:
@@ -367,6 +389,24 @@ def read_index(src, doc: dict) -> np.ndarray:
     if bad.any():
         raise SnapshotError(f"{ip}: {int(bad.sum())} invalid records", path=str(ip))
     return idx
+
+
+def read_names(src, doc: dict, idx: np.ndarray) -> np.ndarray | None:
+    """The block names of a snapshot (one per index record), or None for a
+    snapshot without them (of a pool without names, or by an older cxlkv)."""
+    d = doc.get("names")
+    if d is None:
+        return None
+    p = Path(src) / d["file"]
+    want = len(idx) * block_names.NAME.itemsize
+    if not p.exists():
+        raise SnapshotError(f"{p}: missing", path=str(p))
+    if p.stat().st_size != d["size"] or d["size"] != want:
+        raise SnapshotError(f"{p}: {p.stat().st_size} bytes, expected {want} (one name per "
+                            "block; truncated or replaced)", path=str(p))
+    if _file_sum(p) != d["xxh3_64"]:
+        raise SnapshotError(f"{p}: checksum mismatch (the names are corrupt)", path=str(p))
+    return np.fromfile(p, dtype=block_names.NAME)
 
 
 def restore_order(idx: np.ndarray) -> np.ndarray:
@@ -483,6 +523,8 @@ def restore(pool, src, progress=None) -> dict:
     src = Path(src)
     doc = read_manifest(src)
     idx = read_index(src, doc)
+    names = read_names(src, doc, idx)
+    nm = block_names.Names.of(pool) if names is not None else None
     area = Area(pool)
     n = len(idx)
     with pool.lock():
@@ -537,7 +579,7 @@ def restore(pool, src, progress=None) -> dict:
             k = 0
             while k < len(keep_a) and stop is None:
                 done, stop = _insert(pool, area, idx, keep_a[k:], src_buf[k * ln:], ln, ns_of,
-                                     t_of, keys_all, slot_of, state, token)
+                                     t_of, keys_all, slot_of, state, token, nm, names)
                 k += done
             done_bytes += len(batch) * ln
             if progress:
@@ -558,11 +600,12 @@ def restore(pool, src, progress=None) -> dict:
 
 
 def _insert(pool, area, idx, keep_a, src_buf, ln, ns_of, t_of, keys_all, slot_of, state,
-            token):
+            token, nm=None, names=None):
     """Insert and publish verified blocks `keep_a` (restore order, parents
     first) whose payloads are rows of src_buf - all, or a leading part when
-    the pool cannot take all.  Returns (blocks dealt with, why restore must
-    stop or None)."""
+    the pool cannot take all; with the target's block names `nm`, the
+    snapshot's `names` are written for them.  Returns (blocks dealt with,
+    why restore must stop or None)."""
     m = area.m
     stop = None
     want = len(keep_a)
@@ -622,6 +665,8 @@ def _insert(pool, area, idx, keep_a, src_buf, ln, ns_of, t_of, keys_all, slot_of
             srcs = src_buf[:want * ln] if len(new) == want else \
                 np.ascontiguousarray(src_buf.reshape(-1, ln)[new]).reshape(-1)
             pool.node.write_blocks(pay, srcs, ln)
+            if nm is not None:
+                nm.write_records(pool.node, slots[new], names[keep_a[new]])
         with pool.lock():
             pool.node.guard()
             pool.publish(pay)

@@ -108,7 +108,8 @@ def compute_layout(p: FormatParams) -> Layout:
         "heaps": p.max_nodes * layout.HEAP_SIZE + max_chunks * layout.CHUNK_DESC_SIZE,
         "hash": hash_slots * layout.HASH_ENTRY_SIZE,
         "kv": layout.kv_region_size(p.max_nodes, hash_slots,
-                                    layout.INCOMPAT_KV_LRU | layout.INCOMPAT_JOURNAL),
+                                    layout.INCOMPAT_KV_LRU | layout.INCOMPAT_JOURNAL,
+                                    layout.COMPAT_KV | layout.COMPAT_NAMES),
     }
     off = layout.SB_COPIES * layout.SB_SIZE
     regions: dict[str, tuple[int, int]] = {}
@@ -142,7 +143,8 @@ def build_superblock(p: FormatParams, *, pool_uuid: uuidlib.UUID | None = None,
         uuid=pool_uuid or uuidlib.uuid4(),
         ctime_ns=time.time_ns() if ctime_ns is None else ctime_ns,
         tenant_secret=os.urandom(32) if secret is None else secret,
-        label=p.label, creator=creator or f"cxlkv {__version__}", seq=1, compat=layout.COMPAT_KV,
+        label=p.label, creator=creator or f"cxlkv {__version__}", seq=1,
+        compat=layout.COMPAT_KV | layout.COMPAT_NAMES,
         incompat=layout.INCOMPAT_KV_LRU | layout.INCOMPAT_JOURNAL)
 
 

@@ -26,7 +26,9 @@ SYNC_CODES = {v: k for k, v in SYNC_NAMES.items()}
 
 # Feature bits this version understands.
 COMPAT_KV = 1               # the pool has a KV region
-COMPAT_SUPPORTED = COMPAT_KV
+COMPAT_NAMES = 1 << 1       # the KV region ends with block names (BlockNameStruct)
+COMPAT_SUPPORTED = COMPAT_KV | COMPAT_NAMES
+COMPAT_FEATURE_NAMES = {COMPAT_KV: "kv", COMPAT_NAMES: "names"}
 INCOMPAT_KV_LRU = 1 << 0     # the KV region holds the leaf LRU lists (cxlkv_format.h)
 INCOMPAT_JOURNAL = 1 << 2    # the KV region ends with the change journal
 INCOMPAT_BADCHUNKS = 1 << 3  # the lock header page holds the retired-chunk list (BadChunk*)
@@ -441,12 +443,30 @@ class JournalRecStruct(ctypes.LittleEndianStructure):
     ]
 
 
+# Block names (compat NAMES; see cxlkv_format.h): the chain hash each block
+# was keyed by, per hash entry and per journal record (the block's and its
+# parent's), so that KV events can name blocks as the engines do.
+NAME_SIZE = 64
+NAME_MAX = 40
+
+
+class BlockNameStruct(ctypes.LittleEndianStructure):
+    _pack_ = 1
+    _fields_ = [
+        ("key_lo", c_uint64),
+        ("key_hi", c_uint64),
+        ("len", c_uint32),
+        ("reserved", c_uint32),
+        ("name", c_uint8 * NAME_MAX),
+    ]
+
+
 STRUCTS = {"superblock": SuperblockStruct, "region": Region, "node": NodeStruct,
            "lock_hdr": LockHdrStruct, "lock_entry": LockEntryStruct, "chunk": ChunkStruct,
            "heap": HeapStruct, "hash_entry": HashEntryStruct, "kv_hdr": KVHdrStruct, "kv_stats": KVStatsStruct,
            "kv_ns": KVNsStruct, "kv_tenant": KVTenantStruct, "kv_node": KVNodeStruct,
            "journal_hdr": JournalHdrStruct, "journal_ring": JournalRingStruct,
-           "journal_rec": JournalRecStruct, "badchunk_hdr": BadChunkHdrStruct,
+           "journal_rec": JournalRecStruct, "block_name": BlockNameStruct, "badchunk_hdr": BadChunkHdrStruct,
            "badchunk": BadChunkStruct}
 
 
@@ -503,9 +523,24 @@ def journal_geometry(max_nodes: int, hash_slots: int) -> dict[str, int]:
             "ring_stride": stride, "end": ring_off + max_nodes * stride}
 
 
-def kv_region_size(max_nodes: int, hash_slots: int, incompat: int) -> int:
+def names_geometry(max_nodes: int, hash_slots: int) -> dict[str, int]:
+    """Where the block names lie in the KV region (offsets relative to its
+    start): on the first page boundary after the journal, one name per hash
+    entry, then per ring two per journal record (ring_stride bytes a ring)."""
+    j = journal_geometry(max_nodes, hash_slots)
+    table_off = _align(j["end"], PAGE)
+    ring_off = _align(table_off + hash_slots * NAME_SIZE, PAGE)
+    stride = _align(j["records_per_node"] * 2 * NAME_SIZE, PAGE)
+    return {"table_off": table_off, "ring_off": ring_off, "ring_stride": stride,
+            "end": ring_off + max_nodes * stride}
+
+
+def kv_region_size(max_nodes: int, hash_slots: int, incompat: int, compat: int = 0) -> int:
     """Bytes the KV region needs: the KV areas (with the LRU link array when
-    the pool has KV_LRU), and the journal when it has JOURNAL."""
+    the pool has KV_LRU), the journal when it has JOURNAL, and the block
+    names after it when it has NAMES too."""
+    if incompat & INCOMPAT_JOURNAL and compat & COMPAT_NAMES:
+        return names_geometry(max_nodes, hash_slots)["end"]
     if incompat & INCOMPAT_JOURNAL:
         return journal_geometry(max_nodes, hash_slots)["end"]
     g = kv_geometry(max_nodes, hash_slots)

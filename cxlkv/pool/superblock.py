@@ -265,7 +265,7 @@ def _validate(s: layout.SuperblockStruct, where: str) -> Superblock:
         "hash": s.hash_slots * layout.HASH_ENTRY_SIZE,
     }
     if has_kv:
-        need["kv"] = layout.kv_region_size(s.max_nodes, s.hash_slots, s.incompat)
+        need["kv"] = layout.kv_region_size(s.max_nodes, s.hash_slots, s.incompat, s.compat)
     for name, n in need.items():
         if regions[name][1] < n:
             raise bad(f"region {name} is {regions[name][1]} bytes, needs {n}")

@@ -30,7 +30,8 @@
 /* feature masks.  Unknown incompat -> refuse to open; unknown ro_compat ->
  * open read-only; unknown compat -> ignore. */
 #define CXLKV_FEATURE_COMPAT_KV       1ull  /* the pool has a KV region (regions[6]) */
-#define CXLKV_FEATURE_COMPAT_SUPP     CXLKV_FEATURE_COMPAT_KV
+#define CXLKV_FEATURE_COMPAT_NAMES    (1ull << 1) /* the KV region ends with block names */
+#define CXLKV_FEATURE_COMPAT_SUPP     (CXLKV_FEATURE_COMPAT_KV | CXLKV_FEATURE_COMPAT_NAMES)
 #define CXLKV_FEATURE_INCOMPAT_KV_LRU 1ull  /* the KV region holds the leaf LRU lists
                                                (kv_hdr line 2, lru_lists, link array) */
 #define CXLKV_FEATURE_INCOMPAT_JOURNAL (1ull << 2) /* the KV region ends with the change journal */
@@ -430,6 +431,34 @@ struct cxlkv_journal_rec {
     uint8_t  reserved[3];       /*   61 */
 };
 
+/* Block names (compat NAMES): on the first page boundary after the
+ * change journal, one name record per hash-table entry (the *table names*),
+ * then, per journal ring, two name records per journal record (the *ring
+ * names*: the block's, then its parent's, at the record's ring position).
+ * A block's name is the chain hash its writer keyed it by (for a vLLM
+ * namespace, vLLM's own block hash); its pool key is a hash of the
+ * namespace, the tenant salt and the name, so a name record whose key is
+ * the block's key holds that block's name.  Who writes: the node that
+ * reserved the entry writes its table name before publishing it (with the
+ * write path's freshness checks); journal_append copies the table names of
+ * the block and of its parent into the ring names of the record it
+ * appends, inside the record's seqlock, so a reader that copies a record
+ * consistently has its names too, even after the entry was evicted and
+ * reused.  A record whose key is not the block's (written by a cxlkv
+ * without NAMES, or a name longer than CXLKV_NAME_MAX) names nothing: the
+ * block is published under its pool key.  Compat: a cxlkv that does not
+ * know the feature ignores the area and stores unnamed blocks. */
+#define CXLKV_NAME_SIZE         64u
+#define CXLKV_NAME_MAX          40u
+
+struct cxlkv_block_name {
+    uint64_t key_lo;            /*    0 pool key of the block named */
+    uint64_t key_hi;            /*    8 */
+    uint32_t len;               /*   16 bytes of name (0: none) */
+    uint32_t reserved;          /*   20 */
+    uint8_t  name[CXLKV_NAME_MAX]; /* 24 the chain hash */
+};
+
 /* Retired (poisoned) chunks, incompat BADCHUNKS: a header at
  * CXLKV_BADCHUNK_LIST_OFF in the lock header page (its reserved bytes), then
  * entries up to the end of the page.  Written only under the pool lock, an
@@ -483,6 +512,7 @@ CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_kv_node) == 128, "kv node header size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_journal_hdr) == 128, "journal header size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_journal_ring) == 64, "journal ring header size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_journal_rec) == CXLKV_JOURNAL_REC_SIZE, "journal record size");
+CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_block_name) == CXLKV_NAME_SIZE, "block name size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_badchunk_hdr) == 32, "retired-chunk list header size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_badchunk) == 32, "retired-chunk entry size");
 
