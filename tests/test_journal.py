@@ -457,7 +457,7 @@ def test_an_eviction_record_keeps_the_name_after_the_entry_is_reused(pool_path):
         entries = stored["entry"].astype(np.uint64) - 1
         # the entries now name other blocks (as a store after the eviction
         # would make them): what the table holds no longer names these keys
-        other = np.zeros(4, dtype=names.NAME)
+        other = np.zeros(4, dtype=names.ENTRY)
         other["key_lo"], other["key_hi"], other["len"] = 7, 7, 16
         nm.write_records(pool.node, entries, other)
         gone = r.poll().records
@@ -467,6 +467,9 @@ def test_an_eviction_record_keeps_the_name_after_the_entry_is_reused(pool_path):
 
 
 def test_names_of_hashes_the_caller_gives_and_names_too_long_to_keep(pool_path):
+    from cxlkv.errors import UsageError
+    from cxlkv.kv import names
+
     init_pool(pool_path, {"size": 8 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8})
     with cxlkv.open_pool(pool_path) as pool:
         r = journal.JournalReader(pool, start="now")
@@ -481,11 +484,23 @@ def test_names_of_hashes_the_caller_gives_and_names_too_long_to_keep(pool_path):
         recs = r.poll().records
         assert recs["name_len"].tolist() == [0, 0]           # unnamed: published by pool key
         assert [key(x) for x in recs] == [bytes(k) for k in kv.keys_for_hashes(long)]
+        nm = names.Names.of(pool)
+        given = np.arange(3 * 16, dtype=np.uint32) + 7
+        more = [bytes([9]) * 32, bytes([10]) * 32]
+        with pytest.raises(UsageError, match="20 token ids for 2 blocks"):
+            kv.store_hashes(more, bytes(2 * BB), tokens=given[:20])
+        assert kv.store_hashes(more, bytes(2 * BB), tokens=given[:32 + 16][16:]) == 2
+        recs = r.poll().records
+        got = nm.tokens(recs["entry"].astype(np.int64) - 1, recs["key_lo"], recs["key_hi"])
+        assert got == [given[16:32].tolist(), given[32:48].tolist()]
+        assert nm.tokens(recs["entry"].astype(np.int64) - 1, recs["key_lo"] + 1,
+                         recs["key_hi"]) == [None, None]          # not these blocks' entries
         res = journal.JournalReader(pool).poll()             # a resync names them the same
         assert res.resync
         by_key = {key(x): name_of(x) for x in res.records}
         assert [by_key[bytes(k)] for k in kv.keys_for_hashes(vllm)] == vllm
         assert [by_key[bytes(k)] for k in kv.keys_for_hashes(long)] == [b"", b""]
+        assert [by_key[bytes(k)] for k in kv.keys_for_hashes(more)] == more
 
 
 def test_a_pool_formatted_before_block_names_stores_unnamed_blocks(tmp_path):

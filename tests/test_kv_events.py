@@ -302,9 +302,13 @@ def test_stores_and_evictions_of_two_nodes_are_announced_once(agents, epool):
         assert sorted(stored) == sorted(every)            # once each, from both nodes
         assert sorted(removed) == sorted(every)
         assert sub.state() == {}
+        tokens_of = {h: list(range(base + i * BT, base + (i + 1) * BT))
+                     for base, hs in ((0, keys_one), (10_000, keys_two))
+                     for i, h in enumerate(hs)}
         for e in evs:
             if isinstance(e, BlockStored):
-                assert e.block_size == BT and e.medium == "cxl" and e.token_ids == []
+                assert e.block_size == BT and e.medium == "cxl"
+                assert e.token_ids == [t for h in e.block_hashes for t in tokens_of[h]]
                 assert e.lora_id is None
             elif isinstance(e, BlockRemoved):
                 assert e.medium == "cxl"
@@ -324,8 +328,9 @@ def test_stores_and_evictions_of_two_nodes_are_announced_once(agents, epool):
 def test_blocks_are_announced_by_the_hashes_the_engine_keyed_them_with(agents, epool):
     """vLLM's block hashes (a sha256_cbor namespace, and hashes given as the
     vLLM connector gives them) come out as block_hashes and parent hashes, in
-    stores, evictions and the resync of a new leader; a hash too long to keep
-    goes out as the pool key, counted as unnamed."""
+    stores, evictions and the resync of a new leader, with the blocks' token
+    ids where the store gave them; a hash too long to keep goes out as the
+    pool key, counted as unnamed."""
     a = agents()
     wait_for(lambda: a.kv_events.leader, timeout=10)
     sub = subscribe(a)
@@ -338,22 +343,29 @@ def test_blocks_are_announced_by_the_hashes_the_engine_keyed_them_with(agents, e
             vllm = kv.block_hashes(toks)                     # vLLM's own, for this seed
             assert {len(h) for h in vllm} == {32}
             given = [bytes([0xA0 + i]) * 32 for i in range(2)]
-            assert kv.store_hashes(given, bytes(2 * BB)) == 2
+            given_toks = list(range(500, 500 + 2 * BT))
+            assert kv.store_hashes(given, bytes(2 * BB), tokens=given_toks) == 2
+            bare = [bytes([0xC0]) * 32]                       # no tokens given
+            assert kv.store_hashes(bare, bytes(BB)) == 1
             long = [bytes([0xB0]) * 48]
             assert kv.store_hashes(long, bytes(BB)) == 1
             pool_key = bytes(kv.keys_for_hashes(long)[0])
-            until(sub, lambda: set(vllm + given + [pool_key]) <= set(sub.state()))
+            until(sub, lambda: set(vllm + given + bare + [pool_key]) <= set(sub.state()))
             stored = [e for e in sub.events() if isinstance(e, BlockStored)]
             chain = next(e for e in stored if e.block_hashes[0] == vllm[0])
             assert chain.block_hashes == vllm and chain.parent_block_hash is None
-            assert next(e for e in stored if e.block_hashes[0] == given[0]).block_hashes == given
+            assert chain.token_ids == toks
+            ev = next(e for e in stored if e.block_hashes[0] == given[0])
+            assert ev.block_hashes == given and ev.token_ids == given_toks
+            assert next(e for e in stored if e.block_hashes[0] == bare[0]).token_ids == []
             assert a.kv_events.stats["unnamed"] == 1
+            assert a.kv_events.stats["no_tokens"] == 2           # bare and the 48-byte one
             with pool.lock():
-                assert kv.area.evict(everything=True)[0] == 6
+                assert kv.area.evict(everything=True)[0] == 7
             until(sub, lambda: sub.state() == {})
             removed = {h for e in sub.events() if isinstance(e, BlockRemoved)
                        for h in e.block_hashes}
-            assert removed == set(vllm + given + [pool_key])
+            assert removed == set(vllm + given + bare + [pool_key])
             assert kv.store(toks[:2 * BT], bytes(2 * BB)) == 2
             until(sub, lambda: set(vllm[:2]) <= set(sub.state()))
         b = agents()                                         # a new leader: its resync
@@ -369,6 +381,7 @@ def test_blocks_are_announced_by_the_hashes_the_engine_keyed_them_with(agents, e
                           and vllm[1] in e.block_hashes)
             i = second.block_hashes.index(vllm[1])
             assert (second.block_hashes[i - 1] if i else second.parent_block_hash) == vllm[0]
+            assert second.token_ids[i * BT:(i + 1) * BT] == toks[BT:2 * BT]
         finally:
             sub2.close()
     finally:

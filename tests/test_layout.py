@@ -99,9 +99,10 @@ PINNED = {
         "time_us": (48, 8), "entry": (56, 4), "op": (60, 1), "reserved": (61, 3),
     }),
     "block_name": (64, {
-        "key_lo": (0, 8), "key_hi": (8, 8), "len": (16, 4), "reserved": (20, 4),
+        "key_lo": (0, 8), "key_hi": (8, 8), "len": (16, 4), "ntokens": (20, 4),
         "name": (24, 40),
     }),
+    "name_entry": (320, {"name": (0, 64), "tokens": (64, 256)}),
     "badchunk_hdr": (32, {
         "magic": (0, 8), "count": (8, 4), "capacity": (12, 4), "retired_bytes": (16, 8),
         "metadata_hits": (24, 8),
@@ -155,7 +156,8 @@ def test_constants_agree():
         "HEAP_HAZARDS": layout.HEAP_HAZARDS,
         "FEATURE_COMPAT_KV": layout.COMPAT_KV, "FEATURE_COMPAT_SUPP": layout.COMPAT_SUPPORTED,
         "FEATURE_COMPAT_NAMES": layout.COMPAT_NAMES, "NAME_SIZE": layout.NAME_SIZE,
-        "NAME_MAX": layout.NAME_MAX,
+        "NAME_MAX": layout.NAME_MAX, "NAME_TOKENS": layout.NAME_TOKENS,
+        "NAME_ENTRY_SIZE": layout.NAME_ENTRY_SIZE,
         "FEATURE_INCOMPAT_SUPP": layout.INCOMPAT_SUPPORTED,
         "FEATURE_INCOMPAT_KV_LRU": layout.INCOMPAT_KV_LRU, "KV_LRU_LISTS": layout.KV_LRU_LISTS,
         "FEATURE_RO_COMPAT_SUPP": layout.RO_COMPAT_SUPPORTED,

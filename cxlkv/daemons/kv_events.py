@@ -41,9 +41,14 @@ bytes) is published under its pool key instead (16 bytes: key_lo then key_hi
 little-endian; the same int conversion), and counted as "unnamed"; a router
 maps its hashes to pool keys with ``KVCache.keys_for_hashes``.
 parent_block_hash is the parent block's name (None for a first block);
-token_ids is empty (the pool keeps no tokens); block_size is the namespace's
-block_tokens; lora_id None; medium the configured tier name ("cxl").
-Consecutive stores of one chain in one namespace go into one BlockStored.
+token_ids are the blocks' token ids, kept with their names (up to 64 tokens
+a block; read from the hash entry when the event is sent: a block evicted and
+its entry reused by then, one with more tokens, or one stored by hashes
+without tokens goes out with token_ids empty, in a BlockStored of its own,
+counted as "no_tokens"); block_size is the namespace's block_tokens; lora_id
+None; medium the configured tier name ("cxl").  Consecutive stores of one
+chain in one namespace go into one BlockStored (its token_ids those of all
+its blocks, in order, as vLLM sends them).
 
 Resyncs.  The publisher never loses a change silently: when the journal
 reader resyncs (a ring overrun, torn or reused ring, a re-formatted pool),
@@ -325,9 +330,10 @@ class KVEventsPublisher:
         self.error = ""
         self._last_failure = ""
         self._said_unnamed = False
+        self._names: names.Names | None = None
         self.lags_ms: deque = deque(maxlen=100_000)
         self.stats = {"batches": 0, "events": 0, "stored": 0, "removed": 0, "cleared": 0,
-                      "unnamed": 0,
+                      "unnamed": 0, "no_tokens": 0,
                       "resyncs": 0, "replays": 0, "replayed_batches": 0, "leader_changes": 0,
                       "failures": 0}
 
@@ -391,7 +397,7 @@ class KVEventsPublisher:
         """The thread stays out of the pool meanwhile (the agent detaches or
         re-attaches); it starts again from the leader check afterwards."""
         with self._busy:
-            self._reader, self._area = None, None
+            self._reader, self._area, self._names = None, None, None
             self._block_tokens.clear()
             if self.leader:
                 self.leader = False
@@ -545,6 +551,8 @@ class KVEventsPublisher:
                                            "ns", "tenant", "time_us", "name_len",
                                            "parent_name_len")]
         name, pname = recs["name"], recs["parent_name"]
+        toks = self._tokens(pool, recs)
+        has_toks = False                             # does the last BlockStored carry tokens
         sent = 0
         for i, (op, klo, khi, plo, phi, ns, tenant, t_us, nlen, plen) in enumerate(zip(*cols)):
             if op not in (journal.STORED, journal.EVICTED):
@@ -562,13 +570,19 @@ class KVEventsPublisher:
                 else:
                     parent = self._key(plo, phi)
                 last = events[-1] if events else None
+                tk = toks[i]
+                if tk is None:
+                    self.stats["no_tokens"] += 1
                 if (prev is not None and prev == (ns, tenant, parent)
-                        and isinstance(last, stored_t)):
+                        and isinstance(last, stored_t) and has_toks == (tk is not None)):
                     last.block_hashes.append(key)
+                    if tk is not None:
+                        last.token_ids.extend(tk)
                 else:
                     events.append(stored_t(block_hashes=[key], parent_block_hash=parent,
-                                           token_ids=[], block_size=self._bsize(pool, ns),
+                                           token_ids=tk or [], block_size=self._bsize(pool, ns),
                                            lora_id=None, medium=medium, **self._extra))
+                    has_toks = tk is not None
                 prev = (ns, tenant, key)
                 self.stats["stored"] += 1
             elif op == journal.EVICTED:
@@ -587,6 +601,26 @@ class KVEventsPublisher:
         if events:
             sent += self._emit(events)
         return sent
+
+    def _tokens(self, pool, recs: np.ndarray) -> list:
+        """The token ids of the STORED records' blocks, read from their hash
+        entries' names (None where the entry no longer keeps them for that
+        block, or never did), in slices."""
+        out: list = [None] * len(recs)
+        if self._names is None or self._names.pool is not pool:
+            self._names = names.Names.of(pool)
+        nm = self._names
+        if nm is None:
+            return out
+        entry = recs["entry"].astype(np.int64)
+        sel = np.flatnonzero((recs["op"] == journal.STORED) & (entry > 0)
+                             & (entry <= nm.nslots))
+        for a in range(0, len(sel), 4096):
+            part = sel[a:a + 4096]
+            got = nm.tokens(entry[part] - 1, recs["key_lo"][part], recs["key_hi"][part])
+            for i, t in zip(part.tolist(), got):
+                out[i] = t
+        return out
 
     def _emit(self, events: list) -> int:
         if not events:

@@ -172,6 +172,9 @@ class CxlkvTransfer:
     group_block_ids: list[list[int]] | None = None
     lead: int = 0
     async_load: bool = False
+    #: stores: the blocks' token ids (block_size a block), kept with their
+    #: hashes for the pool's KV events (None: the request did not say)
+    token_ids: list[int] | None = None
 
     def ids(self, group: int) -> list[int]:
         """Block ids of transferred group `group` (its position in the layout)."""
@@ -540,9 +543,13 @@ class CxlkvConnector(KVConnectorBase_V1, SupportsHMA):
             self.stats["unlinked_stores"] += 1
         first = lo - lead
         sel = [g[first - start:full - start] for g in groups]
+        bs = self._block_size
+        toks = getattr(t.request, "all_token_ids", None)
+        token_ids = (list(toks[first * bs:full * bs])
+                     if toks is not None and len(toks) >= full * bs else None)
         meta.stores.append(CxlkvTransfer(rid, self._salt_of(t.request), hashes[first:full],
                                          sel[0], sel if self._layout.hybrid else None,
-                                         lead=lead))
+                                         lead=lead, token_ids=token_ids))
         t.saved = full
         if self._async_save:
             t.hold = True
@@ -809,9 +816,10 @@ class CxlkvConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             kv = self._kv(self._rank, t.salt)
             if buf is None:
-                new = kv.store_hashes_with(t.block_hashes, fill)
+                new = kv.store_hashes_with(t.block_hashes, fill, tokens=t.token_ids)
             else:
-                new = kv.store_hashes(t.block_hashes, buf.view(torch.uint8).numpy().reshape(-1))
+                new = kv.store_hashes(t.block_hashes, buf.view(torch.uint8).numpy().reshape(-1),
+                                      tokens=t.token_ids)
             self._count(stored_blocks=new)
         except CxlkvError as e:                  # full pool, quota: a cache, not an error
             self._count(store_failures=1)

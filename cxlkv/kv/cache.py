@@ -220,18 +220,22 @@ class KVCache:
     def _keys(self, tokens) -> np.ndarray:
         return self._chain_keys(tokens)[1]
 
-    def _chain_keys(self, tokens) -> tuple[np.ndarray, np.ndarray]:
-        """(chain hashes, pool keys) of the full blocks of `tokens`: the chain
-        hashes are the blocks' names (cxlkv.kv.names)."""
-        chain = self._chain(block_keys.tokens_array(tokens))
-        return chain, block_keys.pool_keys(chain, self._digest, self._salt)
+    def _chain_keys(self, tokens) -> tuple[block_names.Named, np.ndarray]:
+        """(names, pool keys) of the full blocks of `tokens`: the names are
+        the chain hashes and the blocks' token ids (cxlkv.kv.names)."""
+        toks = block_keys.tokens_array(tokens)
+        chain = self._chain(toks)
+        n, bt = len(chain), self.block_tokens
+        return (block_names.Named(chain, toks[:n * bt].reshape(n, bt)),
+                block_keys.pool_keys(chain, self._digest, self._salt))
 
     def keys_for_hashes(self, hashes) -> np.ndarray:
         """Pool keys for chain hashes the caller computed (e.g. vLLM's)."""
         return self._hash_keys(hashes)[1]
 
-    def _hash_keys(self, hashes) -> tuple[np.ndarray, np.ndarray]:
-        """(the hashes as rows, pool keys) for chain hashes the caller computed."""
+    def _hash_keys(self, hashes, tokens=None) -> tuple[block_names.Named, np.ndarray]:
+        """(names, pool keys) for chain hashes the caller computed; `tokens`,
+        when given, are the blocks' token ids (block_tokens a block)."""
         rows = []
         for h in hashes:
             if not isinstance(h, (bytes, bytearray, memoryview)):
@@ -239,11 +243,21 @@ class KVCache:
                                  "(vLLM's BlockHash is bytes; encode integer hashes yourself)")
             rows.append(bytes(h))
         if not rows:
-            return np.zeros((0, 0), dtype=np.uint8), np.zeros((0, 16), dtype=np.uint8)
+            return (block_names.Named(np.zeros((0, 0), dtype=np.uint8)),
+                    np.zeros((0, 16), dtype=np.uint8))
         if len({len(r) for r in rows}) != 1 or not 1 <= len(rows[0]) <= 64:
             raise UsageError("block hashes must all have the same length, 1 to 64 bytes")
         chain = np.frombuffer(b"".join(rows), dtype=np.uint8).reshape(len(rows), -1)
-        return chain, block_keys.pool_keys(chain, self._digest, self._salt)
+        rows_t = None
+        if tokens is not None:
+            toks = block_keys.tokens_array(tokens)
+            if len(toks) != len(rows) * self.block_tokens:
+                raise UsageError(f"tokens: {len(toks)} token ids for {len(rows)} blocks of "
+                                 f"{self.block_tokens} tokens (expected "
+                                 f"{len(rows) * self.block_tokens})")
+            rows_t = toks.reshape(len(rows), self.block_tokens)
+        return (block_names.Named(chain, rows_t),
+                block_keys.pool_keys(chain, self._digest, self._salt))
 
     # -- lookups -----------------------------------------------------------------------
     def _lookup(self, keys: np.ndarray, stop: bool = True):
@@ -293,11 +307,11 @@ class KVCache:
         """Leading blocks present, for chain hashes the caller computed."""
         return self._match(*self._hash_keys(hashes)[::-1])
 
-    def _match(self, keys: np.ndarray, chain: np.ndarray | None = None) -> int:
+    def _match(self, keys: np.ndarray, names=None) -> int:
         found = self._lookup(keys)[0]
         if found < len(keys) and self._remote is not None:
             # read-through: what the remote tier has is brought into the pool now
-            self._fill(keys, chain)
+            self._fill(keys, names)
             found = self._lookup(keys)[0]
         sp = self.pool.tiers.get("spill")
         if sp is not None and found < len(keys):
@@ -361,18 +375,20 @@ class KVCache:
     def store(self, tokens, blocks) -> int:
         """Store the full blocks of `tokens` (one buffer of block_bytes per
         block, or one buffer of all of them); returns how many were new."""
-        chain, keys = self._chain_keys(tokens)
+        names, keys = self._chain_keys(tokens)
         n = len(keys)
         src, items = self._sources(blocks, n)
         if n == 0:
             return 0
-        return self._store(keys, src, items, names=chain)
+        return self._store(keys, src, items, names=names)
 
-    def store_hashes(self, hashes, blocks) -> int:
-        """Store blocks keyed by chain hashes the caller computed."""
-        chain, keys = self._hash_keys(hashes)
+    def store_hashes(self, hashes, blocks, tokens=None) -> int:
+        """Store blocks keyed by chain hashes the caller computed; `tokens`
+        (optional): their token ids, block_tokens a block, kept with the
+        hashes as the blocks' names (KV events publish them)."""
+        names, keys = self._hash_keys(hashes, tokens)
         src, items = self._sources(blocks, len(keys))
-        return self._store(keys, src, items, names=chain) if len(keys) else 0
+        return self._store(keys, src, items, names=names) if len(keys) else 0
 
     def store_with(self, tokens, fill) -> int:
         """Store the full blocks of `tokens`, their payloads written in place:
@@ -382,19 +398,20 @@ class KVCache:
         engine's own tensors: cxlkv.integrations.kvcopy).  Present blocks are
         skipped; returns how many were new.  An exception from fill abandons
         the store (nothing published)."""
-        chain, keys = self._chain_keys(tokens)
-        return self._store(keys, None, None, fill, chain) if len(keys) else 0
+        names, keys = self._chain_keys(tokens)
+        return self._store(keys, None, None, fill, names) if len(keys) else 0
 
-    def store_hashes_with(self, hashes, fill) -> int:
-        """store_with for blocks keyed by chain hashes the caller computed."""
-        chain, keys = self._hash_keys(hashes)
-        return self._store(keys, None, None, fill, chain) if len(keys) else 0
+    def store_hashes_with(self, hashes, fill, tokens=None) -> int:
+        """store_with for blocks keyed by chain hashes the caller computed
+        (`tokens` as for store_hashes)."""
+        names, keys = self._hash_keys(hashes, tokens)
+        return self._store(keys, None, None, fill, names) if len(keys) else 0
 
     def store_many(self, pairs) -> int:
         return sum(self.store(t, b) for t, b in pairs)
 
     def _store(self, keys: np.ndarray, src, items, fill=None, names=None) -> int:
-        """names: the blocks' chain hashes (rows), written as their names."""
+        """names: the blocks' names (cxlkv.kv.names.Named), written with them."""
         n = len(keys)
         for attempt in range(RETIRED_RETRIES + 1):
             lead, lead_idx, _, _ = self._lookup(keys)
@@ -665,18 +682,18 @@ class KVCache:
     def load_hashes(self, hashes) -> "Loaded":
         return self._load(*self._hash_keys(hashes)[::-1])
 
-    def _fill(self, keys: np.ndarray, chain: np.ndarray | None = None) -> None:
+    def _fill(self, keys: np.ndarray, names=None) -> None:
         """Bring the blocks the lower tiers hold after the pool's leading run
         of `keys` into the pool: the spill tier's first, then the remote
         tier's (read-through namespaces)."""
         sp = self.pool.tiers.get("spill")
         if sp is not None:
-            self._promote(keys, sp, chain=chain)
+            self._promote(keys, sp, names=names)
         if self._remote is not None:
-            self._promote(keys, self._remote, self._remote_budget, chain)
+            self._promote(keys, self._remote, self._remote_budget, names)
 
     def _promote(self, keys: np.ndarray, tier, budget_s: float | None = None,
-                 chain: np.ndarray | None = None) -> int:
+                 names=None) -> int:
         """Store the blocks `tier` fetches for the keys after the pool's
         leading run (a leading run of buffers) through the normal store path,
         chained under the run (pinned meanwhile); returns how many were
@@ -701,7 +718,7 @@ class KVCache:
                 items = [None] * base + list(got)
                 try:
                     n = self._store(keys[:len(items)], None, items,
-                                    names=None if chain is None else chain[:len(items)])
+                                    names=None if names is None else names[:len(items)])
                 except (KVPoolFull, KVTableFull, QuotaExceeded) as e:
                     tier.promote_failed(e)
                     return 0
@@ -713,8 +730,8 @@ class KVCache:
         finally:
             node.leave()
 
-    def _load(self, keys, chain: np.ndarray | None = None) -> "Loaded":
-        self._fill(keys, chain)
+    def _load(self, keys, names=None) -> "Loaded":
+        self._fill(keys, names)
         node = self.pool.node
         node.enter()                        # pins held: a section in flight until release
         rec = None
@@ -742,14 +759,14 @@ class KVCache:
         last call."""
         if not isinstance(start, int) or start < 0:
             raise UsageError("start must be a block index >= 0")
-        chain, keys = self._chain_keys(tokens)
+        names, keys = self._chain_keys(tokens)
         try:
             mv = memoryview(out)
         except TypeError:
             raise UsageError("out must be a writable buffer") from None
         if mv.readonly or not mv.c_contiguous:
             raise UsageError("out must be a writable C-contiguous buffer")
-        self._fill(keys, chain)
+        self._fill(keys, names)
         node = self.pool.node
         node.enter()                        # pins held: a section in flight
         try:

@@ -340,14 +340,16 @@ class JournalReader:
         t = self._table()
         nm = self.geo.names
         if nm is not None:
+            pub = np.flatnonzero((t["ctl"] & 0xFF) == layout.KV_PUBLISHED)
+            par = t["parent"][pub].astype(np.int64)
+            want = np.unique(np.concatenate([pub, par[(par > 0) & (par <= self.geo.nslots)] - 1]))
             fence()
-            tnames = nm.read_table()
+            got = nm.names_at(want)
             fence()
             t2 = self._table()
-            pub = (t["ctl"] & 0xFF) == layout.KV_PUBLISHED
             stable = ((t["ctl"] == t2["ctl"]) & (t["key_lo"] == t2["key_lo"])
                       & (t["key_hi"] == t2["key_hi"]) & (t["parent"] == t2["parent"]))
-            idx = np.flatnonzero(pub & stable)
+            idx = pub[stable[pub]]
         else:
             idx = np.flatnonzero((t["ctl"] & 0xFF) == layout.KV_PUBLISHED)
         e = t[idx]
@@ -359,10 +361,13 @@ class JournalReader:
         out["parent_lo"][ok] = t["key_lo"][par[ok] - 1]
         out["parent_hi"][ok] = t["key_hi"][par[ok] - 1]
         if nm is not None:
-            _set_names(out, tnames[idx], out["key_lo"], out["key_hi"], "")
+            # names of idx and of their parents: positions in `want` (sorted)
+            _set_names(out, got[np.searchsorted(want, idx)], out["key_lo"], out["key_hi"], "")
             pidx = np.where(ok, par - 1, 0)
-            _set_names(out, tnames[pidx], out["parent_lo"], out["parent_hi"], "parent_",
-                       ok & stable[pidx])
+            pos = np.minimum(np.searchsorted(want, pidx), max(len(want) - 1, 0))
+            found = ok & (want[pos] == pidx) if len(want) else ok & False
+            _set_names(out, got[pos] if len(want) else np.zeros(len(out), dtype=names.NAME),
+                       out["parent_lo"], out["parent_hi"], "parent_", found & stable[pidx])
         out["time_us"] = e["lru"]
         out["entry"] = idx + 1
         out["op"] = STORED

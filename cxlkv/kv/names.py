@@ -3,10 +3,12 @@
 A block's pool key is xxh3-128(namespace digest || tenant salt || chain hash)
 (cxlkv.kv.keys): one-way.  Routers index blocks by the engines' own hashes
 (vLLM's block hashes), so the KV events publisher needs the chain hash back.
-On media (cxlkv_format.h, "Block names"; compat feature NAMES): one 64-byte
-name record per hash entry (key, length, up to NAME_MAX bytes of name) and,
-per journal ring, two per journal record (the block's and its parent's, copied
-by journal_append inside the record's seqlock, so an eviction's record still
+On media (cxlkv_format.h, "Block names"; compat feature NAMES): one name
+entry per hash entry - a 64-byte name record (key, length, up to NAME_MAX
+bytes of name) and the block's token ids (up to NAME_TOKENS: routers that
+index by tokens get them in BlockStored.token_ids) - and, per journal ring,
+two name records per journal record (the block's and its parent's, copied by
+journal_append inside the record's seqlock, so an eviction's record still
 names the block after its entry was reused).
 
 A record names a block only when its key is the block's key: the key is a
@@ -22,15 +24,33 @@ longer owns.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from cxlkv.pool import layout
 
 NAME_MAX = layout.NAME_MAX
+NAME_TOKENS = layout.NAME_TOKENS
+_NAME_FIELDS = [("key_lo", "<u8"), ("key_hi", "<u8"), ("len", "<u4"), ("ntokens", "<u4"),
+                ("name", "u1", (NAME_MAX,))]
 #: a name record (BlockNameStruct)
-NAME = np.dtype([("key_lo", "<u8"), ("key_hi", "<u8"), ("len", "<u4"), ("reserved", "<u4"),
-                 ("name", "u1", (NAME_MAX,))])
-assert NAME.itemsize == layout.NAME_SIZE
+NAME = np.dtype(_NAME_FIELDS)
+#: a table name: the name record and the block's token ids (NameEntryStruct)
+ENTRY = np.dtype(_NAME_FIELDS + [("tokens", "<u4", (NAME_TOKENS,))])
+assert NAME.itemsize == layout.NAME_SIZE and ENTRY.itemsize == layout.NAME_ENTRY_SIZE
+
+
+@dataclasses.dataclass(frozen=True)
+class Named:
+    """What names a run of blocks: their chain hashes (rows of one length)
+    and, when known, their token ids (rows of block_tokens)."""
+
+    chain: np.ndarray
+    tokens: np.ndarray | None = None
+
+    def __getitem__(self, sel) -> "Named":
+        return Named(self.chain[sel], None if self.tokens is None else self.tokens[sel])
 
 
 def has_names(pool) -> bool:
@@ -62,46 +82,67 @@ class Names:
         """Pool offset of the ring names of node slot `slot`."""
         return self.rings + slot * self.ring_stride
 
-    def write(self, node, slots: np.ndarray, keys: np.ndarray, chain: np.ndarray) -> None:
+    def write(self, node, slots: np.ndarray, keys: np.ndarray, named: Named) -> None:
         """The table names of entries `slots` (this node reserved them): the
-        keys (rows of 16 bytes) and their chain hashes (rows of any one
-        length; longer than NAME_MAX: left unnamed).  Each record only while
-        this node is known fresh."""
+        keys (rows of 16 bytes), their chain hashes (longer than NAME_MAX:
+        left unnamed) and, when known, their token ids (more than
+        NAME_TOKENS a block: not kept).  Each entry only while this node is
+        known fresh."""
+        chain, tokens = named.chain, named.tokens
         n = len(slots)
         if not n:
             return
-        rec = np.zeros(n, dtype=NAME)
+        rec = np.zeros(n, dtype=ENTRY)
         k = np.ascontiguousarray(keys, dtype=np.uint8).view("<u8").reshape(n, 2)
         rec["key_lo"], rec["key_hi"] = k[:, 0], k[:, 1]
         width = chain.shape[1] if chain.ndim == 2 else 0
         if 0 < width <= NAME_MAX:
             rec["len"] = width
             rec["name"][:, :width] = chain
+        if tokens is not None and tokens.ndim == 2 and 0 < tokens.shape[1] <= NAME_TOKENS:
+            rec["ntokens"] = tokens.shape[1]
+            rec["tokens"][:, :tokens.shape[1]] = tokens
         self.write_records(node, slots, rec)
 
     def write_records(self, node, slots: np.ndarray, rec: np.ndarray) -> None:
-        """NAME records (their keys the entries' keys) into the table names of
-        entries `slots`, each only while this node is known fresh."""
+        """Name entries (ENTRY; their keys the entries' keys) into the table
+        names of entries `slots`, each only while this node is known fresh."""
         if not len(slots):
             return
-        offsets = self.table + np.asarray(slots, dtype=np.uint64) * np.uint64(layout.NAME_SIZE)
-        node.write_blocks(offsets, np.ascontiguousarray(rec, dtype=NAME).view(np.uint8),
-                          layout.NAME_SIZE)
+        offsets = (self.table + np.asarray(slots, dtype=np.uint64)
+                   * np.uint64(layout.NAME_ENTRY_SIZE))
+        node.write_blocks(offsets, np.ascontiguousarray(rec, dtype=ENTRY).view(np.uint8),
+                          layout.NAME_ENTRY_SIZE)
 
     def read_at(self, idx: np.ndarray) -> np.ndarray:
-        """The table names of entries `idx` (NAME records)."""
+        """The table names of entries `idx` (ENTRY records)."""
+        out = np.empty(len(idx), dtype=ENTRY)
+        if len(idx):
+            offsets = (self.table + np.asarray(idx, dtype=np.uint64)
+                       * np.uint64(layout.NAME_ENTRY_SIZE))
+            self.m.read_blocks(offsets, out.view(np.uint8), layout.NAME_ENTRY_SIZE)
+        return out
+
+    def names_at(self, idx: np.ndarray) -> np.ndarray:
+        """The name records (NAME, without the token ids) of entries `idx`."""
         out = np.empty(len(idx), dtype=NAME)
         if len(idx):
-            offsets = self.table + np.asarray(idx, dtype=np.uint64) * np.uint64(layout.NAME_SIZE)
+            offsets = (self.table + np.asarray(idx, dtype=np.uint64)
+                       * np.uint64(layout.NAME_ENTRY_SIZE))
             self.m.read_blocks(offsets, out.view(np.uint8), layout.NAME_SIZE)
         return out
 
-    def read_table(self) -> np.ndarray:
-        """Every table name (NAME records, one per hash entry)."""
-        size = self.nslots * layout.NAME_SIZE
-        if self.flush_meta:
-            self.m.invalidate(self.table, size)
-        return np.frombuffer(self.m.read(self.table, size), dtype=NAME)
+    def tokens(self, entry: np.ndarray, key_lo, key_hi) -> list:
+        """The token ids kept for the blocks now at hash entries `entry`
+        (indices) with these keys: a list per block, or None where the entry
+        keeps none for that key (evicted and reused meanwhile, more tokens
+        than NAME_TOKENS, stored without tokens)."""
+        rec = self.read_at(entry)
+        ok = ((rec["key_lo"] == key_lo) & (rec["key_hi"] == key_hi) & (rec["ntokens"] > 0)
+              & (rec["ntokens"] <= NAME_TOKENS))
+        toks = rec["tokens"]
+        return [toks[i, :int(rec["ntokens"][i])].tolist() if ok[i] else None
+                for i in range(len(rec))]
 
     def read_ring(self, slot: int, pos: int, count: int) -> np.ndarray:
         """The ring names of records [pos, pos + count) of a ring (no wrap):

@@ -9,9 +9,9 @@ every tenant's blocks and the pool's tenant secret):
   the index, -1 for a chain root), namespace and tenant (positions in the
   manifest's lists), length, LRU stamp, offset in blocks.dat, xxh3-64 of the
   payload;
-* ``names.bin``   (from a pool with block names) one block name record per
-  index record (cxlkv.kv.names: the chain hash the block was keyed by), so
-  that a restored block keeps the name KV events publish it under;
+* ``names.bin``   (from a pool with block names) one name entry per index
+  record (cxlkv.kv.names: the chain hash the block was keyed by and its token
+  ids), so that a restored block keeps what KV events publish of it;
 * ``manifest.json`` written last (so a snapshot without one is incomplete):
   format name and version, the namespaces (name, hash, block_tokens,
   block_bytes) and tenants (derived salt, quota), the source pool's tenant
@@ -398,7 +398,7 @@ def read_names(src, doc: dict, idx: np.ndarray) -> np.ndarray | None:
     if d is None:
         return None
     p = Path(src) / d["file"]
-    want = len(idx) * block_names.NAME.itemsize
+    want = len(idx) * block_names.ENTRY.itemsize
     if not p.exists():
         raise SnapshotError(f"{p}: missing", path=str(p))
     if p.stat().st_size != d["size"] or d["size"] != want:
@@ -406,7 +406,7 @@ def read_names(src, doc: dict, idx: np.ndarray) -> np.ndarray | None:
                             "block; truncated or replaced)", path=str(p))
     if _file_sum(p) != d["xxh3_64"]:
         raise SnapshotError(f"{p}: checksum mismatch (the names are corrupt)", path=str(p))
-    return np.fromfile(p, dtype=block_names.NAME)
+    return np.fromfile(p, dtype=block_names.ENTRY)
 
 
 def restore_order(idx: np.ndarray) -> np.ndarray:

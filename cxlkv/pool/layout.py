@@ -448,6 +448,8 @@ class JournalRecStruct(ctypes.LittleEndianStructure):
 # parent's), so that KV events can name blocks as the engines do.
 NAME_SIZE = 64
 NAME_MAX = 40
+NAME_TOKENS = 64
+NAME_ENTRY_SIZE = NAME_SIZE + 4 * NAME_TOKENS
 
 
 class BlockNameStruct(ctypes.LittleEndianStructure):
@@ -456,9 +458,15 @@ class BlockNameStruct(ctypes.LittleEndianStructure):
         ("key_lo", c_uint64),
         ("key_hi", c_uint64),
         ("len", c_uint32),
-        ("reserved", c_uint32),
+        ("ntokens", c_uint32),
         ("name", c_uint8 * NAME_MAX),
     ]
+
+
+class NameEntryStruct(ctypes.LittleEndianStructure):
+    """A table name: the name record, then the block's token ids."""
+    _pack_ = 1
+    _fields_ = [("name", BlockNameStruct), ("tokens", c_uint32 * NAME_TOKENS)]
 
 
 STRUCTS = {"superblock": SuperblockStruct, "region": Region, "node": NodeStruct,
@@ -466,7 +474,8 @@ STRUCTS = {"superblock": SuperblockStruct, "region": Region, "node": NodeStruct,
            "heap": HeapStruct, "hash_entry": HashEntryStruct, "kv_hdr": KVHdrStruct, "kv_stats": KVStatsStruct,
            "kv_ns": KVNsStruct, "kv_tenant": KVTenantStruct, "kv_node": KVNodeStruct,
            "journal_hdr": JournalHdrStruct, "journal_ring": JournalRingStruct,
-           "journal_rec": JournalRecStruct, "block_name": BlockNameStruct, "badchunk_hdr": BadChunkHdrStruct,
+           "journal_rec": JournalRecStruct, "block_name": BlockNameStruct,
+           "name_entry": NameEntryStruct, "badchunk_hdr": BadChunkHdrStruct,
            "badchunk": BadChunkStruct}
 
 
@@ -525,11 +534,12 @@ def journal_geometry(max_nodes: int, hash_slots: int) -> dict[str, int]:
 
 def names_geometry(max_nodes: int, hash_slots: int) -> dict[str, int]:
     """Where the block names lie in the KV region (offsets relative to its
-    start): on the first page boundary after the journal, one name per hash
-    entry, then per ring two per journal record (ring_stride bytes a ring)."""
+    start): on the first page boundary after the journal, one name entry per
+    hash entry, then per ring two name records per journal record
+    (ring_stride bytes a ring)."""
     j = journal_geometry(max_nodes, hash_slots)
     table_off = _align(j["end"], PAGE)
-    ring_off = _align(table_off + hash_slots * NAME_SIZE, PAGE)
+    ring_off = _align(table_off + hash_slots * NAME_ENTRY_SIZE, PAGE)
     stride = _align(j["records_per_node"] * 2 * NAME_SIZE, PAGE)
     return {"table_off": table_off, "ring_off": ring_off, "ring_stride": stride,
             "end": ring_off + max_nodes * stride}

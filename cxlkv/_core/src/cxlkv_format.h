@@ -432,7 +432,9 @@ struct cxlkv_journal_rec {
 };
 
 /* Block names (compat NAMES): on the first page boundary after the
- * change journal, one name record per hash-table entry (the *table names*),
+ * change journal, one name entry per hash-table entry (the *table names*: a
+ * name record and the block's token ids, when it has at most
+ * CXLKV_NAME_TOKENS),
  * then, per journal ring, two name records per journal record (the *ring
  * names*: the block's, then its parent's, at the record's ring position).
  * A block's name is the chain hash its writer keyed it by (for a vLLM
@@ -450,13 +452,20 @@ struct cxlkv_journal_rec {
  * know the feature ignores the area and stores unnamed blocks. */
 #define CXLKV_NAME_SIZE         64u
 #define CXLKV_NAME_MAX          40u
+#define CXLKV_NAME_TOKENS       64u
+#define CXLKV_NAME_ENTRY_SIZE   (CXLKV_NAME_SIZE + 4u * CXLKV_NAME_TOKENS)
 
 struct cxlkv_block_name {
     uint64_t key_lo;            /*    0 pool key of the block named */
     uint64_t key_hi;            /*    8 */
     uint32_t len;               /*   16 bytes of name (0: none) */
-    uint32_t reserved;          /*   20 */
+    uint32_t ntokens;           /*   20 token ids in the entry (table names; 0: none) */
     uint8_t  name[CXLKV_NAME_MAX]; /* 24 the chain hash */
+};
+
+struct cxlkv_name_entry {
+    struct cxlkv_block_name name;  /*  0 */
+    uint32_t tokens[CXLKV_NAME_TOKENS]; /* 64 the block's token ids (ntokens of them) */
 };
 
 /* Retired (poisoned) chunks, incompat BADCHUNKS: a header at
@@ -513,6 +522,7 @@ CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_journal_hdr) == 128, "journal header siz
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_journal_ring) == 64, "journal ring header size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_journal_rec) == CXLKV_JOURNAL_REC_SIZE, "journal record size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_block_name) == CXLKV_NAME_SIZE, "block name size");
+CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_name_entry) == CXLKV_NAME_ENTRY_SIZE, "name entry size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_badchunk_hdr) == 32, "retired-chunk list header size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_badchunk) == 32, "retired-chunk entry size");
 

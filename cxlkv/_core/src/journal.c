@@ -17,7 +17,7 @@
  *
  * Block names (compat NAMES, cxlkv_format.h): with the names' offsets
  * given, each STORED or EVICTED record gets, inside its seqlock, copies of
- * the table names of the block and of its parent in the ring names at its
+ * the name records (not the token ids) of the block and of its parent in the ring names at its
  * ring position - each only when its key is the block's (the parent's),
  * else an empty name with the key - so that a reader has the names a block
  * had when the record was written, after its entry was evicted and reused.
@@ -69,7 +69,7 @@ static void
 copy_name(Mapping *m, uint64_t names, uint64_t ix, uint64_t klo, uint64_t khi, uint64_t dst)
 {
     uint8_t rec[CXLKV_NAME_SIZE];
-    uint64_t src = names + ix * CXLKV_NAME_SIZE;
+    uint64_t src = names + ix * CXLKV_NAME_ENTRY_SIZE;
     inval(m, src, CXLKV_NAME_SIZE);
     pool_read(m, src, rec, CXLKV_NAME_SIZE);
     struct cxlkv_block_name *n = (struct cxlkv_block_name *)rec;
@@ -158,7 +158,7 @@ Mapping_journal_append(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     if (check_range(m, hdr, sizeof(struct cxlkv_journal_hdr), "journal header") < 0 ||
         check_range(m, ring, 64 + nrec * CXLKV_JOURNAL_REC_SIZE, "journal ring") < 0 ||
         check_range(m, tbase, nslots * CXLKV_HASH_ENTRY_SIZE, "kv table") < 0 ||
-        (names && (check_range(m, names, nslots * CXLKV_NAME_SIZE, "table names") < 0 ||
+        (names && (check_range(m, names, nslots * CXLKV_NAME_ENTRY_SIZE, "table names") < 0 ||
                    check_range(m, rnames, nrec * 2 * CXLKV_NAME_SIZE, "ring names") < 0)) ||
         check_writable(m, "journal_append") < 0)
         return NULL;

@@ -318,9 +318,17 @@ mod_layout(PyObject *self, PyObject *Py_UNUSED(ignored))
     FIELD(f, cxlkv_block_name, key_lo);
     FIELD(f, cxlkv_block_name, key_hi);
     FIELD(f, cxlkv_block_name, len);
-    FIELD(f, cxlkv_block_name, reserved);
+    FIELD(f, cxlkv_block_name, ntokens);
     FIELD(f, cxlkv_block_name, name);
     if (add_struct(out, "block_name", sizeof(struct cxlkv_block_name), f) < 0)
+        goto fail;
+    Py_CLEAR(f);
+
+    if (!(f = PyDict_New()))
+        goto fail;
+    FIELD(f, cxlkv_name_entry, name);
+    FIELD(f, cxlkv_name_entry, tokens);
+    if (add_struct(out, "name_entry", sizeof(struct cxlkv_name_entry), f) < 0)
         goto fail;
     Py_CLEAR(f);
 
@@ -367,7 +375,7 @@ mod_constants(PyObject *self, PyObject *Py_UNUSED(ignored))
         C(LOCK_IDLE), C(LOCK_WAITING), C(LOCK_LOCKED), C(LOCK_ABANDONED),
         C(CHUNK_FREE), C(CHUNK_HEAD), C(CHUNK_TAIL), C(CHUNK_RELEASING), C(SLAB_MAX_SLOTS),
         C(HEAP_HAZARDS),
-        C(FEATURE_COMPAT_KV), C(FEATURE_COMPAT_NAMES), C(FEATURE_COMPAT_SUPP), C(NAME_SIZE), C(NAME_MAX), C(FEATURE_INCOMPAT_SUPP),
+        C(FEATURE_COMPAT_KV), C(FEATURE_COMPAT_NAMES), C(FEATURE_COMPAT_SUPP), C(NAME_SIZE), C(NAME_MAX), C(NAME_TOKENS), C(NAME_ENTRY_SIZE), C(FEATURE_INCOMPAT_SUPP),
         C(FEATURE_INCOMPAT_KV_LRU), C(KV_LRU_LISTS),
         C(FEATURE_RO_COMPAT_SUPP),
         C(KV_EMPTY), C(KV_WRITING), C(KV_PENDING), C(KV_PUBLISHED), C(KV_EVICTING),
