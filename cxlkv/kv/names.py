@@ -92,17 +92,24 @@ class Names:
         n = len(slots)
         if not n:
             return
-        rec = np.zeros(n, dtype=ENTRY)
-        k = np.ascontiguousarray(keys, dtype=np.uint8).view("<u8").reshape(n, 2)
-        rec["key_lo"], rec["key_hi"] = k[:, 0], k[:, 1]
-        width = chain.shape[1] if chain.ndim == 2 else 0
-        if 0 < width <= NAME_MAX:
-            rec["len"] = width
-            rec["name"][:, :width] = chain
-        if tokens is not None and tokens.ndim == 2 and 0 < tokens.shape[1] <= NAME_TOKENS:
-            rec["ntokens"] = tokens.shape[1]
-            rec["tokens"][:, :tokens.shape[1]] = tokens
-        self.write_records(node, slots, rec)
+        # the leading part of each entry, as bytes (what a store pays for
+        # names: a few row copies and one C call): key, len, ntokens, name,
+        # then the token ids kept (the rest of the entry is never read)
+        nt = tokens.shape[1] if tokens is not None and tokens.ndim == 2 else 0
+        nt = nt if nt <= NAME_TOKENS else 0
+        width = layout.NAME_SIZE + 4 * nt
+        rec = np.zeros((n, width), dtype=np.uint8)
+        rec[:, :16] = keys
+        w = chain.shape[1] if chain.ndim == 2 else 0
+        if 0 < w <= NAME_MAX:
+            rec[:, 16] = w                      # len (little-endian, < 256)
+            rec[:, 24:24 + w] = chain
+        if nt:
+            rec[:, 20] = nt                     # ntokens (< 256)
+            rec[:, 64:] = np.ascontiguousarray(tokens, dtype="<u4").view(np.uint8)
+        offsets = (np.asarray(slots, dtype=np.uint64) * np.uint64(layout.NAME_ENTRY_SIZE)
+                   + np.uint64(self.table))
+        node.write_blocks(offsets, rec.reshape(-1), width)
 
     def write_records(self, node, slots: np.ndarray, rec: np.ndarray) -> None:
         """Name entries (ENTRY; their keys the entries' keys) into the table
