@@ -316,7 +316,8 @@ def test_kv_events_decode_with_vllms_own_classes(engine_pool):
     """What `cxlkv serve --kv-events` publishes decodes with vLLM's own
     KVEventBatch / BlockStored / BlockRemoved / AllBlocksCleared (the wire
     that fits this vLLM: array_like structs or maps), and a store keyed by
-    vLLM's own block hashes is announced under keys_for_hashes of them."""
+    vLLM's own block hashes is announced under those hashes, with its token
+    ids."""
     import msgspec
     import zmq
     from vllm.distributed import kv_events as vk
@@ -341,9 +342,9 @@ def test_kv_events_decode_with_vllms_own_classes(engine_pool):
         with cxlkv.open_pool(engine_pool) as pool:
             kv = pool.kv(model="events", block_tokens=BS, block_bytes=4096,
                          hash="sha256_cbor", hash_seed=get_none_hash_seed())
-            want = [bytes(k) for k in kv.keys_for_hashes([bytes(h) for h in req.block_hashes])]
+            want = [bytes(h) for h in req.block_hashes]
             pub.start(lambda: pool, pool.lock)
-            kv.store_hashes([bytes(h) for h in req.block_hashes], bytes(4 * 4096))
+            kv.store_hashes(want, bytes(4 * 4096), tokens=toks)
             with pool.lock():
                 kv.area.evict(everything=True)
             got, deadline = [], time.monotonic() + 30
@@ -358,6 +359,8 @@ def test_kv_events_decode_with_vllms_own_classes(engine_pool):
             pub.stop()
         stored = [h for e in got if isinstance(e, vk.BlockStored) for h in e.block_hashes]
         assert stored[-4:] == want and sorted(removed) == sorted(want)
+        assert [t for e in got if isinstance(e, vk.BlockStored) for t in e.token_ids][-len(toks):] \
+            == toks
         assert all(e.medium == "cxl" for e in got if not isinstance(e, vk.AllBlocksCleared))
     finally:
         sub.close(linger=0)
@@ -423,6 +426,37 @@ def test_prefix_stored_by_one_instance_is_loaded_by_another(model_dir, engine_po
     finally:
         a.close()
         b.close()
+
+
+@in_vllm
+def test_stored_blocks_keep_vllms_hashes_and_the_requests_tokens(model_dir, engine_pool):
+    """What the connector stores is named in the pool by vLLM's own block
+    hashes, with the request's token ids (what KV events then publish)."""
+    import numpy as np
+
+    from cxlkv.kv import journal, names
+
+    toks = prompt(70)
+    a = Instance(make_config(model_dir, engine_pool, role="kv_producer"))
+    try:
+        ra = make_request("n1", toks)
+        a.scheduler.add_request(ra)
+        a.step(fake_forward)
+        assert a.worker.stats["stored_blocks"] == 4
+        pool = a.worker._pool
+        recs = journal.JournalReader(pool).poll().records          # the pool's state
+        by_name = {bytes(r["name"][:int(r["name_len"])]): r for r in recs}
+        hashes = [bytes(h) for h in ra.block_hashes[:4]]
+        assert set(hashes) <= set(by_name)
+        sel = [by_name[h] for h in hashes]
+        assert [bytes(r["parent_name"][:int(r["parent_name_len"])]) for r in sel] == \
+            [b""] + hashes[:3]
+        got = names.Names.of(pool).tokens(np.array([int(r["entry"]) - 1 for r in sel]),
+                                          np.array([r["key_lo"] for r in sel]),
+                                          np.array([r["key_hi"] for r in sel]))
+        assert got == [toks[i * BS:(i + 1) * BS] for i in range(4)]
+    finally:
+        a.close()
 
 
 @in_vllm
