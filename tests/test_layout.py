@@ -20,7 +20,8 @@ PINNED = {
         "chunk_size": (88, 8), "lease_ms": (96, 8), "hash_slots": (104, 8),
         "hash_max_load_pct": (112, 4), "flags": (116, 4), "nchunks": (120, 8),
         "regions": (128, 128), "tenant_secret": (256, 32), "label": (288, 64),
-        "creator": (352, 32), "grace_ms": (384, 8), "reserved": (392, 3696), "checksum": (4088, 8),
+        "creator": (352, 32), "grace_ms": (384, 8), "name_tokens": (392, 4),
+        "reserved": (396, 3692), "checksum": (4088, 8),
     }),
     "region": (16, {"off": (0, 8), "size": (8, 8)}),
     "node": (512, {
@@ -102,7 +103,6 @@ PINNED = {
         "key_lo": (0, 8), "key_hi": (8, 8), "len": (16, 4), "ntokens": (20, 4),
         "name": (24, 40),
     }),
-    "name_entry": (320, {"name": (0, 64), "tokens": (64, 256)}),
     "badchunk_hdr": (32, {
         "magic": (0, 8), "count": (8, 4), "capacity": (12, 4), "retired_bytes": (16, 8),
         "metadata_hits": (24, 8),
@@ -156,8 +156,7 @@ def test_constants_agree():
         "HEAP_HAZARDS": layout.HEAP_HAZARDS,
         "FEATURE_COMPAT_KV": layout.COMPAT_KV, "FEATURE_COMPAT_SUPP": layout.COMPAT_SUPPORTED,
         "FEATURE_COMPAT_NAMES": layout.COMPAT_NAMES, "NAME_SIZE": layout.NAME_SIZE,
-        "NAME_MAX": layout.NAME_MAX, "NAME_TOKENS": layout.NAME_TOKENS,
-        "NAME_ENTRY_SIZE": layout.NAME_ENTRY_SIZE,
+        "NAME_MAX": layout.NAME_MAX, "NAME_TOKENS_MAX": layout.NAME_TOKENS_MAX,
         "FEATURE_INCOMPAT_SUPP": layout.INCOMPAT_SUPPORTED,
         "FEATURE_INCOMPAT_KV_LRU": layout.INCOMPAT_KV_LRU, "KV_LRU_LISTS": layout.KV_LRU_LISTS,
         "FEATURE_RO_COMPAT_SUPP": layout.RO_COMPAT_SUPPORTED,

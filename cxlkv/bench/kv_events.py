@@ -130,6 +130,8 @@ def publish(path: str, rate: float, seconds: float, poll_ms: float) -> dict:
             "ratio_events_to_writer": round(events_s / achieved, 3) if achieved else None,
             "seq_gaps": got.get("gaps"), "batches": rep["batches"],
             "blocks_published": rep["stored"],
+            # blocks sent under their pool key (no name) and without token ids
+            "unnamed": rep["unnamed"], "no_tokens": rep["no_tokens"],
             "publish_lag_ms_p50": rep["lag_ms_p50"], "publish_lag_ms_p99": rep["lag_ms_p99"],
             "transport_lag_ms_p50": round(harness.pct(lags, 50), 3),
             "transport_lag_ms_p99": round(harness.pct(lags, 99), 3),
@@ -155,7 +157,8 @@ def render(out: dict) -> str:
         f"writer at {p['target_blocks_per_s']:.0f} blocks/s (reached "
         f"{p['writer_blocks_per_s']}): subscriber decoded {p['events_per_s']} block events/s, "
         f"ratio {p['ratio_events_to_writer']} ({p['blocks_received']} blocks, "
-        f"{p['batches']} batches, {p['seq_gaps']} seq gaps)",
+        f"{p['batches']} batches, {p['seq_gaps']} seq gaps; {p['unnamed']} unnamed, "
+        f"{p['no_tokens']} without token ids)",
         f"publish lag p50 {p['publish_lag_ms_p50']} ms p99 {p['publish_lag_ms_p99']} ms; "
         f"transport p50 {p['transport_lag_ms_p50']} ms p99 {p['transport_lag_ms_p99']} ms",
         f"baseline, same run: bare journal reader {b['records_per_s']} records/s, lag p50 "
@@ -164,7 +167,9 @@ def render(out: dict) -> str:
 
 
 def ok(out: dict) -> bool:
-    """Every block the publisher announced reached the subscriber, without a gap."""
+    """Every block the publisher announced reached the subscriber, without a
+    gap, named by its hash and with its token ids."""
     p = out["publisher"]
     return p["blocks_received"] > 0 and p["seq_gaps"] == 0 \
-        and p["blocks_received"] == p["blocks_published"]
+        and p["blocks_received"] == p["blocks_published"] \
+        and p["unnamed"] == 0 and p["no_tokens"] == 0

@@ -51,6 +51,11 @@ def format_options(f):
                           "of pool)."),
         click.option("--hash-max-load", type=int, metavar="PCT",
                      help="Highest KV hash table load before eviction (default 90)."),
+        click.option("--name-tokens", type=int, metavar="N",
+                     help="Token ids kept with each KV block's name, for KV events' token_ids "
+                          "(blocks of more tokens are announced without them; 0: none; each "
+                          "hash slot costs 64 bytes + 4 per token). Default 16 (vLLM's block "
+                          "size); e.g. 64 for vLLM --block-size 64."),
         click.option("--label", metavar="NAME", help="A name for the pool (63 bytes at most)."),
         click.option("--group", metavar="GROUP",
                      help="Group that owns the pool file or device (mode 0660)."),
@@ -65,7 +70,7 @@ def format_options(f):
 
 
 def given_params(size, sync, chunk_size, max_nodes, lease, grace, hash_slots, hash_max_load,
-                 label) -> dict:
+                 label, name_tokens=None) -> dict:
     from cxlkv.util.sizes import parse_size
 
     given = {}
@@ -87,6 +92,8 @@ def given_params(size, sync, chunk_size, max_nodes, lease, grace, hash_slots, ha
         given["hash_max_load_pct"] = hash_max_load
     if label is not None:
         given["label"] = label
+    if name_tokens is not None:
+        given["name_tokens"] = name_tokens
     return given
 
 
@@ -153,7 +160,7 @@ def render_result(app: Application, res, next_steps: bool) -> None:
 @json_option
 @pass_app
 def format_cmd(app: Application, pool, size, sync, chunk_size, max_nodes, lease, grace,
-               hash_slots, hash_max_load, label, group, force, as_json):
+               hash_slots, hash_max_load, name_tokens, label, group, force, as_json):
     """Format a pool file or device-dax device.
 
     The lower-level verb behind `cxlkv init`: it formats what --pool names,
@@ -167,6 +174,6 @@ def format_cmd(app: Application, pool, size, sync, chunk_size, max_nodes, lease,
     from cxlkv.ops.init import format_pool
 
     given = given_params(size, sync, chunk_size, max_nodes, lease, grace, hash_slots,
-                         hash_max_load, label)
+                         hash_max_load, label, name_tokens)
     res = run_format(app, format_pool, pool, given, force=force, group=group)
     render_result(app, res, next_steps=False)

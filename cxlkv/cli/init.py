@@ -21,7 +21,7 @@ from cxlkv.errors import UsageError
 @json_option
 @pass_app
 def init_cmd(app: Application, pool, device, size, sync, chunk_size, max_nodes, lease, grace,
-             hash_slots, hash_max_load, label, group, force, as_json):
+             hash_slots, hash_max_load, name_tokens, label, group, force, as_json):
     """Create and format a pool in one step.
 
     With no arguments: an emulated pool in a file under /dev/shm (1 GiB,
@@ -47,7 +47,7 @@ def init_cmd(app: Application, pool, device, size, sync, chunk_size, max_nodes, 
         raise UsageError(f"--device {device} is not a character device; "
                          "for a pool in a file use --pool")
     given = given_params(size, sync, chunk_size, max_nodes, lease, grace, hash_slots,
-                         hash_max_load, label)
+                         hash_max_load, label, name_tokens)
     res = run_format(app, init_pool, path, given, force=force, group=group,
                      create=device is None)
     render_result(app, res, next_steps=True)

@@ -41,11 +41,11 @@ bytes) is published under its pool key instead (16 bytes: key_lo then key_hi
 little-endian; the same int conversion), and counted as "unnamed"; a router
 maps its hashes to pool keys with ``KVCache.keys_for_hashes``.
 parent_block_hash is the parent block's name (None for a first block);
-token_ids are the blocks' token ids, kept with their names (up to 64 tokens
-a block; read from the hash entry when the event is sent: a block evicted and
-its entry reused by then, one with more tokens, or one stored by hashes
-without tokens goes out with token_ids empty, in a BlockStored of its own,
-counted as "no_tokens"); block_size is the namespace's block_tokens; lora_id
+token_ids are the blocks' token ids, kept with their names (up to the
+pool's name_tokens a block, `cxlkv format --name-tokens`; read from the hash
+entry when the event is sent: a block evicted and its entry reused by then,
+one with more tokens, or one stored by hashes without tokens goes out with
+token_ids empty, in a BlockStored of its own, counted as "no_tokens"); block_size is the namespace's block_tokens; lora_id
 None; medium the configured tier name ("cxl").  Consecutive stores of one
 chain in one namespace go into one BlockStored (its token_ids those of all
 its blocks, in order, as vLLM sends them).

@@ -180,7 +180,8 @@ class Writer:
         nm = g.names
         return g.m.journal_append(g.hdr, g.ring_off(node.slot), g.nrec, g.table, g.nslots, op,
                                   node.owner_token, max(1, time.time_ns() // 1000), idx, ns,
-                                  nm.table if nm else 0, nm.ring(node.slot) if nm else 0)
+                                  nm.table if nm else 0, nm.ring(node.slot) if nm else 0,
+                                  nm.entry_size if nm else 0)
 
 
 @dataclasses.dataclass
@@ -278,8 +279,49 @@ class JournalReader:
         recs = np.concatenate(out)
         if len(out) > 1:
             recs = recs[np.argsort(recs["seq"], kind="stable")]
+        if self.geo.names is not None:
+            self._parent_names(recs)
         self.stats["records"] += len(recs)
         return Changes(recs)
+
+    def _parent_names(self, recs: np.ndarray) -> None:
+        """The parent names of STORED records: the name of the record before
+        when it is the parent (a chain stored in one go), else the name of
+        the parent's entry (the child's entry names it: both read now, each
+        checked by key - a parent or child evicted meanwhile leaves the
+        parent unnamed)."""
+        st = np.flatnonzero((recs["op"] == STORED)
+                            & ((recs["parent_lo"] != 0) | (recs["parent_hi"] != 0)))
+        if not len(st):
+            return
+        prev = st - 1
+        chained = prev >= 0
+        chained[chained] = ((recs["key_lo"][prev[chained]] == recs["parent_lo"][st[chained]])
+                            & (recs["key_hi"][prev[chained]] == recs["parent_hi"][st[chained]])
+                            & (recs["name_len"][prev[chained]] > 0))
+        c, p = st[chained], prev[chained]
+        recs["parent_name_len"][c] = recs["name_len"][p]
+        recs["parent_name"][c] = recs["name"][p]
+        rest = st[~chained]
+        entry = recs["entry"][rest].astype(np.int64)
+        rest = rest[(entry > 0) & (entry <= self.geo.nslots)]
+        if not len(rest):
+            return
+        ent = self._entries_at(recs["entry"][rest].astype(np.int64) - 1)
+        mine = (ent["key_lo"] == recs["key_lo"][rest]) & (ent["key_hi"] == recs["key_hi"][rest])
+        par = ent["parent"].astype(np.int64)
+        mine &= (par > 0) & (par <= self.geo.nslots)
+        rest, par = rest[mine], par[mine]
+        if len(rest):
+            got = self.geo.names.names_at(par - 1)
+            _set_names_at(recs, rest, got, recs["parent_lo"][rest], recs["parent_hi"][rest],
+                          "parent_")
+
+    def _entries_at(self, idx: np.ndarray) -> np.ndarray:
+        out = np.empty(len(idx), dtype=_ENTRY)
+        offsets = self.geo.table + idx.astype(np.uint64) * np.uint64(layout.HASH_ENTRY_SIZE)
+        self.geo.m.read_blocks(offsets, out.view(np.uint8), layout.HASH_ENTRY_SIZE)
+        return out
 
     def _records(self, slot: int, cur: int, head: int) -> tuple[np.ndarray | None, str]:
         """Records [cur, head) of a ring, each read as a seqlock: the ring is
@@ -320,8 +362,7 @@ class JournalReader:
                 out[f] = a[f]
         out["node"] = slot
         if ring_names is not None:
-            _set_names(out, ring_names[:, 0], a["key_lo"], a["key_hi"], "")
-            _set_names(out, ring_names[:, 1], a["parent_lo"], a["parent_hi"], "parent_")
+            _set_names(out, ring_names, a["key_lo"], a["key_hi"], "")
         return out, ""
 
     def _table(self) -> np.ndarray:
@@ -378,6 +419,14 @@ class JournalReader:
         for r in reasons:
             self.stats[f"resync_{r}"] += 1
         return Changes(out, True, reasons)
+
+
+def _set_names_at(out: np.ndarray, at: np.ndarray, rec: np.ndarray, key_lo, key_hi,
+                  prefix: str) -> None:
+    """_set_names for the records of `out` at positions `at`."""
+    ok = names.valid(rec, key_lo, key_hi)
+    out[prefix + "name_len"][at] = np.where(ok, rec["len"], 0)
+    out[prefix + "name"][at[ok]] = rec["name"][ok]
 
 
 def _set_names(out: np.ndarray, rec: np.ndarray, key_lo, key_hi, prefix: str,

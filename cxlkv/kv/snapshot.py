@@ -295,7 +295,8 @@ def snapshot(pool, dest, progress=None) -> dict:
                 f.write(raw)
                 f.flush()
                 os.fsync(f.fileno())
-            names_doc = {"file": NAMES, "size": len(raw), "xxh3_64": _file_sum(npath)}
+            names_doc = {"file": NAMES, "size": len(raw), "xxh3_64": _file_sum(npath),
+                         "name_tokens": nm.name_tokens}
         namespaces = [{"name": nsrec[n].name.decode("utf-8", "replace"),
                        "hash": layout.KV_HASH_NAMES.get(nsrec[n].hash_kind,
                                                         str(nsrec[n].hash_kind)),
@@ -398,7 +399,11 @@ def read_names(src, doc: dict, idx: np.ndarray) -> np.ndarray | None:
     if d is None:
         return None
     p = Path(src) / d["file"]
-    want = len(idx) * block_names.ENTRY.itemsize
+    t = d.get("name_tokens")
+    if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= layout.NAME_TOKENS_MAX:
+        raise SnapshotError(f"{p}: the manifest's name_tokens {t!r} is invalid", path=str(p))
+    dtype = block_names.entry_dtype(t)
+    want = len(idx) * dtype.itemsize
     if not p.exists():
         raise SnapshotError(f"{p}: missing", path=str(p))
     if p.stat().st_size != d["size"] or d["size"] != want:
@@ -406,7 +411,7 @@ def read_names(src, doc: dict, idx: np.ndarray) -> np.ndarray | None:
                             "block; truncated or replaced)", path=str(p))
     if _file_sum(p) != d["xxh3_64"]:
         raise SnapshotError(f"{p}: checksum mismatch (the names are corrupt)", path=str(p))
-    return np.fromfile(p, dtype=block_names.ENTRY)
+    return np.fromfile(p, dtype=dtype)
 
 
 def restore_order(idx: np.ndarray) -> np.ndarray:
@@ -525,6 +530,8 @@ def restore(pool, src, progress=None) -> dict:
     idx = read_index(src, doc)
     names = read_names(src, doc, idx)
     nm = block_names.Names.of(pool) if names is not None else None
+    if nm is not None:
+        names = block_names.convert(names, nm)
     area = Area(pool)
     n = len(idx)
     with pool.lock():

@@ -194,7 +194,8 @@ def sb_params(sb: Superblock) -> dict:
     return {"size": sb.pool_size, "sync": sb.sync, "chunk_size": sb.chunk_size,
             "max_nodes": sb.max_nodes, "lease_ms": sb.lease_ms, "grace_ms": sb.grace_ms,
             "hash_slots": sb.hash_slots,
-            "hash_max_load_pct": sb.hash_max_load_pct, "label": sb.label}
+            "hash_max_load_pct": sb.hash_max_load_pct, "label": sb.label,
+            "name_tokens": sb.name_tokens}
 
 
 def _check_given(given: dict) -> None:

@@ -51,6 +51,7 @@ class FormatParams:
     hash_slots: int | None = None          # None: derived from size
     hash_max_load_pct: int = DEFAULT_HASH_LOAD_PCT
     label: str = ""
+    name_tokens: int = layout.DEFAULT_NAME_TOKENS   # token ids kept per block name
 
     def validate(self) -> None:
         if self.sync not in layout.SYNC_CODES:
@@ -69,6 +70,10 @@ class FormatParams:
         if self.hash_slots is not None and (not _is_pow2(self.hash_slots)
                                             or self.hash_slots < 64):
             raise UsageError(f"hash slots {self.hash_slots} must be a power of two >= 64")
+        if (isinstance(self.name_tokens, bool) or not isinstance(self.name_tokens, int)
+                or not 0 <= self.name_tokens <= layout.NAME_TOKENS_MAX):
+            raise UsageError(f"name tokens {self.name_tokens} must be between 0 and "
+                             f"{layout.NAME_TOKENS_MAX} (token ids kept per KV block name)")
         if not 10 <= self.hash_max_load_pct <= 99:
             raise UsageError("hash max load must be between 10 and 99 percent")
         try:
@@ -109,7 +114,7 @@ def compute_layout(p: FormatParams) -> Layout:
         "hash": hash_slots * layout.HASH_ENTRY_SIZE,
         "kv": layout.kv_region_size(p.max_nodes, hash_slots,
                                     layout.INCOMPAT_KV_LRU | layout.INCOMPAT_JOURNAL,
-                                    layout.COMPAT_KV | layout.COMPAT_NAMES),
+                                    layout.COMPAT_KV | layout.COMPAT_NAMES, p.name_tokens),
     }
     off = layout.SB_COPIES * layout.SB_SIZE
     regions: dict[str, tuple[int, int]] = {}
@@ -144,7 +149,7 @@ def build_superblock(p: FormatParams, *, pool_uuid: uuidlib.UUID | None = None,
         ctime_ns=time.time_ns() if ctime_ns is None else ctime_ns,
         tenant_secret=os.urandom(32) if secret is None else secret,
         label=p.label, creator=creator or f"cxlkv {__version__}", seq=1,
-        compat=layout.COMPAT_KV | layout.COMPAT_NAMES,
+        compat=layout.COMPAT_KV | layout.COMPAT_NAMES, name_tokens=p.name_tokens,
         incompat=layout.INCOMPAT_KV_LRU | layout.INCOMPAT_JOURNAL)
 
 

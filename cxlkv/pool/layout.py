@@ -118,7 +118,8 @@ class SuperblockStruct(ctypes.LittleEndianStructure):
         ("label", c_char * 64),
         ("creator", c_char * 32),
         ("grace_ms", c_uint64),
-        ("reserved", c_uint8 * 3696),
+        ("name_tokens", c_uint32),
+        ("reserved", c_uint8 * 3692),
         ("checksum", c_uint64),
     ]
 
@@ -448,8 +449,10 @@ class JournalRecStruct(ctypes.LittleEndianStructure):
 # parent's), so that KV events can name blocks as the engines do.
 NAME_SIZE = 64
 NAME_MAX = 40
-NAME_TOKENS = 64
-NAME_ENTRY_SIZE = NAME_SIZE + 4 * NAME_TOKENS
+NAME_TOKENS_MAX = 1024
+#: token ids a block name keeps unless `cxlkv format --name-tokens` says otherwise
+#: (vLLM's default block size)
+DEFAULT_NAME_TOKENS = 16
 
 
 class BlockNameStruct(ctypes.LittleEndianStructure):
@@ -463,10 +466,10 @@ class BlockNameStruct(ctypes.LittleEndianStructure):
     ]
 
 
-class NameEntryStruct(ctypes.LittleEndianStructure):
-    """A table name: the name record, then the block's token ids."""
-    _pack_ = 1
-    _fields_ = [("name", BlockNameStruct), ("tokens", c_uint32 * NAME_TOKENS)]
+def name_entry_size(name_tokens: int) -> int:
+    """Bytes of a table name entry: the name record, then name_tokens token
+    ids (uint32), to a cache-line multiple (cxlkv_name_entry_size)."""
+    return NAME_SIZE + _align(4 * name_tokens, CACHELINE)
 
 
 STRUCTS = {"superblock": SuperblockStruct, "region": Region, "node": NodeStruct,
@@ -474,8 +477,7 @@ STRUCTS = {"superblock": SuperblockStruct, "region": Region, "node": NodeStruct,
            "heap": HeapStruct, "hash_entry": HashEntryStruct, "kv_hdr": KVHdrStruct, "kv_stats": KVStatsStruct,
            "kv_ns": KVNsStruct, "kv_tenant": KVTenantStruct, "kv_node": KVNodeStruct,
            "journal_hdr": JournalHdrStruct, "journal_ring": JournalRingStruct,
-           "journal_rec": JournalRecStruct, "block_name": BlockNameStruct,
-           "name_entry": NameEntryStruct, "badchunk_hdr": BadChunkHdrStruct,
+           "journal_rec": JournalRecStruct, "block_name": BlockNameStruct, "badchunk_hdr": BadChunkHdrStruct,
            "badchunk": BadChunkStruct}
 
 
@@ -532,25 +534,27 @@ def journal_geometry(max_nodes: int, hash_slots: int) -> dict[str, int]:
             "ring_stride": stride, "end": ring_off + max_nodes * stride}
 
 
-def names_geometry(max_nodes: int, hash_slots: int) -> dict[str, int]:
+def names_geometry(max_nodes: int, hash_slots: int, name_tokens: int) -> dict[str, int]:
     """Where the block names lie in the KV region (offsets relative to its
     start): on the first page boundary after the journal, one name entry per
-    hash entry, then per ring two name records per journal record
-    (ring_stride bytes a ring)."""
+    hash entry (entry_size bytes), then per ring one name record per journal
+    record (ring_stride bytes a ring)."""
     j = journal_geometry(max_nodes, hash_slots)
+    esize = name_entry_size(name_tokens)
     table_off = _align(j["end"], PAGE)
-    ring_off = _align(table_off + hash_slots * NAME_ENTRY_SIZE, PAGE)
-    stride = _align(j["records_per_node"] * 2 * NAME_SIZE, PAGE)
-    return {"table_off": table_off, "ring_off": ring_off, "ring_stride": stride,
-            "end": ring_off + max_nodes * stride}
+    ring_off = _align(table_off + hash_slots * esize, PAGE)
+    stride = _align(j["records_per_node"] * NAME_SIZE, PAGE)
+    return {"table_off": table_off, "entry_size": esize, "ring_off": ring_off,
+            "ring_stride": stride, "end": ring_off + max_nodes * stride}
 
 
-def kv_region_size(max_nodes: int, hash_slots: int, incompat: int, compat: int = 0) -> int:
+def kv_region_size(max_nodes: int, hash_slots: int, incompat: int, compat: int = 0,
+                   name_tokens: int = 0) -> int:
     """Bytes the KV region needs: the KV areas (with the LRU link array when
     the pool has KV_LRU), the journal when it has JOURNAL, and the block
     names after it when it has NAMES too."""
     if incompat & INCOMPAT_JOURNAL and compat & COMPAT_NAMES:
-        return names_geometry(max_nodes, hash_slots)["end"]
+        return names_geometry(max_nodes, hash_slots, name_tokens)["end"]
     if incompat & INCOMPAT_JOURNAL:
         return journal_geometry(max_nodes, hash_slots)["end"]
     g = kv_geometry(max_nodes, hash_slots)

@@ -72,6 +72,7 @@ class Superblock:
     incompat: int = 0
     ro_compat: int = 0
     grace_ms: int = 0             # 0: the default, GRACE_LEASES leases
+    name_tokens: int = 0          # compat NAMES: token ids kept per block name
 
     @property
     def quarantine_grace_ms(self) -> int:
@@ -102,6 +103,7 @@ class Superblock:
         s.chunk_size = self.chunk_size
         s.lease_ms = self.lease_ms
         s.grace_ms = self.grace_ms
+        s.name_tokens = self.name_tokens
         s.hash_slots = self.hash_slots
         s.hash_max_load_pct = self.hash_max_load_pct
         s.nchunks = self.nchunks
@@ -131,6 +133,7 @@ class Superblock:
             "grace_ms": self.quarantine_grace_ms,
             "hash_slots": self.hash_slots,
             "hash_max_load_pct": self.hash_max_load_pct,
+            "name_tokens": self.name_tokens if self.compat & layout.COMPAT_NAMES else None,
             "features": {"compat": self.compat, "incompat": self.incompat,
                          "ro_compat": self.ro_compat},
             "creator": self.creator,
@@ -233,6 +236,8 @@ def _validate(s: layout.SuperblockStruct, where: str) -> Superblock:
         raise bad(f"lease {s.lease_ms} ms out of range (1 ms .. 1 hour)")
     if s.grace_ms and not s.lease_ms <= s.grace_ms <= MAX_GRACE_MS:
         raise bad(f"quarantine grace {s.grace_ms} ms out of range (the lease .. 7 days)")
+    if s.name_tokens > layout.NAME_TOKENS_MAX:
+        raise bad(f"name_tokens {s.name_tokens} out of range (0 .. {layout.NAME_TOKENS_MAX})")
     if not _is_pow2(s.hash_slots):
         raise bad(f"hash_slots {s.hash_slots} is not a power of two")
     if not 1 <= s.hash_max_load_pct <= 100:
@@ -265,7 +270,8 @@ def _validate(s: layout.SuperblockStruct, where: str) -> Superblock:
         "hash": s.hash_slots * layout.HASH_ENTRY_SIZE,
     }
     if has_kv:
-        need["kv"] = layout.kv_region_size(s.max_nodes, s.hash_slots, s.incompat, s.compat)
+        need["kv"] = layout.kv_region_size(s.max_nodes, s.hash_slots, s.incompat, s.compat,
+                                           s.name_tokens)
     for name, n in need.items():
         if regions[name][1] < n:
             raise bad(f"region {name} is {regions[name][1]} bytes, needs {n}")
@@ -285,7 +291,7 @@ def _validate(s: layout.SuperblockStruct, where: str) -> Superblock:
         uuid=uuidlib.UUID(bytes=bytes(s.uuid)), ctime_ns=s.ctime_ns,
         tenant_secret=bytes(s.tenant_secret), label=label, creator=creator, seq=s.seq,
         version=s.version, compat=s.compat, incompat=s.incompat, ro_compat=s.ro_compat,
-        grace_ms=s.grace_ms)
+        grace_ms=s.grace_ms, name_tokens=s.name_tokens)
 
 
 @dataclass

@@ -91,7 +91,8 @@ struct cxlkv_superblock {
     char     label[64];         /*  288 pool name, NUL padded */
     char     creator[32];       /*  352 software that formatted it, NUL padded */
     uint64_t grace_ms;          /*  384 quarantine grace of a fenced node; 0 = 6 leases */
-    uint8_t  reserved[3696];    /*  392 zero */
+    uint32_t name_tokens;       /*  392 compat NAMES: token ids kept per block name */
+    uint8_t  reserved[3692];    /*  396 zero */
     uint64_t checksum;          /* 4088 xxh64 (seed 0) of the 4096 bytes with this field 0 */
 };
 
@@ -433,10 +434,11 @@ struct cxlkv_journal_rec {
 
 /* Block names (compat NAMES): on the first page boundary after the
  * change journal, one name entry per hash-table entry (the *table names*: a
- * name record and the block's token ids, when it has at most
- * CXLKV_NAME_TOKENS),
- * then, per journal ring, two name records per journal record (the *ring
- * names*: the block's, then its parent's, at the record's ring position).
+ * name record, then room for superblock.name_tokens token ids - the
+ * block's, when it has at most that many; entry size
+ * cxlkv_name_entry_size()), then, per journal ring, one name record per
+ * journal record (the *ring names*: the block's, at the record's ring
+ * position).
  * A block's name is the chain hash its writer keyed it by (for a vLLM
  * namespace, vLLM's own block hash); its pool key is a hash of the
  * namespace, the tenant salt and the name, so a name record whose key is
@@ -452,21 +454,22 @@ struct cxlkv_journal_rec {
  * know the feature ignores the area and stores unnamed blocks. */
 #define CXLKV_NAME_SIZE         64u
 #define CXLKV_NAME_MAX          40u
-#define CXLKV_NAME_TOKENS       64u
-#define CXLKV_NAME_ENTRY_SIZE   (CXLKV_NAME_SIZE + 4u * CXLKV_NAME_TOKENS)
+#define CXLKV_NAME_TOKENS_MAX   1024u   /* superblock.name_tokens at most */
 
 struct cxlkv_block_name {
     uint64_t key_lo;            /*    0 pool key of the block named */
     uint64_t key_hi;            /*    8 */
     uint32_t len;               /*   16 bytes of name (0: none) */
-    uint32_t ntokens;           /*   20 token ids in the entry (table names; 0: none) */
+    uint32_t ntokens;           /*   20 token ids after the record (table names; 0: none) */
     uint8_t  name[CXLKV_NAME_MAX]; /* 24 the chain hash */
 };
 
-struct cxlkv_name_entry {
-    struct cxlkv_block_name name;  /*  0 */
-    uint32_t tokens[CXLKV_NAME_TOKENS]; /* 64 the block's token ids (ntokens of them) */
-};
+/* Bytes of a table name entry: the record, then name_tokens token ids
+ * (little-endian uint32), to a cache-line multiple. */
+static inline uint64_t cxlkv_name_entry_size(uint32_t name_tokens)
+{
+    return CXLKV_NAME_SIZE + ((4ull * name_tokens + 63u) & ~63ull);
+}
 
 /* Retired (poisoned) chunks, incompat BADCHUNKS: a header at
  * CXLKV_BADCHUNK_LIST_OFF in the lock header page (its reserved bytes), then
@@ -522,7 +525,6 @@ CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_journal_hdr) == 128, "journal header siz
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_journal_ring) == 64, "journal ring header size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_journal_rec) == CXLKV_JOURNAL_REC_SIZE, "journal record size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_block_name) == CXLKV_NAME_SIZE, "block name size");
-CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_name_entry) == CXLKV_NAME_ENTRY_SIZE, "name entry size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_badchunk_hdr) == 32, "retired-chunk list header size");
 CXLKV_STATIC_ASSERT(sizeof(struct cxlkv_badchunk) == 32, "retired-chunk entry size");
 

@@ -16,11 +16,11 @@
  * are flushed and the lines read are invalidated first.
  *
  * Block names (compat NAMES, cxlkv_format.h): with the names' offsets
- * given, each STORED or EVICTED record gets, inside its seqlock, copies of
- * the name records (not the token ids) of the block and of its parent in the ring names at its
- * ring position - each only when its key is the block's (the parent's),
- * else an empty name with the key - so that a reader has the names a block
- * had when the record was written, after its entry was evicted and reused.
+ * given, each STORED or EVICTED record gets, inside its seqlock, a copy of
+ * the block's name record (not its token ids) in the ring names at its ring
+ * position - only when its key is the block's, else an empty name with the
+ * key - so that a reader has the name a block had when the record was
+ * written, after its entry was evicted and reused.
  *
  * Bounds: the ring (header line and records) is checked against the
  * mapping once per call, and so are the table names and this ring's names;
@@ -63,13 +63,14 @@ inval(Mapping *m, uint64_t off, uint64_t len)
 #define N_KEY_HI    offsetof(struct cxlkv_block_name, key_hi)
 #define N_LEN       offsetof(struct cxlkv_block_name, len)
 
-/* The table name of entry ix into ring name record dst, when its key is
- * (klo, khi); else an empty name record for that key. */
+/* The table name of entry ix (entries of esize bytes) into ring name record
+ * dst, when its key is (klo, khi); else an empty name record for that key. */
 static void
-copy_name(Mapping *m, uint64_t names, uint64_t ix, uint64_t klo, uint64_t khi, uint64_t dst)
+copy_name(Mapping *m, uint64_t names, uint64_t esize, uint64_t ix, uint64_t klo, uint64_t khi,
+          uint64_t dst)
 {
     uint8_t rec[CXLKV_NAME_SIZE];
-    uint64_t src = names + ix * CXLKV_NAME_ENTRY_SIZE;
+    uint64_t src = names + ix * esize;
     inval(m, src, CXLKV_NAME_SIZE);
     pool_read(m, src, rec, CXLKV_NAME_SIZE);
     struct cxlkv_block_name *n = (struct cxlkv_block_name *)rec;
@@ -78,35 +79,31 @@ copy_name(Mapping *m, uint64_t names, uint64_t ix, uint64_t klo, uint64_t khi, u
         n->key_lo = klo;
         n->key_hi = khi;
     }
+    n->ntokens = 0;                         /* the token ids stay in the table */
     (void)pool_write(m, dst, rec, CXLKV_NAME_SIZE, 0);   /* a stack source: never bounced */
 }
 
 /* One record at ring position pos with sequence number seq (seqlock
  * write).  words[0..6]: key_lo, key_hi, parent_lo, parent_hi, length word,
- * time, entry word; words[7]: the parent's entry index + 1 (0: none).
- * With names (table names offset, this ring's names offset: both or
- * neither), the block's and its parent's names are copied within the
+ * time, entry word.  With names (table names offset and entry size, this
+ * ring's names offset: all or none), the block's name is copied within the
  * seqlock. */
 static void
 put_record(Mapping *m, uint64_t recs, uint64_t nrec, uint64_t pos, uint64_t seq,
-           const uint64_t *w, uint64_t names, uint64_t rnames)
+           const uint64_t *w, uint64_t names, uint64_t esize, uint64_t rnames)
 {
     uint64_t r = recs + (pos % nrec) * CXLKV_JOURNAL_REC_SIZE;
     pool_store64(m, r + J_SEQ, 0);
     __atomic_thread_fence(__ATOMIC_RELEASE);
     if (rnames) {
-        uint64_t dst = rnames + (pos % nrec) * 2 * CXLKV_NAME_SIZE;
+        uint64_t dst = rnames + (pos % nrec) * CXLKV_NAME_SIZE;
         uint64_t entry = w[6] & 0xffffffffull;
         if (entry)
-            copy_name(m, names, entry - 1, w[0], w[1], dst);
+            copy_name(m, names, esize, entry - 1, w[0], w[1], dst);
         else
             pool_zero(m, dst, CXLKV_NAME_SIZE, 0);
-        if (w[7])
-            copy_name(m, names, w[7] - 1, w[2], w[3], dst + CXLKV_NAME_SIZE);
-        else
-            pool_zero(m, dst + CXLKV_NAME_SIZE, CXLKV_NAME_SIZE, 0);
         if (m->flush_meta)
-            pool_flush(m, dst, 2 * CXLKV_NAME_SIZE);
+            pool_flush(m, dst, CXLKV_NAME_SIZE);
     }
     pool_store64(m, r + J_KEY_LO, w[0]);
     pool_store64(m, r + J_KEY_HI, w[1]);
@@ -122,28 +119,34 @@ put_record(Mapping *m, uint64_t recs, uint64_t nrec, uint64_t pos, uint64_t seq,
 }
 
 /* journal_append(hdr_off, ring_off, nrec, table_off, nslots, op, writer, now_us, idx, ns=0,
- *                names_off=0, ring_names_off=0) -> head
+ *                names_off=0, ring_names_off=0, name_entry_size=0) -> head
  * Append one record per entry index in `idx` (uint64; STORED or EVICTED:
  * the key, parent key, length, namespace and tenant are read from the
  * entry, which must still hold them), or, for NS_CLEARED, one record for
- * namespace `ns` (idx ignored).  With the table names at names_off and this
- * ring's names at ring_names_off (both or neither), the records' names are
- * copied too.  Returns the ring's new head. */
+ * namespace `ns` (idx ignored).  With the table names at names_off (entries
+ * of name_entry_size bytes) and this ring's names at ring_names_off (all
+ * three or none), the blocks' names are copied too.  Returns the ring's new
+ * head. */
 PyObject *
 Mapping_journal_append(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    uint64_t hdr, ring, nrec, tbase, nslots, op, writer, now, ns = 0, names = 0, rnames = 0;
-    if (nargs_check(nargs, 9, 12, "journal_append") < 0 || check_open(m) < 0 ||
+    uint64_t hdr, ring, nrec, tbase, nslots, op, writer, now, ns = 0, names = 0, rnames = 0,
+             esize = 0;
+    if (nargs_check(nargs, 9, 13, "journal_append") < 0 || check_open(m) < 0 ||
         as_u64(args[0], &hdr, "header offset") < 0 ||
         as_u64(args[1], &ring, "ring offset") < 0 || as_u64(args[2], &nrec, "records") < 0 ||
         as_u64(args[3], &tbase, "table offset") < 0 || as_u64(args[4], &nslots, "table slots") < 0 ||
         as_u64(args[5], &op, "op") < 0 || as_u64(args[6], &writer, "writer") < 0 ||
         as_u64(args[7], &now, "now") < 0 || (nargs > 9 && as_u64(args[9], &ns, "ns") < 0) ||
         (nargs > 10 && as_u64(args[10], &names, "names offset") < 0) ||
-        (nargs > 11 && as_u64(args[11], &rnames, "ring names offset") < 0))
+        (nargs > 11 && as_u64(args[11], &rnames, "ring names offset") < 0) ||
+        (nargs > 12 && as_u64(args[12], &esize, "name entry size") < 0))
         return NULL;
-    if (!names != !rnames || (names & 63) || (rnames & 63)) {
-        PyErr_SetString(PyExc_ValueError, "journal_append: names need both offsets, aligned");
+    if (!names != !rnames || !names != !esize || (names & 63) || (rnames & 63) ||
+        (esize && (esize < CXLKV_NAME_SIZE ||
+                   esize > cxlkv_name_entry_size(CXLKV_NAME_TOKENS_MAX) || (esize & 63)))) {
+        PyErr_SetString(PyExc_ValueError,
+                        "journal_append: names need both offsets and the entry size, aligned");
         return NULL;
     }
     if (op < CXLKV_JOURNAL_STORED || op > CXLKV_JOURNAL_NS_CLEARED || ns > 0xffff) {
@@ -158,8 +161,8 @@ Mapping_journal_append(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     if (check_range(m, hdr, sizeof(struct cxlkv_journal_hdr), "journal header") < 0 ||
         check_range(m, ring, 64 + nrec * CXLKV_JOURNAL_REC_SIZE, "journal ring") < 0 ||
         check_range(m, tbase, nslots * CXLKV_HASH_ENTRY_SIZE, "kv table") < 0 ||
-        (names && (check_range(m, names, nslots * CXLKV_NAME_ENTRY_SIZE, "table names") < 0 ||
-                   check_range(m, rnames, nrec * 2 * CXLKV_NAME_SIZE, "ring names") < 0)) ||
+        (names && (check_range(m, names, nslots * esize, "table names") < 0 ||
+                   check_range(m, rnames, nrec * CXLKV_NAME_SIZE, "ring names") < 0)) ||
         check_writable(m, "journal_append") < 0)
         return NULL;
     Py_buffer b;
@@ -201,13 +204,12 @@ Mapping_journal_append(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     inval(m, ring, 64);
     uint64_t head = pool_load64(m, ring + R_HEAD);
     uint64_t recs = ring + 64;
-    uint64_t w[8];
+    uint64_t w[7];
     for (uint64_t i = 0; i < n; i++) {
         if (op == CXLKV_JOURNAL_NS_CLEARED) {
             w[0] = w[1] = w[2] = w[3] = 0;
             w[4] = ns << 32;
             w[6] = op << 32;
-            w[7] = 0;
         } else {
             uint64_t e = tbase + ix[i] * CXLKV_HASH_ENTRY_SIZE;
             inval(m, e, CXLKV_HASH_ENTRY_SIZE);
@@ -215,9 +217,8 @@ Mapping_journal_append(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
             w[1] = pool_load64(m, e + E_KEY_HI);
             w[4] = pool_load64(m, e + E_LEN);
             uint64_t par = pool_load64(m, e + E_PARENT) & 0xffffffffull;
-            w[2] = w[3] = w[7] = 0;
+            w[2] = w[3] = 0;
             if (par > 0 && par <= nslots) {
-                w[7] = par;
                 uint64_t pe = tbase + (par - 1) * CXLKV_HASH_ENTRY_SIZE;
                 inval(m, pe, CXLKV_HASH_ENTRY_SIZE);
                 w[2] = pool_load64(m, pe + E_KEY_LO);
@@ -226,7 +227,7 @@ Mapping_journal_append(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
             w[6] = (ix[i] + 1) | op << 32;
         }
         w[5] = now;
-        put_record(m, recs, nrec, head + i, seq + i, w, names, rnames);
+        put_record(m, recs, nrec, head + i, seq + i, w, names, esize, rnames);
     }
     PyBuffer_Release(&b);
     /* a crash here: the records are beyond the head, never read */

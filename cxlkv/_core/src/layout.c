@@ -63,6 +63,7 @@ mod_layout(PyObject *self, PyObject *Py_UNUSED(ignored))
     FIELD(f, cxlkv_superblock, label);
     FIELD(f, cxlkv_superblock, creator);
     FIELD(f, cxlkv_superblock, grace_ms);
+    FIELD(f, cxlkv_superblock, name_tokens);
     FIELD(f, cxlkv_superblock, reserved);
     FIELD(f, cxlkv_superblock, checksum);
     if (add_struct(out, "superblock", sizeof(struct cxlkv_superblock), f) < 0)
@@ -326,14 +327,6 @@ mod_layout(PyObject *self, PyObject *Py_UNUSED(ignored))
 
     if (!(f = PyDict_New()))
         goto fail;
-    FIELD(f, cxlkv_name_entry, name);
-    FIELD(f, cxlkv_name_entry, tokens);
-    if (add_struct(out, "name_entry", sizeof(struct cxlkv_name_entry), f) < 0)
-        goto fail;
-    Py_CLEAR(f);
-
-    if (!(f = PyDict_New()))
-        goto fail;
     FIELD(f, cxlkv_badchunk_hdr, magic);
     FIELD(f, cxlkv_badchunk_hdr, count);
     FIELD(f, cxlkv_badchunk_hdr, capacity);
@@ -375,7 +368,7 @@ mod_constants(PyObject *self, PyObject *Py_UNUSED(ignored))
         C(LOCK_IDLE), C(LOCK_WAITING), C(LOCK_LOCKED), C(LOCK_ABANDONED),
         C(CHUNK_FREE), C(CHUNK_HEAD), C(CHUNK_TAIL), C(CHUNK_RELEASING), C(SLAB_MAX_SLOTS),
         C(HEAP_HAZARDS),
-        C(FEATURE_COMPAT_KV), C(FEATURE_COMPAT_NAMES), C(FEATURE_COMPAT_SUPP), C(NAME_SIZE), C(NAME_MAX), C(NAME_TOKENS), C(NAME_ENTRY_SIZE), C(FEATURE_INCOMPAT_SUPP),
+        C(FEATURE_COMPAT_KV), C(FEATURE_COMPAT_NAMES), C(FEATURE_COMPAT_SUPP), C(NAME_SIZE), C(NAME_MAX), C(NAME_TOKENS_MAX), C(FEATURE_INCOMPAT_SUPP),
         C(FEATURE_INCOMPAT_KV_LRU), C(KV_LRU_LISTS),
         C(FEATURE_RO_COMPAT_SUPP),
         C(KV_EMPTY), C(KV_WRITING), C(KV_PENDING), C(KV_PUBLISHED), C(KV_EVICTING),
