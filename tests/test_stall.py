@@ -132,7 +132,58 @@ def test_writer_paused_before_its_copy_cannot_overwrite_others_blocks(rack, remo
             with kv.load(ts) as views:
                 assert [bytes(v) for v in views] == pattern(kv, ts)[:len(views)]
         assert kv.match(mine) == 0                        # its blocks were never published
+        # nor their names (written before the publish, with the same freshness
+        # checks): every stored block is still named by its own hash
+        from cxlkv.kv import journal
+
+        state = journal.JournalReader(pool).poll().records
+        named = {bytes(r["name"][:int(r["name_len"])]) for r in state}
+        for ts in stored:
+            present = kv.match(ts) // 16
+            assert set(kv.block_hashes(ts)[:present]) <= named
         wait_for(lambda: freed(rack.path, w), what="the writer's quarantine to end")
+    w.close()
+    assert_clean(rack.path)
+
+
+def test_writer_paused_before_its_names_cannot_rename_others_blocks(rack, remote_env):
+    """Paused after its copy, before writing its blocks' names: fenced, its
+    entries reaped and reused by other stores; resumed, it writes no name
+    over theirs (the names are written with the payloads' freshness checks)."""
+    from cxlkv.kv import journal, names
+
+    w = NodeProc(env=remote_env(CXLKV_PAUSE_AT="kv.naming:1", **rack.env))
+    w.attach(rack.path)
+    assert "ns" in w.call(op="kv_open", args=KV_ARGS)
+    mine = toks(1, 8)
+    w.send(op="kv_store", tokens=mine.tolist())          # stops before its names
+    wait_for(lambda: stopped(w), what="the writer to stop at kv.naming")
+    with cxlkv.open_pool(rack.path) as pool:
+        kv = pool.kv(**KV_ARGS)
+        wait_for(lambda: fenced(rack.path, w), what="the writer to be fenced")
+        wait_for(lambda: freed(rack.path, w), what="the writer's quarantine to end")
+        stored = []
+        for t in range(2, 40):                            # its entries go to other blocks
+            ts = toks(t, 4)
+            kv.store(ts, b"".join(pattern(kv, ts)))
+            stored.append(ts)
+        nm = names.Names.of(pool)
+        table = nm.table, nm.nslots * nm.entry_size
+        pool.mapping.invalidate(*table)
+        before = pool.mapping.read(*table)
+        os.kill(w.p.pid, signal.SIGCONT)
+        r = w.reply()
+        assert r.get("error") == "NodeFenced", r
+        pool.mapping.invalidate(*table)
+        assert pool.mapping.read(*table) == before        # not a byte of names written
+        assert kv.match(mine) == 0
+        state = journal.JournalReader(pool).poll().records
+        assert (state["name_len"] > 0).all()              # every published block named
+        named = {bytes(r["name"][:int(r["name_len"])]) for r in state}
+        assert not set(kv.block_hashes(mine)) & named     # none by the paused writer's hashes
+        for ts in stored:
+            present = kv.match(ts) // 16
+            assert set(kv.block_hashes(ts)[:present]) <= named
     w.close()
     assert_clean(rack.path)
 

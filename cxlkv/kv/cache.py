@@ -521,6 +521,8 @@ class KVCache:
             else:
                 fill(new.astype(np.int64), ReservedBlocks(node, pay, self.block_bytes))
             if self._names is not None and names is not None:
+                if CRASH_ENABLED:
+                    crashpoint("kv.naming")     # tests: a stall between the copy and the names
                 self._names.write(node, slots[new], keys[new], names[new])
             if CRASH_ENABLED:
                 crashpoint("kv.copied")
