@@ -43,6 +43,23 @@ def cli(capsys, monkeypatch):
 
 
 @pytest.fixture
+def golden_pool(tmp_path):
+    """golden_pool(name): a copy (mode 0660) of tests/golden/<name>.img.gz, a
+    pool formatted by an earlier version; returns its path."""
+    import gzip
+    from pathlib import Path
+
+    def make(name: str) -> str:
+        raw = gzip.decompress((Path(__file__).parent / "golden" / f"{name}.img.gz").read_bytes())
+        path = tmp_path / f"{name}.pool"
+        path.write_bytes(raw)
+        os.chmod(path, 0o660)
+        return str(path)
+
+    return make
+
+
+@pytest.fixture
 def pool_path(tmp_path):
     return str(tmp_path / "test.pool")
 

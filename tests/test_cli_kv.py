@@ -1,9 +1,6 @@
 """`cxlkv kv stats|ls|drop`, KV usage in `cxlkv inspect`, pre-KV pools."""
 from __future__ import annotations
 
-import gzip
-import os
-from pathlib import Path
 
 import pytest
 
@@ -101,13 +98,9 @@ def test_inspect_shows_kv_usage(cli, stocked_pool):
     assert "6 of" in human.out and "2 namespace(s)" in human.out
 
 
-def test_pool_formatted_before_the_kv_region(cli, tmp_path):
+def test_pool_formatted_before_the_kv_region(cli, golden_pool):
     """The pre-KV golden image still opens; its KV use is refused clearly."""
-    raw = gzip.decompress((Path(__file__).parent / "golden" / "pool-v1-4m-prekv.img.gz")
-                          .read_bytes())
-    path = tmp_path / "old.pool"
-    path.write_bytes(raw)
-    os.chmod(path, 0o660)
+    path = golden_pool("pool-v1-4m-prekv")
     doc = cli("inspect", "--pool", str(path), "--json").json()["pool"]
     assert doc["kv"] is None and doc["superblock"]["features"]["compat"] == 0
     assert cli("fsck", "--pool", str(path)).code == 0

@@ -5,13 +5,11 @@ checks and repairs the lists, in both sync modes and under the
 non-coherence emulation."""
 from __future__ import annotations
 
-import gzip
 import logging
 import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import psutil
@@ -279,12 +277,8 @@ def test_lists_stay_exact_in_manager_mode_under_noncoherence(pool_path, monkeypa
         mgr.wait(30)
 
 
-def test_a_pool_formatted_without_kv_lru_is_refused_by_name(tmp_path):
-    raw = gzip.decompress((Path(__file__).parent / "golden" / "pool-v1-4m-0.1.img.gz")
-                          .read_bytes())
-    path = tmp_path / "old.pool"
-    path.write_bytes(raw)
-    os.chmod(path, 0o660)
+def test_a_pool_formatted_without_kv_lru_is_refused_by_name(golden_pool):
+    path = golden_pool("pool-v1-4m-0.1")
     with Pool.open(str(path), writable=False) as p:
         assert not p.sb.incompat & layout.INCOMPAT_KV_LRU
         with pytest.raises(PoolIncompatible, match="KV_LRU"):

@@ -5,12 +5,10 @@ overran, a record is torn or a slot changed hands.  Node processes stand in
 for hosts; sync mode cas, and manager under the non-coherence emulation."""
 from __future__ import annotations
 
-import gzip
 import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import psutil
@@ -353,12 +351,8 @@ def test_a_node_stalled_taking_sequence_numbers_never_rolls_them_back(pool_path,
 
 
 # -- old pools ----------------------------------------------------------------------------
-def test_a_pool_formatted_without_the_journal_is_refused_by_name(tmp_path):
-    raw = gzip.decompress((Path(__file__).parent / "golden" / "pool-v1-4m-0.1.img.gz")
-                          .read_bytes())
-    path = tmp_path / "old.pool"
-    path.write_bytes(raw)
-    os.chmod(path, 0o660)
+def test_a_pool_formatted_without_the_journal_is_refused_by_name(golden_pool):
+    path = golden_pool("pool-v1-4m-0.1")
     with Pool.open(str(path)) as p:
         assert not p.sb.incompat & layout.INCOMPAT_JOURNAL
         with pytest.raises(PoolIncompatible, match="without the feature JOURNAL"):
@@ -513,14 +507,10 @@ def test_names_of_hashes_the_caller_gives_and_names_too_long_to_keep(pool_path):
         assert [by_key[bytes(k)] for k in kv.keys_for_hashes(more)] == more
 
 
-def test_a_pool_formatted_before_block_names_stores_unnamed_blocks(tmp_path):
+def test_a_pool_formatted_before_block_names_stores_unnamed_blocks(golden_pool):
     """The golden image of the format before NAMES (manager mode): the KV
     cache works as before and its journal records name nothing."""
-    raw = gzip.decompress((Path(__file__).parent / "golden" / "pool-v1-4m-before-names.img.gz")
-                          .read_bytes())
-    path = tmp_path / "old.pool"
-    path.write_bytes(raw)
-    os.chmod(path, 0o660)
+    path = golden_pool("pool-v1-4m-before-names")
     with Pool.open(str(path), writable=False) as p:
         assert not p.sb.compat & layout.COMPAT_NAMES and p.sb.incompat & layout.INCOMPAT_JOURNAL
     mgr = lock_manager(str(path))
