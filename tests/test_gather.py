@@ -517,6 +517,30 @@ def test_load_prefix_reuses_a_buffer_only_once_nothing_views_it(tiny, hf_kv):
     assert all(torch.equal(k, s) for k, s in zip(keys(third), snap))
 
 
+def test_a_buffer_first_made_under_inference_mode_serves_calls_outside_it(tiny, hf_kv):
+    """An engine may run its forward under torch.inference_mode and another
+    caller of the same namespace under no_grad: the kept buffer is handed to
+    both, and the forward outside inference mode updates it in place."""
+    hf, kv = hf_kv
+    ids = torch.randint(0, 1024, (1, 81), generator=torch.Generator().manual_seed(6))
+    hf.store_prefix(kv, ids, _forward(tiny, hf, ids)[1])
+    plain, n = hf.load_prefix(kv, ids)
+    want, _ = _forward(tiny, hf, ids[:, n:], plain)
+    del plain
+    gc.collect()
+    with torch.inference_mode():
+        first, n = hf.load_prefix(kv, ids)
+        ptr = hf.cache_tensors(first)[0][0].data_ptr()
+        out = tiny(ids[:, n:], **{hf.cache_kwarg(tiny): first}, use_cache=True)
+        assert torch.equal(out.logits, want)
+    del first, out
+    gc.collect()
+    second, n = hf.load_prefix(kv, ids)                          # outside: the same buffer
+    assert hf.cache_tensors(second)[0][0].data_ptr() == ptr
+    got, _ = _forward(tiny, hf, ids[:, n:], second)              # grows it in place
+    assert torch.equal(got, want)
+
+
 # -- the vLLM connector's worker side, vLLM's base class stubbed ----------------------------
 @pytest.fixture
 def connector_module(monkeypatch):

@@ -8,7 +8,8 @@ pool (store_prefix); then, interleaved run by run (the order alternating),
               + a forward of the remaining token -> first token
 
 both timed from having the token ids to having the first token id, in the
-same process on the same model.  Medians over the runs, and their ratio.
+same process on the same model, both under torch.inference_mode (as an engine
+runs its forward).  Medians over the runs, and their ratio.
 The first token must be the same on both paths (checked on every run).
 
     cxlkv bench run ttft                        # 1K, 4K, 8K; 5 runs each
@@ -65,7 +66,9 @@ def _measure(torch, hf, models, contexts, runs, threads, seed, pool, progress) -
             need = sum(contexts) * hf.block_layout(model).token_bytes
             pool = harness.scratch_pool(os.path.join(scratch, "ttft.pool"),
                                         max(64 << 20, 2 * need + (32 << 20)))
-        with cxlkv.open_pool(pool) as p, torch.no_grad():
+        # inference_mode, as engines run a forward (no version counters, no
+        # autograd bookkeeping on either path)
+        with cxlkv.open_pool(pool) as p, torch.inference_mode():
             kv = hf.kv_for_model(p, model, salt=f"ttft-{os.getpid()}")
             out["namespace"] = kv.namespace
             out["model"]["kv_bytes_per_token"] = kv.layout.token_bytes

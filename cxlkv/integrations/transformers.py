@@ -233,8 +233,13 @@ class ModelKV:
                     # 2: `buf` here and the storage object asked; more: a view lives
                     if buf.shape[3] >= tokens and use_count(buf.untyped_storage()._cdata) == 2:
                         return buf[:, :, :, :tokens]
-            buf = torch.empty((lay.layers, 2, lay.kv_heads, tokens, lay.head_dim),
-                              dtype=lay.dtype)
+            # never an inference tensor, though the caller may be in
+            # torch.inference_mode: a kept buffer is handed out again to calls
+            # outside it, where the cache's in-place updates of an inference
+            # tensor would raise
+            with torch.inference_mode(False):
+                buf = torch.empty((lay.layers, 2, lay.kv_heads, tokens, lay.head_dim),
+                                  dtype=lay.dtype)
             if KEEP_BUFFERS:
                 self._buffers = ([buf] + self._buffers)[:KEEP_BUFFERS]
             return buf[:, :, :, :tokens]
