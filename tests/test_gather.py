@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import logging
 import sys
 import types
@@ -405,6 +406,40 @@ def test_copy_modes_env_override_and_cache(monkeypatch, tmp_path):
     m2 = copymode.apply()
     assert m2["read"] == m["read"] and m2["write"] != m["write"]
     assert m2["source"] == "env+calibrated"
+
+
+def test_calibration_span_is_out_of_cache_and_old_choices_are_measured_again(
+        monkeypatch, tmp_path):
+    caches = tmp_path / "cache"
+    for i, (level, size) in enumerate([(1, "48K"), (2, "1024K"), (3, "32768K")]):
+        (caches / f"index{i}").mkdir(parents=True)
+        (caches / f"index{i}" / "size").write_text(size + "\n")
+    assert copymode.llc_bytes(str(caches)) == 32 << 20
+    assert copymode.llc_bytes(str(tmp_path / "none")) is None
+    monkeypatch.setattr(copymode, "llc_bytes", lambda: 32 << 20)
+    assert copymode.span() == 128 << 20                          # 4 x LLC
+    monkeypatch.setattr(copymode, "llc_bytes", lambda: 1 << 20)
+    assert copymode.span() == 32 << 20                           # at least 32 MiB
+    monkeypatch.setattr(copymode, "llc_bytes", lambda: None)
+    assert copymode.span() == 128 << 20
+    # a choice cached by the earlier method (32 MiB, in cache) is not used
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("CXLKV_COPY", raising=False)
+    monkeypatch.setattr(copymode, "SPAN", 2 << 20)
+    os.makedirs(os.path.dirname(copymode.cache_path()))
+    old = {"read": "plain", "write": "clwb", "read_gbps": {}, "write_gbps": {}, "at": "x"}
+    with open(copymode.cache_path(), "w") as f:
+        json.dump({copymode.host_key(): old}, f)
+    assert copymode.apply()["source"] == "default"
+    calls = []
+    real = copymode.measure
+    monkeypatch.setattr(copymode, "measure", lambda: calls.append(1) or real())
+    m = copymode.ensure()
+    assert calls and m["source"] == "calibrated"
+    cached = json.load(open(copymode.cache_path()))[copymode.host_key()]
+    assert cached["method"] == copymode.METHOD and cached["span"] == 2 << 20
+    copymode.ensure()
+    assert len(calls) == 1                                       # cached now
 
 
 @pytest.mark.parametrize("modes", [("plain", "clwb"), ("nt", "nt"), ("plain", "nt")])

@@ -10,8 +10,10 @@ Two process-wide modes (the C side: gather.c):
 
 Either way written pool lines reach memory before a block is published.
 Which is faster depends on the CPU, the memory and the load beside it, so
-`calibrate()` times both on private buffers (about 0.3 s; the default is
-kept unless the other mode is 5% faster) and caches the
+`calibrate()` times both on private buffers four times the last-level
+cache (about 1 s for 128 MiB; a span the cache holds favours plain stores,
+which lose once the destination is out of cache; the default is kept
+unless the other mode is 5% faster) and caches the
 choice per host in $XDG_CACHE_HOME/cxlkv/copy-modes.json (~/.cache/...),
 keyed by host name and CPU model.  Precedence, applied by `apply()`:
 
@@ -41,9 +43,13 @@ log = logging.getLogger(__name__)
 READ_MODES = ("plain", "nt")
 WRITE_MODES = ("nt", "clwb")
 DEFAULTS = {"read": "nt", "write": "nt"}
-#: bytes copied per measured pass, in blocks of BLOCK bytes
-SPAN = 32 << 20
+#: bytes copied per measured pass, in blocks of BLOCK bytes; None: span()
+SPAN: int | None = None
 BLOCK = 256 << 10
+#: what a cached choice must have been measured by (2: the span out of cache;
+#: method 1 copied 32 MiB, which a 32 MiB last-level cache held, and chose
+#: plain reads that lost to non-temporal ones on a prefix load by 15-25 %)
+METHOD = 2
 ROUNDS = 5
 #: an alternative to the default must beat it by this factor (noise margin)
 MARGIN = 1.05
@@ -63,6 +69,36 @@ def host_key() -> str:
     except OSError:
         pass
     return f"{platform.node()}|{model or platform.machine()}"
+
+
+def llc_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
+    """The largest cache of CPU 0 (sysfs), or None where sysfs does not say."""
+    best = None
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return None
+    for name in names:
+        try:
+            with open(os.path.join(root, name, "size")) as f:
+                txt = f.read().strip()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(txt[-1:].upper(), 1)
+        digits = txt[:-1] if mult != 1 else txt
+        if digits.isdigit():
+            best = max(best or 0, int(digits) * mult)
+    return best
+
+
+def span() -> int:
+    """Bytes per measured pass: four times the last-level cache, 32-128 MiB
+    (128 where sysfs does not say), so that the copies' destinations are out
+    of cache, as an engine's buffer is when a prefix is loaded into it."""
+    if SPAN is not None:
+        return SPAN
+    llc = llc_bytes()
+    return 128 << 20 if llc is None else min(128 << 20, max(32 << 20, 4 * llc))
 
 
 def cache_path() -> str:
@@ -97,6 +133,10 @@ def _cached() -> dict | None:
         return None
     if not isinstance(got, dict) or got.get("read") not in READ_MODES \
             or got.get("write") not in WRITE_MODES:
+        return None
+    if got.get("method") != METHOD:
+        log.info("the cached copy modes in %s were measured by an earlier method: "
+                 "measuring again", cache_path())
         return None
     return got
 
@@ -159,12 +199,13 @@ def _gbps(nbytes: int, secs: float) -> float:
     return round(nbytes / secs / 1e9, 2) if secs > 0 else 0.0
 
 
-def measure(span: int = SPAN, rounds: int = ROUNDS) -> dict:
-    """Time each read and write mode on private buffers (the pool's copy
-    routines, 256 KiB blocks), interleaved round by round; the median of
-    `rounds`, GB/s."""
-    pool = np.ones(span, dtype=np.uint8)                 # touched: no page faults timed
-    priv = np.ones(span, dtype=np.uint8)
+def measure(nbytes: int | None = None, rounds: int = ROUNDS) -> dict:
+    """Time each read and write mode on private buffers of `nbytes` (default
+    span(); the pool's copy routines, 256 KiB blocks), interleaved round by
+    round; the median of `rounds`, GB/s."""
+    n = nbytes if nbytes is not None else span()
+    pool = np.ones(n, dtype=np.uint8)                 # touched: no page faults timed
+    priv = np.ones(n, dtype=np.uint8)
     m = _native.Mapping.from_buffer(pool)
     before = _native.copy_modes()
     res: dict = {"read": {k: [] for k in READ_MODES}, "write": {k: [] for k in WRITE_MODES}}
@@ -173,15 +214,15 @@ def measure(span: int = SPAN, rounds: int = ROUNDS) -> dict:
             for w in WRITE_MODES:
                 _native.set_copy_modes(before["read"], w)
                 t = time.perf_counter()
-                for off in range(0, span, BLOCK):
+                for off in range(0, n, BLOCK):
                     m.write(off, priv[off:off + BLOCK], True)
-                res["write"][w].append(_gbps(span, time.perf_counter() - t))
+                res["write"][w].append(_gbps(n, time.perf_counter() - t))
             for r in READ_MODES:
                 _native.set_copy_modes(r, before["write"])
                 t = time.perf_counter()
-                for off in range(0, span, BLOCK):
+                for off in range(0, n, BLOCK):
                     m.readinto(off, priv[off:off + BLOCK])
-                res["read"][r].append(_gbps(span, time.perf_counter() - t))
+                res["read"][r].append(_gbps(n, time.perf_counter() - t))
     finally:
         _native.set_copy_modes(before["read"], before["write"])
         m.close()
@@ -201,6 +242,7 @@ def calibrate(save: bool = True) -> dict:
     result = {"read": _pick(got["read"], DEFAULTS["read"]),
               "write": _pick(got["write"], DEFAULTS["write"]),
               "read_gbps": got["read"], "write_gbps": got["write"],
+              "method": METHOD, "span": span(),
               "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     log.info("copy modes measured: %s", result)
     if save:
