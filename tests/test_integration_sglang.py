@@ -149,6 +149,9 @@ def host_pool(kind: str, layout: str, pages: int):
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
+    # (SGLang's MHA page_head and MLA page_first_direct pools need pages >= layers:
+    # they build per-layer views by indexing the page axis with layer ids)
+    assert pages >= LAYERS
     tokens = pages * PAGE
     if kind == "mha":
         dev = MHATokenToKVPool(tokens, PAGE, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu",

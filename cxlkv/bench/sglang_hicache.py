@@ -30,12 +30,14 @@ needs a GPU; see tests/test_integration_sglang.py).
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+import warnings
 
 import cxlkv
 from cxlkv.bench import harness
@@ -64,6 +66,10 @@ def host_pool(kind: str, layout: str, pages: int):
     if layout not in LAYOUTS[kind]:
         raise Unavailable(f"SGLang's {kind} host pool gives backends no {layout} pages "
                           f"(layouts: {', '.join(LAYOUTS[kind])})")
+    # SGLang 0.5.23's pools in the page-major layouts whose page axis comes first
+    # (MHA page_head, MLA page_first_direct) build their per-layer views by
+    # indexing that axis with layer ids: they need at least as many pages as layers
+    pages = max(pages, LAYERS if kind == "mha" else MLA_LAYERS)
     if kind == "mha":
         dev = MHATokenToKVPool(PAGE, PAGE, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu",
                                False, start_layer=0, end_layer=LAYERS)
@@ -93,8 +99,6 @@ def storage_config(*, layout: str, kind: str, extra: dict | None, tp_rank: int =
 
 def _measure(pages: int, runs: int, layout: str, progress, kind: str = "mha",
              threads: int = 1) -> dict:
-    import warnings
-
     import torch
     torch.set_num_threads(threads)
     with warnings.catch_warnings():
@@ -183,8 +187,6 @@ def _measure(pages: int, runs: int, layout: str, progress, kind: str = "mha",
 
 
 def _have_sglang() -> bool:
-    import importlib
-    import warnings
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)

@@ -50,10 +50,10 @@ rank, as SGLang's own file and Mooncake backends do.  Extra config
 
 Copies.  Zero-copy get: the pages are pinned in the pool and copied once,
 straight into SGLang's host pool (torch.frombuffer on the pool mapping).
-Set: SGLang's page is not contiguous in its host pool (MHA: K and V halves
-lie apart; layer_first: layers lie apart), so a batch is gathered into one
-staging buffer (kept between calls), then stored (the C core's non-temporal
-copy) - two copies.
+Set: a page is mostly not contiguous in SGLang's host pool (MHA: K and V
+halves lie apart; layer_first: layers lie apart; only an MLA page_first page
+is one run), so a batch is gathered into one staging buffer (kept between
+calls), then stored (the C core's non-temporal copy) - two copies.
 
 Scope: one KV pool (the v2 interface's extra pools - Mamba, SWA, DSA
 sidecars - are refused, hit 0); decode-context parallelism shards
