@@ -18,7 +18,8 @@ host memory pool directly); without it SGLang calls batch_get / batch_set
 with flat page tensors.  Extra config (all optional):
 
     pool       the pool path (default $CXLKV_POOL, else /dev/shm/cxlkv-default.pool)
-    namespace  the namespace name (default: derived, see below)
+    namespace  the namespace's stem, in place of sglang/<model> (default: derived,
+               see below); the page format parts always follow it
     salt       the tenant (default none); quota: bytes for it (default none)
 
 Keys.  A pool block is one SGLang page, keyed by SGLang's own page hash (the
@@ -27,22 +28,31 @@ by SGLang) as 32 bytes; a key that is not hex is keyed by its SHA-256.  A
 batch is stored as one chain in the pool (parent before child, so eviction
 takes the batch's tail first).
 
-Payload.  One page as SGLang's host pool lays it out (get_data_page): for
-MHA, [K, V][layers][page tokens][heads][head dim] in layout "layer_first",
-[K, V][page tokens][layers][heads][head dim] in "page_first"; in the KV cache
-dtype.  The layout is part of the namespace, so instances with different
-layouts never exchange pages.
+Payload.  One page as SGLang's host pool lays it out (get_data_page), in
+the KV cache dtype.  MHA (MHATokenToKVPoolHost): K and V,
+[2][layers][page tokens][heads][head dim] in layout "layer_first",
+[2][page tokens][layers][heads][head dim] in "page_first" (and SGLang's
+"page_first_direct" / "page_head" pages).  MLA (MLATokenToKVPoolHost): one
+latent tensor per layer, no K/V split, [layers][page tokens][1][kv dim] in
+"layer_first", [page tokens][layers][1][kv dim] in "page_first".  The
+attention kind and the layout are part of the namespace, so MLA pages never
+meet MHA pages, nor pages of another layout.
 
-Namespace.  sglang/<model>/<dtype>/<layout>/<page shape>/p<page size>/
-tp<rank>of<size> (pp<rank>of<size> with pipeline parallelism): instances
-share pages when they serve the same model id with the same geometry and
-layout.  MLA models keep one copy for every TP rank (no tp part); only the
-storage writer rank stores, as SGLang's own file backend does.
+Namespace.  sglang/<model>/<dtype>/<kind>/<layout>/<page shape>/p<page size>/
+tp<rank>of<size> (then pp<rank>of<size> with pipeline parallelism, cp<rank>of
+<size> with attention context parallelism): instances share pages when they
+serve the same model id with the same kind, geometry and layout.  <kind> is
+"mha" or "mla" by SGLang's host pool class (another pool class: its name).
+MLA KV is the same on every TP rank (SGLang's is_mla_model: rank-replicated):
+one copy for all of them (no tp part), stored only by the storage-writer
+rank, as SGLang's own file and Mooncake backends do.  Extra config
+"namespace" replaces the sglang/<model> stem only.
 
 Copies.  Zero-copy get: the pages are pinned in the pool and copied once,
 straight into SGLang's host pool (torch.frombuffer on the pool mapping).
-Set: SGLang's page is not contiguous in its host pool (K and V halves lie
-apart), so a batch is gathered into one staging buffer (kept between
+Set: a page is mostly not contiguous in SGLang's host pool (MHA: K and V
+halves lie apart; layer_first: layers lie apart; only an MLA page_first page
+is one run), so a batch is gathered into one staging buffer (kept between
 calls), then stored (the C core's non-temporal copy) - two copies.
 
 Scope: one KV pool (the v2 interface's extra pools - Mamba, SWA, DSA
@@ -61,7 +71,8 @@ from cxlkv.errors import CxlkvError, UsageError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CLASS_NAME", "DEFAULT_POOL", "HiCacheCore", "page_hash_bytes", "namespace_for"]
+__all__ = ["CLASS_NAME", "DEFAULT_POOL", "HiCacheCore", "namespace_for", "page_hash_bytes",
+           "page_kind"]
 
 DEFAULT_POOL = "/dev/shm/cxlkv-default.pool"
 #: the class name SGLang's extra config names
@@ -83,18 +94,41 @@ def page_hash_bytes(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
 
 
-def namespace_for(*, model: str, dtype: str, layout: str, page_shape, page_size: int,
-                  tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1,
-                  mla: bool = False) -> str:
-    """The namespace a HiCache instance stores its pages in (see the module doc)."""
-    name = (model or "model").strip("/").replace("/", "-")[:48] or "model"
+def namespace_for(*, model: str, dtype: str, kind: str, layout: str, page_shape,
+                  page_size: int, tp_rank: int, tp_size: int, pp_rank: int = 0,
+                  pp_size: int = 1, cp_rank: int = 0, cp_size: int = 1,
+                  replicated: bool = False, stem: str | None = None) -> str:
+    """The namespace a HiCache instance stores its pages in (see the module doc).
+    kind: the page format ("mha", "mla"); replicated: the pages are the same on
+    every TP rank (MLA), so no tp part; stem replaces "sglang/<model>"."""
+    if not kind or "/" in kind:
+        raise UsageError(f"SGLang page kind {kind!r}: expected a name such as 'mha' or 'mla'")
+    if stem is None:
+        name = (model or "model").strip("/").replace("/", "-")[:48] or "model"
+        stem = f"sglang/{name}"
     shape = "x".join(str(int(d)) for d in page_shape)
-    ns = f"sglang/{name}/{dtype}/{layout}/{shape}/p{page_size}"
-    if not mla:
+    ns = f"{stem}/{dtype}/{kind}/{layout}/{shape}/p{page_size}"
+    if not replicated:
         ns += f"/tp{tp_rank}of{tp_size}"
     if pp_size > 1:
         ns += f"/pp{pp_rank}of{pp_size}"
+    if cp_size > 1:
+        ns += f"/cp{cp_rank}of{cp_size}"
     return ns
+
+
+#: SGLang's host pool classes and the page kind each names (by class name, so
+#: that this module never imports SGLang's pools)
+_KINDS = {"MLATokenToKVPoolHost": "mla", "MHATokenToKVPoolHost": "mha"}
+
+
+def page_kind(mem_pool_host) -> str:
+    """The page format of SGLang's host pool: "mla" or "mha" for its MLA and
+    MHA pools (and their subclasses), else the pool's class name."""
+    for cls in type(mem_pool_host).__mro__:
+        if cls.__name__ in _KINDS:
+            return _KINDS[cls.__name__]
+    return type(mem_pool_host).__name__
 
 
 class HiCacheCore:
@@ -111,10 +145,14 @@ class HiCacheCore:
         quota = extra.get("quota")
         self._quota = int(quota) if quota is not None else None
         self._model = str(getattr(cfg, "model_name", None) or "")
+        # SGLang's is_mla_model means rank-replicated KV (MLA and compressed-MLA pools)
         self._mla = bool(getattr(cfg, "is_mla_model", False))
         self._writer = bool(getattr(cfg, "is_storage_writer", True))
         self._tp = (int(getattr(cfg, "tp_rank", 0)), int(getattr(cfg, "tp_size", 1)))
         self._pp = (int(getattr(cfg, "pp_rank", 0)), int(getattr(cfg, "pp_size", 1)))
+        # attention context parallelism: each CP rank holds its own slice of a page
+        self._cp = (int(getattr(cfg, "attn_cp_rank", 0) or 0),
+                    int(getattr(cfg, "attn_cp_size", 1) or 1))
         if int(getattr(cfg, "dcp_size", 1) or 1) > 1:
             # a DCP shard holds part of each page: its own namespace, like a TP rank
             self._tp = (int(cfg.dcp_rank), int(cfg.dcp_size))
@@ -123,6 +161,7 @@ class HiCacheCore:
         self._kv = None
         self.mem_pool_host = None
         self._page_shape: tuple[int, ...] = ()
+        self._kind = ""
         self._staging = None            # the set path's staging buffer (pages)
         self.stats = {"get_pages": 0, "set_pages": 0, "hit_pages": 0, "miss_pages": 0,
                       "store_failures": 0}
@@ -132,6 +171,11 @@ class HiCacheCore:
     def register_mem_pool_host(self, mem_pool_host) -> None:
         self.mem_pool_host = mem_pool_host
         self._page_shape = tuple(mem_pool_host.get_data_page(0, flat=False).shape)
+        self._kind = page_kind(mem_pool_host)
+        if self._kind in _KINDS.values() and (self._kind == "mla") != self._mla:
+            # SGLang sets both from one device pool: a mismatch is a caller's mistake
+            log.warning("cxlkv HiCache: %s host pool with is_mla_model=%s",
+                        type(mem_pool_host).__name__, self._mla)
         self._kv = None
         self._staging = None
 
@@ -142,15 +186,14 @@ class HiCacheCore:
         return n * self.mem_pool_host.dtype.itemsize
 
     def namespace(self) -> str:
-        if self._ns_override:
-            base = str(self._ns_override)
-            return base if self._mla else f"{base}/tp{self._tp[0]}of{self._tp[1]}"
         host = self._host()
         return namespace_for(model=self._model, dtype=str(host.dtype).replace("torch.", ""),
-                             layout=str(host.layout), page_shape=self._page_shape,
-                             page_size=int(host.page_size), tp_rank=self._tp[0],
-                             tp_size=self._tp[1], pp_rank=self._pp[0], pp_size=self._pp[1],
-                             mla=self._mla)
+                             kind=self._kind, layout=str(host.layout),
+                             page_shape=self._page_shape, page_size=int(host.page_size),
+                             tp_rank=self._tp[0], tp_size=self._tp[1], pp_rank=self._pp[0],
+                             pp_size=self._pp[1], cp_rank=self._cp[0], cp_size=self._cp[1],
+                             replicated=self._mla,
+                             stem=str(self._ns_override) if self._ns_override else None)
 
     def _host(self):
         if self.mem_pool_host is None:
