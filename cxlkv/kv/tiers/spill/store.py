@@ -160,6 +160,7 @@ class SpillStore(Tier):
             with self._usage.locked():
                 self._recount()
             self._migrate()
+            self._migrate_v2()
             self.maintain()
         else:
             # held while attached: the owner sees that readers need room
@@ -185,6 +186,10 @@ class SpillStore(Tier):
                 if cur is not None and os.stat(f).st_ino == cur.ino:
                     continue
                 sf = files.SlotFile.open(f, self._writable)
+            except files.OldFormat as e:
+                if self.mode != "owner":              # the owner migrates it (_migrate)
+                    self._log_once("slot-file", f"cannot use {f} ({e})")
+                continue
             except OSError as e:
                 self._log_once("slot-file", f"cannot use {f} ({e})")
                 continue
@@ -294,6 +299,38 @@ class SpillStore(Tier):
         self._log("migrate", f"{self.path}: migrated {moved} spilled blocks from the "
                              f"one-file-per-block format into slot files ({dropped} dropped: "
                              "not verifying or not fitting)")
+
+    def _migrate_v2(self) -> None:
+        """Owner: move the verified blocks of version 2 slot files (payloads
+        4 KiB aligned) into version 3 ones.  Each is first renamed aside
+        (DIR/.v2-slots-N.dat, under DIR/.usage's lock: a new file of its
+        name can then be made), then read with plain preads and removed; an
+        owner stopped meanwhile leaves the file aside and the next one
+        finishes it (blocks already moved are found there)."""
+        try:
+            old = files.old_slot_files(self.path)
+        except OSError:
+            return
+        for f in old:
+            aside = f if f.name.startswith(files.OLD_PREFIX) \
+                else f.with_name(files.OLD_PREFIX + f.name)
+            before = self.counters["written"]
+            found = 0
+            try:
+                if aside != f:
+                    with self._usage.locked():
+                        os.replace(f, aside)
+                for blocks in files.old_blocks(aside, BATCH_BLOCKS):
+                    found += len(blocks)
+                    self._write_batch(blocks)
+                aside.unlink()
+            except OSError as e:
+                self._log_once("migrate", f"cannot migrate {f} ({e})")
+                continue
+            moved = self.counters["written"] - before
+            self._log("migrate", f"{f}: migrated {moved} of its {found} verified spilled "
+                                 f"blocks from slot file format version {files.OLD_VERSION} "
+                                 "(the rest did not fit or were there already)")
 
     # -- the shared counter and journal ----------------------------------------------------
     def _header(self) -> tuple[int, int] | None:
