@@ -18,6 +18,7 @@ import psutil
 import pytest
 import xxhash
 
+from cxlkv.errors import SpillOldFormat
 from cxlkv.kv.tiers import spill
 from cxlkv.kv.tiers.spill import files
 from cxlkv.testing.checks import wait_for
@@ -479,7 +480,7 @@ def test_a_slot_file_of_version_2_is_migrated(tmp_path, caplog):
     raw = bytearray(f.read_bytes())
     raw[files.geometry(BB, 16, 2)["data_off"] + 3 * BB + 7] ^= 1      # slot 3: a bad payload
     f.write_bytes(bytes(raw))
-    with pytest.raises(files.OldFormat, match="version 2"):
+    with pytest.raises(SpillOldFormat, match="version 2"):
         files.SlotFile.open(f)
     with caplog.at_level(logging.WARNING, logger="cxlkv.kv.tiers.spill"):
         st = spill.SpillStore(d, 64 * FP)

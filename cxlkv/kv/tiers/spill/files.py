@@ -60,6 +60,7 @@ import numpy as np
 import xxhash
 
 from cxlkv import _core
+from cxlkv.errors import SpillOldFormat
 
 #: a slot file's header: magic, version, reserved, slot bytes, slots, index
 #: entries (a power of two), probe window
@@ -178,10 +179,6 @@ def parse(raw, version: int = VERSION) -> tuple | None:
     return key, nsd, length, psum
 
 
-class OldFormat(OSError):
-    """A slot file of the previous version (OLD_VERSION): the owner migrates it."""
-
-
 #: a key's index position comes from its first 8 bytes, its fingerprint is
 #: bytes 8-12 (keys are uniform hashes); an index word: slot + 1, fingerprint
 _POS = struct.Struct("<Q")
@@ -253,8 +250,9 @@ class SlotFile:
                 raise OSError(f"{path}: not a spill slot file (truncated header)")
             magic, ver, _, sb, ns, ent, win = FILE_HDR.unpack(raw)
             if magic == FILE_MAGIC and ver == OLD_VERSION:
-                raise OldFormat(f"{path}: a spill slot file of version {ver} (migrated by "
-                                "the store's owner when it opens the directory)")
+                raise SpillOldFormat(f"{path}: a spill slot file of version {ver} (migrated by "
+                                     "the store's owner when it opens the directory)",
+                                     path=str(path))
             if magic != FILE_MAGIC or ver != VERSION:
                 raise OSError(f"{path}: not a spill slot file of version {VERSION}"
                               + (f" (version {ver})" if magic == FILE_MAGIC else ""))

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from cxlkv.errors import SpillDirBusy, UsageError
+from cxlkv.errors import SpillDirBusy, SpillOldFormat, UsageError
 from cxlkv.kv.tiers.base import Tier
 from cxlkv.kv.tiers.spill import files
 from cxlkv.kv.tiers.spill.lru import READER_INDEX, Index, second_chance
@@ -186,7 +186,7 @@ class SpillStore(Tier):
                 if cur is not None and os.stat(f).st_ino == cur.ino:
                     continue
                 sf = files.SlotFile.open(f, self._writable)
-            except files.OldFormat as e:
+            except SpillOldFormat as e:
                 if self.mode != "owner":              # the owner migrates it (_migrate)
                     self._log_once("slot-file", f"cannot use {f} ({e})")
                 continue
