@@ -279,6 +279,7 @@ def test_the_helpers_are_started_and_stopped(mode):
     st = _core.spill_helper_stats()
     assert (st["helpers"], st["spin_us"]) == (3, 10)
     assert _core.spill_helpers(1) == 1 and _core.spill_helper_stats()["helpers"] == 1
+    assert _core.spill_helper_stats()["spin_us"] == 10         # unchanged when not given
     for bad in ((-1,), (9,), (1, -5), (1, 10**6)):
         with pytest.raises(ValueError, match="spill_helpers"):
             _core.spill_helpers(*bad)

@@ -189,8 +189,9 @@ static PyMethodDef module_methods[] = {
      "bufs, read_bytes, snap=None) -> (ok, status, errno): read and verify a run of spill slots "
      "into bufs, GIL released, bounds-checked; stops at the first slot that fails (spill.c)"},
     {"spill_helpers", (PyCFunction)(void (*)(void))mod_spill_helpers, METH_FASTCALL,
-     "spill_helpers(n, spin_us=50, caller_works=True) -> helpers: start or stop the helper "
-     "threads that share spill_read's units with its caller (process-wide; spill_pool.c)"},
+     "spill_helpers(n, spin_us=None, caller_works=None) -> helpers: start or stop the helper "
+     "threads that share spill_read's units with its caller (process-wide; spill_pool.c; "
+     "None: unchanged)"},
     {"spill_helper_stats", mod_spill_helper_stats, METH_NOARGS,
      "the spill read helpers: their number, spin, jobs posted and run alone, units each side ran"},
     {"spill_layout", mod_spill_layout, METH_NOARGS,

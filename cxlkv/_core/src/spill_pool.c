@@ -186,7 +186,8 @@ cxlkv_spill_pool_run(spill_unit_fn fn, void *ctx, Py_ssize_t nunits, _Atomic Py_
     }
 }
 
-/* spill_helpers(n, spin_us=50, caller_works=True) -> helpers running */
+/* spill_helpers(n, spin_us=None, caller_works=None) -> helpers running
+ * (spin_us and caller_works: unchanged when not given; 50 and True at first) */
 PyObject *
 mod_spill_helpers(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -196,16 +197,16 @@ mod_spill_helpers(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     long n = PyLong_AsLong(args[0]);
     if (n == -1 && PyErr_Occurred())
         return NULL;
-    long spin = 50;
-    if (nargs > 1) {
+    long spin = -1;
+    if (nargs > 1 && args[1] != Py_None) {
         spin = PyLong_AsLong(args[1]);
         if (spin == -1 && PyErr_Occurred())
             return NULL;
     }
-    int works = 1;
-    if (nargs > 2 && (works = PyObject_IsTrue(args[2])) < 0)
+    int works = -1;
+    if (nargs > 2 && args[2] != Py_None && (works = PyObject_IsTrue(args[2])) < 0)
         return NULL;
-    if (n < 0 || n > MAX_HELPERS || spin < 0 || spin > 100000) {
+    if (n < 0 || n > MAX_HELPERS || spin < -1 || spin > 100000) {
         PyErr_Format(PyExc_ValueError, "spill_helpers: n must be 0..%d and spin_us 0..100000",
                      MAX_HELPERS);
         return NULL;
@@ -220,8 +221,10 @@ mod_spill_helpers(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         pool.atfork = 1;
         pthread_atfork(NULL, NULL, after_fork_child);
     }
-    atomic_store(&pool.spin_us, (int)spin);
-    atomic_store(&pool.caller_works, works);
+    if (spin >= 0)
+        atomic_store(&pool.spin_us, (int)spin);
+    if (works >= 0)
+        atomic_store(&pool.caller_works, works);
     /* helpers >= n exit when idle (joined below); then start the missing */
     for (int i = (int)n; i < pool.want; i++)
         gone[ngone++] = pool.tids[i];
