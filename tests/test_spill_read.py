@@ -274,6 +274,25 @@ def test_a_failing_unit_stops_the_run_before_later_units(tmp_path, mode):
         sf.close()
 
 
+def test_a_run_does_not_wait_for_a_sleeping_helper(tmp_path, mode, monkeypatch):
+    """With the caller taking units and every helper asleep, the run is the
+    caller's alone (no hand-off to wait for) and the helpers are woken to
+    poll for the next run."""
+    monkeypatch.setattr(files, "READ_BYTES", 1)            # 8 units
+    sf = make(tmp_path, L, n=8, nslots=8)
+    try:
+        _core.spill_helpers(1, 0, True)                    # no polling: straight to sleep
+        wait_for(lambda: _core.spill_helper_stats()["sleeping"] == 1, what="the helper asleep")
+        before = _core.spill_helper_stats()
+        (ok, _, _), bufs = read(sf, list(range(8)), L)
+        after = _core.spill_helper_stats()
+        assert ok == 8 and bytes(bufs[7]) == payload(key(7), L)
+        assert after["solo"] - before["solo"] == 1 and after["warmups"] - before["warmups"] == 1
+        assert after["helper_units"] == before["helper_units"] and after["jobs"] == before["jobs"]
+    finally:
+        sf.close()
+
+
 def test_the_helpers_are_started_and_stopped(mode):
     _core.spill_helpers(3, 10)
     st = _core.spill_helper_stats()

@@ -26,7 +26,9 @@ import cxlkv
 from cxlkv import _core
 from cxlkv.bench import harness
 from cxlkv.kv.cache import KVCache
+from cxlkv.errors import BenchRefused
 from cxlkv.kv.tiers import spill
+from cxlkv.kv.tiers.spill import store as spill_store
 
 MiB = harness.MiB
 BB = 256 * 1024
@@ -213,7 +215,9 @@ def spill_throughput(d, pool_path, nbytes):
 
 OWNER = """
 import sys
+from cxlkv.errors import BenchRefused
 from cxlkv.kv.tiers import spill
+from cxlkv.kv.tiers.spill import store as spill_store
 st = spill.SpillStore(sys.argv[1], int(sys.argv[2]), mode="owner")
 print("owner", flush=True)
 sys.stdin.read()
@@ -273,6 +277,9 @@ def add_arguments(ap) -> None:
     ap.add_argument("--mib", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=5,
                     help="interleaved rounds of the raw baselines and the store alone")
+    ap.add_argument("--read-helpers", type=int, default=None,
+                    help="helper threads of the spill read path (this process's; default: "
+                         f"the store's, {spill_store.READ_HELPERS} on this machine)")
 
 
 def run(a, progress) -> dict:
@@ -281,6 +288,11 @@ def run(a, progress) -> dict:
             harness.scratch("cxlkv-spill-bench-pool-") as pd:
         pool_path = os.path.join(pd, "bench.pool")
         nbytes = a.mib * MiB
+        helpers = spill_store.READ_HELPERS if a.read_helpers is None else a.read_helpers
+        if not 0 <= helpers <= spill_store.MAX_READ_HELPERS:
+            raise BenchRefused(f"--read-helpers must be 0..{spill_store.MAX_READ_HELPERS}")
+        _core.spill_helpers(helpers)            # process-wide; a store only ever adds some
+        spill_store.READ_HELPERS = helpers      # the default of the stores made below
         rounds = []
         for i in range(max(1, a.rounds)):
             progress(f"round {i + 1}: raw I/O, the spill store alone, raw O_DIRECT, interleaved")

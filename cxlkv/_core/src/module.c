@@ -193,7 +193,8 @@ static PyMethodDef module_methods[] = {
      "threads that share spill_read's units with its caller (process-wide; spill_pool.c; "
      "None: unchanged)"},
     {"spill_helper_stats", mod_spill_helper_stats, METH_NOARGS,
-     "the spill read helpers: their number, spin, jobs posted and run alone, units each side ran"},
+     "the spill read helpers: their number (and asleep), spin, jobs posted and run alone, "
+     "wake-ups, units each side ran"},
     {"spill_layout", mod_spill_layout, METH_NOARGS,
      "the spill slot header (spill_format.h) and spill_read's statuses"},
     {"crashpoint", mod_crashpoint, METH_O,

@@ -15,11 +15,14 @@
  * Helpers never touch Python objects: the caller holds every buffer until
  * it returns.
  *
- * An idle helper polls for the next job for `spin_us` (a fetch loop's next
- * call comes within tens of microseconds; waking a sleeping thread costs
- * about as much here), then sleeps on `cv`.  The caller waits for the
- * units helpers hold by polling (each is one unit's copy and hash: tens of
- * microseconds), yielding the CPU after a few microseconds.
+ * An idle helper polls for the next job for `spin_us`, then sleeps on `cv`.
+ * A job is posted only while a helper is awake (`warm_only`): when every
+ * helper sleeps, the run is the caller's alone and the helpers are woken to
+ * poll for the next one - on this project's 2-vCPU VM a run that woke a
+ * sleeping helper was slower than the caller alone (README, Spill at line
+ * rate).  The caller waits for the units helpers hold by polling (each is
+ * one unit's copy and hash: tens of microseconds), yielding the CPU after a
+ * few microseconds.
  *
  * Fork: a child has no helpers (pthread_atfork resets the pool).
  */
@@ -50,12 +53,14 @@ static struct {
     _Atomic int alive;           /* helpers started and not yet told to exit */
     int sleeping;                /* guarded by mu: helpers waiting on cv */
     pthread_t tids[MAX_HELPERS]; /* guarded by cfg (spill_helpers) */
+    unsigned long start_seq[MAX_HELPERS];   /* guarded by mu: seq when helper i was started */
     _Atomic int spin_us;
     _Atomic int caller_works;    /* 0: the caller takes no unit (tests) */
-    _Atomic unsigned long long helper_units, caller_units, jobs, solo;
+    _Atomic int warm_only;       /* post a job only while a helper is awake (polling) */
+    _Atomic unsigned long long helper_units, caller_units, jobs, solo, warmups;
     int atfork;
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, .spin_us = 50,
-          .caller_works = 1};
+          .caller_works = 1, .warm_only = 1};
 
 /* serialises spill_helpers() (starting, stopping and joining helpers) */
 static pthread_mutex_t cfg = PTHREAD_MUTEX_INITIALIZER;
@@ -94,7 +99,11 @@ static void *
 helper_main(void *arg)
 {
     int me = (int)(intptr_t)arg;
-    unsigned long seen = atomic_load(&pool.seq);
+    /* the jobs posted since spill_helpers() started this thread are new to
+     * it, however late it runs (seq read now could already count one) */
+    pthread_mutex_lock(&pool.mu);
+    unsigned long seen = pool.start_seq[me];
+    pthread_mutex_unlock(&pool.mu);
     for (;;) {
         /* poll for a new job for spin_us, then sleep */
         uint64_t until = now_ns() + (uint64_t)atomic_load(&pool.spin_us) * 1000u;
@@ -145,16 +154,27 @@ cxlkv_spill_pool_run(spill_unit_fn fn, void *ctx, Py_ssize_t nunits, _Atomic Py_
     int posted = 0, caller_works = 1;
     if (nunits > 1) {
         pthread_mutex_lock(&pool.mu);
-        if (pool.want > 0 && pool.job == NULL) {
+        caller_works = atomic_load(&pool.caller_works);
+        if (pool.want > 0 && pool.job == NULL &&
+            (pool.sleeping < pool.want || !caller_works || !atomic_load(&pool.warm_only))) {
             pool.job = &j;
             atomic_fetch_add(&pool.seq, 1);
             posted = 1;
-            caller_works = atomic_load(&pool.caller_works);
             if (pool.sleeping)
                 pthread_cond_broadcast(&pool.cv);
+        } else if (pool.want > 0 && pool.job == NULL) {
+            /* every helper asleep: waking one costs about what it would
+             * take over (measured: a run after an idle spell was slower
+             * with helpers than alone).  This run is the caller's; the
+             * helpers are woken to poll for the next one. */
+            atomic_fetch_add(&pool.seq, 1);
+            pthread_cond_broadcast(&pool.cv);
+            atomic_fetch_add(&pool.warmups, 1);
         }
         pthread_mutex_unlock(&pool.mu);
     }
+    if (!posted)
+        caller_works = 1;
     atomic_fetch_add(posted ? &pool.jobs : &pool.solo, 1);
     if (caller_works)
         atomic_fetch_add(&pool.caller_units, take_units(&j));
@@ -241,6 +261,7 @@ mod_spill_helpers(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         pthread_attr_t at;
         pthread_attr_init(&at);
         pthread_attr_setstacksize(&at, 64 * 1024);
+        pool.start_seq[pool.want] = atomic_load(&pool.seq);
         err = pthread_create(&pool.tids[pool.want], &at, helper_main,
                              (void *)(intptr_t)pool.want);
         pthread_attr_destroy(&at);
@@ -266,11 +287,12 @@ mod_spill_helper_stats(PyObject *self, PyObject *Py_UNUSED(ignored))
 {
     (void)self;
     pthread_mutex_lock(&pool.mu);
-    int running = pool.want;
+    int running = pool.want, sleeping = pool.sleeping;
     pthread_mutex_unlock(&pool.mu);
-    return Py_BuildValue("{s:i,s:i,s:K,s:K,s:K,s:K}", "helpers", running,
+    return Py_BuildValue("{s:i,s:i,s:i,s:K,s:K,s:K,s:K,s:K}", "helpers", running,
+                         "sleeping", sleeping,
                          "spin_us", atomic_load(&pool.spin_us), "jobs", atomic_load(&pool.jobs),
-                         "solo", atomic_load(&pool.solo),
+                         "solo", atomic_load(&pool.solo), "warmups", atomic_load(&pool.warmups),
                          "helper_units", atomic_load(&pool.helper_units),
                          "caller_units", atomic_load(&pool.caller_units));
 }

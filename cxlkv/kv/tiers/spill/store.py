@@ -49,8 +49,10 @@ FETCH_BUFFERS = 64
 #: them ran 5-15 % faster than into numpy's default (16 bytes past a page)
 BUF_ALIGN = 4096
 #: helper threads that read and verify a run's units beside the caller (C,
-#: process-wide: cxlkv/_core/src/spill_pool.c): one where there is a second CPU
-READ_HELPERS = 1 if (os.cpu_count() or 1) > 1 else 0
+#: process-wide: cxlkv/_core/src/spill_pool.c).  None by default: on the
+#: 2-vCPU VM this was measured on, a helper made back-to-back runs 1.3-1.6x
+#: faster but the bench's runs (after other I/O) 15-25 % slower (README)
+READ_HELPERS = 0
 MAX_READ_HELPERS = 8
 #: disk blocks of a slot file are reserved (posix_fallocate) this much at a time
 PREALLOC = 64 << 20
@@ -71,7 +73,7 @@ class SpillStore(Tier):
 
     def __init__(self, path, max_bytes: int, *, queue_bytes: int = QUEUE_BYTES,
                  writers: int = WRITERS, mode: str = "auto", logger: logging.Logger | None = None,
-                 reader_room: float = READER_ROOM, read_helpers: int = READ_HELPERS):
+                 reader_room: float = READER_ROOM, read_helpers: int | None = None):
         if not isinstance(max_bytes, int) or max_bytes < 0:
             raise UsageError("spill_bytes must be a byte count >= 0")
         if not isinstance(queue_bytes, int) or queue_bytes < 0:
@@ -80,6 +82,8 @@ class SpillStore(Tier):
             raise UsageError(f"spill mode must be one of {', '.join(MODES)}, not {mode!r}")
         if not 0 <= reader_room < 1:
             raise UsageError("reader_room must be a share of the limit in [0, 1)")
+        if read_helpers is None:
+            read_helpers = READ_HELPERS
         if not isinstance(read_helpers, int) or not 0 <= read_helpers <= MAX_READ_HELPERS:
             raise UsageError(f"read_helpers must be 0..{MAX_READ_HELPERS}")
         # the helpers are the process's: as many as the store that asked most wants
