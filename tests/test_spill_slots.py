@@ -21,6 +21,7 @@ import xxhash
 from cxlkv.errors import SpillOldFormat
 from cxlkv.kv.tiers import spill
 from cxlkv.kv.tiers.spill import files
+from cxlkv.kv.tiers.spill.lru import Index
 from cxlkv.testing.checks import wait_for
 
 NSD = b"n" * 16
@@ -218,6 +219,7 @@ WRITER = r"""
 import struct, sys, threading
 from cxlkv.kv.tiers import spill
 from cxlkv.kv.tiers.spill import files
+from cxlkv.kv.tiers.spill.lru import Index
 d, limit = sys.argv[1], int(sys.argv[2])
 armed = threading.Event()
 if sys.argv[4] == "in-write":      # once armed: stop a writer between payload and header
@@ -548,6 +550,9 @@ def test_fetch_reads_a_run_and_stops_at_a_block_that_does_not_verify(tmp_path):
         st.flush()
         got = st.fetch(ks, NSD, BB)
         assert [bytes(b) for b in got] == [payload(k) for k in ks]
+        # the buffers start on a page; the file's payloads on a 2 MiB boundary
+        assert all(np.frombuffer(b, np.uint8).ctypes.data % 4096 == 0 for b in got)
+        assert st._files[BB].data_off % (2 << 20) == 0
         path, off, _ = st.locate(ks[5], BB)
         poke(path, off + 4096, b"\xff" * 8)                 # block 5 damaged
         got = st.fetch(ks, NSD, BB)
@@ -558,3 +563,19 @@ def test_fetch_reads_a_run_and_stops_at_a_block_that_does_not_verify(tmp_path):
         assert st.fetch(ks, b"x" * 16, BB) == []            # another namespace: nothing
     finally:
         st.close()
+
+
+def test_the_index_touches_a_run_in_one_call():
+    """Index.touch_run: the locations of the leading keys indexed in one
+    slot file, each moved to the most recent end; it stops at a key not
+    indexed, one without a location or one of another slot size (that one
+    touched, as a key-by-key walk would)."""
+    ix = Index()
+    for i, loc in enumerate([(BB, 3), (BB, 4), (BB, 5), (2 * BB, 0), (BB, 9)]):
+        ix.remember(key(i), FP, 0, loc)
+    ix.remember(key(7), FP, 0, None)
+    assert ix.touch_run([key(0), key(1), key(2), key(3), key(4)]) == [(BB, 3), (BB, 4), (BB, 5)]
+    assert [k for k, _ in ix.items()][-4:] == [key(0), key(1), key(2), key(3)]
+    assert ix.touch_run([key(9), key(4)]) == [] and ix.touch_run([key(4)], 0) == [(BB, 9)]
+    assert ix.touch_run([key(4), key(7), key(0)]) == [(BB, 9)]
+    assert ix.touch_run([key(1), key(4)], 1) == [(BB, 9)]
