@@ -470,6 +470,13 @@ class SpillDirBusy(RefusedError):
     kind = "spill-busy"
 
 
+class SpillOldFormat(CxlkvError, OSError):
+    """A spill slot file of the previous format version: the store's owner
+    migrates it when it opens the directory (cxlkv.kv.tiers.spill.files)."""
+
+    kind = "spill-old-format"
+
+
 class StaleViews(NodeFenced):
     """This node was fenced while it held loaded views: what they showed is
     not vouched for.  `stale` lists the blocks (indexes into the load) whose

@@ -3,11 +3,14 @@
 good leading blocks bit-exact, the first slot that fails stops the run
 with its status (a torn or damaged header, a wrong key, namespace or
 length, a cut or damaged payload), never a wrong block; every argument
-bounds-checked before anything is read."""
+bounds-checked before anything is read.  The run's checks hold the same
+whether the calling thread reads every unit or helper threads do
+(spill_pool.c; the `mode` fixture runs each test both ways)."""
 from __future__ import annotations
 
 import errno
 import os
+import signal
 import struct
 
 import numpy as np
@@ -16,9 +19,25 @@ import xxhash
 
 from cxlkv import _core
 from cxlkv.kv.tiers.spill import files
+from cxlkv.testing.checks import wait_for
 
 NSD = b"n" * 16
 ST = files.STATUS
+
+
+@pytest.fixture(autouse=True, params=["caller", "helpers"])
+def mode(request, monkeypatch):
+    """caller: no helper threads, the calling thread reads every unit;
+    helpers: two helper threads read every unit (the caller takes none),
+    one slot per unit, so every slot of a run goes through a helper."""
+    before = _core.spill_helper_stats()
+    if request.param == "helpers":
+        _core.spill_helpers(2, 50, False)
+        monkeypatch.setattr(files, "READ_BYTES", 1)
+    else:
+        _core.spill_helpers(0)
+    yield request.param
+    _core.spill_helpers(before["helpers"], before["spin_us"], True)
 
 
 def key(i: int) -> bytes:
@@ -215,3 +234,105 @@ def test_a_closed_slot_file_is_refused(tmp_path):
     with pytest.raises(ValueError):
         _core.spill_read(0, mm, 0, 1, 0, L, np.array([0], np.uint64), key(0), NSD, L,
                          [bytearray(L)], 1 << 20)
+
+
+# -- helper threads ----------------------------------------------------------------------------
+
+def test_helpers_read_the_units_they_take(tmp_path, mode):
+    """With helpers and the caller taking no unit, every unit of a run is
+    read and verified by a helper thread: the blocks bit-exact, counted."""
+    sf = make(tmp_path, L, n=8, nslots=8)
+    try:
+        before = _core.spill_helper_stats()
+        (ok, status, _), bufs = read(sf, list(range(8)), L)
+        after = _core.spill_helper_stats()
+        assert (ok, status) == (8, ST["ok"])
+        assert [bytes(b) for b in bufs] == [payload(key(s), L) for s in range(8)]
+        if mode == "helpers":
+            assert after["helper_units"] - before["helper_units"] == 8
+            assert after["caller_units"] == before["caller_units"]
+            assert after["jobs"] - before["jobs"] == 1
+        else:
+            assert after["helpers"] == 0 and after["helper_units"] == before["helper_units"]
+            assert after["solo"] - before["solo"] == 1
+    finally:
+        sf.close()
+
+
+def test_a_failing_unit_stops_the_run_before_later_units(tmp_path, mode):
+    """Slot 2 damaged in a run of 8 one-slot units: the run is the two
+    before it, whichever thread read which unit; later units, when read at
+    all, are not returned as good."""
+    sf = make(tmp_path, L, n=8, nslots=8)
+    try:
+        poke(sf, sf.payload_off(2) + 5, b"\xee")
+        poke(sf, sf.hdr_off(6), b"XXXX")
+        (ok, status, _), bufs = read(sf, list(range(8)), L)
+        assert (ok, status) == (2, ST["badsum"])
+        assert [bytes(b) for b in bufs[:2]] == [payload(key(s), L) for s in range(2)]
+    finally:
+        sf.close()
+
+
+def test_a_run_does_not_wait_for_a_sleeping_helper(tmp_path, mode, monkeypatch):
+    """With the caller taking units and every helper asleep, the run is the
+    caller's alone (no hand-off to wait for) and the helpers are woken to
+    poll for the next run."""
+    monkeypatch.setattr(files, "READ_BYTES", 1)            # 8 units
+    sf = make(tmp_path, L, n=8, nslots=8)
+    try:
+        _core.spill_helpers(1, 0, True)                    # no polling: straight to sleep
+        wait_for(lambda: _core.spill_helper_stats()["sleeping"] == 1, what="the helper asleep")
+        before = _core.spill_helper_stats()
+        (ok, _, _), bufs = read(sf, list(range(8)), L)
+        after = _core.spill_helper_stats()
+        assert ok == 8 and bytes(bufs[7]) == payload(key(7), L)
+        assert after["solo"] - before["solo"] == 1 and after["warmups"] - before["warmups"] == 1
+        assert after["helper_units"] == before["helper_units"] and after["jobs"] == before["jobs"]
+    finally:
+        sf.close()
+
+
+def test_the_helpers_are_started_and_stopped(mode):
+    _core.spill_helpers(3, 10)
+    st = _core.spill_helper_stats()
+    assert (st["helpers"], st["spin_us"]) == (3, 10)
+    assert _core.spill_helpers(1) == 1 and _core.spill_helper_stats()["helpers"] == 1
+    assert _core.spill_helper_stats()["spin_us"] == 10         # unchanged when not given
+    for bad in ((-1,), (9,), (1, -5), (1, 10**6)):
+        with pytest.raises(ValueError, match="spill_helpers"):
+            _core.spill_helpers(*bad)
+    assert _core.spill_helper_stats()["helpers"] == 1
+
+
+def test_a_forked_child_reads_without_the_parents_helpers(tmp_path, mode):
+    """A child forked while helpers run has none (they are not forked):
+    its reads run on its own thread, and do not wait for helpers."""
+    sf = make(tmp_path, L, n=8, nslots=8)
+    try:
+        _core.spill_helpers(2, 50, False)
+        pid = os.fork()
+        if pid == 0:                                        # the child: exit 0 when right
+            try:
+                (ok, _, _), bufs = read(sf, list(range(8)), L)
+                good = ok == 8 and bytes(bufs[7]) == payload(key(7), L)
+                os._exit(0 if good and _core.spill_helper_stats()["helpers"] == 0 else 1)
+            finally:
+                os._exit(2)
+        status = []
+
+        def reaped() -> bool:
+            p, st = os.waitpid(pid, os.WNOHANG)
+            if p == pid:
+                status.append(os.waitstatus_to_exitcode(st))
+            return bool(status)
+
+        try:
+            wait_for(reaped, what="the forked child's read", timeout=60)
+        except BaseException:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise
+        assert status == [0]
+    finally:
+        sf.close()

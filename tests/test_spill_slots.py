@@ -18,8 +18,10 @@ import psutil
 import pytest
 import xxhash
 
+from cxlkv.errors import SpillOldFormat
 from cxlkv.kv.tiers import spill
 from cxlkv.kv.tiers.spill import files
+from cxlkv.kv.tiers.spill.lru import Index
 from cxlkv.testing.checks import wait_for
 
 NSD = b"n" * 16
@@ -60,22 +62,25 @@ def test_slot_header_layout_is_pinned():
     """The 72-byte slot header, the file header and the file geometry, as
     written by this version (a change is a format version bump)."""
     assert files.HDR.format == "<4sBBHII16s16sQ" and files.HDR.size == 56
-    assert files.HDR_SIZE == 72 and files.MAGIC == b"CXSB" and files.VERSION == 2
+    assert files.HDR_SIZE == 72 and files.MAGIC == b"CXSB" and files.VERSION == 3
     assert (files.FREE, files.WRITING, files.LIVE) == (0, 1, 2)
     h = files.header(bytes(range(16)), b"N" * 16, 1000, 0x1122334455667788, 7)
     assert h.hex() == (
-        "43585342" "02" "02" "0000" "e8030000" "00000000"            # magic ver state - len -
+        "43585342" "03" "02" "0000" "e8030000" "00000000"            # magic ver state - len -
         "000102030405060708090a0b0c0d0e0f" + "4e" * 16 +             # key, namespace digest
-        "8877665544332211" "4eac6a59fb4d7e03" "0700000000000000")    # payload sum, hdr sum, stamp
+        "8877665544332211" "7be074afd9e55b0a" "0700000000000000")    # payload sum, hdr sum, stamp
     assert struct.unpack_from("<Q", h, 56)[0] == xxhash.xxh3_64_intdigest(h[:56])
     assert files.parse(h) == (bytes(range(16)), b"N" * 16, 1000, 0x1122334455667788)
     assert files.FILE_HDR.format == "<8sIIQQQQ" and files.FILE_MAGIC == b"CXLKVSF\0"
-    assert files.geometry(4096, 3) == {
+    assert files.geometry(4096, 3) == {                  # the payloads from 2 MiB on
         "slot_bytes": 4096, "slots": 3, "entries": 16, "window": 16, "index_off": 4096,
-        "hdr_off": 8192, "data_off": 12288, "size": 24576}
+        "hdr_off": 8192, "data_off": 2 << 20, "size": (2 << 20) + 3 * 4096}
     g = files.geometry(BB, 1000)
     assert (g["entries"], g["window"]) == (4096, 64)
-    assert g["data_off"] % 4096 == 0 and g["size"] == g["data_off"] + 1000 * BB
+    assert g["data_off"] == 2 << 20 and g["size"] == g["data_off"] + 1000 * BB
+    g = files.geometry(BB, 100_000)              # 4 MiB of index, 6.9 MiB of headers
+    assert g["data_off"] == 12 << 20 and g["data_off"] >= g["hdr_off"] + 100_000 * 72
+    assert files.geometry(4096, 3, files.OLD_VERSION)["data_off"] == 12288   # version 2
     assert files.slot_bytes(1) == files.slot_bytes(4096) == 4096 and files.slot_bytes(4097) == 8192
     assert spill.footprint(BB) == BB + 72 and spill.file_name(BB) == "slots-65536.dat"
     assert spill.USAGE.format == "<8sIIQQQ" and spill.USAGE_VERSION == 2 and spill.REC.size == 24
@@ -214,6 +219,7 @@ WRITER = r"""
 import struct, sys, threading
 from cxlkv.kv.tiers import spill
 from cxlkv.kv.tiers.spill import files
+from cxlkv.kv.tiers.spill.lru import Index
 d, limit = sys.argv[1], int(sys.argv[2])
 armed = threading.Event()
 if sys.argv[4] == "in-write":      # once armed: stop a writer between payload and header
@@ -445,6 +451,91 @@ def test_a_directory_of_the_old_format_is_migrated(tmp_path, caplog):
         st.close()
 
 
+def _v2_file(d, sb: int, nslots: int, blocks: dict) -> "os.PathLike":
+    """A slot file of format version 2 (the payloads 4 KiB aligned right
+    after the headers), written byte by byte: blocks = {slot: (key, data)}."""
+    geo = files.geometry(sb, nslots, files.OLD_VERSION)
+    img = bytearray(geo["size"])
+    img[:files.FILE_HDR.size] = files.FILE_HDR.pack(files.FILE_MAGIC, 2, 0, sb, nslots,
+                                                    geo["entries"], geo["window"])
+    for slot, (k, data) in blocks.items():
+        h = files.HDR.pack(b"CXSB", 2, files.LIVE, 0, len(data), 0, k, NSD,
+                           xxhash.xxh3_64_intdigest(data))
+        o = geo["hdr_off"] + slot * files.HDR_SIZE
+        img[o:o + files.HDR_SIZE] = h + struct.pack("<QQ", xxhash.xxh3_64_intdigest(h), 5)
+        o = geo["data_off"] + slot * sb
+        img[o:o + len(data)] = data
+    d.mkdir(parents=True, exist_ok=True)
+    f = d / files.file_name(sb)
+    f.write_bytes(bytes(img))
+    return f
+
+
+def test_a_slot_file_of_version_2_is_migrated(tmp_path, caplog):
+    """Slot files of format version 2: a reader refuses them with a clear
+    reason; the owner moves the blocks that verify into version 3 files
+    (payloads from 2 MiB on), drops the rest, and removes the old file; an
+    owner stopped mid-migration leaves it aside, and the next one finishes."""
+    d = tmp_path / "s"
+    blocks = {s: (key(s), payload(key(s))) for s in range(6)}
+    f = _v2_file(d, BB, 16, blocks)
+    raw = bytearray(f.read_bytes())
+    raw[files.geometry(BB, 16, 2)["data_off"] + 3 * BB + 7] ^= 1      # slot 3: a bad payload
+    f.write_bytes(bytes(raw))
+    with pytest.raises(SpillOldFormat, match="version 2"):
+        files.SlotFile.open(f)
+    with caplog.at_level(logging.WARNING, logger="cxlkv.kv.tiers.spill"):
+        st = spill.SpillStore(d, 64 * FP)
+    try:
+        assert [r.getMessage() for r in caplog.records if "migrated" in r.getMessage()] == [
+            f"spill: {f}: migrated 5 of its 5 verified spilled blocks from slot file format "
+            "version 2 (the rest did not fit or were there already)"]
+        assert sorted(p.name for p in d.glob("*slots-*")) == [files.file_name(BB)]
+        new = files.SlotFile.open(f, writable=False)
+        assert new.data_off == 2 << 20
+        new.close()
+        for s in (0, 1, 2, 4, 5):
+            assert st.get(key(s), NSD, BB) == payload(key(s))
+        assert st.get(key(3), NSD, BB) is None
+        assert st.stats()["used_bytes"] == 5 * FP
+    finally:
+        st.close()
+    # an owner that stopped after moving a file aside: the next one finishes it
+    aside = _v2_file(tmp_path / "old", BB, 16, {0: (key(0), payload(key(0))),
+                                                 9: (key(9), payload(key(9)))})
+    aside = aside.rename(d / (files.OLD_PREFIX + files.file_name(BB)))
+    _v2_file(d, 2 * BB, 4, {1: (key(20), payload(key(20), 2 * BB))})
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cxlkv.kv.tiers.spill"):
+        st = spill.SpillStore(d, 64 * FP)
+    try:
+        assert sorted(r.getMessage() for r in caplog.records if "migrated" in r.getMessage()) == [
+            f"spill: {aside}: migrated 1 of its 2 verified spilled blocks from slot file format "
+            "version 2 (the rest did not fit or were there already)",
+            f"spill: {d / files.file_name(2 * BB)}: migrated 1 of its 1 verified spilled blocks "
+            "from slot file format version 2 (the rest did not fit or were there already)"]
+        assert not aside.exists() and not files.old_slot_files(d)
+        assert st.get(key(9), NSD, BB) == payload(key(9))
+        assert st.get(key(0), NSD, BB) == payload(key(0))
+        assert st.get(key(20), NSD, 2 * BB) == payload(key(20), 2 * BB)
+        assert st.stats()["blocks"] == 7
+    finally:
+        st.close()
+
+
+def test_a_slot_file_of_another_version_is_refused(tmp_path):
+    """A slot file of a version this one does not know: a clear error, the
+    file left as it is."""
+    sf = files.SlotFile.create(tmp_path / files.file_name(4096), 4096, 2)
+    sf.close()
+    raw = bytearray(sf.path.read_bytes())
+    raw[8:12] = struct.pack("<I", 9)
+    sf.path.write_bytes(bytes(raw))
+    with pytest.raises(OSError, match=r"not a spill slot file of version 3 \(version 9\)"):
+        files.SlotFile.open(sf.path)
+    assert sf.path.read_bytes() == bytes(raw) and files.old_slot_files(tmp_path) == []
+
+
 # -- promotion reads runs --------------------------------------------------------------------
 
 def test_fetch_reads_a_run_and_stops_at_a_block_that_does_not_verify(tmp_path):
@@ -459,6 +550,9 @@ def test_fetch_reads_a_run_and_stops_at_a_block_that_does_not_verify(tmp_path):
         st.flush()
         got = st.fetch(ks, NSD, BB)
         assert [bytes(b) for b in got] == [payload(k) for k in ks]
+        # the buffers start on a page; the file's payloads on a 2 MiB boundary
+        assert all(np.frombuffer(b, np.uint8).ctypes.data % 4096 == 0 for b in got)
+        assert st._files[BB].data_off % (2 << 20) == 0
         path, off, _ = st.locate(ks[5], BB)
         poke(path, off + 4096, b"\xff" * 8)                 # block 5 damaged
         got = st.fetch(ks, NSD, BB)
@@ -469,3 +563,19 @@ def test_fetch_reads_a_run_and_stops_at_a_block_that_does_not_verify(tmp_path):
         assert st.fetch(ks, b"x" * 16, BB) == []            # another namespace: nothing
     finally:
         st.close()
+
+
+def test_the_index_touches_a_run_in_one_call():
+    """Index.touch_run: the locations of the leading keys indexed in one
+    slot file, each moved to the most recent end; it stops at a key not
+    indexed, one without a location or one of another slot size (that one
+    touched, as a key-by-key walk would)."""
+    ix = Index()
+    for i, loc in enumerate([(BB, 3), (BB, 4), (BB, 5), (2 * BB, 0), (BB, 9)]):
+        ix.remember(key(i), FP, 0, loc)
+    ix.remember(key(7), FP, 0, None)
+    assert ix.touch_run([key(0), key(1), key(2), key(3), key(4)]) == [(BB, 3), (BB, 4), (BB, 5)]
+    assert [k for k, _ in ix.items()][-4:] == [key(0), key(1), key(2), key(3)]
+    assert ix.touch_run([key(9), key(4)]) == [] and ix.touch_run([key(4)], 0) == [(BB, 9)]
+    assert ix.touch_run([key(4), key(7), key(0)]) == [(BB, 9)]
+    assert ix.touch_run([key(1), key(4)], 1) == [(BB, 9)]

@@ -19,7 +19,7 @@ except ImportError as e:  # pragma: no cover - depends on the build
 
 #: The interface version this Python code was written against; a stale or
 #: foreign build of the extension is refused at import.
-EXPECTED_ABI = 13
+EXPECTED_ABI = 14
 if _native.ABI_VERSION != EXPECTED_ABI:  # pragma: no cover - depends on the build
     raise ImportError(
         f"cxlkv C core ABI {_native.ABI_VERSION} does not match the Python code "
@@ -52,6 +52,8 @@ gather = _native.gather
 kv_copy = _native.kv_copy
 spill_read = _native.spill_read
 spill_layout = _native.spill_layout
+spill_helpers = _native.spill_helpers
+spill_helper_stats = _native.spill_helper_stats
 
 from cxlkv._core import copymode  # noqa: E402  (needs _native; sets the copy modes)
 
@@ -61,6 +63,6 @@ except UsageError as e:              # a bad CXLKV_COPY: the defaults, and say s
     logging.getLogger(__name__).warning("%s; using the default copy modes", e)
 
 __all__ = ["Mapping", "fence", "sfence", "cpu_info", "layout", "constants", "kv_chain", "kv_keys", "gather", "kv_copy",
-           "spill_read", "spill_layout",
+           "spill_read", "spill_layout", "spill_helpers", "spill_helper_stats",
            "copymode", "crashpoint",
            "CRASH_ENABLED"]

@@ -23,9 +23,12 @@ import time
 import numpy as np
 
 import cxlkv
+from cxlkv import _core
 from cxlkv.bench import harness
 from cxlkv.kv.cache import KVCache
+from cxlkv.errors import BenchRefused
 from cxlkv.kv.tiers import spill
+from cxlkv.kv.tiers.spill import store as spill_store
 
 MiB = harness.MiB
 BB = 256 * 1024
@@ -66,7 +69,9 @@ def interleaved(d, nbytes, chunk=32 * MiB):
     blocks as promotion asks for them, the O_DIRECT file read back, and the
     raw file read back into 8 reused buffers, one per block of a run (the
     destination the store's fetch has: a run's blocks are alive together).
-    Returns bytes/s for each."""
+    Returns bytes/s for each, and bytes per CPU second of the process (all
+    its threads: the store's writers and read helpers count) for the raw
+    and store phases ("*_cpu"), and the units the read helpers took."""
     buf = os.urandom(BB)
     al = mmap.mmap(-1, BB)                             # page aligned, for O_DIRECT
     al.write(buf)
@@ -75,7 +80,9 @@ def interleaved(d, nbytes, chunk=32 * MiB):
     keys = [os.urandom(16) for _ in range(nbytes // BB)]
     per = chunk // BB
     runbufs = [np.empty(BB, dtype=np.uint8) for _ in range(RUN)]
-    t = dict.fromkeys(("raw_w", "store_w", "dir_w", "raw_r", "store_r", "dir_r", "bufs_r"), 0.0)
+    t = dict.fromkeys(("raw_w", "store_w", "dir_w", "raw_r", "store_r", "dir_r", "bufs_r",
+                       "raw_w_cpu", "store_w_cpu", "raw_r_cpu", "store_r_cpu"), 0.0)
+    h0 = _core.spill_helper_stats()
     rfd = os.open(raw_f, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         dfd = os.open(dir_f, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
@@ -83,14 +90,14 @@ def interleaved(d, nbytes, chunk=32 * MiB):
         dfd = None
     try:
         for c in range(0, len(keys), per):
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             for _ in range(per):
                 os.write(rfd, buf)
-            t1 = time.perf_counter()
+            c1, t1 = time.process_time(), time.perf_counter()
             for k in keys[c:c + per]:
                 st.offer(k, b"n" * 16, buf)
             st.flush()
-            t2 = time.perf_counter()
+            c2, t2 = time.process_time(), time.perf_counter()
             if dfd is not None:
                 for i in range(c, c + per):
                     os.pwritev(dfd, [al], i * BB)
@@ -98,16 +105,18 @@ def interleaved(d, nbytes, chunk=32 * MiB):
             t["raw_w"] += t1 - t0
             t["store_w"] += t2 - t1
             t["dir_w"] += t3 - t2
+            t["raw_w_cpu"] += c1 - c0
+            t["store_w_cpu"] += c2 - c1
         for c in range(0, len(keys), per):
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             for i in range(c, c + per):
                 if len(os.pread(rfd, BB, i * BB)) != BB:
                     raise RuntimeError("spill bench: short raw read")
-            t1 = time.perf_counter()
+            c1, t1 = time.process_time(), time.perf_counter()
             for r in range(c, c + per, RUN):           # runs of blocks, as promotion asks
                 if len(st.fetch(keys[r:r + RUN], b"n" * 16, BB)) != len(keys[r:r + RUN]):
                     raise RuntimeError("spill bench: a block offered to the store is not there")
-            t2 = time.perf_counter()
+            c2, t2 = time.process_time(), time.perf_counter()
             if dfd is not None:
                 for i in range(c, c + per):
                     os.preadv(dfd, [al], i * BB)
@@ -120,6 +129,8 @@ def interleaved(d, nbytes, chunk=32 * MiB):
             t["store_r"] += t2 - t1
             t["dir_r"] += t3 - t2
             t["bufs_r"] += t4 - t3
+            t["raw_r_cpu"] += c1 - c0
+            t["store_r_cpu"] += c2 - c1
     finally:
         os.close(rfd)
         os.unlink(raw_f)
@@ -129,7 +140,10 @@ def interleaved(d, nbytes, chunk=32 * MiB):
         st.close()
         shutil.rmtree(os.path.join(d, "direct"))
     n = len(keys) * BB
-    return {k: (n / v if v else 0.0) for k, v in t.items()}
+    h1 = _core.spill_helper_stats()
+    hu, cu = (h1[k] - h0[k] for k in ("helper_units", "caller_units"))
+    return {**{k: (n / v if v else 0.0) for k, v in t.items()},
+            "helper_share": hu / (hu + cu) if hu + cu else 0.0, "helpers": h1["helpers"]}
 
 
 def raw_files(d, nbytes):
@@ -201,7 +215,9 @@ def spill_throughput(d, pool_path, nbytes):
 
 OWNER = """
 import sys
+from cxlkv.errors import BenchRefused
 from cxlkv.kv.tiers import spill
+from cxlkv.kv.tiers.spill import store as spill_store
 st = spill.SpillStore(sys.argv[1], int(sys.argv[2]), mode="owner")
 print("owner", flush=True)
 sys.stdin.read()
@@ -261,6 +277,9 @@ def add_arguments(ap) -> None:
     ap.add_argument("--mib", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=5,
                     help="interleaved rounds of the raw baselines and the store alone")
+    ap.add_argument("--read-helpers", type=int, default=None,
+                    help="helper threads of the spill read path (this process's; default: "
+                         f"the store's, {spill_store.READ_HELPERS} on this machine)")
 
 
 def run(a, progress) -> dict:
@@ -269,6 +288,11 @@ def run(a, progress) -> dict:
             harness.scratch("cxlkv-spill-bench-pool-") as pd:
         pool_path = os.path.join(pd, "bench.pool")
         nbytes = a.mib * MiB
+        helpers = spill_store.READ_HELPERS if a.read_helpers is None else a.read_helpers
+        if not 0 <= helpers <= spill_store.MAX_READ_HELPERS:
+            raise BenchRefused(f"--read-helpers must be 0..{spill_store.MAX_READ_HELPERS}")
+        _core.spill_helpers(helpers)            # process-wide; a store only ever adds some
+        spill_store.READ_HELPERS = helpers      # the default of the stores made below
         rounds = []
         for i in range(max(1, a.rounds)):
             progress(f"round {i + 1}: raw I/O, the spill store alone, raw O_DIRECT, interleaved")
@@ -277,6 +301,11 @@ def run(a, progress) -> dict:
                            "store_write_Bps": f["store_w"], "store_read_Bps": f["store_r"],
                            "direct_write_Bps": f["dir_w"], "direct_read_Bps": f["dir_r"],
                            "raw_read_run_bufs_Bps": f["bufs_r"],
+                           "raw_write_cpu_Bps": f["raw_w_cpu"],
+                           "store_write_cpu_Bps": f["store_w_cpu"],
+                           "raw_read_cpu_Bps": f["raw_r_cpu"],
+                           "store_read_cpu_Bps": f["store_r_cpu"],
+                           "read_helpers": f["helpers"], "helper_unit_share": f["helper_share"],
                            "store_vs_raw_write": f["store_w"] / f["raw_w"],
                            "store_vs_raw_read": f["store_r"] / f["raw_r"],
                            "store_vs_raw_read_run_bufs": f["store_r"] / f["bufs_r"],
@@ -303,6 +332,10 @@ def run(a, progress) -> dict:
                 "store_vs_raw_read_run_bufs": med["store_vs_raw_read_run_bufs"],
                 "direct_vs_raw_write": med["direct_vs_raw_write"],
                 "direct_vs_raw_read": med["direct_vs_raw_read"],
+                "store_vs_raw_read_cpu": med["store_read_cpu_Bps"] / med["raw_read_cpu_Bps"],
+                "store_vs_raw_write_cpu": med["store_write_cpu_Bps"] / med["raw_write_cpu_Bps"],
+                "read_helpers": rounds[0]["read_helpers"],
+                "helper_unit_share": med["helper_unit_share"],
                 "store_write_Bps": med["store_write_Bps"], "store_read_Bps": med["store_read_Bps"],
                 "raw_write_Bps": (rw, rw2), "raw_read_Bps": (rr, rr2), **sp,
                 "spill_vs_raw_write": sp["spill_write_Bps"] / ((rw + rw2) / 2),
@@ -328,13 +361,21 @@ def render(rep: dict) -> str:
             f"{r['raw_read_Bps'] / G:.2f}, store fetch+verify {r['store_read_Bps'] / G:.2f} "
             f"({r['store_vs_raw_read']:.2f}x; {r['store_vs_raw_read_run_bufs']:.2f}x raw into a "
             f"run's buffers, {r['raw_read_run_bufs_Bps'] / G:.2f}), O_DIRECT read "
-            f"{r['direct_read_Bps'] / G:.2f} ({r['direct_vs_raw_read']:.2f}x)")
+            f"{r['direct_read_Bps'] / G:.2f} ({r['direct_vs_raw_read']:.2f}x); per CPU second of "
+            f"the process: raw write {r['raw_write_cpu_Bps'] / G:.2f}, store write "
+            f"{r['store_write_cpu_Bps'] / G:.2f}, raw read {r['raw_read_cpu_Bps'] / G:.2f}, store "
+            f"read {r['store_read_cpu_Bps'] / G:.2f} GiB (helpers read "
+            f"{r['helper_unit_share']:.0%} of the units)")
     lines += [
         f"SpillStore alone (median of {len(rep['rounds'])} rounds): write "
         f"{rep['store_vs_raw_write']:.2f}x a raw sequential write of the same bytes, "
         f"fetch+verify {rep['store_vs_raw_read']:.2f}x a raw read "
         f"({rep['store_vs_raw_read_run_bufs']:.2f}x one into a run's 8 reused buffers); O_DIRECT "
         f"{rep['direct_vs_raw_write']:.2f}x / {rep['direct_vs_raw_read']:.2f}x buffered",
+        f"CPU per byte (the process's, medians): store write {rep['store_vs_raw_write_cpu']:.2f}x, "
+        f"store read {rep['store_vs_raw_read_cpu']:.2f}x the raw I/O's bytes per CPU second "
+        f"({rep['read_helpers']} read helper threads took {rep['helper_unit_share']:.0%} of the "
+        "units)",
         f"raw sequential write {rw / G:.2f} / {rw2 / G:.2f} GiB/s (before/after the end to end "
         f"run), read {rr / G:.2f} / {rr2 / G:.2f} GiB/s",
         f"raw one file per block (the old layout): write {fw / G:.2f} GiB/s, "

@@ -287,6 +287,12 @@ PyObject *mod_set_copy_modes(PyObject *self, PyObject *args);
 /* spill.c: the spill tier's verify-and-copy read of slot runs */
 PyObject *mod_spill_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *mod_spill_layout(PyObject *self, PyObject *ignored);
+/* spill_pool.c: helper threads sharing a spill read's units with its caller */
+typedef void (*spill_unit_fn)(void *ctx, Py_ssize_t unit);
+void cxlkv_spill_pool_run(spill_unit_fn fn, void *ctx, Py_ssize_t nunits,
+                          _Atomic Py_ssize_t *limit);
+PyObject *mod_spill_helpers(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *mod_spill_helper_stats(PyObject *self, PyObject *ignored);
 /* journal.c */
 PyObject *Mapping_journal_append(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 

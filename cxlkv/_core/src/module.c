@@ -17,7 +17,7 @@
 /* Bump when the Python-visible interface changes; cxlkv/_core/__init__.py
  * refuses to import a build with a different number (a stale build must fail
  * loudly, not strangely). */
-#define CXLKV_NATIVE_ABI 13
+#define CXLKV_NATIVE_ABI 14
 
 PyObject *cxlkv_RangeError;   /* set by _native.set_error_types() */
 PyObject *cxlkv_CorruptError; /* impossible pool metadata; set by set_error_types() */
@@ -188,6 +188,13 @@ static PyMethodDef module_methods[] = {
      "spill_read(fd, meta, hdr_off, nslots, data_off, slot_bytes, slots, keys, ns_digest, length, "
      "bufs, read_bytes, snap=None) -> (ok, status, errno): read and verify a run of spill slots "
      "into bufs, GIL released, bounds-checked; stops at the first slot that fails (spill.c)"},
+    {"spill_helpers", (PyCFunction)(void (*)(void))mod_spill_helpers, METH_FASTCALL,
+     "spill_helpers(n, spin_us=None, caller_works=None) -> helpers: start or stop the helper "
+     "threads that share spill_read's units with its caller (process-wide; spill_pool.c; "
+     "None: unchanged)"},
+    {"spill_helper_stats", mod_spill_helper_stats, METH_NOARGS,
+     "the spill read helpers: their number (and asleep), spin, jobs posted and run alone, "
+     "wake-ups, units each side ran"},
     {"spill_layout", mod_spill_layout, METH_NOARGS,
      "the spill slot header (spill_format.h) and spill_read's statuses"},
     {"crashpoint", mod_crashpoint, METH_O,

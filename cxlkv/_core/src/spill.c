@@ -51,6 +51,7 @@
 #include <endian.h>
 #include <errno.h>
 #include <limits.h>
+#include <stdatomic.h>
 #include <string.h>
 #include <sys/uio.h>
 
@@ -146,68 +147,112 @@ read_all(int fd, struct iovec *iov, int cnt, off_t off, int *err)
 struct spill_req {
     int fd;
     const uint8_t *hdrs;        /* the slot headers in the mapping */
-    uint64_t data_off, slot_bytes, length, read_bytes;
-    Py_ssize_t n;
+    uint64_t data_off, slot_bytes, length;
     const uint64_t *slots;      /* validated: < nslots */
     const uint8_t *keys, *ns;
     char **dst;
     uint8_t *snaps;             /* n x SNAP */
     uint64_t *psums;            /* n */
+    struct spill_unit *units;
+    _Atomic Py_ssize_t limit;   /* the first unit known to fail: later ones are not started */
 };
 
-/* The verify-and-copy loop (GIL released): the good leading slots. */
+/* a unit: slots [first, first + n), adjacent full slots (one preadv); its
+ * result: the good leading slots, the status of the one it stopped at */
+struct spill_unit {
+    Py_ssize_t first, n, good;
+    int status, err;
+};
+
+/* Cut slots[0..n) into units: adjacent slots of full-slot payloads, up to
+ * IOV_CAP of them and read_bytes bytes each (one slot at least). */
 static Py_ssize_t
-spill_run(const struct spill_req *r, int *status, int *err)
+cut_units(const uint64_t *slots, Py_ssize_t n, uint64_t length, uint64_t slot_bytes,
+          uint64_t read_bytes, struct spill_unit *units)
 {
-    struct iovec iov[IOV_CAP];
-    Py_ssize_t i = 0;
-    while (i < r->n) {
-        /* a group: adjacent slots with verified headers, one preadv */
-        Py_ssize_t j = i;
-        int st;
-        uint64_t bytes = 0;
-        for (;;) {
-            st = check_header(r->hdrs + r->slots[j] * HDR_BYTES, r->snaps + j * SNAP,
-                              r->keys + j * 16, r->ns, r->length, &r->psums[j]);
-            if (st != SPILL_OK)
-                break;
-            iov[j - i].iov_base = r->dst[j];
-            iov[j - i].iov_len = (size_t)r->length;
-            bytes += r->length;
+    Py_ssize_t nu = 0, i = 0;
+    while (i < n) {
+        Py_ssize_t j = i + 1;
+        uint64_t bytes = length;
+        while (j < n && j - i < IOV_CAP && length == slot_bytes && slots[j] == slots[j - 1] + 1 &&
+               bytes + length <= read_bytes) {
+            bytes += length;
             j++;
-            if (j == r->n || j - i == IOV_CAP || r->length != r->slot_bytes ||
-                r->slots[j] != r->slots[j - 1] + 1 || bytes + r->length > r->read_bytes)
-                break;
         }
-        if (j > i) {
-            int e = 0;
-            uint64_t got = read_all(r->fd, iov, (int)(j - i),
-                                    (off_t)(r->data_off + r->slots[i] * r->slot_bytes), &e);
-            cxlkv_crashpoint("spill.read");   /* tests: a stall between read and checks */
-            for (Py_ssize_t m = i; m < j; m++) {
-                if (memcmp(r->hdrs + r->slots[m] * HDR_BYTES, r->snaps + m * SNAP, SNAP) != 0) {
-                    *status = SPILL_CHANGED;
-                    return m;
-                }
-                if (got < (uint64_t)(m - i + 1) * r->length) {
-                    *status = e ? SPILL_IOERR : SPILL_SHORT;
-                    *err = e;
-                    return m;
-                }
-                if (payload_sum(r->dst[m], (size_t)r->length) != r->psums[m]) {
-                    *status = SPILL_BADSUM;
-                    return m;
-                }
-            }
-        }
-        if (st != SPILL_OK) {
-            *status = st;
-            return j;
-        }
+        units[nu++] = (struct spill_unit){.first = i, .n = j - i};
         i = j;
     }
+    return nu;
+}
+
+/* One unit (any thread; no Python): check the headers, read the payloads of
+ * the leading slots whose headers check (one preadv), then for each compare
+ * the header with its copy, the bytes read and the payload's checksum. */
+static void
+run_unit(void *ctx, Py_ssize_t u)
+{
+    struct spill_req *r = ctx;
+    struct spill_unit *un = &r->units[u];
+    struct iovec iov[IOV_CAP];
+    Py_ssize_t i = un->first, end = un->first + un->n, j = i;
+    int st = SPILL_OK;
+    un->err = 0;
+    for (; j < end; j++) {
+        st = check_header(r->hdrs + r->slots[j] * HDR_BYTES, r->snaps + j * SNAP,
+                          r->keys + j * 16, r->ns, r->length, &r->psums[j]);
+        if (st != SPILL_OK)
+            break;
+        iov[j - i].iov_base = r->dst[j];
+        iov[j - i].iov_len = (size_t)r->length;
+    }
+    if (j > i) {
+        int e = 0;
+        uint64_t got = read_all(r->fd, iov, (int)(j - i),
+                                (off_t)(r->data_off + r->slots[i] * r->slot_bytes), &e);
+        cxlkv_crashpoint("spill.read");       /* tests: a stall between read and checks */
+        for (Py_ssize_t m = i; m < j; m++) {
+            int bad = SPILL_OK;
+            if (memcmp(r->hdrs + r->slots[m] * HDR_BYTES, r->snaps + m * SNAP, SNAP) != 0)
+                bad = SPILL_CHANGED;
+            else if (got < (uint64_t)(m - i + 1) * r->length) {
+                bad = e ? SPILL_IOERR : SPILL_SHORT;
+                un->err = e;
+            } else if (payload_sum(r->dst[m], (size_t)r->length) != r->psums[m])
+                bad = SPILL_BADSUM;
+            if (bad != SPILL_OK) {
+                j = m;
+                st = bad;
+                break;
+            }
+        }
+    }
+    un->good = j - i;
+    un->status = st;
+    if (st != SPILL_OK) {                     /* later units need not be read */
+        Py_ssize_t lim = atomic_load(&r->limit);
+        while (u + 1 < lim && !atomic_compare_exchange_weak(&r->limit, &lim, u + 1))
+            ;
+    }
+}
+
+/* The verify-and-copy of a run (GIL released): its units on this thread and
+ * the helpers (spill_pool.c); the good leading slots. */
+static Py_ssize_t
+spill_run(struct spill_req *r, Py_ssize_t nunits, int *status, int *err)
+{
+    atomic_init(&r->limit, nunits);
+    cxlkv_spill_pool_run(run_unit, r, nunits, &r->limit);
+    Py_ssize_t ok = 0, lim = atomic_load(&r->limit);
+    for (Py_ssize_t u = 0; u < lim; u++) {
+        ok += r->units[u].good;
+        if (r->units[u].good < r->units[u].n) {
+            *status = r->units[u].status;
+            *err = r->units[u].err;
+            return ok;
+        }
+    }
     *status = SPILL_OK;
-    return r->n;
+    return ok;
 }
 
 PyObject *
@@ -233,6 +278,7 @@ mod_spill_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     char **dst = NULL;
     uint8_t *snaps = NULL;
     uint64_t *psums = NULL;
+    struct spill_unit *units = NULL;
     PyObject *seq = NULL, *res = NULL;
     Py_ssize_t n = 0, held = 0;
 
@@ -301,7 +347,8 @@ mod_spill_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         dst = PyMem_Malloc((size_t)n * sizeof *dst);
         snaps = PyMem_Malloc((size_t)n * SNAP);
         psums = PyMem_Malloc((size_t)n * sizeof *psums);
-        if (!bufs || !dst || !snaps || !psums) {
+        units = PyMem_Malloc((size_t)n * sizeof *units);
+        if (!bufs || !dst || !snaps || !psums || !units) {
             PyErr_NoMemory();
             goto done;
         }
@@ -321,14 +368,15 @@ mod_spill_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
     struct spill_req r = {
         .fd = fd, .hdrs = (const uint8_t *)meta.buf + hdr_off, .data_off = data_off,
-        .slot_bytes = slot_bytes, .length = length,
-        .read_bytes = read_bytes, .n = n, .slots = slots, .keys = keys.buf, .ns = ns.buf,
-        .dst = dst, .snaps = snaps, .psums = psums,
+        .slot_bytes = slot_bytes, .length = length, .slots = slots, .keys = keys.buf,
+        .ns = ns.buf, .dst = dst, .snaps = snaps, .psums = psums, .units = units,
     };
     int status = SPILL_OK, err = 0;
-    Py_ssize_t ok;
+    Py_ssize_t ok = 0;
     Py_BEGIN_ALLOW_THREADS
-    ok = spill_run(&r, &status, &err);
+    if (n > 0)
+        ok = spill_run(&r, cut_units(slots, n, length, slot_bytes, read_bytes, units),
+                       &status, &err);
     Py_END_ALLOW_THREADS
     if (snap.obj && ok < n)
         memcpy(snap.buf, snaps + ok * SNAP, SNAP);
@@ -340,6 +388,7 @@ done:
     PyMem_Free(dst);
     PyMem_Free(snaps);
     PyMem_Free(psums);
+    PyMem_Free(units);
     Py_XDECREF(seq);
     if (snap.obj)
         PyBuffer_Release(&snap);

@@ -19,7 +19,8 @@
 #include <stdint.h>
 
 #define CXLKV_SPILL_MAGIC      "CXSB"      /* 4 bytes, no NUL */
-#define CXLKV_SPILL_VERSION    2u          /* 1 was one file per block */
+#define CXLKV_SPILL_VERSION    3u          /* 1: one file per block; 2: payloads 4 KiB
+                                              * aligned in the file (now 2 MiB: files.py) */
 #define CXLKV_SPILL_FREE       0u
 #define CXLKV_SPILL_WRITING    1u
 #define CXLKV_SPILL_LIVE       2u

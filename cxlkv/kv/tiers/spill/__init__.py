@@ -28,8 +28,8 @@ local disk instead of being dropped, and come back on a later hit.
   the first block of that size is written with as many slots as the limit
   holds: a hash index of its slots, their 72-byte headers (magic, format
   version, state, payload length, pool key, namespace digest, xxh3-64 of
-  the payload, xxh3-64 of the header, a stamp) and the payloads (layout in
-  `files`).  A writer thread takes a batch of queued blocks, claims a free
+  the payload, xxh3-64 of the header, a stamp) and the payloads, from a
+  2 MiB boundary on (format version 3; layout in `files`).  A writer thread takes a batch of queued blocks, claims a free
   slot for each (one flock of ``DIR/.usage``), writes the payloads with
   pwritev (adjacent slots in one call) and then publishes their headers
   (one flock).  Not fsynced: it is a cache.  A block is read back only when
@@ -41,7 +41,12 @@ local disk instead of being dropped, and come back on a later hit.
   (slots of writers that are gone freed).  A directory in the old
   one-file-per-block format (``DIR/<2 hex>/<key>.blk``) is migrated by the
   owner when it opens it (blocks verified, moved into slots, old files
-  removed; logged).
+  removed; logged), and so are slot files of format version 2 (payloads
+  right after the headers).
+* Reads (`fetch`, `get`): one C call per run of slots, the GIL released
+  (`_core.spill_read`), into page-aligned buffers that fetch reuses;
+  ``read_helpers`` (0 by default) helper threads can share a run's units
+  (cxlkv/_core/src/spill_pool.c; measured in the README).
 * The size limit is the owner's (``max_bytes``: slot and header bytes),
   kept with a shared counter in ``DIR/.usage``: a writer claims its slots
   and adds their bytes under a short flock on that file, and only when the

@@ -10,7 +10,14 @@ A slot file::
                 (key fingerprint << 32 | slot + 1); a key's entry is in the
                 `window` words from (key's first 8 bytes mod entries)
     ...         the slot headers: `slots` x 72 bytes (HDR)
-    ...         the payloads: `slots` x slot bytes, 4 KiB aligned
+    ...         the payloads: `slots` x slot bytes, from a 2 MiB aligned
+                offset (DATA_ALIGN; a hole before it)
+
+The payload area starts on a 2 MiB boundary so that a slot's payload lies
+at file offsets the page cache's large folios cover whole: at the 4 KiB
+aligned offset of version 2 (right after the headers) buffered writes made
+small folios, and reading them back cost more CPU (README, Spill at line
+rate).
 
 The first three parts (the metadata) are mapped by every process of the
 store; payloads are read and written with preadv / pwritev.
@@ -33,8 +40,13 @@ therefore a miss, never a wrong block: the payload is written before its
 header turns LIVE, and a crash between the two leaves a WRITING slot, freed
 by the next owner's recount.
 
-The old format (one ``DIR/<2 hex>/<32 hex key>.blk`` file per block,
-version 1) is migrated by the owner when it opens the directory (`legacy`).
+Older formats are migrated by the owner when it opens the directory: one
+``DIR/<2 hex>/<key>.blk`` file per block (version 1, `legacy_*`), and slot
+files of version 2 (the same headers, the payloads right after them: moved
+aside to ``DIR/.v2-slots-<bytes>.dat``, their verified blocks written into
+version 3 files, then removed: `old_slot_files`, `old_blocks`).  A slot
+file of any other version is refused (`SlotFile.open` raises) and left
+alone.
 """
 from __future__ import annotations
 
@@ -48,14 +60,17 @@ import numpy as np
 import xxhash
 
 from cxlkv import _core
+from cxlkv.errors import SpillOldFormat
 
 #: a slot file's header: magic, version, reserved, slot bytes, slots, index
 #: entries (a power of two), probe window
 FILE_MAGIC = b"CXLKVSF\0"
 FILE_HDR = struct.Struct("<8sIIQQQQ")
-#: a slot header's magic and the format version (1 was one file per block)
+#: a slot header's magic and the format version (1 was one file per block,
+#: 2 the payloads 4 KiB aligned right after the headers)
 MAGIC = b"CXSB"
-VERSION = 2
+VERSION = 3
+OLD_VERSION = 2
 FREE, WRITING, LIVE = 0, 1, 2
 #: the checksummed fields, in order (| xxh3-64 of those 56 bytes | stamp)
 _FIELDS = (("magic", "4s"), ("version", "B"), ("state", "B"), ("reserved0", "H"),
@@ -96,6 +111,8 @@ IOERR = STATUS["ioerr"]
 #: bytes, then verifies them while they are still in cache
 READ_BYTES = 1 << 20
 ALIGN = 4096
+#: where the payload area starts (a multiple of; version 3)
+DATA_ALIGN = 2 << 20
 #: index entries per slot (a load of at most 1/4) and the probe window
 INDEX_PER_SLOT = 4
 WINDOW = 64
@@ -126,19 +143,20 @@ def file_slot_bytes(name: str) -> int | None:
     return int(mid) if mid.isdigit() and int(mid) % ALIGN == 0 and int(mid) > 0 else None
 
 
-def _up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+def _up(n: int, align: int = ALIGN) -> int:
+    return -(-n // align) * align
 
 
-def geometry(sbytes: int, nslots: int) -> dict:
-    """Offsets of a slot file of `nslots` slots of `sbytes`."""
+def geometry(sbytes: int, nslots: int, version: int = VERSION) -> dict:
+    """Offsets of a slot file of `nslots` slots of `sbytes` (of format
+    `version`: this one, or OLD_VERSION to migrate one)."""
     entries = 1
     while entries < INDEX_PER_SLOT * max(1, nslots):
         entries <<= 1
     window = min(WINDOW, entries)
     tbl = ALIGN
     hdr = tbl + _up((entries + window) * 8)
-    data = hdr + _up(nslots * HDR_SIZE)
+    data = _up(hdr + nslots * HDR_SIZE, DATA_ALIGN if version == VERSION else ALIGN)
     return {"slot_bytes": sbytes, "slots": nslots, "entries": entries, "window": window,
             "index_off": tbl, "hdr_off": hdr, "data_off": data,
             "size": data + nslots * sbytes}
@@ -150,11 +168,11 @@ def header(key: bytes, ns_digest: bytes, length: int, psum: int, stamp: int) -> 
     return h + struct.pack("<QQ", xxhash.xxh3_64_intdigest(h), stamp)
 
 
-def parse(raw) -> tuple | None:
-    """(key, ns digest, length, payload checksum) of a LIVE header that
-    verifies, else None."""
+def parse(raw, version: int = VERSION) -> tuple | None:
+    """(key, ns digest, length, payload checksum) of a LIVE header of
+    format `version` that verifies, else None."""
     magic, ver, state, _, length, _, key, nsd, psum = HDR.unpack_from(raw)
-    if magic != MAGIC or ver != VERSION or state != LIVE:
+    if magic != MAGIC or ver != version or state != LIVE:
         return None
     if struct.unpack_from("<Q", raw, _SUM)[0] != xxhash.xxh3_64_intdigest(bytes(raw[:_SUM])):
         return None
@@ -231,8 +249,13 @@ class SlotFile:
             if len(raw) < FILE_HDR.size:
                 raise OSError(f"{path}: not a spill slot file (truncated header)")
             magic, ver, _, sb, ns, ent, win = FILE_HDR.unpack(raw)
+            if magic == FILE_MAGIC and ver == OLD_VERSION:
+                raise SpillOldFormat(f"{path}: a spill slot file of version {ver} (migrated by "
+                                     "the store's owner when it opens the directory)",
+                                     path=str(path))
             if magic != FILE_MAGIC or ver != VERSION:
-                raise OSError(f"{path}: not a spill slot file of version {VERSION}")
+                raise OSError(f"{path}: not a spill slot file of version {VERSION}"
+                              + (f" (version {ver})" if magic == FILE_MAGIC else ""))
             geo = geometry(sb, ns)
             if (sb, ent, win) != (file_slot_bytes(path.name), geo["entries"], geo["window"]):
                 raise OSError(f"{path}: inconsistent slot file header")
@@ -456,6 +479,59 @@ def write_all(fd: int, bufs, off: int) -> None:
             views.pop(0)
         if views and n:
             views[0] = views[0][n:]
+
+
+# -- version 2 slot files: migrated by the owner ------------------------------------------
+#: a version 2 slot file moved aside by the owner migrating it
+OLD_PREFIX = ".v2-"
+
+
+def old_slot_files(root: Path) -> list[Path]:
+    """Version 2 slot files under `root`: by a slot file's name, or one
+    moved aside (OLD_PREFIX) by an owner that stopped while migrating it."""
+    out = []
+    for f in root.iterdir():
+        name = f.name[len(OLD_PREFIX):] if f.name.startswith(OLD_PREFIX) else f.name
+        if file_slot_bytes(name) is None:
+            continue
+        try:
+            with open(f, "rb") as fh:
+                raw = fh.read(FILE_HDR.size)
+        except OSError:
+            continue
+        if len(raw) == FILE_HDR.size and FILE_HDR.unpack(raw)[:2] == (FILE_MAGIC, OLD_VERSION):
+            out.append(f)
+    return out
+
+
+def old_blocks(path: Path, batch: int):
+    """The blocks of a version 2 slot file that verify (header and payload
+    checksums, a length that fits the slot), in lists of up to `batch`
+    (key, ns digest, payload); what does not verify is skipped, as is what
+    lies past the end of a truncated file.  Plain preads, no mapping."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _, _, _, sb, ns, _, _ = FILE_HDR.unpack(os.pread(fd, FILE_HDR.size, 0))
+        if sb <= 0 or sb % ALIGN or sb >= 1 << 32 or ns >= 1 << 32:
+            return
+        geo = geometry(sb, ns, OLD_VERSION)
+        hdrs = os.pread(fd, ns * HDR_SIZE, geo["hdr_off"])
+        out = []
+        for slot in range(len(hdrs) // HDR_SIZE):
+            p = parse(hdrs[slot * HDR_SIZE:(slot + 1) * HDR_SIZE], OLD_VERSION)
+            if p is None or p[2] > sb:
+                continue
+            data = os.pread(fd, p[2], geo["data_off"] + slot * sb)
+            if len(data) != p[2] or xxhash.xxh3_64_intdigest(data) != p[3]:
+                continue
+            out.append((p[0], p[1], data))
+            if len(out) == batch:
+                yield out
+                out = []
+        if out:
+            yield out
+    finally:
+        os.close(fd)
 
 
 # -- the old format (version 1, one file per block): migrated by the owner -----------------
