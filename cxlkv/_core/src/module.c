@@ -17,7 +17,7 @@
 /* Bump when the Python-visible interface changes; cxlkv/_core/__init__.py
  * refuses to import a build with a different number (a stale build must fail
  * loudly, not strangely). */
-#define CXLKV_NATIVE_ABI 13
+#define CXLKV_NATIVE_ABI 14
 
 PyObject *cxlkv_RangeError;   /* set by _native.set_error_types() */
 PyObject *cxlkv_CorruptError; /* impossible pool metadata; set by set_error_types() */
@@ -112,6 +112,9 @@ static PyMethodDef Mapping_methods[] = {
     FAST(kv_lookup, "kv_lookup(table, nslots, ns, keys, out_idx, out_ctl, out_payload, out_len, stop_at_miss) -> found"),
     FAST(kv_insert, "kv_insert(table, nslots, hdr, max_used, ns, tenant, length, owner, keys, parent, payloads, out_idx, out_status) -> (processed, used, full); pool lock held"),
     FAST(kv_set_state, "kv_set_state(table, nslots, idx, from, to, owner, stamp, new_owner=0) -> changed; pool lock held"),
+    FAST(kv_usage, "kv_usage(tenants, max_tenants, tenant) -> (bytes used by active tenants, tenant's quota, tenant's bytes used); pool lock held"),
+    FAST(kv_account, "kv_account(ns_record, tenant_record, blocks, nbytes): add newly reserved blocks to both records' counts and nbytes to the tenant's bytes used; pool lock held"),
+    FAST(node_fresh, "node_fresh(off, word, deadline_ns) -> True when CLOCK_MONOTONIC has not passed deadline_ns and the word at off (invalidated first) is `word`: the attached node's guard in one call"),
     FAST(kv_stamp, "kv_stamp(table, nslots, idx, stamp) -> stamped; pool lock held"),
     FAST(kv_in_flight, "kv_in_flight(table, nslots, out) -> found: entries in WRITING, PENDING or EVICTING (first len(out) indices to out)"),
     FAST(kv_remove, "kv_remove(table, nslots, hdr, idx) -> parent + 1; pool lock held"),
