@@ -39,6 +39,10 @@ MIN_BLOCK_BYTES = 64
 MAX_BLOCK_BYTES = 1 << 31
 #: each counter's word in a STATS record
 _STAT_WORD = {name: i for i, name in enumerate(STATS.names)}
+#: the head of a namespace record _check_namespace reads: the name, then the state word
+_NS_STATE = layout.field_offset(layout.KVNsStruct, "state")
+_NS_HEAD = _NS_STATE + 4
+_ACTIVE_STATE = layout.KV_REC_ACTIVE.to_bytes(4, "little")
 #: stores tried again after their reservation met a chunk retired meanwhile
 RETIRED_RETRIES = 2
 #: pool object -> {(namespace, its counters' offset): (lock, counter words)}: this
@@ -86,6 +90,7 @@ class KVCache:
         self._names = block_names.Names.of(pool)
         self.m = pool.mapping
         self.name = model
+        self._name0 = name + b"\0"           # as the record holds it (NUL-padded)
         self.block_tokens = block_tokens
         self.block_bytes = block_bytes
         self.hash = hash
@@ -195,13 +200,17 @@ class KVCache:
     def _check_tenant(self) -> None:
         """Under the lock: our tenant record is still ours (an idle record
         may have been handed to another tenant meanwhile)."""
-        if self.tenant and bytes(self.area.tenant_record(self.tenant).salt) != self._salt:
+        a = self.area
+        if self.tenant and a._read(a.tenant_off(self.tenant), 16) != self._salt:
             self.tenant = self._open_tenant(None)
 
     def _check_namespace(self) -> None:
-        """Under the lock: our record still names us (not dropped meanwhile)."""
-        r = self.area.ns_record(self.ns)
-        if r.state != layout.KV_REC_ACTIVE or r.name != self.name.encode():
+        """Under the lock: our record still names us (not dropped meanwhile):
+        ACTIVE, and its name is ours followed by a NUL (one read of the name
+        and state words)."""
+        a = self.area
+        raw = a._read(a.ns_off(self.ns), _NS_HEAD)
+        if raw[_NS_STATE:] != _ACTIVE_STATE or raw[:len(self._name0)] != self._name0:
             self.ns = self._open_namespace(self.name.encode(), None)
             self._stats_off = self.area.stats_off(self.pool.node.slot, self.ns)
             _SHARED_COUNTERS.get(self.pool, {}).pop((self.ns, self._stats_off), None)
@@ -503,8 +512,10 @@ class KVCache:
                                 hint="release loaded views, or re-format with more --hash-slots")
                     else:                       # more absent blocks than reserved
                         pay = np.concatenate([pay, self._alloc(n - pos)])
-                new = np.flatnonzero(status[:pos] == 0)
-                self._account(len(new))
+                # each new entry took one payload (kv_insert status 0):
+                # which ones they are is worked out after the lock
+                self._account(used_total)
+            new = np.flatnonzero(status[:pos] == 0)
             if used_total < len(pay):
                 self.pool.free_batch(pay[used_total:], zero=False)
                 pay = pay[:used_total]
@@ -526,14 +537,17 @@ class KVCache:
                 self._names.write(node, slots[new], keys[new], names[new])
             if CRASH_ENABLED:
                 crashpoint("kv.copied")
+            mine = slots[new]
+            publish = self.pool.allocator.publish_guarded
             with self.pool.lock():
                 node.guard()
-                self.pool.publish(pay)
-                m.kv_set_state(a.table, a.nslots, slots[new], layout.KV_PENDING,
-                               layout.KV_PUBLISHED,
+                # pool.publish without its own section and second guard: this
+                # store is a section in flight (_store) and guard() just ran
+                publish(pay)
+                m.kv_set_state(a.table, a.nslots, mine, layout.KV_PENDING, layout.KV_PUBLISHED,
                                token, stamp())
                 published = True
-                a.journal.append(journal.STORED, slots[new])
+                a.journal.append(journal.STORED, mine)
         except BaseException:
             if not published:
                 self._abandon(slots[:pos][status[:pos] == 0], pay)
@@ -561,28 +575,26 @@ class KVCache:
             start = stop
 
     def _account(self, blocks: int) -> None:
-        """Namespace and tenant usage for newly reserved blocks (lock held)."""
+        """Namespace and tenant usage for newly reserved blocks (lock held):
+        one C call adds to both records."""
         if not blocks:
             return
         a = self.area
-        r = a.ns_record(self.ns)
-        r.blocks += blocks
-        a.write_record(a.ns_off(self.ns), r)
-        t = a.tenant_record(self.tenant)
-        t.blocks += blocks
-        t.used += blocks * self.slot_size
-        a.write_record(a.tenant_off(self.tenant), t)
+        self.m.kv_account(a.ns_off(self.ns), a.tenant_off(self.tenant), blocks,
+                          blocks * self.slot_size)
 
     def _make_room(self, blocks: int, keep=None) -> None:
-        """Quota and low watermark, before reserving `blocks` (lock held)."""
+        """Quota and low watermark, before reserving `blocks` (lock held).
+        The common case (no quota, room above the watermark) is one C pass
+        over the tenant records (Mapping.kv_usage)."""
         a = self.area
         need = blocks * self.slot_size
-        recs = a.tenants()
-        if recs[self.tenant]["quota"]:
+        used, quota, _ = self.m.kv_usage(a.tenant_off(0), a.max_tenants, self.tenant)
+        if quota:
             self._within_quota(blocks, need, keep)
-            recs = a.tenants()
+            used = self.m.kv_usage(a.tenant_off(0), a.max_tenants, self.tenant)[0]
         size = a.data_size()
-        free = size - a.used_bytes(recs) - need
+        free = size - used - need
         if free < LOW_WATERMARK * size:
             # inline: back to the low watermark and a small batch more; the
             # node agent evicts in the background up to the high watermark

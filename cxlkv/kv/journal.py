@@ -161,6 +161,9 @@ class Writer:
         self.pool = pool
         self._geo: _Geometry | None = None
         self._none = np.zeros(0, dtype=np.uint64)
+        # journal_append's fixed arguments for the node that appends
+        # (owner token first: a node re-attached on another slot gets new ones)
+        self._args: tuple | None = None
 
     def require(self) -> None:
         require(self.pool)
@@ -169,19 +172,22 @@ class Writer:
         """Record entries `idx` (entry indices; an int or an array) as STORED
         or EVICTED - the entries must still hold their key and fields - or
         namespace `ns` as cleared.  Returns the ring's head."""
-        g = self._geo
-        if g is None:
-            g = self._geo = _Geometry(self.pool)
         node = self.pool.node
+        a = self._args
+        if a is None or a[0] != node.owner_token:
+            g = self._geo
+            if g is None:
+                g = self._geo = _Geometry(self.pool)
+            nm = g.names
+            a = self._args = (node.owner_token, g.m, g.hdr, g.ring_off(node.slot), g.nrec,
+                              g.table, g.nslots, nm.table if nm else 0,
+                              nm.ring(node.slot) if nm else 0, nm.entry_size if nm else 0)
         if idx is None:
             idx = self._none
         elif not isinstance(idx, np.ndarray) or idx.dtype != np.uint64 or idx.ndim != 1:
             idx = np.ascontiguousarray(np.atleast_1d(idx), dtype=np.uint64)
-        nm = g.names
-        return g.m.journal_append(g.hdr, g.ring_off(node.slot), g.nrec, g.table, g.nslots, op,
-                                  node.owner_token, max(1, time.time_ns() // 1000), idx, ns,
-                                  nm.table if nm else 0, nm.ring(node.slot) if nm else 0,
-                                  nm.entry_size if nm else 0)
+        return a[1].journal_append(a[2], a[3], a[4], a[5], a[6], op, a[0],
+                                   max(1, time.time_ns() // 1000), idx, ns, a[7], a[8], a[9])
 
 
 @dataclasses.dataclass

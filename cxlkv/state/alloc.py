@@ -428,6 +428,12 @@ class Allocator:
             with self.pool.lock():
                 return self.publish(arr)
         self.pool.node.guard()             # a fenced node publishes nothing
+        return self.publish_guarded(arr)
+
+    def publish_guarded(self, arr: np.ndarray) -> int:
+        """publish() for a caller that holds the pool lock and has just
+        proved this node fresh (guard()) in the same hold, inside a section
+        in flight (Attachment.enter): `arr` a contiguous uint64 array."""
         self.check_retired(arr)
         try:
             return self.m.slab_publish(arr)

@@ -491,6 +491,10 @@ class Attachment:
         # freshness: writes need a beat younger than FRESH_SHARE of the lease
         self._fresh_ns = int(lease * FRESH_SHARE * 1e9)
         self._deadline_ns = 0               # monotonic ns; 0 until the slot is ours
+        # guard()'s fast path: (offset, value) of the state word that shows this
+        # node attached (set by start(), dropped at detach; None: always the
+        # full check).  A fenced node's deadline is 0: never fresh there either
+        self._guard_word: tuple[int, int] | None = None
         # beats come from two threads (guard(), heartbeat) and nest (a write in beat()
         # past the deadline calls guard() again from the C core): reentrant
         self._beat_lock = threading.RLock()
@@ -515,6 +519,8 @@ class Attachment:
             run_recoveries(self.pool, slot, epoch)
         self._pending.clear()
         self._fresh(time.monotonic_ns())
+        self._guard_word = (node_offset(self.pool, self.slot) +
+                            (_MGR_LINE if self.managed else _CONTROL), self.control)
         # every write through the mapping proves this node fresh first, once
         # the deadline passed (check_writable in the C core calls guard)
         self.pool.mapping.set_guard(self.guard)
@@ -699,7 +705,14 @@ class Attachment:
         beat may fence us any time), and when the last successful beat is
         older than FRESH_SHARE of the lease (the heartbeat thread was stalled
         with us, or starved) it beats first, so the C copies, which check
-        only the clock, may go on."""
+        only the clock, may go on.
+
+        The common case - fresh, and the state word unchanged - is one C call
+        (Mapping.node_fresh: our deadline, then the word); anything else
+        takes the full path below."""
+        gw = self._guard_word
+        if gw is not None and self.pool.mapping.node_fresh(gw[0], gw[1], self._deadline_ns):
+            return
         if self.fenced or self.slot < 0 or time.monotonic_ns() > self._deadline_ns:
             self.beat()
         else:
@@ -895,7 +908,7 @@ class Attachment:
             run_recoveries(self.pool, self.slot, self.epoch)
         except NodeFenced:
             self.acknowledge_if_idle()
-            self.slot = -1
+            self.slot, self._guard_word = -1, None
             return
         except CxlkvError as e:
             if not self.managed:
@@ -904,7 +917,7 @@ class Attachment:
             # silent; the next manager reaps this slot and recovers it
             log.warning("detaching from %s without a lock manager (%s); node %d will be "
                         "recovered by the next one", self.pool.path, e, self.slot)
-            self.slot = -1
+            self.slot, self._guard_word = -1, None
             return
         free = layout.node_control(layout.NODE_FREE, self.epoch)
         try:
@@ -915,6 +928,6 @@ class Attachment:
                 self.pool.mapping.cas64(off, self.control, free)
         except NodeFenced:
             pass                            # fenced meanwhile: the reaper's now
-        self.slot = -1
+        self.slot, self._guard_word = -1, None
         self.pool.mapping.set_guard(None)
         self.pool.mapping.write_deadline_ns = 0

@@ -231,6 +231,7 @@ PyObject *Mapping_readinto(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_view(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_set_guard(Mapping *m, PyObject *fn);
 PyObject *Mapping_section_begin(Mapping *m, PyObject *ignored);
+PyObject *Mapping_node_fresh(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_section_end(Mapping *m, PyObject *ignored);
 PyObject *Mapping_nc_stats(Mapping *m, PyObject *ignored);
 
@@ -267,6 +268,8 @@ PyObject *Mapping_kv_lookup(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 PyObject *Mapping_kv_insert(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_kv_publish(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_kv_set_state(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_kv_usage(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_kv_account(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_kv_stamp(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_kv_in_flight(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_kv_remove(Mapping *m, PyObject *const *args, Py_ssize_t nargs);

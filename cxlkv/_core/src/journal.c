@@ -80,7 +80,12 @@ copy_name(Mapping *m, uint64_t names, uint64_t esize, uint64_t ix, uint64_t klo,
         n->key_hi = khi;
     }
     n->ntokens = 0;                         /* the token ids stay in the table */
-    (void)pool_write(m, dst, rec, CXLKV_NAME_SIZE, 0);   /* a stack source: never bounced */
+    /* word stores, as the record's own: no write-back here (put_record
+     * flushes the line when flush_meta is on; coherent readers need none) */
+    uint64_t w[CXLKV_NAME_SIZE / 8];
+    memcpy(w, rec, sizeof w);
+    for (unsigned i = 0; i < CXLKV_NAME_SIZE / 8; i++)
+        pool_store64(m, dst + 8 * i, w[i]);
 }
 
 /* One record at ring position pos with sequence number seq (seqlock

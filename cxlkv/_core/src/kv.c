@@ -473,6 +473,89 @@ done:
     return ret;
 }
 
+/* ------------------------------------------------------------------ usage records (pool lock held) */
+
+#define NS_BLOCKS   offsetof(struct cxlkv_kv_ns, blocks)
+#define T_STATE     offsetof(struct cxlkv_kv_tenant, state)     /* state | reserved0 << 32 */
+#define T_QUOTA     offsetof(struct cxlkv_kv_tenant, quota)
+#define T_USED      offsetof(struct cxlkv_kv_tenant, used)
+#define T_BLOCKS    offsetof(struct cxlkv_kv_tenant, blocks)
+
+/* The tenant records: `max` records of CXLKV_KV_TENANT_SIZE at `off`. */
+static int
+tenant_args(Mapping *m, uint64_t off, uint64_t max, const char *name)
+{
+    if (max == 0 || max > 0x10000 || (off & 63)) {
+        PyErr_Format(PyExc_ValueError, "%s: invalid tenant records geometry", name);
+        return -1;
+    }
+    return check_range(m, off, max * CXLKV_KV_TENANT_SIZE, name);
+}
+
+/* kv_usage(tenants_off, max_tenants, tenant) -> (used, quota, tenant_used)
+ * One pass over the tenant records (the store path's room check, pool lock
+ * held): the payload bytes held by every ACTIVE tenant, and the quota and
+ * bytes used of record `tenant`.  Invalidates the records first when
+ * flush_meta is on. */
+PyObject *
+Mapping_kv_usage(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t off, max, t;
+    if (nargs_check(nargs, 3, 3, "kv_usage") < 0 || check_open(m) < 0 ||
+        as_u64(args[0], &off, "tenant records offset") < 0 ||
+        as_u64(args[1], &max, "max_tenants") < 0 || as_u64(args[2], &t, "tenant") < 0 ||
+        tenant_args(m, off, max, "kv_usage") < 0)
+        return NULL;
+    if (t >= max) {
+        PyErr_Format(PyExc_ValueError, "kv_usage: tenant %llu out of range (%llu records)",
+                     (unsigned long long)t, (unsigned long long)max);
+        return NULL;
+    }
+    meta_inval(m, off, max * CXLKV_KV_TENANT_SIZE);
+    uint64_t used = 0;
+    for (uint64_t i = 0; i < max; i++) {
+        uint64_t r = off + i * CXLKV_KV_TENANT_SIZE;
+        if ((pool_load64(m, r + T_STATE) & 0xffffffffu) == CXLKV_KV_REC_ACTIVE)
+            used += pool_load64(m, r + T_USED);
+    }
+    uint64_t r = off + t * CXLKV_KV_TENANT_SIZE;
+    return Py_BuildValue("(KKK)", (unsigned long long)used,
+                         (unsigned long long)pool_load64(m, r + T_QUOTA),
+                         (unsigned long long)pool_load64(m, r + T_USED));
+}
+
+/* kv_account(ns_off, tenant_off, blocks, nbytes): add `blocks` to the
+ * namespace record's and the tenant record's block counts and `nbytes` to
+ * the tenant's bytes used (newly reserved entries; pool lock held).  Each
+ * record must be a whole, aligned record of the mapping; the lines are
+ * invalidated before and flushed after when flush_meta is on. */
+PyObject *
+Mapping_kv_account(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t ns_off, t_off, blocks, nbytes;
+    if (nargs_check(nargs, 4, 4, "kv_account") < 0 || check_open(m) < 0 ||
+        as_u64(args[0], &ns_off, "namespace record offset") < 0 ||
+        as_u64(args[1], &t_off, "tenant record offset") < 0 ||
+        as_u64(args[2], &blocks, "blocks") < 0 || as_u64(args[3], &nbytes, "nbytes") < 0)
+        return NULL;
+    if ((ns_off & 63) || (t_off & 63)) {
+        PyErr_SetString(PyExc_ValueError, "kv_account: record offsets must be 64-byte aligned");
+        return NULL;
+    }
+    if (check_range(m, ns_off, CXLKV_KV_NS_SIZE, "kv_account namespace record") < 0 ||
+        check_range(m, t_off, CXLKV_KV_TENANT_SIZE, "kv_account tenant record") < 0 ||
+        check_writable(m, "kv_account") < 0)
+        return NULL;
+    meta_inval(m, ns_off + NS_BLOCKS, 8);
+    meta_inval(m, t_off, CXLKV_KV_TENANT_SIZE);
+    pool_store64(m, ns_off + NS_BLOCKS, pool_load64(m, ns_off + NS_BLOCKS) + blocks);
+    pool_store64(m, t_off + T_BLOCKS, pool_load64(m, t_off + T_BLOCKS) + blocks);
+    pool_store64(m, t_off + T_USED, pool_load64(m, t_off + T_USED) + nbytes);
+    meta_flush(m, ns_off + NS_BLOCKS, 8);
+    meta_flush(m, t_off, CXLKV_KV_TENANT_SIZE);
+    Py_RETURN_NONE;
+}
+
 /* kv_set_state(table_off, nslots, idx, from_state, to_state, owner, stamp, new_owner=0)
  *   -> changed
  * For each entry index: if its state is from_state (and, when owner != 0,

@@ -627,6 +627,29 @@ Mapping_set_guard(Mapping *m, PyObject *fn)
     Py_RETURN_NONE;
 }
 
+/* node_fresh(off, word, deadline_ns) -> True when CLOCK_MONOTONIC has not
+ * passed deadline_ns (the attached node's freshness, which the caller keeps)
+ * and the word at off, invalidated first, is `word` (its state word: not
+ * fenced meanwhile).  False means nothing: the caller runs the full check
+ * (Attachment.guard beats or raises). */
+PyObject *
+Mapping_node_fresh(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t off, want, deadline;
+    if (nargs_check(nargs, 3, 3, "node_fresh") < 0 || check_open(m) < 0 ||
+        as_u64(args[0], &off, "offset") < 0 || as_u64(args[1], &want, "word") < 0 ||
+        as_u64(args[2], &deadline, "deadline_ns") < 0 || check_word(m, off, "node_fresh") < 0)
+        return NULL;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    if ((uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec > deadline)
+        Py_RETURN_FALSE;
+    pool_invalidate(m, off, 8);
+    if (pool_load64(m, off) != want)
+        Py_RETURN_FALSE;
+    Py_RETURN_TRUE;
+}
+
 /* section_begin() -> True, or False when the write deadline is the fenced
  * sentinel (1): the node was fenced and no section may start.  Counting and
  * checking in one call (under the GIL) orders it against the thread that
