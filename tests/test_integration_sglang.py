@@ -144,30 +144,13 @@ def host_pool(kind: str, layout: str, pages: int):
     `pages` pages over SGLang's own device pool on "cpu", built with the
     arguments SGLang's build_kv_host_pool passes, and pin_memory=False (see the
     module doc)."""
-    import torch
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+    from cxlkv.testing.sglang_pools import cpu_host_pool
 
     # (SGLang's MHA page_head and MLA page_first_direct pools need pages >= layers:
     # they build per-layer views by indexing the page axis with layer ids)
     assert pages >= LAYERS
-    tokens = pages * PAGE
-    if kind == "mha":
-        dev = MHATokenToKVPool(tokens, PAGE, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu",
-                               False, start_layer=0, end_layer=LAYERS)
-        return MHATokenToKVPoolHost(
-            dev.get_device_pool_infos()[0].buffer_info, 1.0, 0, PAGE, layout,
-            pin_memory=False, device_capacity_tokens=dev.size, start_layer=dev.start_layer,
-            end_layer=dev.end_layer, write_back_staging=dev.hicache_write_back_staging,
-            host_token_capacity=tokens)
-    dev = MLATokenToKVPool(tokens, PAGE, torch.bfloat16, KV_LORA_RANK, ROPE_DIM, LAYERS, "cpu",
-                           False, start_layer=0, end_layer=LAYERS)
-    return MLATokenToKVPoolHost(
-        dev.get_device_pool_infos()[0].buffer_info, 1.0, 0, PAGE, layout, pin_memory=False,
-        override_kv_cache_dim=dev.kv_cache_dim, device_capacity_tokens=dev.size,
-        start_layer=dev.start_layer, end_layer=dev.end_layer, target_layer_num=dev.layer_num,
-        layer_shard_enabled=dev.layer_shard_enabled, host_token_capacity=tokens)
+    return cpu_host_pool(kind, layout, pages=pages, page=PAGE, layers=LAYERS, heads=HEADS,
+                         head_dim=HEAD_DIM, kv_lora_rank=KV_LORA_RANK, rope_dim=ROPE_DIM)
 
 
 def make_backend(pool: str, host, *, tp_rank: int = 0, tp_size: int = 1, extra=None):

@@ -42,6 +42,7 @@ import warnings
 import cxlkv
 from cxlkv.bench import harness
 from cxlkv.errors import Unavailable
+from cxlkv.testing.sglang_pools import cpu_host_pool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VENV_PYTHON = os.path.join(ROOT, ".venv-sglang", "bin", "python")
@@ -58,11 +59,6 @@ def host_pool(kind: str, layout: str, pages: int):
     """SGLang's host pool of `pages` pages (MHATokenToKVPoolHost or
     MLATokenToKVPoolHost) over its device pool of one page on "cpu", with the
     arguments SGLang's build_kv_host_pool passes but pin_memory=False."""
-    import torch
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-
     if layout not in LAYOUTS[kind]:
         raise Unavailable(f"SGLang's {kind} host pool gives backends no {layout} pages "
                           f"(layouts: {', '.join(LAYOUTS[kind])})")
@@ -71,20 +67,10 @@ def host_pool(kind: str, layout: str, pages: int):
     # indexing that axis with layer ids: they need at least as many pages as layers
     pages = max(pages, LAYERS if kind == "mha" else MLA_LAYERS)
     if kind == "mha":
-        dev = MHATokenToKVPool(PAGE, PAGE, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu",
-                               False, start_layer=0, end_layer=LAYERS)
-        return MHATokenToKVPoolHost(
-            dev.get_device_pool_infos()[0].buffer_info, 1.0, 0, PAGE, layout,
-            pin_memory=False, device_capacity_tokens=dev.size, start_layer=dev.start_layer,
-            end_layer=dev.end_layer, write_back_staging=dev.hicache_write_back_staging,
-            host_token_capacity=pages * PAGE)
-    dev = MLATokenToKVPool(PAGE, PAGE, torch.bfloat16, KV_LORA_RANK, ROPE_DIM, MLA_LAYERS, "cpu",
-                           False, start_layer=0, end_layer=MLA_LAYERS)
-    return MLATokenToKVPoolHost(
-        dev.get_device_pool_infos()[0].buffer_info, 1.0, 0, PAGE, layout, pin_memory=False,
-        override_kv_cache_dim=dev.kv_cache_dim, device_capacity_tokens=dev.size,
-        start_layer=dev.start_layer, end_layer=dev.end_layer, target_layer_num=dev.layer_num,
-        layer_shard_enabled=dev.layer_shard_enabled, host_token_capacity=pages * PAGE)
+        return cpu_host_pool("mha", layout, pages=pages, page=PAGE, layers=LAYERS,
+                             heads=HEADS, head_dim=HEAD_DIM, device_tokens=PAGE)
+    return cpu_host_pool("mla", layout, pages=pages, page=PAGE, layers=MLA_LAYERS,
+                         kv_lora_rank=KV_LORA_RANK, rope_dim=ROPE_DIM, device_tokens=PAGE)
 
 
 def storage_config(*, layout: str, kind: str, extra: dict | None, tp_rank: int = 0,
