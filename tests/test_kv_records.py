@@ -23,16 +23,20 @@ T = {f: layout.field_offset(layout.KVTenantStruct, f) for f in ("state", "quota"
 NS_BLOCKS = layout.field_offset(layout.KVNsStruct, "blocks")
 
 
-@pytest.fixture
-def m(tmp_path):
-    p = tmp_path / "records.bin"
-    with open(p, "wb") as f:
+def _mapping(path, writable: bool):
+    """A Mapping of a new zeroed file of SIZE bytes."""
+    with open(path, "wb") as f:
         f.truncate(SIZE)
-    fd = os.open(p, os.O_RDWR)
+    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
     try:
-        mp = _core.Mapping(fd, SIZE, True)
+        return _core.Mapping(fd, SIZE, writable)
     finally:
         os.close(fd)
+
+
+@pytest.fixture
+def m(tmp_path):
+    mp = _mapping(tmp_path / "records.bin", True)
     yield mp
     mp.close()
 
@@ -104,14 +108,7 @@ def test_account_refuses_bad_records(m, tmp_path):
     with pytest.raises(PoolRangeError):
         m.kv_account(8192, SIZE, 1, 1)
     assert m.load64(8192 + NS_BLOCKS) == 0                       # nothing written
-    p = tmp_path / "ro.bin"
-    with open(p, "wb") as f:
-        f.truncate(SIZE)
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        ro = _core.Mapping(fd, SIZE, False)
-    finally:
-        os.close(fd)
+    ro = _mapping(tmp_path / "ro.bin", False)
     with ro, pytest.raises(PoolReadOnly):
         ro.kv_account(8192, 4096, 1, 1)
 
