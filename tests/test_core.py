@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import resource
 import subprocess
 import sys
+import tempfile
 import threading
 
 import numpy as np
@@ -229,6 +231,79 @@ def test_nt_threshold_setting(mapfile):
         assert m.nt_threshold == 0
         m.write(0, b"x" * 200_000)
         assert m.read(0, 3) == b"xxx"
+
+
+# -- prefault: a bulk copy maps its 2 MiB granule in one call ----------------
+
+GRAN = 2 << 20
+
+
+@pytest.fixture
+def shm_pool():
+    """An 8 MiB file on tmpfs with every page given its memory (as a pool
+    file is once written): fault-around can then map 16 pages a fault."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("needs /dev/shm (tmpfs)")
+    fd, p = tempfile.mkstemp(dir="/dev/shm", prefix="cxlkv-test-prefault-")
+    try:
+        os.write(fd, bytes(4 * GRAN))
+        os.close(fd)
+        yield p
+    finally:
+        os.unlink(p)
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+
+def _page_writes(m, granule: int) -> int:
+    """Page faults taken by 4 KiB writes to every page of one granule."""
+    page = b"\xa5" * 4096
+    f0 = _faults()
+    for off in range(granule * GRAN, (granule + 1) * GRAN, 4096):
+        m.write(off, page)
+    return _faults() - f0
+
+
+def test_bulk_writes_map_their_granule_in_one_call(shm_pool):
+    with open_map(shm_pool) as m:
+        assert m.prefault
+        on = _page_writes(m, 1)
+        m.prefault = False
+        off = _page_writes(m, 2)
+        assert m.read(GRAN, 4096) == b"\xa5" * 4096
+        assert m.read(3 * GRAN - 4096, 4096) == b"\xa5" * 4096
+    assert off >= 400, off          # a fault per page: what the counter sees without it
+    assert on <= 64, on             # fault-around while populating, then none
+
+
+def test_a_forked_child_maps_the_granules_again(shm_pool):
+    """A child shares the mapping but none of its page-table entries: what
+    the parent mapped is mapped again in the child, in one call."""
+    with open_map(shm_pool) as m:
+        _page_writes(m, 1)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:                                    # pragma: no cover - the child
+            try:
+                os.write(w, str(_page_writes(m, 1)).encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        child = int(os.read(r, 64))
+        os.close(r)
+        os.waitpid(pid, 0)
+    assert child <= 64, child
+
+
+def test_prefault_needs_a_mapping_of_its_own():
+    m = _core.Mapping.from_buffer(bytearray(1 << 16))
+    assert not m.prefault
+    with pytest.raises(ValueError, match="prefault"):
+        m.prefault = True
+    m.write(0, b"x" * 4096)                              # copies work without it
+    assert m.read(0, 2) == b"xx"
 
 
 def test_copy_releases_the_gil(mapfile):

@@ -534,6 +534,7 @@ def run(progress: Callable[[str], None] = lambda s: None, *, only=SCENARIOS,
                 paths = {"cas": os.path.join(d, "procs-cas.pool"),
                          "manager": os.path.join(d, "procs-manager.pool")}
                 init_pool(paths["cas"], {"size": 4 * GiB, "sync": "cas"})
+                harness.materialize(paths["cas"])     # no round pays tmpfs first touches
                 init_pool(paths["manager"], {"size": 64 * MiB, "sync": "manager",
                                              "chunk_size": MiB})
                 with harness.lock_manager(paths["manager"]) as mgr_pid:

@@ -17,6 +17,8 @@
  */
 #include "core.h"
 
+#include <errno.h>
+#include <pthread.h>
 #include <string.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -96,6 +98,78 @@ check_writable(Mapping *m, const char *what)
     return 0;
 }
 
+/* Map the 2 MiB granules of [off, off + len) not yet mapped by this process
+ * (pool_prefault in core.h).  Granules are marked done whatever madvise
+ * answered, so a failing one is not asked again; a kernel without
+ * MADV_POPULATE_READ (before 5.14) turns prefaulting off.  Threads may race
+ * to map one granule: mapping it twice is harmless. */
+uint64_t cxlkv_fork_gen;
+
+static void
+prefault_after_fork(void)
+{
+    __atomic_fetch_add(&cxlkv_fork_gen, 1, __ATOMIC_RELAXED);
+}
+
+void
+cxlkv_prefault_atfork(void)
+{
+    pthread_atfork(NULL, NULL, prefault_after_fork);
+}
+
+void
+pool_prefault_slow(Mapping *m, uint64_t off, uint64_t len)
+{
+#ifdef MADV_POPULATE_READ
+    uint64_t ngran = (m->size + (1ull << PREFAULT_SHIFT) - 1) >> PREFAULT_SHIFT;
+    uint64_t *bits = __atomic_load_n(&m->mapped, __ATOMIC_ACQUIRE);
+    uint64_t gen = __atomic_load_n(&cxlkv_fork_gen, __ATOMIC_RELAXED);
+    if (bits && m->mapped_gen != gen) {
+        /* a forked child: only the forking thread runs here yet */
+        memset(bits, 0, (size_t)((ngran + 63) / 64) * sizeof *bits);
+        m->mapped_gen = gen;
+    }
+    if (!bits) {
+        uint64_t *fresh = calloc((size_t)((ngran + 63) / 64), sizeof *fresh);
+        if (!fresh) {
+            m->prefault = 0;
+            return;
+        }
+        uint64_t *none = NULL;
+        m->mapped_gen = gen;
+        if (__atomic_compare_exchange_n(&m->mapped, &none, fresh, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE)) {
+            bits = fresh;
+        } else {
+            free(fresh);
+            bits = none;
+        }
+    }
+    if (off >= m->size)
+        return;
+    if (len > m->size - off)
+        len = m->size - off;
+    for (uint64_t g = off >> PREFAULT_SHIFT; g <= (off + len - 1) >> PREFAULT_SHIFT; g++) {
+        uint64_t bit = 1ull << (g & 63);
+        if (__atomic_load_n(&bits[g >> 6], __ATOMIC_RELAXED) & bit)
+            continue;
+        uint64_t a = g << PREFAULT_SHIFT, n = 1ull << PREFAULT_SHIFT;
+        if (n > m->size - a)
+            n = m->size - a;
+        if (madvise(m->base + a, (size_t)n, MADV_POPULATE_READ) < 0 &&
+            (errno == EINVAL || errno == ENOSYS)) {
+            m->prefault = 0;
+            return;
+        }
+        __atomic_fetch_or(&bits[g >> 6], bit, __ATOMIC_RELAXED);
+    }
+#else
+    (void)off;
+    (void)len;
+    m->prefault = 0;
+#endif
+}
+
 static void
 mapping_release(Mapping *m)
 {
@@ -113,6 +187,8 @@ mapping_release(Mapping *m)
     }
     m->base = NULL;
     m->closed = 1;
+    m->prefault = 0;
+    free(__atomic_exchange_n(&m->mapped, NULL, __ATOMIC_ACQ_REL));
 }
 
 void
@@ -209,6 +285,7 @@ Mapping_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         Py_DECREF(m);
         return NULL;
     }
+    m->prefault = !m->nc;
     return (PyObject *)m;
 }
 
@@ -794,6 +871,34 @@ Mapping_set_nt_threshold(Mapping *m, PyObject *v, void *c)
     return 0;
 }
 
+static PyObject *
+Mapping_get_prefault(Mapping *m, void *c)
+{
+    (void)c;
+    return PyBool_FromLong(m->prefault);
+}
+
+static int
+Mapping_set_prefault(Mapping *m, PyObject *v, void *c)
+{
+    (void)c;
+    if (!v) {
+        PyErr_SetString(PyExc_AttributeError, "cannot delete prefault");
+        return -1;
+    }
+    int on = PyObject_IsTrue(v);
+    if (on < 0)
+        return -1;
+    if (on && (m->nc || !m->owns_map || m->closed)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "prefaulting needs an open mapping of its own, seen without the "
+                        "non-coherence emulation");
+        return -1;
+    }
+    m->prefault = on;
+    return 0;
+}
+
 PyGetSetDef Mapping_getset[] = {
     {"size", (getter)Mapping_get_size, NULL, "bytes mapped", NULL},
     {"writable", (getter)Mapping_get_writable, NULL, "mapped read-write", NULL},
@@ -814,5 +919,8 @@ PyGetSetDef Mapping_getset[] = {
      "attached node's heartbeat is no longer known fresh); 0 = none", NULL},
     {"nt_threshold", (getter)Mapping_get_nt_threshold, (setter)Mapping_set_nt_threshold,
      "writes at least this large use non-temporal stores by default; 0 = never", NULL},
+    {"prefault", (getter)Mapping_get_prefault, (setter)Mapping_set_prefault,
+     "bulk copies map their 2 MiB granule of the pool into this process in one call "
+     "(MADV_POPULATE_READ) the first time, not a page fault per 4 KiB page", NULL},
     {NULL},
 };

@@ -17,7 +17,7 @@
 /* Bump when the Python-visible interface changes; cxlkv/_core/__init__.py
  * refuses to import a build with a different number (a stale build must fail
  * loudly, not strangely). */
-#define CXLKV_NATIVE_ABI 14
+#define CXLKV_NATIVE_ABI 15
 
 PyObject *cxlkv_RangeError;   /* set by _native.set_error_types() */
 PyObject *cxlkv_CorruptError; /* impossible pool metadata; set by set_error_types() */
@@ -224,6 +224,7 @@ PyMODINIT_FUNC
 PyInit__native(void)
 {
     cxlkv_cpu_init();
+    cxlkv_prefault_atfork();
     if (PyType_Ready(&MappingType) < 0 || PyType_Ready(&SpanType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&native_module);
