@@ -6,6 +6,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 
@@ -248,8 +249,13 @@ def test_scale_bench_at_tiny_sizes_reports_every_figure(monkeypatch, tmp_path):
     kids_before = set(scale_children())
     steps = []
     res = scale.run(steps.append, entries=(1024, 2048), procs=(1, 2, 4), stores=4,
-                          seconds=0.1, attach_size=64 * MiB, slabs=40, idle_seconds=0.1)
-    assert steps == scale.steps(scale.SCENARIOS, (1024, 2048), (1, 2, 4))
+                    seconds=0.1, attach_size=64 * MiB, slabs=40, idle_seconds=0.1, rounds=2)
+    assert steps == scale.steps(scale.SCENARIOS, (1024, 2048), (1, 2, 4), 2)
+    # the second round runs the counts the other way round
+    pr_steps = [s for s in steps if s.startswith("store and lock")]
+    assert [s.split(",")[1] for s in pr_steps] == [" 1 processes", " 2 processes",
+                                                    " 4 processes", " 4 processes",
+                                                    " 2 processes", " 1 processes"]
     assert set(res["targets"]) == set(scale.TARGETS)
     for key in scale.TARGETS:
         v = res[key]
@@ -277,6 +283,10 @@ def test_scale_bench_at_tiny_sizes_reports_every_figure(monkeypatch, tmp_path):
     for k in pr.values():
         assert k["store_ops_per_s"] > 0 and k["lock_ops_per_s"] > 0
         assert k["manager_lock_ops_per_s"] > 0 and k["manager_rtt_p50_us"] > 0
+        # each figure is the median of its rounds
+        assert len(k["rounds"]["store_ops_per_s"]) == 2
+        assert k["store_ops_per_s"] == statistics.median(k["rounds"]["store_ops_per_s"])
+    assert res["procs_rounds"] == 2 and res["procs_seconds"] == 0.1
     best = max(pr["1"]["lock_ops_per_s"], pr["2"]["lock_ops_per_s"])
     assert res["lock_ops_4_vs_best12"] == pr["4"]["lock_ops_per_s"] / best
     assert res["manager_clients"] == 4 and res["manager_rtt_p50_us"] == pr["4"]["manager_rtt_p50_us"]
@@ -306,16 +316,17 @@ def test_scale_cli_json_and_table(cli, monkeypatch):
 
     def fake_run(progress, **kw):
         seen.update(kw)
-        for step in scale.steps(kw["only"], kw["entries"], kw["procs"]):
+        for step in scale.steps(kw["only"], kw["entries"], kw["procs"], kw["rounds"]):
             progress(step)
         return res
 
     monkeypatch.setattr(scale, "run", fake_run)
     r = cli("bench", "--scale", "--json", "--scale-only", "full-pool,procs",
-            "--scale-entries", "65536", "--scale-procs", "1,8", "--scale-attach-size", "1G")
+            "--scale-entries", "65536", "--scale-procs", "1,8", "--scale-attach-size", "1G",
+            "--scale-rounds", "2")
     assert r.code == 0 and r.json()["scale"] is True and r.err == ""
     assert seen["only"] == ("full-pool", "procs") and seen["entries"] == (65536,)
-    assert seen["procs"] == (1, 8) and seen["attach_size"] == 1 << 30
+    assert seen["procs"] == (1, 8) and seen["attach_size"] == 1 << 30 and seen["rounds"] == 2
     r = cli("bench", "--scale", "--scale-only", "full-pool")
     assert r.code == 0 and "65536 slots" in r.out and "no room" in r.out
     assert "bench: full-pool store, 65,536 slots" in r.err

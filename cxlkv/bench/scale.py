@@ -37,6 +37,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import socket
 import subprocess
 import sys
@@ -84,13 +85,17 @@ PR_BLOCK = 16 * KiB
 PR_BLOCKS = 8
 
 
-def steps(only=SCENARIOS, entries=(65536, 1 << 20), procs=(1, 2, 4, 8)) -> list[str]:
+def steps(only=SCENARIOS, entries=(65536, 1 << 20), procs=(1, 2, 4, 8),
+          rounds: int = 3) -> list[str]:
     """The steps run() reports through progress(), in order."""
     out = []
     if "full-pool" in only:
         out += [f"full-pool store, {e:,} slots" for e in entries]
     if "procs" in only:
-        out += [f"store and lock, {k} processes" for k in procs]
+        for r in range(rounds):
+            order = procs if r % 2 == 0 else tuple(reversed(procs))
+            out += [f"store and lock, {k} processes, round {r + 1} of {rounds}"
+                    for k in order]
     if "manager" in only:
         out += ["lock manager"]
     if "attach" in only:
@@ -375,6 +380,14 @@ def _window(workers: Workers, k: int, op: str, arg: Callable[[int], dict],
     return workers.all(k, op, lambda i: dict(arg(i), t0=t0, seconds=seconds))
 
 
+def _median_rounds(rounds: list[dict]) -> dict:
+    """One process count over its rounds: each figure's median, and under
+    `rounds` every round's figures."""
+    out = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+    out["rounds"] = {key: [r[key] for r in rounds] for key in rounds[0]}
+    return out
+
+
 def procs_round(workers: Workers, paths: dict, k: int, seconds: float,
                 manager: bool) -> dict:
     """One process count: kv.store ops/s and lock ops/s in cas mode, and lock
@@ -513,12 +526,12 @@ def recovery(d: str, slabs: int) -> dict:
 # -- the whole run ------------------------------------------------------------------------
 def run(progress: Callable[[str], None] = lambda s: None, *, only=SCENARIOS,
         entries=(65536, 1 << 20), procs=(1, 2, 4, 8), stores: int = 40,
-        seconds: float = 1.0, attach_size: int = 16 * GiB, slabs: int = 10_000,
-        manager: bool = True, idle_seconds: float = 2.0) -> dict:
+        seconds: float = 0.5, attach_size: int = 16 * GiB, slabs: int = 10_000,
+        manager: bool = True, idle_seconds: float = 2.0, rounds: int = 3) -> dict:
     """The scenarios in `only`; one dict with stable keys (None and a note
     for what did not run)."""
     out: dict = {"version": cxlkv.__version__, "scale": True, "notes": {},
-                 "scenarios": list(only)}
+                 "scenarios": list(only), "procs_rounds": rounds, "procs_seconds": seconds}
     entries = sorted(entries)
     procs = sorted(procs)
     d = harness.scratch_dir()
@@ -539,11 +552,18 @@ def run(progress: Callable[[str], None] = lambda s: None, *, only=SCENARIOS,
                                              "chunk_size": MiB})
                 with harness.lock_manager(paths["manager"]) as mgr_pid:
                     if "procs" in only:
-                        out["procs"] = {}
-                        for k in procs:
-                            progress(f"store and lock, {k} processes")
-                            out["procs"][str(k)] = procs_round(w, paths, k, seconds,
-                                                               manager)
+                        # rounds alternate the order of the counts and each
+                        # count keeps its median: a slow second of a shared
+                        # machine lands on one round of one count, not on
+                        # the figure
+                        per = {k: [] for k in procs}
+                        for r in range(rounds):
+                            order = procs if r % 2 == 0 else list(reversed(procs))
+                            for k in order:
+                                progress(f"store and lock, {k} processes, "
+                                         f"round {r + 1} of {rounds}")
+                                per[k].append(procs_round(w, paths, k, seconds, manager))
+                        out["procs"] = {str(k): _median_rounds(v) for k, v in per.items()}
                     if "manager" in only:
                         progress("lock manager")
                         k = max(procs)

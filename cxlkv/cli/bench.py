@@ -42,8 +42,11 @@ SCALE_SCENARIOS = ("full-pool", "procs", "manager", "attach", "recovery")
                    "1-2; the largest is the lock manager's client count).")
 @click.option("--scale-stores", type=click.IntRange(2), default=40, show_default=True,
               help="With --scale: timed full-pool stores per table size.")
-@click.option("--scale-seconds", type=click.FloatRange(0.01), default=1.0,
+@click.option("--scale-seconds", type=click.FloatRange(0.01), default=0.5,
               show_default=True, help="With --scale: seconds of each throughput window.")
+@click.option("--scale-rounds", type=click.IntRange(1), default=3, show_default=True,
+              help="With --scale: rounds over the process counts (each count's median "
+                   "is its figure; the order alternates between rounds).")
 @click.option("--scale-attach-size", metavar="SIZE", default="16G", show_default=True,
               help="With --scale: size of the pool whose attach is timed.")
 @click.option("--scale-slabs", type=click.IntRange(1), default=10_000, show_default=True,
@@ -51,7 +54,8 @@ SCALE_SCENARIOS = ("full-pool", "procs", "manager", "attach", "recovery")
 @json_option
 @click.pass_context
 def bench_cmd(ctx: click.Context, pool, scale, scale_only, scale_entries, scale_procs,
-              scale_stores, scale_seconds, scale_attach_size, scale_slabs, as_json):
+              scale_stores, scale_seconds, scale_rounds, scale_attach_size, scale_slabs,
+              as_json):
     """Measure the pool against baselines measured in the same run.
 
     Runs on scratch pools it makes in /dev/shm and removes after: pool writes
@@ -88,8 +92,8 @@ def bench_cmd(ctx: click.Context, pool, scale, scale_only, scale_entries, scale_
             raise UsageError("--pool does not apply to --scale (it runs on scratch pools)")
 
         scale_cmd(app, _progress, only=scale_only, entries=scale_entries, procs=scale_procs,
-                  stores=scale_stores, seconds=scale_seconds, attach_size=scale_attach_size,
-                  slabs=scale_slabs)
+                  stores=scale_stores, seconds=scale_seconds, rounds=scale_rounds,
+                  attach_size=scale_attach_size, slabs=scale_slabs)
         return
     from cxlkv.bench import suite
 

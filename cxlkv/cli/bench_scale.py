@@ -20,7 +20,7 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
 
 
 def scale_cmd(app: Application, progress_cm, *, only: str, entries: str, procs: str,
-              stores: int, seconds: float, attach_size: str, slabs: int) -> None:
+              stores: int, seconds: float, rounds: int, attach_size: str, slabs: int) -> None:
     chosen = tuple(s.strip() for s in only.split(",") if s.strip())
     bad = [s for s in chosen if s not in scale.SCENARIOS]
     if bad or not chosen:
@@ -30,9 +30,9 @@ def scale_cmd(app: Application, progress_cm, *, only: str, entries: str, procs: 
     if any(e & (e - 1) or e < 1024 for e in ent):
         raise UsageError("--scale-entries must be powers of two >= 1024")
     kw = dict(only=chosen, entries=ent, procs=_ints(procs, "--scale-procs"), stores=stores,
-              seconds=seconds, attach_size=parse_size(attach_size, "--scale-attach-size"),
-              slabs=slabs)
-    with progress_cm(app, scale.steps(chosen, ent, kw["procs"])) as progress:
+              seconds=seconds, rounds=rounds,
+              attach_size=parse_size(attach_size, "--scale-attach-size"), slabs=slabs)
+    with progress_cm(app, scale.steps(chosen, ent, kw["procs"], rounds)) as progress:
         res = scale.run(progress, **kw)
     if app.json:
         app.emit_json(res)
@@ -83,7 +83,9 @@ def render(app: Application, res: dict) -> None:
             if v is None:
                 continue
             key = f"{what}_ops_{k}_vs_best12"
-            t.add_row(f"{label}, {k} proc", f"{v:,.0f}",
+            n = len((pr[k].get("rounds") or {}).get(f"{what}_ops_per_s", ()))
+            t.add_row(f"{label}, {k} proc" + (f" (median of {n})" if n > 1 else ""),
+                      f"{v:,.0f}",
                       "best 1-2" if res.get(key) is not None else "",
                       _c(res[key]) if res.get(key) is not None else "",
                       target(key) if key in scale.TARGETS else "")
