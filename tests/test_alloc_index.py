@@ -155,6 +155,35 @@ def test_a_slab_is_made_exactly_when_a_run_of_its_length_exists(pool_path):
         assert rep.clean
 
 
+def test_slab_make_writes_head_tails_and_bits_or_finds_no_run(pool_path):
+    """The C slab maker (one call under the pool lock): a 3-chunk slab's
+    descriptors and bitmap bits as recovery and fsck read them; -1 (nothing
+    written) when no run of its length is free; a bad shape is refused."""
+    init_pool(pool_path, {"size": 64 * MiB, "chunk_size": 2 * MiB, "max_nodes": 8})
+    with cxlkv.open_pool(pool_path) as p:
+        m, a = p.mapping, p.allocator
+        data_off, chunk, nchunks, base = alloc.geometry(p)
+        with p.lock():
+            bits_before = alloc.bitmap(p).copy()
+            head = m.slab_make(a.bitmap_off, 3, 62, 77, 6 * MiB, 1)   # from 62: wraps to 0
+            assert head == 0
+            d = alloc.descriptors(p)
+            assert (d["control"][0] & 0xFF) == layout.CHUNK_HEAD
+            assert (d["owner"][0], d["slot_size"][0], d["nslots"][0], d["nchunks"][0]) == (
+                77, 6 * MiB, 1, 3)
+            assert list(d["control"][1:3]) == [layout.CHUNK_TAIL | 0 << 8] * 2
+            del d
+            bits = alloc.bitmap(p)
+            assert bits[:3].all() and (bits[3:] == bits_before[3:]).all()
+            assert m.slab_make(a.bitmap_off, nchunks, 0, 77, MiB, 1) == -1
+            assert (alloc.bitmap(p)[3:] == bits_before[3:]).all()
+            with pytest.raises(ValueError, match="bad slab shape"):
+                m.slab_make(a.bitmap_off, 1, 0, 77, MiB, 0)
+            # undo: the slab was never handed to the allocator
+            alloc.release_slab(p, head)
+        assert fsck.check(p).clean
+
+
 def test_release_empty_releases_what_our_frees_emptied_and_nothing_else(pool_path):
     init_pool(pool_path, {"size": 64 * MiB, "chunk_size": 2 * MiB, "max_nodes": 8})
     with cxlkv.open_pool(pool_path) as a, cxlkv.open_pool(pool_path) as b:

@@ -550,28 +550,13 @@ class Allocator:
 
     def _new_slab(self, d, ss: int) -> int:
         """Make a slab of size ss in the first free run of chunks from the
-        next-fit hint (pool lock); -1 when there is none.  `d` is unused."""
+        next-fit hint (pool lock; one C call: Mapping.slab_make writes the
+        head, the tails and the bitmap in the order recovery relies on); -1
+        when there is none.  `d` is unused."""
         k, nslots = slab_shape(self.chunk, ss, self.nchunks)
-        head = self.m.chunk_find_run(self.bitmap_off, k, self._hint)
+        head = self.m.slab_make(self.bitmap_off, k, self._hint, self.token, ss, nslots)
         if head < 0:
             return -1
-        m, base = self.m, self.desc_base
-        # head first (it names the owner, so recovery can find a half-made slab),
-        # then the tails, then the bitmap
-        h = base + head * layout.CHUNK_DESC_SIZE
-        m.zero(h + 8, layout.CHUNK_DESC_SIZE - 8)
-        m.store64(h + _F["owner"], self.token)
-        m.store64(h + _F["slot_size"], ss)
-        m.store64(h + _F["nslots"], nslots)
-        m.store64(h + _F["nchunks"], k)
-        m.store64(h + _F["control"], layout.CHUNK_HEAD)
-        m.flush(h, layout.CHUNK_DESC_SIZE)
-        crashpoint("slab.head")
-        for i in range(head + 1, head + k):
-            m.store64(base + i * layout.CHUNK_DESC_SIZE, layout.CHUNK_TAIL | head << 8)
-        m.flush(h, k * layout.CHUNK_DESC_SIZE)
-        crashpoint("slab.tails")
-        set_bits(self.pool, head, k, True)
         self._hint = head + k if head + k < self.nchunks else 0
         self._mine.setdefault(ss, set()).add(head)
         return head

@@ -199,32 +199,15 @@ bitmap_run(Mapping *m, uint64_t bm, uint64_t from, uint64_t to, uint64_t k)
     return UINT64_MAX;
 }
 
-/* chunk_find_run(bitmap_off, k, hint) -> first chunk of k free chunks, or -1.
- * Free: bitmap bit clear, descriptor FREE, and inside no head's span.
- * Next fit: the search starts at chunk `hint` and wraps once. */
-PyObject *
-Mapping_chunk_find_run(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+/* The first chunk of k free chunks from `hint` (next fit, wrapping once),
+ * or UINT64_MAX.  Free: bitmap bit clear, descriptor FREE, and inside no
+ * head's span.  Reads only (the GIL may be released). */
+static uint64_t
+find_run(Mapping *m, uint64_t bm, uint64_t k, uint64_t hint)
 {
-    uint64_t bm, k, hint;
-    if (nargs_check(nargs, 3, 3, "chunk_find_run") < 0 || check_open(m) < 0 ||
-        as_u64(args[0], &bm, "bitmap_off") < 0 || as_u64(args[1], &k, "k") < 0 ||
-        as_u64(args[2], &hint, "hint") < 0)
-        return NULL;
-    if (!m->geo_set) {
-        PyErr_SetString(cxlkv_InternalError, "chunk_find_run: allocator geometry not set");
-        return NULL;
-    }
-    if (check_word(m, bm, "chunk_find_run bitmap") < 0 ||
-        check_range(m, bm, (m->nchunks + 63) / 64 * 8, "chunk_find_run bitmap") < 0)
-        return NULL;
-    if (k == 0 || k > MAX_SPAN || k > m->nchunks)
-        return PyLong_FromLong(-1);
     if (hint >= m->nchunks)
         hint = 0;
-    uint64_t found = UINT64_MAX;
-    m->busy++;
-    Py_BEGIN_ALLOW_THREADS
-    for (int pass = 0; pass < 2 && found == UINT64_MAX; pass++) {
+    for (int pass = 0; pass < 2; pass++) {
         uint64_t pos = pass ? 0 : hint;
         uint64_t to = pass ? (hint + k < m->nchunks ? hint + k : m->nchunks) : m->nchunks;
         while (pos < to) {
@@ -244,13 +227,97 @@ Mapping_chunk_find_run(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
                 pos = j + 1;
                 continue;
             }
-            found = s;
-            break;
+            return s;
         }
     }
+    return UINT64_MAX;
+}
+
+static int
+bitmap_args(Mapping *m, uint64_t bm, const char *name)
+{
+    if (!m->geo_set) {
+        PyErr_Format(cxlkv_InternalError, "%s: allocator geometry not set", name);
+        return -1;
+    }
+    if (check_word(m, bm, name) < 0 || check_range(m, bm, (m->nchunks + 63) / 64 * 8, name) < 0)
+        return -1;
+    return 0;
+}
+
+/* chunk_find_run(bitmap_off, k, hint) -> first chunk of k free chunks, or -1
+ * (find_run). */
+PyObject *
+Mapping_chunk_find_run(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t bm, k, hint;
+    if (nargs_check(nargs, 3, 3, "chunk_find_run") < 0 || check_open(m) < 0 ||
+        as_u64(args[0], &bm, "bitmap_off") < 0 || as_u64(args[1], &k, "k") < 0 ||
+        as_u64(args[2], &hint, "hint") < 0 || bitmap_args(m, bm, "chunk_find_run") < 0)
+        return NULL;
+    if (k == 0 || k > MAX_SPAN || k > m->nchunks)
+        return PyLong_FromLong(-1);
+    uint64_t found;
+    m->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    found = find_run(m, bm, k, hint);
     Py_END_ALLOW_THREADS
     m->busy--;
     return PyLong_FromLongLong(found == UINT64_MAX ? -1 : (long long)found);
+}
+
+/* slab_make(bitmap_off, k, hint, owner, slot_size, nslots) -> head, or -1
+ * when no k free chunks are left (pool lock held).  In the order recovery
+ * relies on: the head (it names the owner, so a half-made slab is found),
+ * flushed; crash point slab.head; the tails, flushed; crash point
+ * slab.tails; then the bitmap bits (only pool-lock holders change them). */
+PyObject *
+Mapping_slab_make(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t bm, k, hint, owner, ss, nslots;
+    if (nargs_check(nargs, 6, 6, "slab_make") < 0 || check_open(m) < 0 ||
+        check_writable(m, "slab_make") < 0 ||
+        as_u64(args[0], &bm, "bitmap_off") < 0 || as_u64(args[1], &k, "k") < 0 ||
+        as_u64(args[2], &hint, "hint") < 0 || as_u64(args[3], &owner, "owner") < 0 ||
+        as_u64(args[4], &ss, "slot_size") < 0 || as_u64(args[5], &nslots, "nslots") < 0 ||
+        bitmap_args(m, bm, "slab_make") < 0)
+        return NULL;
+    if (k == 0 || k > MAX_SPAN || k > m->nchunks)
+        return PyLong_FromLong(-1);
+    if (ss == 0 || nslots == 0 || nslots > 8 * sizeof(((struct cxlkv_chunk *)0)->alloc_bits)) {
+        PyErr_Format(PyExc_ValueError, "slab_make: bad slab shape (%llu slots of %llu bytes)",
+                     (unsigned long long)nslots, (unsigned long long)ss);
+        return NULL;
+    }
+    uint64_t head = find_run(m, bm, k, hint);
+    if (head == UINT64_MAX)
+        return PyLong_FromLong(-1);
+    uint64_t h = m->desc_base + head * CXLKV_CHUNK_DESC_SIZE;
+    pool_zero(m, h + 8, CXLKV_CHUNK_DESC_SIZE - 8, 0);
+    pool_store64(m, h + CD_OWNER, owner);
+    pool_store64(m, h + CD_SLOT, ss);
+    pool_store64(m, h + CD_NSLOTS, nslots);
+    pool_store64(m, h + CD_NCHUNKS, k);
+    pool_store64(m, h + CD_CONTROL, CXLKV_CHUNK_HEAD);
+    pool_flush(m, h, CXLKV_CHUNK_DESC_SIZE);
+    cxlkv_crashpoint("slab.head");
+    for (uint64_t i = head + 1; i < head + k; i++)
+        pool_store64(m, m->desc_base + i * CXLKV_CHUNK_DESC_SIZE,
+                     CXLKV_CHUNK_TAIL | head << 8);
+    pool_flush(m, h, k * CXLKV_CHUNK_DESC_SIZE);
+    cxlkv_crashpoint("slab.tails");
+    for (uint64_t i = head; i < head + k;) {
+        uint64_t w = i / 64, lo = i % 64, hi = head + k - w * 64;
+        if (hi > 64)
+            hi = 64;
+        uint64_t mask = (hi - lo == 64 ? ~0ull : ((1ull << (hi - lo)) - 1)) << lo;
+        uint64_t woff = bm + w * 8;
+        pool_invalidate(m, woff, 8);
+        pool_or64(m, woff, mask);
+        i = w * 64 + hi;
+    }
+    pool_flush(m, bm + head / 64 * 8, ((head + k + 63) / 64 - head / 64) * 8);
+    return PyLong_FromUnsignedLongLong(head);
 }
 
 /* Whether the allocator of the node that owner token `owner` names has slab
