@@ -144,11 +144,16 @@ def main() -> None:
                 held.clear()
                 r = {"released": True}
             elif op == "kv_churn":
-                # store, match and read back random prefixes that share a stem
+                # store, match and read back random prefixes that share a stem;
+                # with `until` (a path), stop before the first round after it
+                # exists (`rounds` is then at most)
                 rng = random.Random(cmd["seed"])
                 stem = list(range(cmd["stem"]))
                 stored = bad = loaded = 0
+                until = cmd.get("until")
                 for _ in range(cmd["rounds"]):
+                    if until and os.path.exists(until):
+                        break
                     k = rng.randrange(cmd["variants"])
                     toks = stem + [100000 + k * 1000 + j for j in range(rng.randrange(1, 6) * 16)]
                     if rng.random() < 0.5:
