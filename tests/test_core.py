@@ -297,6 +297,17 @@ def test_a_forked_child_maps_the_granules_again(shm_pool):
     assert child <= 64, child
 
 
+def test_prefault_range_maps_ahead_of_the_writes(shm_pool):
+    with open_map(shm_pool) as m:
+        assert m.prefault_range(GRAN, 2 * GRAN) is True
+        assert _page_writes(m, 1) <= 8 and _page_writes(m, 2) <= 8
+        with pytest.raises(PoolRangeError):
+            m.prefault_range(3 * GRAN, 2 * GRAN)
+        m.prefault = False
+        assert m.prefault_range(0, GRAN) is False
+        assert _page_writes(m, 0) >= 400                # nothing was mapped ahead
+
+
 def test_prefault_needs_a_mapping_of_its_own():
     m = _core.Mapping.from_buffer(bytearray(1 << 16))
     assert not m.prefault

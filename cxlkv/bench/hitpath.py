@@ -201,7 +201,9 @@ def measure(tokens: int = 4096, runs: int = 9, load: bool = True, progress=None)
         path = harness.scratch_pool(os.path.join(d, "hit.pool"),
                                     max(256 * harness.MiB, 2 * need + 160 * harness.MiB)
                                     + 2 * (runs + 1) * need)
+        harness.materialize(path)
         with cxlkv.open_pool(path) as pool:
+            harness.map_in(pool)        # timed stores write pages this process mapped
             for cond in (("idle", "loaded") if load else ("idle",)):
                 busy = None
                 if cond == "loaded":

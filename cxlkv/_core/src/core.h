@@ -297,6 +297,7 @@ void slab_emptied_free(Mapping *m);
 PyObject *Mapping_slab_take_emptied(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_chunk_find_run(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_slab_make(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Mapping_prefault_range(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_slabs_release(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_slabs_set_owner(Mapping *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Mapping_slab_census(Mapping *m, PyObject *const *args, Py_ssize_t nargs);

@@ -871,6 +871,27 @@ Mapping_set_nt_threshold(Mapping *m, PyObject *v, void *c)
     return 0;
 }
 
+/* prefault_range(off, len) -> bool: map the 2 MiB granules of [off, off+len)
+ * into this process now, as the first bulk copy into each would (False:
+ * prefaulting is off for this mapping, nothing done) */
+PyObject *
+Mapping_prefault_range(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t off, len;
+    if (nargs_check(nargs, 2, 2, "prefault_range") < 0 || check_open(m) < 0 ||
+        as_u64(args[0], &off, "offset") < 0 || as_u64(args[1], &len, "length") < 0 ||
+        check_range(m, off, len, "prefault_range") < 0)
+        return NULL;
+    if (!m->prefault)
+        Py_RETURN_FALSE;
+    m->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    pool_prefault(m, off, len);
+    Py_END_ALLOW_THREADS
+    m->busy--;
+    return PyBool_FromLong(m->prefault);
+}
+
 static PyObject *
 Mapping_get_prefault(Mapping *m, void *c)
 {
