@@ -98,11 +98,7 @@ check_writable(Mapping *m, const char *what)
     return 0;
 }
 
-/* Map the 2 MiB granules of [off, off + len) not yet mapped by this process
- * (pool_prefault in core.h).  Granules are marked done whatever madvise
- * answered, so a failing one is not asked again; a kernel without
- * MADV_POPULATE_READ (before 5.14) turns prefaulting off.  Threads may race
- * to map one granule: mapping it twice is harmless. */
+/* bumped in a forked child: its granules are mapped again (core.h) */
 uint64_t cxlkv_fork_gen;
 
 static void
@@ -117,6 +113,11 @@ cxlkv_prefault_atfork(void)
     pthread_atfork(NULL, NULL, prefault_after_fork);
 }
 
+/* Map the 2 MiB granules of [off, off + len) not yet mapped by this process
+ * (pool_prefault in core.h).  Granules are marked done whatever madvise
+ * answered, so a failing one is not asked again; a kernel without
+ * MADV_POPULATE_READ (before 5.14) turns prefaulting off.  Threads may race
+ * to map one granule: mapping it twice is harmless. */
 void
 pool_prefault_slow(Mapping *m, uint64_t off, uint64_t len)
 {
