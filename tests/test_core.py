@@ -253,12 +253,24 @@ def shm_pool():
         os.unlink(p)
 
 
+# under scripts/test-asan the C copy's first touch of a granule also faults
+# in its AddressSanitizer shadow (an eighth of it): a page per 32 KiB
+SHADOW = GRAN // 8 // 4096 if "libasan" in os.environ.get("LD_PRELOAD", "") else 0
+
+
 def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
 
 
 def _page_writes(m, granule: int) -> int:
-    """Page faults taken by 4 KiB writes to every page of one granule."""
+    """Page faults taken by 4 KiB writes to every page of one granule, less
+    those the same writes take again once every page is mapped (the
+    interpreter's own, and a sanitizer's shadow memory)."""
+    first = _raw_page_writes(m, granule)
+    return first - _raw_page_writes(m, granule)
+
+
+def _raw_page_writes(m, granule: int) -> int:
     page = b"\xa5" * 4096
     f0 = _faults()
     for off in range(granule * GRAN, (granule + 1) * GRAN, 4096):
@@ -275,7 +287,7 @@ def test_bulk_writes_map_their_granule_in_one_call(shm_pool):
         assert m.read(GRAN, 4096) == b"\xa5" * 4096
         assert m.read(3 * GRAN - 4096, 4096) == b"\xa5" * 4096
     assert off >= 400, off          # a fault per page: what the counter sees without it
-    assert on <= 64, on             # fault-around while populating, then none
+    assert on <= 64 + SHADOW, on    # fault-around while populating, then none
 
 
 def test_a_forked_child_maps_the_granules_again(shm_pool):
@@ -294,13 +306,13 @@ def test_a_forked_child_maps_the_granules_again(shm_pool):
         child = int(os.read(r, 64))
         os.close(r)
         os.waitpid(pid, 0)
-    assert child <= 64, child
+    assert child <= 64 + SHADOW, child
 
 
 def test_prefault_range_maps_ahead_of_the_writes(shm_pool):
     with open_map(shm_pool) as m:
         assert m.prefault_range(GRAN, 2 * GRAN) is True
-        assert _page_writes(m, 1) <= 8 and _page_writes(m, 2) <= 8
+        assert _page_writes(m, 1) <= 8 + SHADOW and _page_writes(m, 2) <= 8 + SHADOW
         with pytest.raises(PoolRangeError):
             m.prefault_range(3 * GRAN, 2 * GRAN)
         m.prefault = False
