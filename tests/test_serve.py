@@ -37,9 +37,14 @@ BLOCK = 64 * 1024
 class Serve:
     """`cxlkv serve` in a child process; its JSON log lines are read as they come."""
 
-    def __init__(self, path, *args, log_json=True):
-        argv = [sys.executable, "-m", "cxlkv", "serve", "--pool", path, "--interval", "0.1",
-                "--metrics-addr", "127.0.0.1:0", *args]
+    def __init__(self, path=None, *args, log_json=True, argv=None):
+        """argv: the arguments after `cxlkv serve` instead of the usual ones
+        (then nothing waits for the log)."""
+        if argv is not None:
+            argv, log_json = [sys.executable, "-m", "cxlkv", "serve", *argv], False
+        else:
+            argv = [sys.executable, "-m", "cxlkv", "serve", "--pool", path, "--interval", "0.1",
+                    "--metrics-addr", "127.0.0.1:0", *args]
         if log_json:
             argv.append("--log-json")
         self.p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -117,12 +122,34 @@ class Serve:
     def stop(self, timeout=10.0) -> int:
         if self.p.poll() is None:
             self.p.send_signal(signal.SIGTERM)
-        return self.p.wait(timeout)
+        try:
+            return self.p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"serve did not stop {timeout} s after SIGTERM; "
+                                 f"its threads:\n{stacks(self.p, self.lines)}") from None
 
     def kill(self):
         if self.p.poll() is None:
             self.p.kill()
             self.p.wait(30)
+
+
+def stacks(p, lines: queue.Queue) -> str:
+    """The stack of every thread of a running serve (its SIGUSR1 dump), from
+    the queue its stderr is read into."""
+    p.send_signal(signal.SIGUSR1)
+    out, deadline = [], time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.2)
+        except queue.Empty:
+            if any(x.startswith("Current thread") or x.startswith("Thread 0x") for x in out):
+                break
+            continue
+        if line is None:
+            break
+        out.append(line)
+    return "".join(out)
 
 
 def sample(m, name, **labels):
@@ -163,6 +190,18 @@ def test_sigterm_detaches_and_exits_0(spool, serve):
         assert check(p).clean
 
 
+def test_sigusr1_dumps_every_thread_and_runs_on(spool, serve):
+    """kill -USR1: the stack of every thread on stderr (the heartbeat's among
+    them), and the agent goes on serving and stops cleanly."""
+    s = serve(spool)
+    dump = stacks(s.p, s.lines)
+    assert "Current thread" in dump or "Thread 0x" in dump, dump
+    assert "_run" in dump and "nodes.py" in dump, dump       # the heartbeat thread
+    assert s.p.poll() is None
+    assert s.get("/healthz")[0] == 200
+    assert s.stop() == 0
+
+
 def test_first_sigterm_under_lock_contention_exits_within_the_deadline(spool, serve):
     """Another node holds the pool lock the detach's own recovery needs: the
     agent still exits 0 within --stop-timeout, with a warning, and its node
@@ -175,8 +214,7 @@ def test_first_sigterm_under_lock_contention_exits_within_the_deadline(spool, se
         assert q.call(op="lock") == {"locked": True}
         wait_for(lambda: sample(s.metrics(), "cxlkv_agent_ticks_total") > 3, what="ticks")
         t0 = time.monotonic()
-        s.p.send_signal(signal.SIGTERM)
-        assert s.p.wait(10) == 0
+        assert s.stop() == 0
         assert time.monotonic() - t0 < 3.0             # 1 s, plus starting to stop
         s.wait_log(lambda d: d["msg"] == "stopped")
         warn = s.wait_log(lambda d: d["level"] == "warning" and "could not detach" in d["msg"])
@@ -397,22 +435,16 @@ def test_config_file_and_flags_win(spool, tmp_path, serve):
     cfg.write_text(f'pool = "{spool}"\ninterval = 0.2\nlog-json = true\n'
                    '[serve]\nmetrics_addr = "127.0.0.1:0"\nwarn-used = 50\n')
     # the config's log-json is overridden by the flag --log-text
-    p = subprocess.Popen([sys.executable, "-m", "cxlkv", "serve", "--config", str(cfg),
-                          "--log-text"], stderr=subprocess.PIPE, text=True)
-    try:
-        lines = []
-        for line in p.stderr:
-            lines.append(line)
-            if "ready" in line:
-                break
-        assert lines[0].startswith("cxlkv serve: attached"), lines
-        assert f"pool={spool}" in lines[-1] and "interval=0.2" in lines[-1]
-        assert any("metrics on http://127.0.0.1:" in x for x in lines)
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(10) == 0
-    finally:
-        if p.poll() is None:
-            p.kill()
+    s = serve(argv=["--config", str(cfg), "--log-text"])
+    lines = []
+    while not lines or "ready" not in lines[-1]:
+        line = s.lines.get(timeout=30)
+        assert line is not None, lines
+        lines.append(line)
+    assert lines[0].startswith("cxlkv serve: attached"), lines
+    assert f"pool={spool}" in lines[-1] and "interval=0.2" in lines[-1]
+    assert any("metrics on http://127.0.0.1:" in x for x in lines)
+    assert s.stop() == 0
 
 
 def test_config_errors_are_usage_errors(cli, spool, tmp_path):

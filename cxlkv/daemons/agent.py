@@ -49,7 +49,9 @@ all within --stop-timeout (5 s).  When the detach cannot finish in time
 heartbeating, logs a warning and exits 0 all the same: its slot is reaped by
 the other nodes (at once on this host, after a lease elsewhere) and its
 recovery runs then.  A second signal kills the process at once (the node is
-then reaped by the others after its lease).
+then reaped by the others after its lease).  SIGUSR1 writes the stack of
+every thread to stderr (faulthandler: it works while a thread is stuck in a
+C call) and the agent runs on.
 
 /healthz answers 503 when the last snapshot is older than max(3 x
 --interval, lease) (the tick is stuck), and the `agent` check is CRITICAL
@@ -60,6 +62,7 @@ a line.  Under systemd (Type=notify) it reports READY=1 and STOPPING=1.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -890,6 +893,8 @@ def serve(cfg: AgentConfig, log: logging.Logger | None = None) -> int:
         agent.request_stop()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    # where is it stuck? kill -USR1 answers on stderr, from the C signal handler
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     try:
         agent.start()
         try:
@@ -902,6 +907,7 @@ def serve(cfg: AgentConfig, log: logging.Logger | None = None) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        faulthandler.unregister(signal.SIGUSR1)
     if agent.detach_abandoned:
         # a thread may still wait for the pool lock inside the mapping: end the
         # process here, without the interpreter's teardown
