@@ -878,6 +878,13 @@ class Agent:
         return h.status in (health.OK, health.WARNING), h.line()
 
 
+def _stderr_fd() -> int | None:
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, ValueError, OSError):   # io.UnsupportedOperation is an OSError
+        return None
+
+
 def serve(cfg: AgentConfig, log: logging.Logger | None = None) -> int:
     """Run an agent in the foreground until SIGTERM/SIGINT; returns 0 after a
     clean detach.  A second signal ends the process at once."""
@@ -894,7 +901,10 @@ def serve(cfg: AgentConfig, log: logging.Logger | None = None) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     # where is it stuck? kill -USR1 answers on stderr, from the C signal handler
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    # (which needs a file descriptor: not under click's test runner)
+    dump = _stderr_fd() is not None
+    if dump:
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     try:
         agent.start()
         try:
@@ -907,7 +917,8 @@ def serve(cfg: AgentConfig, log: logging.Logger | None = None) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        faulthandler.unregister(signal.SIGUSR1)
+        if dump:
+            faulthandler.unregister(signal.SIGUSR1)
     if agent.detach_abandoned:
         # a thread may still wait for the pool lock inside the mapping: end the
         # process here, without the interpreter's teardown
