@@ -84,8 +84,11 @@ def test_quick_bench_reports_every_figure(scratch, redis_procs):
     res = suite.run(steps.append, quick=True)
     check_figures(res)
     assert res["pool_write_vs_memcpy"] == res["pool_write_gbps"] / res["memcpy_gbps"]
-    assert res["put_vs_memcpy"] == res["put_gbps"] / res["memcpy_gbps"]
-    assert res["get_vs_memcpy"] == res["get_gbps"] / res["memcpy_gbps"]
+    # put and get: the median of each rep's ratio to the memcpy timed beside it
+    assert res["kv_memcpy_gbps"] > 0
+    for fig in ("put", "get"):
+        lo, hi = sorted((res[f"{fig}_gbps"] / res["kv_memcpy_gbps"], res[f"{fig}_vs_memcpy"]))
+        assert res[f"{fig}_vs_memcpy"] > 0 and hi / lo < 3, (fig, res)
     assert res["handoff_vs_shm"] == res["handoff_gbps"] / res["shm_handoff_gbps"]
     assert res["handoff_vs_tcp"] == res["handoff_gbps"] / res["tcp_gbps"]
     assert res["lock_manager_us"] > 0
@@ -100,6 +103,29 @@ def test_quick_bench_reports_every_figure(scratch, redis_procs):
     else:
         assert not redis_procs
     assert redis_children() == []
+
+
+def test_put_get_ratios_pair_each_rep_with_the_memcpy_before_it(tmp_path):
+    """put_vs_memcpy is the median of per-rep ratios: a baseline that halves
+    between reps halves the ratio of its own rep only."""
+    from cxlkv.bench import kv as kvbench
+
+    class Drifting:
+        speeds = iter([1.0, 100.0, 1.0, 100.0, 1.0])
+
+        def gbps(self):
+            return next(self.speeds)
+
+    path = str(tmp_path / "pg.pool")
+    init_pool(path, {"size": 64 << 20})
+    with cxlkv.open_pool(path) as pool:
+        r = kvbench.kv_put_get_paired(pool, "pg", 4 << 20, reps=5, memcpy=Drifting())
+        assert r["reps"]["memcpy"] == [1.0, 100.0, 1.0, 100.0, 1.0]
+        ratios = sorted(p / m for p, m in zip(r["reps"]["put"], r["reps"]["memcpy"]))
+        assert r["put_vs_memcpy"] == ratios[2]
+        assert r["put_gbps"] == statistics.median(r["reps"]["put"])
+        assert r["memcpy_gbps"] == 1.0
+        assert kv_report(pool)["namespaces"] == []                   # dropped
 
 
 def test_redis_missing_is_none_with_reason(scratch, monkeypatch):

@@ -42,10 +42,35 @@ def kv_put_get(pool, ns: str, total: int = KV_TOTAL, block: int = KV_BLOCK, reps
     kv.load_into of them into a touched 4 KiB-aligned buffer: (put, get) GB/s,
     medians.  The namespace is dropped between reps (outside the timing); the
     first rep warms the pool pages and checks the bytes."""
+    r = _put_get_reps(pool, ns, total, block, reps, guard)
+    return harness.median(r["put"]), harness.median(r["get"])
+
+
+def kv_put_get_paired(pool, ns: str, total: int = KV_TOTAL, block: int = KV_BLOCK,
+                      reps: int = 5, guard: Callable[[int, int], None] | None = None,
+                      memcpy: "harness.Memcpy | None" = None) -> dict:
+    """kv_put_get with a memcpy of the same bytes timed just before every
+    timed rep: put_gbps, get_gbps and memcpy_gbps (medians), and put_vs_memcpy
+    and get_vs_memcpy as the medians of each rep's ratio to the memcpy beside
+    it (on a machine whose memory speed drifts, a ratio of two figures timed
+    minutes apart measures the drift as much as the copy)."""
+    memcpy = memcpy or harness.Memcpy(total)
+    r = _put_get_reps(pool, ns, total, block, reps, guard, memcpy)
+    med = harness.median
+    return {"put_gbps": med(r["put"]), "get_gbps": med(r["get"]),
+            "memcpy_gbps": med(r["memcpy"]),
+            "put_vs_memcpy": med([p / m for p, m in zip(r["put"], r["memcpy"])]),
+            "get_vs_memcpy": med([g / m for g, m in zip(r["get"], r["memcpy"])]),
+            "reps": r}
+
+
+def _put_get_reps(pool, ns: str, total: int, block: int, reps: int, guard,
+                  memcpy: "harness.Memcpy | None" = None) -> dict:
+    """Every timed rep's put and get GB/s (and memcpy GB/s, timed before it)."""
     n = total // block
     src = harness.buffer(total, seed=2)
     out = harness.buffer(total)
-    puts, gets = [], []
+    res: dict = {"put": [], "get": [], "memcpy": []}
     try:
         for rep in range(reps + 1):
             drop(pool, ns)
@@ -53,6 +78,7 @@ def kv_put_get(pool, ns: str, total: int = KV_TOTAL, block: int = KV_BLOCK, reps
                 guard(block, n)
             kv = pool.kv(model=ns, block_tokens=KV_BLOCK_TOKENS, block_bytes=block)
             toks = tokens(rep, n * KV_BLOCK_TOKENS)
+            base = memcpy.gbps() if memcpy is not None and rep else None
             t0 = time.perf_counter()
             stored = kv.store(toks, src)
             t1 = time.perf_counter()
@@ -64,11 +90,13 @@ def kv_put_get(pool, ns: str, total: int = KV_TOTAL, block: int = KV_BLOCK, reps
                 if not np.array_equal(out, src):
                     raise RuntimeError("kv bench: load_into gave other bytes than stored")
                 continue
-            puts.append(total / (t1 - t0) / 1e9)
-            gets.append(total / (t2 - t1) / 1e9)
+            res["put"].append(total / (t1 - t0) / 1e9)
+            res["get"].append(total / (t2 - t1) / 1e9)
+            if base is not None:
+                res["memcpy"].append(base)
     finally:
         drop(pool, ns)
-    return harness.median(puts), harness.median(gets)
+    return res
 
 
 def kv_lookup_ms(pool, ns: str, ntokens: int = LOOKUP_TOKENS, block: int = LOOKUP_BLOCK,
