@@ -774,24 +774,29 @@ class SpillStore(Tier):
         now = time.time_ns()
         done, bad = [], []
         i = 0
-        claimed.sort(key=lambda c: (c[0].sbytes, c[1]))
-        while i < len(claimed):                      # runs of adjacent slots: one pwritev
+        # written in slot order (adjacent slots in one call), but stamped
+        # and indexed in the order they came: the LRU order is the offer
+        # order, whichever slots the claims happened to get
+        order = sorted(range(len(claimed)), key=lambda n: (claimed[n][0].sbytes, claimed[n][1]))
+        while i < len(order):                        # runs of adjacent slots: one pwritev
             j = i + 1
-            sf = claimed[i][0]
-            while (j < len(claimed) and claimed[j][0] is sf
-                   and claimed[j][1] == claimed[j - 1][1] + 1
-                   and len(claimed[j - 1][4]) == sf.sbytes
+            sf = claimed[order[i]][0]
+            while (j < len(order) and claimed[order[j]][0] is sf
+                   and claimed[order[j]][1] == claimed[order[j - 1]][1] + 1
+                   and len(claimed[order[j - 1]][4]) == sf.sbytes
                    and (j - i + 1) * sf.sbytes <= WRITE_BYTES):
                 j += 1
-            run = claimed[i:j]
+            run = order[i:j]
             try:
-                sf.preallocate(run[-1][1], PREALLOC)
-                files.write_all(sf.fd, [c[4] for c in run], sf.payload_off(run[0][1]))
+                sf.preallocate(claimed[run[-1]][1], PREALLOC)
+                files.write_all(sf.fd, [claimed[n][4] for n in run],
+                                sf.payload_off(claimed[run[0]][1]))
                 done.extend(run)
             except OSError as e:
-                bad.extend(run)
+                bad.extend(claimed[n] for n in run)
                 self._fail("disk", e, n=len(run))
             i = j
+        done = [claimed[n] for n in sorted(done)]
         hdrs = [files.header(key, nsd, len(p), xxhash.xxh3_64_intdigest(p), now + i)
                 for i, (_, _, key, nsd, p) in enumerate(done)]
         with self._usage.locked():
