@@ -882,3 +882,38 @@ def test_one_tick_above_the_usage_threshold_is_no_verdict_yet(agent, spool):
         assert usage().status == health.OK and "this tick only" not in usage().text
     finally:
         q.close()
+
+
+_SIGNAL_IN_WAIT = """
+import os, signal, sys
+from cxlkv.daemons import agent
+from cxlkv.daemons.config import AgentConfig
+
+run = agent.Agent.run
+
+
+def signalled_in_wait(self):
+    # Event.wait() holds its condition's lock for a moment before it sleeps;
+    # a SIGTERM whose handler runs in that moment (the CI failure) is sent
+    # here, with the lock held, and handled at one of the bytecodes below
+    with self.stop_event._cond:
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(200000):
+            pass
+    run(self)
+
+
+agent.Agent.run = signalled_in_wait
+sys.exit(agent.serve(AgentConfig(pool=sys.argv[1], interval=0.05)))
+"""
+
+
+def test_a_sigterm_handled_while_the_main_thread_holds_the_stop_events_lock_still_stops(spool):
+    # the handler used to set the stop event itself: on the thread that held
+    # its lock, it waited for itself forever
+    p = subprocess.run([sys.executable, "-c", _SIGNAL_IN_WAIT, spool], capture_output=True,
+                       text=True, timeout=30, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, p.stderr
+    assert attached(spool) == []
+    with Pool.open(spool, writable=False) as pl:
+        assert check(pl).clean

@@ -890,6 +890,12 @@ def serve(cfg: AgentConfig, log: logging.Logger | None = None) -> int:
     clean detach.  A second signal ends the process at once."""
     agent = Agent(cfg, log)
     stopping = []
+    # The handler runs on the main thread between two bytecodes, perhaps while
+    # that thread holds stop_event's own lock (every Event.wait() does for a
+    # moment): setting the event there would wait for itself forever.  The
+    # handler only writes to a pipe; a thread of its own asks the agent to stop.
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
 
     def on_signal(signum, frame):
         if stopping:
@@ -897,8 +903,17 @@ def serve(cfg: AgentConfig, log: logging.Logger | None = None) -> int:
             os.kill(os.getpid(), signum)
             return
         stopping.append(signum)
-        agent.request_stop()
+        try:
+            os.write(wake_w, b"\0")
+        except OSError:                                     # the pipe is full: one byte wakes it
+            pass
 
+    def relay():
+        if os.read(wake_r, 1):                              # b"": serve() is done
+            agent.request_stop()
+
+    relay_thread = threading.Thread(target=relay, daemon=True, name="cxlkv-signal")
+    relay_thread.start()
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     # where is it stuck? kill -USR1 answers on stderr, from the C signal handler
     # (which needs a file descriptor: not under click's test runner)
@@ -917,6 +932,9 @@ def serve(cfg: AgentConfig, log: logging.Logger | None = None) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        os.close(wake_w)                                    # the relay reads EOF and ends
+        relay_thread.join()
+        os.close(wake_r)
         if dump:
             faulthandler.unregister(signal.SIGUSR1)
     if agent.detach_abandoned:
