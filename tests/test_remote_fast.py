@@ -1,14 +1,18 @@
-"""The remote tier's fast path (cxlkv.remote.fastpath, the default client's
-GETs and SETs) against a real Redis Cluster on loopback: the same
+"""The remote tier's fast path (cxlkv.remote.fastpath, opt-in: the client's
+GETs and SETs with fast = true) against a real Redis Cluster on loopback: the same
 verification as the redis-py path (a corrupt value, a value of another
 namespace or another tenant's block is a miss, never a wrong block);
 lookups pipelined in windows sized by bytes come back whole and in order;
 the writer's batches are sized by bytes; AUTH; no exception for a cluster
-that refuses.  Skipped with the reason when redis-server is missing."""
+that refuses; a call cut by any exception never hands its connections (and
+their unread answers) to the next call.  Skipped with the reason when
+redis-server is missing (the fake-server test runs without it)."""
 from __future__ import annotations
 
 import asyncio
 import os
+import socket
+import threading
 import time
 
 import pytest
@@ -228,3 +232,70 @@ def test_a_moved_slot_is_followed_and_the_table_refreshed(cluster):
         fc.close()
         cluster.client(other).delete(name)
         assign(owner)
+
+
+class FakeMaster:
+    """A one-node "cluster" on loopback speaking just enough RESP2: CLUSTER
+    SLOTS (itself, every slot) and GET (the value b"v:" + name); a GET of
+    b"bad" answers a bulk length no buffer can have.  Counts connections."""
+
+    def __init__(self):
+        self.lsock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.lsock.getsockname()[1]
+        self.accepted = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                s, _ = self.lsock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            threading.Thread(target=self._serve, args=(s,), daemon=True).start()
+
+    def _serve(self, s):
+        f = s.makefile("rb")
+        try:
+            while True:
+                line = f.readline()
+                if not line:
+                    return
+                args = []
+                for _ in range(int(line[1:])):
+                    n = int(f.readline()[1:])
+                    args.append(f.read(n + 2)[:n])
+                if args[0].upper() == b"CLUSTER":
+                    out = b"*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n" \
+                        % self.port
+                elif args[1] == b"bad":
+                    out = b"$99999999999999999999\r\n"
+                else:
+                    v = b"v:" + args[1]
+                    out = b"$%d\r\n%s\r\n" % (len(v), v)
+                s.sendall(out)
+        except OSError:
+            return
+        finally:
+            s.close()
+
+    def close(self):
+        self.lsock.close()
+
+
+def test_a_call_cut_by_any_exception_never_hands_its_connections_on():
+    """A reply the parser cannot take (a bulk length over any buffer: an
+    OverflowError, neither OSError nor ValueError) ends the call with the
+    rest of its pipeline unread: its connections are closed, so the next
+    call reads its own answer, not the previous call's."""
+    srv = FakeMaster()
+    fc = FastCluster(RemoteConfig(nodes=(f"127.0.0.1:{srv.port}",)))
+    try:
+        with pytest.raises(OverflowError):
+            fc.get_many([b"bad", b"k1"], time.monotonic() + 10)
+        vals, timed_out, err, _ = fc.get_many([b"k2"], time.monotonic() + 10)
+        assert vals == [bytearray(b"v:k2")] and not timed_out and err is None
+        assert srv.accepted == 2                     # the cut connection was not reused
+    finally:
+        fc.close()
+        srv.close()

@@ -22,7 +22,8 @@ Slots map to masters from CLUSTER SLOTS, asked again after a connection
 error or a MOVED answer.  A MOVED / ASK answer is followed once (ASKING
 first for ASK) and the slot table refreshed; TRYAGAIN and anything else is
 a failed key.  A connection whose pipeline was cut (error, timeout) is
-closed, never reused: its unread answers would belong to other commands.
+closed, never reused: its unread answers would belong to other commands -
+and so is every connection of a call that ended in any other exception.
 
 Connections: a set of one connection per master is taken from a free list
 per call (so threads never share one) and given back when it worked.
@@ -310,6 +311,7 @@ class FastCluster:
         got_extra: dict = {}
         conns = self._take()
         timed_out, err, cut = False, None, 0
+        finished = False
         try:
             try:
                 slots = self._table(conns, deadline)
@@ -366,9 +368,13 @@ class FastCluster:
                         cut += sum(len(w) for w in wins[k:]) - read
                         self._drop(conns, addr)
                         active.remove(st)
+            finished = True
         finally:
             if cut:
                 self._stale()
+            if not finished:
+                # an exception left some pipeline half sent or half read
+                self._drop_all(conns)
             self._give(conns)
         return answers, cut, timed_out, err, got_extra
 
@@ -389,6 +395,7 @@ class FastCluster:
             return []
         self._stale()
         conns = self._take()
+        finished = False
         try:
             for i, (kind, addr) in redo:
                 try:
@@ -401,7 +408,10 @@ class FastCluster:
                 except (OSError, ValueError) as e:
                     answers[i] = ReplyError(f"{type(e).__name__}: {e}")
                     self._drop(conns, addr)
+            finished = True
         finally:
+            if not finished:
+                self._drop_all(conns)
             self._give(conns)
         return [i for i, _ in redo]
 
