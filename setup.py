@@ -33,7 +33,8 @@ setup(
                      "cxlkv/_core/src/spill_xxh3_avx512.c"],
             libraries=["xxhash", "pthread"],
             depends=["cxlkv/_core/src/cpu.h", "cxlkv/_core/src/core.h", "cxlkv/_core/src/nc.h",
-                     "cxlkv/_core/src/cxlkv_format.h", "cxlkv/_core/src/spill_format.h"],
+                     "cxlkv/_core/src/cxlkv_format.h", "cxlkv/_core/src/spill_format.h",
+                     "cxlkv/_core/src/spill_copysum.h"],
             extra_compile_args=cflags,
             extra_link_args=ldflags,
         )

@@ -5,13 +5,19 @@ with its status (a torn or damaged header, a wrong key, namespace or
 length, a cut or damaged payload), never a wrong block; every argument
 bounds-checked before anything is read.  The run's checks hold the same
 whether the calling thread reads every unit or helper threads do
-(spill_pool.c; the `mode` fixture runs each test both ways)."""
+(spill_pool.c; the `mode` fixture runs each test both ways), and whether
+payloads are copied out of a mapping of the file with their checksum in
+the same pass or preadv'd (the `path` fixture).  A file cut short under a
+mapped copy (SIGBUS) is a miss, not a dead process; any other SIGBUS still
+ends the process."""
 from __future__ import annotations
 
 import errno
 import os
 import signal
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -38,6 +44,14 @@ def mode(request, monkeypatch):
         _core.spill_helpers(0)
     yield request.param
     _core.spill_helpers(before["helpers"], before["spin_us"], True)
+
+
+@pytest.fixture(autouse=True, params=["mapped", "pread"])
+def path(request, monkeypatch):
+    """mapped: read_run copies payloads out of the slot file's mapping
+    (the default); pread: preadv, then the checksum."""
+    monkeypatch.setattr(files, "READ_MAPPED", request.param == "mapped")
+    return request.param
 
 
 def key(i: int) -> bytes:
@@ -143,10 +157,16 @@ EXPECT = {"header-bit": "torn", "header-sum": "torn", "magic": "torn", "version"
           "wrong-ns": "mismatch"}
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "read-before"])
 @pytest.mark.parametrize("how", sorted(EXPECT))
-def test_the_run_stops_at_a_damaged_slot_with_its_status(tmp_path, how):
+def test_the_run_stops_at_a_damaged_slot_with_its_status(tmp_path, how, warm):
+    """cold: damaged before the first read (a mapping made then covers the
+    cut file only); read-before: the run was read once before, so its pages
+    are mapped and cached when the damage comes."""
     sf = make(tmp_path, L)
     try:
+        if warm:
+            assert read(sf, [0, 1, 2, 3, 4], L)[0] == (5, ST["ok"], 0)
         kw = damage(sf, how)
         before = sf.raw_header(3)
         snap = bytearray(64)
@@ -336,3 +356,94 @@ def test_a_forked_child_reads_without_the_parents_helpers(tmp_path, mode):
         assert status == [0]
     finally:
         sf.close()
+
+
+# -- a file cut short under a mapped copy --------------------------------------------------
+
+_CUT_UNDER_COPY = """
+import os, sys
+import numpy as np
+sys.path[:0] = [{tests!r}]
+from cxlkv.kv.tiers.spill import files
+import test_spill_read as t
+sf = files.SlotFile.open(files.Path({path!r}))
+(ok, status, err), bufs = t.read(sf, [0, 1, 2, 3, 4], t.L)
+good = all(bytes(bufs[s]) == t.payload(t.key(s), t.L) for s in range(ok))
+print(ok, status, err, good, flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["caller"], indirect=True)
+@pytest.mark.parametrize("path", ["mapped"], indirect=True)
+def test_a_file_cut_short_between_populate_and_copy_is_a_miss_not_a_sigbus(tmp_path):
+    """The reader stops after its populate (CXLKV_PAUSE_AT=spill.map), the
+    file is cut inside slot 3's payload, the reader goes on: the copy of
+    slot 3 faults (SIGBUS), the handler takes it back out of the copy, and
+    preadv finds the cut - the run is slots 0-2, status short, the process
+    alive."""
+    sf = make(tmp_path, L)
+    sf.close()
+    sf_path = str(tmp_path / files.file_name(files.slot_bytes(L)))
+    code = _CUT_UNDER_COPY.format(tests=os.path.dirname(__file__), path=sf_path)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "CXLKV_PAUSE_AT": "spill.map:1"})
+    try:
+        def stopped() -> bool:
+            with open(f"/proc/{p.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "T"
+        wait_for(stopped, what="the reader to stop after its populate", timeout=60)
+        geo_sf = files.SlotFile.open(files.Path(sf_path))
+        try:
+            os.ftruncate(geo_sf.fd, geo_sf.payload_off(3) + L // 3)
+        finally:
+            geo_sf.close()
+        os.kill(p.pid, signal.SIGCONT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, err
+    assert out.split() == ["3", str(ST["short"]), "0", "True"]
+
+
+_FOREIGN_SIGBUS = """
+import mmap, os, sys
+import numpy as np
+sys.path[:0] = [{tests!r}]
+from cxlkv.kv.tiers.spill import files
+import test_spill_read as t
+sf = files.SlotFile.open(files.Path({path!r}))
+assert t.read(sf, [0, 1], t.L)[0] == (2, 0, 0)          # the handler is installed
+fd = os.open({other!r}, os.O_RDWR | os.O_CREAT, 0o600)
+os.ftruncate(fd, 8192)
+m = mmap.mmap(fd, 8192)
+os.ftruncate(fd, 0)
+print("touching", flush=True)
+m[4096]                                                   # past the end: SIGBUS
+print("survived", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["caller"], indirect=True)
+@pytest.mark.parametrize("path", ["mapped"], indirect=True)
+@pytest.mark.parametrize("faulthandler", [False, True], ids=["plain", "faulthandler"])
+def test_a_sigbus_outside_a_mapped_copy_still_ends_the_process(tmp_path, faulthandler):
+    """The read path's SIGBUS handler takes only faults of its own copies:
+    any other bus error ends the process as before (by the signal; under
+    Python's faulthandler, with its report)."""
+    sf = make(tmp_path, L)
+    sf.close()
+    code = _FOREIGN_SIGBUS.format(tests=os.path.dirname(__file__),
+                                  path=str(tmp_path / files.file_name(files.slot_bytes(L))),
+                                  other=str(tmp_path / "other"))
+    argv = [sys.executable] + (["-X", "faulthandler"] if faulthandler else []) + ["-c", code]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                       stdin=subprocess.DEVNULL)
+    assert p.stdout.split() == ["touching"], (p.stdout, p.stderr)
+    # under scripts/test-asan the sanitizer's handler came first: it reports and aborts
+    asan = "libasan" in os.environ.get("LD_PRELOAD", "")
+    assert p.returncode == -(signal.SIGABRT if asan else signal.SIGBUS), p.stderr
+    if faulthandler:
+        assert "Bus error" in p.stderr

@@ -9,7 +9,12 @@ alternating 32 MiB chunks, `--rounds` times: a shared disk stalls for a
 while now and then, and each stall then lands on all of them alike; the
 median of the rounds' ratios is reported.
 
-    cxlkv bench run spill [--dir DIR] [--mib N] [--rounds R] [--json]
+`--read-path pread` reads the store the older way (preadv, then the
+checksum) instead of the copy out of a mapping with the checksum fused, for
+an A/B of the two in the same hour.
+
+    cxlkv bench run spill [--dir DIR] [--mib N] [--rounds R]
+                          [--read-path mapped|pread] [--json]
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from cxlkv.bench import harness
 from cxlkv.kv.cache import KVCache
 from cxlkv.errors import BenchRefused
 from cxlkv.kv.tiers import spill
+from cxlkv.kv.tiers.spill import files as spill_files
 from cxlkv.kv.tiers.spill import store as spill_store
 
 MiB = harness.MiB
@@ -280,6 +286,10 @@ def add_arguments(ap) -> None:
     ap.add_argument("--read-helpers", type=int, default=None,
                     help="helper threads of the spill read path (this process's; default: "
                          f"the store's, {spill_store.READ_HELPERS} on this machine)")
+    ap.add_argument("--read-path", choices=("mapped", "pread"), default="mapped",
+                    help="how the store reads payloads: copied out of a mapping of the slot "
+                         "file and hashed in the same pass (mapped, the store's default), or "
+                         "preadv and then hashed (pread)")
 
 
 def run(a, progress) -> dict:
@@ -293,6 +303,7 @@ def run(a, progress) -> dict:
             raise BenchRefused(f"--read-helpers must be 0..{spill_store.MAX_READ_HELPERS}")
         _core.spill_helpers(helpers)            # process-wide; a store only ever adds some
         spill_store.READ_HELPERS = helpers      # the default of the stores made below
+        spill_files.READ_MAPPED = a.read_path == "mapped"
         rounds = []
         for i in range(max(1, a.rounds)):
             progress(f"round {i + 1}: raw I/O, the spill store alone, raw O_DIRECT, interleaved")
@@ -334,7 +345,7 @@ def run(a, progress) -> dict:
                 "direct_vs_raw_read": med["direct_vs_raw_read"],
                 "store_vs_raw_read_cpu": med["store_read_cpu_Bps"] / med["raw_read_cpu_Bps"],
                 "store_vs_raw_write_cpu": med["store_write_cpu_Bps"] / med["raw_write_cpu_Bps"],
-                "read_helpers": rounds[0]["read_helpers"],
+                "read_helpers": rounds[0]["read_helpers"], "read_path": a.read_path,
                 "helper_unit_share": med["helper_unit_share"],
                 "store_write_Bps": med["store_write_Bps"], "store_read_Bps": med["store_read_Bps"],
                 "raw_write_Bps": (rw, rw2), "raw_read_Bps": (rr, rr2), **sp,

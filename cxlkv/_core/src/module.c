@@ -17,7 +17,7 @@
 /* Bump when the Python-visible interface changes; cxlkv/_core/__init__.py
  * refuses to import a build with a different number (a stale build must fail
  * loudly, not strangely). */
-#define CXLKV_NATIVE_ABI 17
+#define CXLKV_NATIVE_ABI 18
 
 PyObject *cxlkv_RangeError;   /* set by _native.set_error_types() */
 PyObject *cxlkv_CorruptError; /* impossible pool metadata; set by set_error_types() */
@@ -191,7 +191,8 @@ static PyMethodDef module_methods[] = {
      "kv_keys(hashes, hash_len, prefix, out) -> n: pool keys xxh3-128(prefix || hash)"},
     {"spill_read", (PyCFunction)(void (*)(void))mod_spill_read, METH_FASTCALL,
      "spill_read(fd, meta, hdr_off, nslots, data_off, slot_bytes, slots, keys, ns_digest, length, "
-     "bufs, read_bytes, snap=None) -> (ok, status, errno): read and verify a run of spill slots "
+     "bufs, read_bytes, snap=None, data=None) -> (ok, status, errno): read and verify a run of "
+     "spill slots "
      "into bufs, GIL released, bounds-checked; stops at the first slot that fails (spill.c)"},
     {"spill_helpers", (PyCFunction)(void (*)(void))mod_spill_helpers, METH_FASTCALL,
      "spill_helpers(n, spin_us=None, caller_works=None) -> helpers: start or stop the helper "

@@ -4,7 +4,7 @@
  * the GIL released.
  *
  * spill_read(fd, meta, hdr_off, nslots, data_off, slot_bytes, slots, keys,
- *            ns_digest, length, bufs, read_bytes, snap=None)
+ *            ns_digest, length, bufs, read_bytes, snap=None, data=None)
  *     -> (ok, status, errno)
  *
  *   fd          the slot file, open for reading
@@ -25,6 +25,11 @@
  *               slot the call stopped at, as it was checked (for the
  *               caller's compare-and-free of a damaged slot)
  *
+ *   data        None (preadv only), or a buffer of a mapping of the file
+ *               from offset 0 (read-only, shared; its length may be short
+ *               of the file's): payloads inside it are copied out of it with
+ *               their checksum in the same pass (below)
+ *
  * For each slot in order: the header is copied out of the mapping (64
  * bytes: the checksummed header and its sum) and checked - magic, version,
  * state LIVE, header checksum, key, namespace, length; the payload is read
@@ -36,6 +41,18 @@
  * errno for SPILL_IOERR.  A block is returned only when every check passed:
  * a torn or damaged slot is never a wrong block.  Nothing in the file is
  * written.
+ *
+ * The mapped path: a unit's payload range in `data` is populated with
+ * MADV_POPULATE_READ (which fails, instead of raising SIGBUS, where the file
+ * ends early or the disk fails; cheap where the pages are mapped already),
+ * then each payload is copied 16 KiB at a time and hashed while the piece
+ * is in L1 (spill_copysum.h).  A raw pread copies as fast as this copy, but
+ * leaves the hash a second pass over the bytes from memory.  A file cut
+ * short between the populate and the copy raises SIGBUS in the copy: a
+ * handler (installed once, chaining to the one before it for any other
+ * fault) jumps back out of it, and the rest of the unit is read with
+ * preadv, which says what went wrong (cut short, an I/O error).  Where the
+ * kernel lacks MADV_POPULATE_READ (before 5.14) preadv does all the reading.
  *
  * Bounds, before anything is read: the header area lies inside meta; every
  * slot < nslots; every payload offset fits off_t (data_off + nslots x
@@ -51,12 +68,23 @@
 #include <endian.h>
 #include <errno.h>
 #include <limits.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #define XXH_INLINE_ALL
 #include <xxhash.h>
+
+#include "spill_copysum.h"
+
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22               /* Linux 5.14 */
+#endif
 
 /* per-slot statuses (spill_layout()["status"]) */
 enum {
@@ -77,6 +105,8 @@ enum {
 
 uint64_t cxlkv_spill_xxh3_avx2(const void *p, size_t n);     /* spill_xxh3_avx2.c */
 uint64_t cxlkv_spill_xxh3_avx512(const void *p, size_t n);   /* spill_xxh3_avx512.c */
+uint64_t cxlkv_spill_copysum_avx2(void *dst, const void *src, size_t n);
+uint64_t cxlkv_spill_copysum_avx512(void *dst, const void *src, size_t n);
 
 /* xxh3-64 of a payload with the widest vector unit the CPU has (inline
  * xxhash here: SSE2 on x86-64) */
@@ -90,6 +120,106 @@ payload_sum(const void *p, size_t n)
         return cxlkv_spill_xxh3_avx2(p, n);
 #endif
     return XXH3_64bits(p, n);
+}
+
+/* copy n bytes to dst and return their xxh3-64, in one pass */
+static uint64_t
+payload_copysum(void *dst, const void *src, size_t n)
+{
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (cxlkv_cpu.has_avx512f)
+        return cxlkv_spill_copysum_avx512(dst, src, n);
+    if (cxlkv_cpu.has_avx2)
+        return cxlkv_spill_copysum_avx2(dst, src, n);
+#endif
+    return copysum(dst, src, n);
+}
+
+/* -- SIGBUS out of a mapped copy -------------------------------------------------------
+ * The thread's armed jump and the mapping it covers (initial-exec TLS: read
+ * in the handler without any allocation). */
+static __thread sigjmp_buf *volatile bus_jump __attribute__((tls_model("initial-exec")));
+static __thread const char *bus_lo __attribute__((tls_model("initial-exec")));
+static __thread const char *bus_hi __attribute__((tls_model("initial-exec")));
+static struct sigaction bus_prev;
+static pthread_once_t bus_once = PTHREAD_ONCE_INIT;
+static atomic_int bus_ready;                /* 1: installed; -1: not, pread only */
+static atomic_int map_ok = 1;               /* 0: MADV_POPULATE_READ unknown here */
+
+static void
+bus_handler(int sig, siginfo_t *si, void *uc)
+{
+    sigjmp_buf *jb = bus_jump;
+    const char *a = si ? (const char *)si->si_addr : NULL;
+    if (jb && a >= bus_lo && a < bus_hi) {
+        bus_jump = NULL;
+        siglongjmp(*jb, 1);
+    }
+    /* not ours: whoever handled it before, else the default (death) */
+    if (bus_prev.sa_flags & SA_SIGINFO) {
+        if (bus_prev.sa_sigaction)
+            bus_prev.sa_sigaction(sig, si, uc);
+        return;
+    }
+    if (bus_prev.sa_handler != SIG_DFL && bus_prev.sa_handler != SIG_IGN) {
+        bus_prev.sa_handler(sig);
+        return;
+    }
+    struct sigaction dfl;
+    memset(&dfl, 0, sizeof dfl);
+    dfl.sa_handler = SIG_DFL;
+    sigemptyset(&dfl.sa_mask);
+    sigaction(sig, &dfl, NULL);
+    raise(sig);                             /* delivered when this returns */
+}
+
+static void
+bus_install(void)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = bus_handler;
+    sa.sa_flags = SA_SIGINFO | SA_RESTART | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    atomic_store(&bus_ready, sigaction(SIGBUS, &sa, &bus_prev) == 0 ? 1 : -1);
+}
+
+/* Copy payloads of slots [i, j) (adjacent, or one) at file offset `off`
+ * out of the caller's mapping of the file (`data`, `data_len` bytes from
+ * offset 0), each hashed in the same pass (into sums[]); how many leading
+ * slots were copied - the caller preads the rest (0: none). */
+static Py_ssize_t
+map_read(const char *data, uint64_t data_len, uint64_t off, char **dst, uint64_t *sums,
+         Py_ssize_t n, uint64_t length)
+{
+    uint64_t len = (uint64_t)n * length, end;
+    if (!data || n <= 0 || length == 0 || __builtin_add_overflow(off, len, &end) ||
+        end > data_len || !atomic_load_explicit(&map_ok, memory_order_relaxed))
+        return 0;                           /* past the mapping (a shorter file): preadv */
+    pthread_once(&bus_once, bus_install);
+    if (atomic_load(&bus_ready) != 1)
+        return 0;
+    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE), base = off & ~(page - 1);
+    if (madvise((void *)(data + base), (size_t)(end - base), MADV_POPULATE_READ) != 0) {
+        if (errno == EINVAL)
+            atomic_store(&map_ok, 0);       /* a kernel before 5.14 */
+        return 0;                           /* EFAULT: cut short; EIO...: preadv says */
+    }
+    cxlkv_crashpoint("spill.map");          /* tests: cut the file short here */
+    const char *src = data + off;
+    volatile Py_ssize_t done = 0;
+    sigjmp_buf jb;
+    if (sigsetjmp(jb, 1) == 0) {
+        bus_lo = data + base;
+        bus_hi = data + end;
+        bus_jump = &jb;
+        for (Py_ssize_t m = 0; m < n; m++) {
+            sums[m] = payload_copysum(dst[m], src + (size_t)m * length, (size_t)length);
+            done = m + 1;
+        }
+    }
+    bus_jump = NULL;
+    return done;
 }
 
 /* Copy slot's header out of the mapping into snap and check it against what
@@ -152,7 +282,10 @@ struct spill_req {
     const uint8_t *keys, *ns;
     char **dst;
     uint8_t *snaps;             /* n x SNAP */
-    uint64_t *psums;            /* n */
+    uint64_t *psums;            /* n: the sums the headers record */
+    uint64_t *sums;             /* n: the sums of the payloads copied from a mapping */
+    const char *data;           /* the caller's mapping of the file, or NULL */
+    uint64_t data_len;
     struct spill_unit *units;
     _Atomic Py_ssize_t limit;   /* the first unit known to fail: later ones are not started */
 };
@@ -207,8 +340,12 @@ run_unit(void *ctx, Py_ssize_t u)
     }
     if (j > i) {
         int e = 0;
-        uint64_t got = read_all(r->fd, iov, (int)(j - i),
-                                (off_t)(r->data_off + r->slots[i] * r->slot_bytes), &e);
+        off_t off = (off_t)(r->data_off + r->slots[i] * r->slot_bytes);
+        Py_ssize_t k = map_read(r->data, r->data_len, (uint64_t)off, r->dst + i, r->sums + i,
+                                j - i, r->length);
+        uint64_t got = (uint64_t)k * r->length;
+        if (i + k < j)
+            got += read_all(r->fd, iov + k, (int)(j - i - k), off + (off_t)got, &e);
         cxlkv_crashpoint("spill.read");       /* tests: a stall between read and checks */
         for (Py_ssize_t m = i; m < j; m++) {
             int bad = SPILL_OK;
@@ -217,7 +354,8 @@ run_unit(void *ctx, Py_ssize_t u)
             else if (got < (uint64_t)(m - i + 1) * r->length) {
                 bad = e ? SPILL_IOERR : SPILL_SHORT;
                 un->err = e;
-            } else if (payload_sum(r->dst[m], (size_t)r->length) != r->psums[m])
+            } else if ((m < i + k ? r->sums[m] : payload_sum(r->dst[m], (size_t)r->length))
+                       != r->psums[m])
                 bad = SPILL_BADSUM;
             if (bad != SPILL_OK) {
                 j = m;
@@ -259,7 +397,7 @@ PyObject *
 mod_spill_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs_check(nargs, 12, 13, "spill_read") < 0)
+    if (nargs_check(nargs, 12, 14, "spill_read") < 0)
         return NULL;
     long fdl = PyLong_AsLong(args[0]);
     if (fdl == -1 && PyErr_Occurred())
@@ -272,12 +410,13 @@ mod_spill_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         as_u64(args[11], &read_bytes, "read_bytes") < 0)
         return NULL;
     PyObject *snap_obj = nargs > 12 ? args[12] : Py_None;
+    PyObject *data_obj = nargs > 13 ? args[13] : Py_None;
 
-    Py_buffer meta = {0}, sl = {0}, keys = {0}, ns = {0}, snap = {0};
+    Py_buffer meta = {0}, sl = {0}, keys = {0}, ns = {0}, snap = {0}, data = {0};
     Py_buffer *bufs = NULL;
     char **dst = NULL;
     uint8_t *snaps = NULL;
-    uint64_t *psums = NULL;
+    uint64_t *psums = NULL, *sums = NULL;
     struct spill_unit *units = NULL;
     PyObject *seq = NULL, *res = NULL;
     Py_ssize_t n = 0, held = 0;
@@ -297,6 +436,8 @@ mod_spill_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     if (snap_obj != Py_None && PyObject_GetBuffer(snap_obj, &snap, PyBUF_WRITABLE |
                                                   PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    if (data_obj != Py_None && PyObject_GetBuffer(data_obj, &data, PyBUF_SIMPLE) < 0)
         goto done;
 
     /* bounds: the geometry, then every argument against it */
@@ -347,8 +488,9 @@ mod_spill_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         dst = PyMem_Malloc((size_t)n * sizeof *dst);
         snaps = PyMem_Malloc((size_t)n * SNAP);
         psums = PyMem_Malloc((size_t)n * sizeof *psums);
+        sums = PyMem_Malloc((size_t)n * sizeof *sums);
         units = PyMem_Malloc((size_t)n * sizeof *units);
-        if (!bufs || !dst || !snaps || !psums || !units) {
+        if (!bufs || !dst || !snaps || !psums || !sums || !units) {
             PyErr_NoMemory();
             goto done;
         }
@@ -369,7 +511,8 @@ mod_spill_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     struct spill_req r = {
         .fd = fd, .hdrs = (const uint8_t *)meta.buf + hdr_off, .data_off = data_off,
         .slot_bytes = slot_bytes, .length = length, .slots = slots, .keys = keys.buf,
-        .ns = ns.buf, .dst = dst, .snaps = snaps, .psums = psums, .units = units,
+        .ns = ns.buf, .dst = dst, .snaps = snaps, .psums = psums, .sums = sums, .units = units,
+        .data = data.obj ? data.buf : NULL, .data_len = data.obj ? (uint64_t)data.len : 0,
     };
     int status = SPILL_OK, err = 0;
     Py_ssize_t ok = 0;
@@ -388,10 +531,13 @@ done:
     PyMem_Free(dst);
     PyMem_Free(snaps);
     PyMem_Free(psums);
+    PyMem_Free(sums);
     PyMem_Free(units);
     Py_XDECREF(seq);
     if (snap.obj)
         PyBuffer_Release(&snap);
+    if (data.obj)
+        PyBuffer_Release(&data);
     if (ns.obj)
         PyBuffer_Release(&ns);
     if (keys.obj)

@@ -16,12 +16,21 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include "spill_copysum.h"
+
 uint64_t cxlkv_spill_xxh3_avx2(const void *p, size_t n);
+uint64_t cxlkv_spill_copysum_avx2(void *dst, const void *src, size_t n);
 
 uint64_t
 cxlkv_spill_xxh3_avx2(const void *p, size_t n)
 {
     return XXH3_64bits(p, n);
+}
+
+uint64_t
+cxlkv_spill_copysum_avx2(void *dst, const void *src, size_t n)
+{
+    return copysum(dst, src, n);
 }
 #pragma GCC pop_options
 #endif

@@ -107,9 +107,11 @@ OK = STATUS["ok"]
 MISS = frozenset(STATUS[k] for k in ("gone", "ioerr", "changed"))
 TORN = STATUS["torn"]
 IOERR = STATUS["ioerr"]
-#: read_run reads adjacent full slots with one preadv of up to this many
-#: bytes, then verifies them while they are still in cache
+#: read_run reads adjacent full slots together, up to this many bytes
 READ_BYTES = 1 << 20
+#: read_run copies payloads out of a mapping of the file, each hashed in the
+#: same pass (False: preadv, then a second pass to hash; spill.c)
+READ_MAPPED = True
 ALIGN = 4096
 #: where the payload area starts (a multiple of; version 3)
 DATA_ALIGN = 2 << 20
@@ -205,6 +207,8 @@ class SlotFile:
         self.writable = writable
         self.mm = mmap.mmap(fd, geo["hdr_off"] + _up(self.nslots * HDR_SIZE),
                             prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+        self._data: mmap.mmap | None = None    # the whole file, read-only, for read_run
+        self._data_tried = False
         self.index = np.frombuffer(self.mm, dtype="<u8", count=geo["entries"] + self.window,
                                    offset=geo["index_off"])
         raw = np.frombuffer(self.mm, dtype=np.uint8, count=self.nslots * HDR_SIZE,
@@ -268,10 +272,13 @@ class SlotFile:
 
     def close(self) -> None:
         self.index = self.states = self.stamps = None
-        try:
-            self.mm.close()
-        except (BufferError, ValueError):        # a view still exported: left to the GC
-            pass
+        for m in (self.mm, self._data):
+            try:
+                if m is not None:
+                    m.close()
+            except (BufferError, ValueError):    # a view still exported: left to the GC
+                pass
+        self._data = None
         try:
             os.close(self.fd)
         except OSError:
@@ -351,7 +358,23 @@ class SlotFile:
         ValueError for out-of-range arguments or a closed file."""
         return _core.spill_read(self.fd, self.mm, self.geo["hdr_off"], self.nslots,
                                 self.data_off, self.sbytes, slots, keys, ns_digest, length,
-                                bufs, READ_BYTES, snap)
+                                bufs, READ_BYTES, snap,
+                                self.data_map() if READ_MAPPED else None)
+
+    def data_map(self) -> mmap.mmap | None:
+        """The file mapped read-only from offset 0 to its current end, made
+        on first use (read_run copies payloads out of it); None where it
+        cannot be mapped (then read_run preads)."""
+        if self._data is None and not self._data_tried:
+            self._data_tried = True
+            try:
+                size = os.fstat(self.fd).st_size
+                if size > self.data_off:
+                    self._data = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED,
+                                           prot=mmap.PROT_READ)
+            except (OSError, ValueError):
+                self._data = None
+        return self._data
 
     def live(self) -> list[tuple[bytes, int, int, int]]:
         """(key, slot, length, stamp) of every LIVE slot whose header verifies."""

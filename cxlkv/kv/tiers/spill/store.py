@@ -951,8 +951,9 @@ class SpillStore(Tier):
     def fetch(self, keys, ns_digest: bytes, block_bytes: int,
               budget_s: float | None = None) -> list:
         """The leading run of `keys` the store holds, read and verified in
-        one C call per run of slots this process knows of (adjacent slots
-        with one preadv, into buffers reused across calls); the first block
+        one C call per run of slots this process knows of (copied out of
+        the slot file's mapping, checksummed in the same pass, into buffers
+        reused across calls); the first block
         that does not verify goes through get() (a miss, freed when
         corrupt; the run ends there unless get() finds it after all)."""
         out: list = []
