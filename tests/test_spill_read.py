@@ -364,27 +364,38 @@ _CUT_UNDER_COPY = """
 import os, sys
 import numpy as np
 sys.path[:0] = [{tests!r}]
+from cxlkv import _core
 from cxlkv.kv.tiers.spill import files
 import test_spill_read as t
+if {helpers!r}:                                 # a unit per slot, every one a helper's
+    _core.spill_helpers(2, 50, False)
+    files.READ_BYTES = 1
 sf = files.SlotFile.open(files.Path({path!r}))
+before = _core.spill_helper_stats()["helper_units"]
 (ok, status, err), bufs = t.read(sf, [0, 1, 2, 3, 4], t.L)
 good = all(bytes(bufs[s]) == t.payload(t.key(s), t.L) for s in range(ok))
-print(ok, status, err, good, flush=True)
+print(ok, status, err, good, _core.spill_helper_stats()["helper_units"] - before, flush=True)
 """
 
 
 @pytest.mark.parametrize("mode", ["caller"], indirect=True)
 @pytest.mark.parametrize("path", ["mapped"], indirect=True)
-def test_a_file_cut_short_between_populate_and_copy_is_a_miss_not_a_sigbus(tmp_path):
+@pytest.mark.parametrize("copier", ["caller", "helper"])
+def test_a_file_cut_short_between_populate_and_copy_is_a_miss_not_a_sigbus(tmp_path, copier):
     """The reader stops after its populate (CXLKV_PAUSE_AT=spill.map), the
     file is cut inside slot 3's payload, the reader goes on: the copy of
     slot 3 faults (SIGBUS), the handler takes it back out of the copy, and
     preadv finds the cut - the run is slots 0-2, status short, the process
-    alive."""
+    alive.  caller: the run is one unit, copied by the calling thread;
+    helper: a unit per slot, every one taken by a read helper thread
+    (spill_pool.c; the jump is the copying thread's own), and the file is
+    cut inside slot 0, so whichever unit a helper had populated when the
+    process stopped faults in its copy; the run is then empty."""
     sf = make(tmp_path, L)
     sf.close()
     sf_path = str(tmp_path / files.file_name(files.slot_bytes(L)))
-    code = _CUT_UNDER_COPY.format(tests=os.path.dirname(__file__), path=sf_path)
+    code = _CUT_UNDER_COPY.format(tests=os.path.dirname(__file__), path=sf_path,
+                                  helpers=copier == "helper")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True,
                          env={**os.environ, "CXLKV_PAUSE_AT": "spill.map:1"})
@@ -395,7 +406,8 @@ def test_a_file_cut_short_between_populate_and_copy_is_a_miss_not_a_sigbus(tmp_p
         wait_for(stopped, what="the reader to stop after its populate", timeout=60)
         geo_sf = files.SlotFile.open(files.Path(sf_path))
         try:
-            os.ftruncate(geo_sf.fd, geo_sf.payload_off(3) + L // 3)
+            cut = 0 if copier == "helper" else 3
+            os.ftruncate(geo_sf.fd, geo_sf.payload_off(cut) + L // 3)
         finally:
             geo_sf.close()
         os.kill(p.pid, signal.SIGCONT)
@@ -405,7 +417,9 @@ def test_a_file_cut_short_between_populate_and_copy_is_a_miss_not_a_sigbus(tmp_p
             p.kill()
             p.wait()
     assert p.returncode == 0, err
-    assert out.split() == ["3", str(ST["short"]), "0", "True"]
+    ok, status, errno_, good, helper_units = out.split()
+    assert (int(ok), int(status), errno_, good) == (cut, ST["short"], "0", "True")
+    assert (int(helper_units) > 0) == (copier == "helper")
 
 
 _FOREIGN_SIGBUS = """
