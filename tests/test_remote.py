@@ -445,6 +445,62 @@ def test_lookup_returns_within_budget_with_what_arrived(cluster):
         assert time.monotonic() - t0 < SLACK
 
 
+class LoopBlockingTier(SlowTier):
+    """The real tier; the chunk whose first key is in `slow` waits until
+    another chunk has answered, then blocks the client's loop thread for
+    `delay` s (a loop woken late on a loaded host: past its own deadline)."""
+
+    def __init__(self, cfg, slow, delay):
+        super().__init__(cfg, slow, delay)
+        self.answered = None
+
+    def arm(self):
+        """From the next lookup on."""
+        self.answered = asyncio.Event()
+
+    async def get_many(self, keys):
+        if self.answered is None:
+            return await self.inner.get_many(keys)
+        if keys[0] in self.slow:
+            await self.answered.wait()
+            time.sleep(self.delay)                   # noqa: ASYNC251 - the point
+            return await self.inner.get_many(keys)
+        got = await self.inner.get_many(keys)
+        self.answered.set()
+        return got
+
+
+RemoteTier.register(LoopBlockingTier)
+
+
+@needs_redis
+def test_chunks_that_arrived_are_kept_when_the_loop_answers_after_the_deadline(cluster):
+    # CI (ASan, 2 loaded cores) lost the first chunk: its answer had arrived,
+    # but the loop thread woke after the caller gave up on it, and the whole
+    # lookup was misses
+    size = 64 * KiB
+    keys, data = random_blocks(8, size, seed=12)
+    with RemoteClient(cfg_of(cluster)) as rc:
+        for k, d in zip(keys, data):
+            rc.push(k, NS, d)
+        assert rc.flush(10)
+    cfg = cfg_of(cluster)
+    budget = 1.0
+    tier = LoopBlockingTier(cfg, {key_name(cfg.prefix, NS, keys[4])}, budget + 1.0)
+    with RemoteClient(cfg, tier=tier, chunk_bytes=4 * (size + value.HEADER_SIZE)) as rc:
+        rc.lookup(NS, keys[:1], size, 5.0)                      # connected
+        tier.arm()
+        t0 = time.monotonic()
+        got = rc.lookup(NS, keys, size, budget)
+        took = time.monotonic() - t0
+        assert took < budget + SLACK, took
+        assert [bytes(g) if g is not None else None for g in got[:4]] == data[:4], rc.stats()
+        assert got[4:] == [None] * 4
+        st = rc.stats()
+        assert st["timeouts"] == 1 and st["misses"] == 4 and st["errors"] == 0
+        assert st["failing"] is False, st
+
+
 @needs_redis
 def test_cluster_down_misses_within_budget_and_drops():
     if SKIP:

@@ -92,6 +92,20 @@ _COUNTERS = ("lookups", "hits", "misses", "hit_bytes", "corrupt", "incompatible"
              "promoted", "promote_failed")
 
 
+def _assemble(chunks: list, arrived: list) -> tuple[list, str | None]:
+    """The answers of `chunks` in order, None for each key of a chunk that
+    has not arrived; and the first error an arrived chunk reported."""
+    res: list = []
+    err = None
+    for c, r in zip(chunks, list(arrived)):
+        if r is None:
+            res.extend([None] * len(c))
+            continue
+        res.extend(r)
+        if getattr(r, "failed", 0) and err is None:
+            err = getattr(r, "error", None) or "some keys failed"
+    return res, err
+
 class RemoteClient:
     """The synchronous facade (see the module doc).  `tier`: a RemoteTier, or
     a callable returning one (called on the client's loop thread); default:
@@ -329,26 +343,29 @@ class RemoteClient:
         """Run tier.<op> over chunks of `names` on the loop; what arrived by
         `deadline` (the rest None).  Counts timeouts and errors."""
         # the loop answers a little before the deadline with what it has; the
-        # caller waits until the deadline, and gives up on the loop after it
+        # caller waits until the deadline, and gives up on the loop after it -
+        # keeping the chunks that had arrived by then (each is stored in
+        # `arrived` as it completes, on the loop thread), since a loaded host
+        # can wake the loop later than the margin
         left = deadline - time.monotonic()
         inner = deadline - min(0.005, 0.2 * max(0.0, left))
+        chunks = [names[i:i + per] for i in range(0, len(names), per)]
+        arrived: list = [None] * len(chunks)
         fut = None
         try:
             if op == "get_many" and self._fast is not None:
                 # on this thread: the fast path's own pipelines, within the budget
                 res, timed_out, err, unavailable = self._fast.get_many(names, deadline, per)
             else:
-                fut = self._spawn(self._gather(op, names, per, inner))
+                fut = self._spawn(self._gather(op, chunks, arrived, inner))
                 if fut is None:
                     return [None] * len(names)
                 res, timed_out, err, unavailable = fut.result(
                     max(0.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
             fut.cancel()
-            self._bump("timeouts")
-            self._failed(f"{op}: no answer within the budget")
-            self._silence(op, False)
-            return [None] * len(names)
+            res, err = _assemble(chunks, arrived)
+            timed_out, unavailable = True, False
         except Exception as e:                     # noqa: BLE001 - never raise to the caller
             if fut is not None:
                 fut.cancel()
@@ -371,28 +388,25 @@ class RemoteClient:
             self._failed(None)
         return res
 
-    async def _gather(self, op: str, names: list[bytes], per: int, deadline: float):
+    async def _gather(self, op: str, chunks: list, arrived: list, deadline: float):
+        """tier.<op> of every chunk at once until `deadline`; each chunk's
+        answer goes into arrived[i] the moment it completes."""
         fn = getattr(self.tier, op)
-        chunks = [names[i:i + per] for i in range(0, len(names), per)]
-        tasks = [asyncio.ensure_future(fn(c)) for c in chunks]
+
+        async def one(i, c):
+            arrived[i] = await fn(c)
+
+        tasks = [asyncio.ensure_future(one(i, c)) for i, c in enumerate(chunks)]
         done, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
         for t in pending:
             t.cancel()
-        res: list = []
-        err = None
+        res, err = _assemble(chunks, arrived)
         unavailable = False
-        for c, t in zip(chunks, tasks):
-            if t in done and not t.cancelled() and t.exception() is None:
-                r = t.result()
-                res.extend(r)
-                if getattr(r, "failed", 0) and err is None:
-                    err = getattr(r, "error", None) or "some keys failed"
-            else:
-                res.extend([None] * len(c))
-                if t in done and not t.cancelled():
-                    e = t.exception()
-                    unavailable = unavailable or isinstance(e, RemoteUnavailable)
-                    err = err or f"{type(e).__name__}: {e}"
+        for t in tasks:
+            if t in done and not t.cancelled() and t.exception() is not None:
+                e = t.exception()
+                unavailable = unavailable or isinstance(e, RemoteUnavailable)
+                err = err or f"{type(e).__name__}: {e}"
         return res, bool(pending), err, unavailable
 
     async def _delete_damaged(self, ns_digest: bytes, block_bytes: int, bad) -> None:
