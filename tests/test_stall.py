@@ -18,12 +18,12 @@ import psutil
 import pytest
 
 import cxlkv
-from cxlkv.errors import PoolCorrupt
+from cxlkv.errors import PoolCorrupt, PoolFullError
 from cxlkv.pool import layout
 from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
 from cxlkv.ops import fsck
-from cxlkv.state import locks
+from cxlkv.state import alloc, locks
 from cxlkv.state import nodes as node_table
 
 from cxlkv.testing.checks import wait_for
@@ -286,6 +286,60 @@ def test_reader_paused_with_views_keeps_its_pins_and_is_told(rack, remote_env, p
     assert_clean(rack.path)
 
 
+# -- 6. a reaper paused in the middle of a dead node's recovery ------------------------------
+
+@pytest.mark.parametrize("site,nb,reserved,freed_before", [
+    ("free.next:2", 64 * 1024, 4, 1),              # between two slots
+    ("free.piece:1", MiB, 2, 0),                   # zeroing the first, between two pieces
+], ids=["between-slots", "inside-a-slot"])
+def test_a_reaper_paused_while_freeing_a_dead_nodes_slots_frees_no_more_after_it(
+        pool_path, monkeypatch, remote_env, site, nb, reserved, freed_before):
+    """Node R is recovering dead node D - freeing D's unpublished slots under
+    the pool lock, in one C call - and is stopped there, past its lease.  R
+    is fenced, its lock turn passes on, another reaper recovers D again and
+    frees the rest, and those slots are handed out and published.  Resumed,
+    R must write nothing more: the free loop stops at its stale write
+    deadline, before a slot and between the pieces it zeroes a slot in (it
+    once went on, zeroing and freeing the new owner's slots - the stress
+    run's "overwritten" payloads and their later double free)."""
+    rack = Rack(pool_path, "cas", monkeypatch)
+    d = rack.node(remote_env)
+    left = d.call(op="alloc_publish", nbytes=nb, reserved=reserved, published=0)["reserved"]
+    d.kill()
+    r = NodeProc(env=remote_env(CXLKV_PAUSE_AT=site))
+    r.attach(rack.path)
+    try:
+        wait_for(lambda: stopped(r), what=f"the reaper to stop at {site} freeing D's slots")
+        with Pool.open(rack.path, writable=False) as p:
+            allocated = [alloc.slot_bits(p, o)[0] for o in left]
+        assert allocated == [False] * freed_before + [True] * (reserved - freed_before)
+        with cxlkv.open_pool(rack.path) as pool:
+            wait_for(lambda: fenced(rack.path, r), what="the paused reaper to be fenced")
+            wait_for(lambda: freed(rack.path, d), what="D to be recovered by this node")
+            mine = []
+            with pytest.raises(PoolFullError):
+                while True:
+                    mine.append(pool.alloc(nb))
+            assert set(left) <= set(mine), "D's slots were not handed out again"
+            tag = pool.node.owner_token.to_bytes(8, "little")
+            data = {o: tag + o.to_bytes(8, "little") * (nb // 8 - 1) for o in mine}
+            for o, b in data.items():
+                pool.mapping.write(o, b)
+            pool.publish(mine)
+            os.kill(r.p.pid, signal.SIGCONT)
+            wait_for(lambda: freed(rack.path, r), what="the resumed reaper's quarantine to end")
+            bad = [o for o, b in data.items() if pool.mapping.read(o, nb) != b]
+            assert bad == [], f"{len(bad)} published slots overwritten, D's among them: " \
+                              f"{sorted(set(bad) & set(left))}"
+            assert pool.free_batch(mine) == len(mine)           # none freed under us
+    finally:
+        if r.p.poll() is None:
+            os.kill(r.p.pid, signal.SIGCONT)
+        r.close()
+        rack.close()
+    assert_clean(rack.path)
+
+
 # -- the node side: guard, acknowledgement, the C copy deadline -----------------------------
 
 def test_guard_beats_when_stale_and_acknowledges_fencing(small_pool):
@@ -324,6 +378,29 @@ def test_copies_stop_at_the_write_deadline(small_pool):
         m.write_deadline_ns = 0                            # none
         assert m.write_blocks(offs, src, 4096) == 4
         assert m.read(int(offs[3]), 4096) == src[3 * 4096:]
+
+
+def test_frees_stop_at_the_write_deadline_and_free_batch_goes_on_once_fresh(small_pool):
+    with cxlkv.open_pool(small_pool, heartbeat=False) as pool:
+        m = pool.mapping
+        offs = pool.alloc_batch(4096, 4)
+        for o in offs:
+            m.write(int(o), b"x" * 4096)
+        # as after a stall; without the guard that every write primitive calls
+        # on entry once the deadline passed (it would beat), the loop is seen
+        m.set_guard(None)
+        pool.node._deadline_ns = 0
+        m.write_deadline_ns = 2                            # long past
+        assert m.slab_free(offs, True, pool.node.owner_token) == 0
+        assert m.slab_free(offs, True, 0) == 0
+        assert [alloc.slot_bits(pool, int(o))[0] for o in offs] == [True] * 4
+        assert all(m.read(int(o), 4096) == b"x" * 4096 for o in offs)
+        # free_batch: stopped, guard() beats (the node is stale, not fenced), on it goes
+        assert pool.free_batch(offs) == 4
+        assert [alloc.slot_bits(pool, int(o))[0] for o in offs] == [False] * 4
+        assert m.write_deadline_ns > 2
+        assert all(m.read(int(o), 4096) == bytes(4096) for o in offs)
+        m.set_guard(pool.node.guard)
 
 
 def test_quarantine_ends_only_when_gone_acknowledged_or_after_the_grace(small_pool):

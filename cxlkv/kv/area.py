@@ -633,10 +633,7 @@ class Area:
                 m.slab_mark_freeing(one)
             m.kv_remove(self.table, self.nslots, self.hdr, int(idx[k]))
             if bits is not None and bits[0]:
-                try:
-                    m.slab_free(one, True, 0)
-                except ValueError:
-                    pass                                # finished by another reaper
+                alloc.free_slots(self.pool, one, skip=(ValueError,))   # or another reaper did
         # an evictor died: where it had begun freeing the payload (the slot is
         # marked) the entry goes and the free is finished; otherwise the block
         # is published again, untouched (only this node's evictions, or an
@@ -646,10 +643,7 @@ class Area:
             bits = alloc.slot_bits(self.pool, int(one[0]))
             if bits is not None and bits[0] and bits[2]:
                 m.kv_remove(self.table, self.nslots, self.hdr, int(idx[k]))
-                try:
-                    m.slab_free(one, True, 0)
-                except ValueError:
-                    pass
+                alloc.free_slots(self.pool, one, skip=(ValueError,))
             elif bits is None or not bits[0]:
                 # the slot is free already (the free was finished elsewhere):
                 # the eviction had been committed - never publish a free slot

@@ -175,11 +175,7 @@ def repair_kv(pool, rep, live: set[int]) -> None:
         if bits is None or not bits[0]:
             return False
         one[0] = off
-        try:
-            m.slab_free(one, True, 0)
-        except ValueError:
-            return False
-        return True
+        return alloc.free_slots(pool, one, skip=(ValueError,)) == 1
 
     def kv_block(i: int, off: int) -> bool:
         """Is entry i's payload a block only it refers to: an allocated,

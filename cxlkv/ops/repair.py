@@ -587,7 +587,7 @@ def _dead_owner_slabs(pool, rep: Repair, live: set[int]) -> None:
         del d
     for h, owner, offs in todo:
         if offs:
-            m.slab_free(np.array(offs, dtype=np.uint64), True, 0)
+            alloc.free_slots(pool, offs, skip=())
         m.store64(base + h * layout.CHUNK_DESC_SIZE + _F["owner"], 0)
         m.flush(base + h * layout.CHUNK_DESC_SIZE, 64)
         released = alloc.release_slab(pool, h)

@@ -353,11 +353,16 @@ class Allocator:
         done = 0
         try:
             while done < len(arr):
-                done += self.m.slab_free(arr[done:], zero, self.token)
+                n = self.m.slab_free(arr[done:], zero, self.token)
+                done += n
                 if done < len(arr):
+                    # a slot in a slab not ours, or the write deadline passed
+                    # (a stall): prove this node fresh, then go on - in our
+                    # own slabs without the lock, in another's under it
                     self.pool.node.guard()
-                    with self._locked():
-                        done += self._free_foreign(int(arr[done]), zero)
+                    if n == 0:
+                        with self._locked():
+                            done += self._free_foreign(int(arr[done]), zero)
         except MetadataCorrupt as e:
             raise self._corrupt(e) from None
         except ValueError as e:
@@ -376,7 +381,9 @@ class Allocator:
         self.m.flush(rec, 8)
         try:
             self.m.slab_mark_freeing(one)          # recovery finishes marked slots only
-            return self.m.slab_free(one, zero, 0)
+            while not self.m.slab_free(one, zero, 0):
+                self.pool.node.guard()             # stopped at the write deadline
+            return 1
         finally:
             self.m.store64(rec, 0)
             self.m.flush(rec, 8)
@@ -714,10 +721,8 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
             # a slot freed and handed out again has its dirty bit clear, and
             # one whose free had not begun is still live data
             if bits is not None and bits[0] and bits[2]:
-                try:
-                    m.slab_free(np.array([freeing], dtype=np.uint64), True, 0)
-                except ValueError:
-                    pass                    # the free had got as far as the alloc bit
+                # (not allocated by then: the free had got as far as the alloc bit)
+                free_slots(pool, [freeing])
             m.store64(rec, 0)
             m.flush(rec, 8)
         live = live_tokens(pool)
@@ -737,7 +742,7 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
         if len(held) and len(offs):
             offs = offs[~np.isin(offs, held)]       # another evictor's, still EVICTING
         if len(offs):
-            _free_slots(m, offs)
+            free_slots(pool, offs)
         m.slabs_set_owner(mine.astype(np.uint64), token, 0)
         # refused while published slots remain; with them, what this process's
         # frees emptied (a detaching node's last frees in orphans, say), and
@@ -803,17 +808,32 @@ def _held_elsewhere(pool) -> np.ndarray:
     return np.concatenate(got) if got else np.zeros(0, dtype=np.uint64)
 
 
-def _free_slots(m, offsets) -> None:
-    """Free slots, zeroed, for recovery (pool lock held): a slot whose
-    descriptors are corrupt stays for fsck to report, the others go."""
-    arr = np.ascontiguousarray(offsets, dtype=np.uint64)
-    done = 0
+def free_slots(pool, offsets, *, skip: tuple = (MetadataCorrupt, ValueError)) -> int:
+    """Free slots of any slab, zeroed (pool lock held, or no node attached):
+    for recovery, repairs and evictions.  slab_free stops once this node's
+    write deadline has passed (a stall: see Mapping.slab_free); guard()
+    then proves the node fresh again, and the rest is freed, or raises
+    NodeFenced and nothing more is.  A slot that raises one of `skip` is
+    skipped: ValueError, not allocated (freed meanwhile by another reaper);
+    MetadataCorrupt, impossible descriptors (left for fsck to report).
+    Returns the slots freed."""
+    m = pool.mapping
+    arr = np.ascontiguousarray(np.atleast_1d(offsets), dtype=np.uint64)
+    done = freed = 0
     while done < len(arr):
         try:
-            done += m.slab_free(arr[done:], True, 0)
-        except (MetadataCorrupt, ValueError) as e:
+            n = m.slab_free(arr[done:], True, 0)
+        except skip as e:
             # slab_free names the bad one's place in what it was given: skip it
-            done += int(re.search(r"\(item (\d+)\)", str(e)).group(1)) + 1
+            n = int(re.search(r"\(item (\d+)\)", str(e)).group(1))
+            done += n + 1
+            freed += n
+            continue
+        done += n
+        freed += n
+        if done < len(arr):
+            guard(pool)                     # stopped at the write deadline
+    return freed
 
 
 def _geometry_ok_all(d: np.ndarray, idx: np.ndarray, nchunks, chunk: int) -> np.ndarray:
@@ -906,7 +926,7 @@ def finish_interrupted_frees(pool, live_owner: set[int], heads=None) -> None:
     if len(held) and len(todo):
         todo = todo[~np.isin(todo, held)]           # their evictor's recovery finishes them
     if len(todo):
-        _free_slots(pool.mapping, todo)
+        free_slots(pool, todo)
     _release_batch(pool, empty)                     # refused while a slot stays allocated
 
 

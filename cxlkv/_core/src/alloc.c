@@ -283,11 +283,36 @@ done:
     return PyLong_FromLongLong(got);
 }
 
+/* Zero a slot being freed in pieces, checking the write deadline before
+ * each: 0 when it stopped (the deadline passed) with the slot partly zeroed. */
+#define FREE_ZERO_PIECE (256u << 10)
+static int
+zero_until_deadline(Mapping *m, uint64_t off, uint64_t len)
+{
+    for (uint64_t done = 0; done < len; done += FREE_ZERO_PIECE) {
+        if (done) {
+            cxlkv_crashpoint("free.piece");
+            if (write_deadline_passed(m))
+                return 0;
+        }
+        uint64_t n = len - done < FREE_ZERO_PIECE ? len - done : FREE_ZERO_PIECE;
+        pool_zero(m, off + done, n, 1);
+    }
+    return 1;
+}
+
 /* slab_free(offsets, zero, owner) -> freed.
  * Frees slots in order.  owner != 0: stops (returning how many it freed) at
  * the first slot whose slab another node owns - the caller takes the pool
  * lock and calls again with owner 0 for the rest, so that frees in slabs
  * that are not the caller's are serialised with recovery and with releases.
+ * Stops as well (returning how many it freed) once the write deadline has
+ * passed - before a slot, or between pieces of zeroing one, which leaves
+ * that slot allocated and dirty: a begun free, which the caller finishes by
+ * calling again (after guard()) or recovery finishes.  A caller stalled in
+ * here past its lease (a reaper recovering a dead node, say) may have been
+ * fenced, and the slots that follow freed by another reaper and handed out
+ * again meanwhile: nothing is written once its freshness has run out.
  * Raises ValueError at the first offset that is not an allocated slot,
  * cxlkv_CorruptError at the first whose descriptors are impossible (the ones
  * before it are freed).
@@ -321,6 +346,9 @@ Mapping_slab_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     Py_BEGIN_ALLOW_THREADS
     for (i = 0; i < n; i++) {
         uint64_t head, slot, ss;
+        cxlkv_crashpoint("free.next");
+        if (write_deadline_passed(m))
+            break;                                  /* stale, or fenced: the caller guards */
         if ((err = decode_slot(m, offs[i], &head, &slot, &ss, &corrupt)))
             break;
         uint64_t d = m->desc_base + head * CXLKV_CHUNK_DESC_SIZE;
@@ -333,9 +361,11 @@ Mapping_slab_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         }
         bit_set(m, d + CD_DIRTY + w * 8, bit);
         bit_clear(m, d + CD_PUB + w * 8, bit);
+        if (m->flush_meta && zero)      /* the begun free is visible before the zeroing */
+            pool_flush(m, d + CD_ALLOC, 192);
         cxlkv_crashpoint("free.pub");
-        if (zero)
-            pool_zero(m, offs[i], ss, 1);
+        if (zero && !zero_until_deadline(m, offs[i], ss))
+            break;                                  /* a begun free, left dirty */
         cxlkv_crashpoint("free.zeroed");
         if (zero && owner)
             bit_clear(m, d + CD_DIRTY + w * 8, bit);

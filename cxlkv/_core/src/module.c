@@ -17,7 +17,7 @@
 /* Bump when the Python-visible interface changes; cxlkv/_core/__init__.py
  * refuses to import a build with a different number (a stale build must fail
  * loudly, not strangely). */
-#define CXLKV_NATIVE_ABI 18
+#define CXLKV_NATIVE_ABI 19
 
 PyObject *cxlkv_RangeError;   /* set by _native.set_error_types() */
 PyObject *cxlkv_CorruptError; /* impossible pool metadata; set by set_error_types() */
@@ -101,7 +101,7 @@ static PyMethodDef Mapping_methods[] = {
     FAST(word_wake, "word_wake(off) -> woken: wake every word_wait sleeper on off (poolwait.c)"),
     FAST(set_geometry, "set_geometry(data_off, chunk_size, nchunks, desc_base): allocator geometry"),
     FAST(slab_alloc, "slab_alloc(head, owner, out, count, zero, slot_size=0, heap=0) -> allocated | -1 (not our active slab of that size) | -2 (no hazard word free: call again holding the pool lock, heap=0)"),
-    FAST(slab_free, "slab_free(offsets, zero, owner) -> freed (stops at a slab owner does not own; owner 0 = any); raises ValueError at the first bad offset (MetadataCorrupt, also a ValueError, for a corrupt descriptor)"),
+    FAST(slab_free, "slab_free(offsets, zero, owner) -> freed (stops at a slab owner does not own - owner 0 = any - and once write_deadline_ns has passed, before a slot or between the pieces it zeroes one in, leaving that slot a begun free); raises ValueError at the first bad offset (MetadataCorrupt, also a ValueError, for a corrupt descriptor)"),
     FAST(slab_mark_freeing, "slab_mark_freeing(offsets) -> marked: set the dirty bit of allocated slots (a free has begun)"),
     FAST(slab_publish, "slab_publish(offsets) -> published"),
     FAST(chunk_find_run, "chunk_find_run(bitmap_off, k, hint) -> first of k free chunks (bitmap clear, descriptor FREE, in no head's span) from hint, wrapping once; -1 if none"),
