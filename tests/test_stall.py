@@ -288,31 +288,40 @@ def test_reader_paused_with_views_keeps_its_pins_and_is_told(rack, remote_env, p
 
 # -- 6. a reaper paused in the middle of a dead node's recovery ------------------------------
 
-@pytest.mark.parametrize("site,nb,reserved,freed_before", [
-    ("free.next:2", 64 * 1024, 4, 1),              # between two slots
-    ("free.piece:1", MiB, 2, 0),                   # zeroing the first, between two pieces
-], ids=["between-slots", "inside-a-slot"])
-def test_a_reaper_paused_while_freeing_a_dead_nodes_slots_frees_no_more_after_it(
-        pool_path, monkeypatch, remote_env, site, nb, reserved, freed_before):
-    """Node R is recovering dead node D - freeing D's unpublished slots under
-    the pool lock, in one C call - and is stopped there, past its lease.  R
-    is fenced, its lock turn passes on, another reaper recovers D again and
-    frees the rest, and those slots are handed out and published.  Resumed,
-    R must write nothing more: the free loop stops at its stale write
-    deadline, before a slot and between the pieces it zeroes a slot in (it
-    once went on, zeroing and freeing the new owner's slots - the stress
-    run's "overwritten" payloads and their later double free)."""
+@pytest.mark.parametrize("site,nb,left_by_d", [
+    ("free.next:2", 64 * 1024, "reserved"),        # freeing its slots: between two of them
+    ("free.piece:1", MiB, "reserved"),             # zeroing the first, between two pieces
+    ("release.zero:2", MiB, "dirty-slab"),         # releasing its slab: between two chunks
+], ids=["free-between-slots", "free-inside-a-slot", "release-inside-a-slab"])
+def test_a_reaper_paused_in_a_dead_nodes_recovery_writes_nothing_after_it(
+        pool_path, monkeypatch, remote_env, site, nb, left_by_d):
+    """Node R is recovering dead node D - freeing D's unpublished slots, or
+    releasing D's empty slab whose chunks it must zero, under the pool lock
+    in one C call - and is stopped there, past its lease.  R is fenced, its
+    lock turn passes on, another reaper recovers D again and finishes the
+    work, and the memory is handed out and published.  Resumed, R must write
+    nothing more: the C loops stop at its stale write deadline, before a
+    slot, between the pieces a slot is zeroed in, and between the chunks of
+    a slab (they once went on, zeroing and freeing the new owner's memory -
+    the stress run's "overwritten" payloads and their later double free)."""
     rack = Rack(pool_path, "cas", monkeypatch)
     d = rack.node(remote_env)
-    left = d.call(op="alloc_publish", nbytes=nb, reserved=reserved, published=0)["reserved"]
+    if left_by_d == "reserved":
+        left = d.call(op="alloc_publish", nbytes=nb, reserved=4 if nb < MiB else 2,
+                      published=0)["reserved"]
+    else:                                   # an empty slab of several chunks, dirty
+        left = d.call(op="alloc_publish", nbytes=nb, reserved=1, published=0)["reserved"]
+        assert d.call(op="free_all", offsets=left, zero=False) == {"freed": 1}
     d.kill()
     r = NodeProc(env=remote_env(CXLKV_PAUSE_AT=site))
     r.attach(rack.path)
     try:
-        wait_for(lambda: stopped(r), what=f"the reaper to stop at {site} freeing D's slots")
-        with Pool.open(rack.path, writable=False) as p:
-            allocated = [alloc.slot_bits(p, o)[0] for o in left]
-        assert allocated == [False] * freed_before + [True] * (reserved - freed_before)
+        wait_for(lambda: stopped(r), what=f"the reaper to stop at {site} recovering D")
+        if left_by_d == "reserved":
+            with Pool.open(rack.path, writable=False) as p:
+                allocated = [alloc.slot_bits(p, o)[0] for o in left]
+            assert allocated == [False] * (site == "free.next:2") + \
+                [True] * (len(left) - (site == "free.next:2")), allocated
         with cxlkv.open_pool(rack.path) as pool:
             wait_for(lambda: fenced(rack.path, r), what="the paused reaper to be fenced")
             wait_for(lambda: freed(rack.path, d), what="D to be recovered by this node")
@@ -320,7 +329,7 @@ def test_a_reaper_paused_while_freeing_a_dead_nodes_slots_frees_no_more_after_it
             with pytest.raises(PoolFullError):
                 while True:
                     mine.append(pool.alloc(nb))
-            assert set(left) <= set(mine), "D's slots were not handed out again"
+            assert set(left) <= set(mine), "D's memory was not handed out again"
             tag = pool.node.owner_token.to_bytes(8, "little")
             data = {o: tag + o.to_bytes(8, "little") * (nb // 8 - 1) for o in mine}
             for o, b in data.items():
@@ -331,7 +340,48 @@ def test_a_reaper_paused_while_freeing_a_dead_nodes_slots_frees_no_more_after_it
             bad = [o for o, b in data.items() if pool.mapping.read(o, nb) != b]
             assert bad == [], f"{len(bad)} published slots overwritten, D's among them: " \
                               f"{sorted(set(bad) & set(left))}"
+            with Pool.open(rack.path, writable=False) as p:
+                rep = fsck.check(p)
+            assert rep.clean, [f.to_json() for f in rep.errors]
             assert pool.free_batch(mine) == len(mine)           # none freed under us
+    finally:
+        if r.p.poll() is None:
+            os.kill(r.p.pid, signal.SIGCONT)
+        r.close()
+        rack.close()
+    assert_clean(rack.path)
+
+
+def test_a_node_paused_making_a_slab_does_not_make_it_over_another_nodes(
+        pool_path, monkeypatch, remote_env):
+    """Stopped past its lease between finding free chunks and writing the new
+    slab's descriptors (pool lock held): fenced, the lock goes on, another
+    node makes its slabs there.  Resumed, it writes nothing and is told."""
+    rack = Rack(pool_path, "cas", monkeypatch)
+    r = NodeProc(env=remote_env(CXLKV_PAUSE_AT="slab.search:1"))
+    r.attach(rack.path)
+    try:
+        r.send(op="alloc_publish", nbytes=64 * 1024, reserved=0, published=1)
+        wait_for(lambda: stopped(r), what="the node to stop making its slab")
+        with cxlkv.open_pool(rack.path) as pool:
+            wait_for(lambda: fenced(rack.path, r), what="the paused node to be fenced")
+            mine = []
+            with pytest.raises(PoolFullError):
+                while True:
+                    mine.append(pool.alloc(64 * 1024))
+            data = {o: o.to_bytes(8, "little") * (8 * 1024) for o in mine}
+            for o, b in data.items():
+                pool.mapping.write(o, b)
+            pool.publish(mine)
+            os.kill(r.p.pid, signal.SIGCONT)
+            out = r.reply()
+            assert out.get("error") in ("NodeFenced", "LockLost"), out
+            wait_for(lambda: freed(rack.path, r), what="the resumed node's quarantine to end")
+            assert [o for o, b in data.items() if pool.mapping.read(o, 64 * 1024) != b] == []
+            with Pool.open(rack.path, writable=False) as p:
+                rep = fsck.check(p)
+            assert rep.clean, [f.to_json() for f in rep.errors]
+            assert pool.free_batch(mine) == len(mine)
     finally:
         if r.p.poll() is None:
             os.kill(r.p.pid, signal.SIGCONT)

@@ -561,7 +561,9 @@ class Allocator:
         head, the tails and the bitmap in the order recovery relies on); -1
         when there is none.  `d` is unused."""
         k, nslots = slab_shape(self.chunk, ss, self.nchunks)
-        head = self.m.slab_make(self.bitmap_off, k, self._hint, self.token, ss, nslots)
+        while (head := self.m.slab_make(self.bitmap_off, k, self._hint, self.token, ss,
+                                        nslots)) == -2:
+            self.pool.node.guard()          # stalled in the search: fresh again, or fenced
         if head < 0:
             return -1
         self._hint = head + k if head + k < self.nchunks else 0

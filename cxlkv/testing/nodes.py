@@ -94,7 +94,7 @@ def main() -> None:
                             pass
                 r = {"done": n}
             elif op == "free_all":
-                pool.free_batch(cmd["offsets"])
+                pool.free_batch(cmd["offsets"], cmd.get("zero", True))
                 r = {"freed": len(cmd["offsets"])}
             elif op == "churn":
                 rng = random.Random(cmd["seed"])

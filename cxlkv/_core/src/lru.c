@@ -844,7 +844,12 @@ Mapping_kv_evict_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
             goto done;
         }
         cxlkv_crashpoint("kv.evict");
-        PyObject *a3[3] = {args[2], zr ? Py_True : Py_False, zero}, *r = Mapping_slab_free(m, a3, 3);
+        PyObject *a3[3] = {args[2], zr ? Py_True : Py_False, zero}, *r;
+        /* 0 freed: it stopped at the write deadline (a stall), the slot a
+         * begun free; again - its entry's guard beats, or raises NodeFenced
+         * with the record still set for recovery to finish */
+        while ((r = Mapping_slab_free(m, a3, 3)) && PyLong_Check(r) && PyLong_AsLong(r) == 0)
+            Py_DECREF(r);
         if (!r && !PyErr_ExceptionMatches(PyExc_ValueError)) {
             lru_end(m);
             goto done;

@@ -17,7 +17,7 @@
 /* Bump when the Python-visible interface changes; cxlkv/_core/__init__.py
  * refuses to import a build with a different number (a stale build must fail
  * loudly, not strangely). */
-#define CXLKV_NATIVE_ABI 19
+#define CXLKV_NATIVE_ABI 20
 
 PyObject *cxlkv_RangeError;   /* set by _native.set_error_types() */
 PyObject *cxlkv_CorruptError; /* impossible pool metadata; set by set_error_types() */
@@ -105,9 +105,9 @@ static PyMethodDef Mapping_methods[] = {
     FAST(slab_mark_freeing, "slab_mark_freeing(offsets) -> marked: set the dirty bit of allocated slots (a free has begun)"),
     FAST(slab_publish, "slab_publish(offsets) -> published"),
     FAST(chunk_find_run, "chunk_find_run(bitmap_off, k, hint) -> first of k free chunks (bitmap clear, descriptor FREE, in no head's span) from hint, wrapping once; -1 if none"),
-    FAST(slab_make, "slab_make(bitmap_off, k, hint, owner, slot_size, nslots) -> head of a new slab of k chunks made at the first free run from hint (head, tails, bitmap bits, in recovery's order; crash points slab.head, slab.tails), or -1 if none (pool lock held)"),
+    FAST(slab_make, "slab_make(bitmap_off, k, hint, owner, slot_size, nslots) -> head of a new slab of k chunks made at the first free run from hint (head, tails, bitmap bits, in recovery's order; crash points slab.head, slab.tails), or -1 if none (pool lock held), or -2 if the write deadline passed during the search (nothing written)"),
     FAST(prefault_range, "prefault_range(off, len) -> bool: map the 2 MiB granules of the range into this process now, as the first bulk copy into each would; False if prefaulting is off for this mapping (nothing done)"),
-    FAST(slabs_release, "slabs_release(heads, bitmap_off, heaps_off, max_nodes) -> (released, looked_at): release_slab's protocol for each empty slab (released ones moved to the front of heads); stops early once the write deadline has passed"),
+    FAST(slabs_release, "slabs_release(heads, bitmap_off, heaps_off, max_nodes) -> (released, looked_at): release_slab's protocol for each empty slab (released ones moved to the front of heads); stops early once the write deadline has passed - before a slab, or inside one leaving it RELEASING, which the next call finishes"),
     FAST(slabs_set_owner, "slabs_set_owner(heads, expect, owner) -> changed (moved to the front of heads): CAS the owner of HEAD slabs"),
     FAST(slab_census, "slab_census(bitmap_off, token, live) -> (releasing, mine, interrupted, dangling, leaked, empty): bytes of uint64 chunk indices from one pass over the descriptors (recovery)"),
     FAST(slab_take_emptied, "slab_take_emptied(freed=False) -> (bytes of uint64 heads, overflowed): slabs this process's frees emptied (freed=True: freed a slot in) since the last such call"),

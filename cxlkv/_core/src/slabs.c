@@ -267,7 +267,8 @@ Mapping_chunk_find_run(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
 }
 
 /* slab_make(bitmap_off, k, hint, owner, slot_size, nslots) -> head, or -1
- * when no k free chunks are left (pool lock held).  In the order recovery
+ * when no k free chunks are left (pool lock held), or -2 when the write
+ * deadline passed during the search (nothing written: guard, then again).  In the order recovery
  * relies on: the head (it names the owner, so a half-made slab is found),
  * flushed; crash point slab.head; the tails, flushed; crash point
  * slab.tails; then the bitmap bits (only pool-lock holders change them). */
@@ -292,6 +293,11 @@ Mapping_slab_make(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     uint64_t head = find_run(m, bm, k, hint);
     if (head == UINT64_MAX)
         return PyLong_FromLong(-1);
+    /* stalled in the search past the lease: the pool lock may be another's
+     * now, and the run taken - nothing is written; the caller guards */
+    cxlkv_crashpoint("slab.search");
+    if (write_deadline_passed(m))
+        return PyLong_FromLong(-2);
     uint64_t h = m->desc_base + head * CXLKV_CHUNK_DESC_SIZE;
     pool_zero(m, h + 8, CXLKV_CHUNK_DESC_SIZE - 8, 0);
     pool_store64(m, h + CD_OWNER, owner);
@@ -351,20 +357,27 @@ bitmap_clear(Mapping *m, uint64_t bm, uint64_t i)
 
 /* Release one empty slab (alloc.py release_slab, same protocol and crash
  * points): 1 released, 0 refused (not a HEAD, a slot allocated, or the
- * owner's hazard on it), -1 impossible geometry (nothing written). */
+ * owner's hazard on it), -1 impossible geometry (nothing written), 2
+ * stopped at the write deadline with the slab RELEASING (a stall: the pool
+ * lock may have gone to another node, which finishes it as it finishes a
+ * dead holder's; or this caller guards and calls again, and it goes on).
+ * A RELEASING head - under the pool lock only a holder that died or was
+ * stalled leaves one - is finished (the resume of alloc.release_slab). */
 static int
 release_one(Mapping *m, uint64_t bm, uint64_t heaps, uint64_t max_nodes, uint64_t head)
 {
     uint64_t h = m->desc_base + head * CXLKV_CHUNK_DESC_SIZE, ss, ns, base;
     pool_invalidate(m, h, CXLKV_CHUNK_DESC_SIZE);
-    if ((pool_load64(m, h + CD_CONTROL) & 0xff) != CXLKV_CHUNK_HEAD)
+    uint64_t kind = pool_load64(m, h + CD_CONTROL) & 0xff;
+    if (kind != CXLKV_CHUNK_HEAD && kind != CXLKV_CHUNK_RELEASING)
         return 0;
     if (slab_geometry(m, head, &ss, &ns, &base) != NULL)
         return -1;
     for (uint64_t w = 0; w < 8; w++)        /* cheap refusal before any write */
         if (pool_load64(m, h + CD_ALLOC + w * 8))
             return 0;
-    if (pool_cas64(m, h + CD_CONTROL, CXLKV_CHUNK_HEAD, CXLKV_CHUNK_RELEASING) !=
+    if (kind == CXLKV_CHUNK_HEAD &&
+        pool_cas64(m, h + CD_CONTROL, CXLKV_CHUNK_HEAD, CXLKV_CHUNK_RELEASING) !=
         CXLKV_CHUNK_HEAD)
         return 0;
     __atomic_thread_fence(__ATOMIC_SEQ_CST);  /* RELEASING visible before hazards are read */
@@ -394,8 +407,14 @@ release_one(Mapping *m, uint64_t bm, uint64_t heaps, uint64_t max_nodes, uint64_
     for (uint64_t w = 0; w < 8; w++)
         dirty |= pool_load64(m, h + CD_DIRTY + w * 8) != 0;
     if (dirty)                                   /* stale bytes never outlive a slab */
-        for (uint64_t j = 0; j < n; j++)
+        for (uint64_t j = 0; j < n; j++) {
+            cxlkv_crashpoint("release.zero");
+            if (write_deadline_passed(m))
+                return 2;
             pool_zero(m, m->data_off + ours[j] * m->chunk_size, m->chunk_size, 1);
+        }
+    if (write_deadline_passed(m))
+        return 2;
     for (uint64_t j = n; j-- > 1;)
         pool_store64(m, m->desc_base + ours[j] * CXLKV_CHUNK_DESC_SIZE, CXLKV_CHUNK_FREE);
     pool_flush(m, h, k * CXLKV_CHUNK_DESC_SIZE);
@@ -412,8 +431,10 @@ release_one(Mapping *m, uint64_t bm, uint64_t heaps, uint64_t max_nodes, uint64_
 /* slabs_release(heads, bitmap_off, heaps_off, max_nodes) -> (released, looked_at)
  * Releases the empty slabs among `heads` (a writable uint64 buffer; the
  * released ones are moved to its front, in order).  Stops before a slab once
- * the write deadline has passed (looked_at < len(heads)): the caller proves
- * its node fresh (guard) and calls again with the rest.  Raises
+ * the write deadline has passed, or inside one - before zeroing a chunk of
+ * it, or before its descriptors - leaving it RELEASING (looked_at <
+ * len(heads)): the caller proves its node fresh (guard) and calls again
+ * with the rest, which finishes that one first.  Raises
  * cxlkv_CorruptError at a slab of impossible geometry (the ones before it
  * are done and moved to the front; nothing of the bad one is written). */
 PyObject *
@@ -450,6 +471,8 @@ Mapping_slabs_release(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
             bad = head;
             break;
         }
+        if (r == 2)
+            break;                      /* stopped at the deadline: this one again */
         if (r)
             heads[done++] = head;
     }
