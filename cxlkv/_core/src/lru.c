@@ -848,8 +848,17 @@ Mapping_kv_evict_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         /* 0 freed: it stopped at the write deadline (a stall), the slot a
          * begun free; again - its entry's guard beats, or raises NodeFenced
          * with the record still set for recovery to finish */
-        while ((r = Mapping_slab_free(m, a3, 3)) && PyLong_Check(r) && PyLong_AsLong(r) == 0)
+        for (int tries = 0;
+             (r = Mapping_slab_free(m, a3, 3)) && PyLong_Check(r) && PyLong_AsLong(r) == 0;
+             tries++) {
             Py_DECREF(r);
+            if (tries == 3) {           /* no guard renews the deadline: never spin */
+                r = NULL;
+                PyErr_SetString(cxlkv_InternalError, "kv_evict_free: the free kept stopping "
+                                "at the write deadline");
+                break;
+            }
+        }
         if (!r && !PyErr_ExceptionMatches(PyExc_ValueError)) {
             lru_end(m);
             goto done;
