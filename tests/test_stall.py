@@ -390,6 +390,43 @@ def test_a_node_paused_making_a_slab_does_not_make_it_over_another_nodes(
     assert_clean(rack.path)
 
 
+def test_a_writer_paused_in_a_long_write_past_the_grace_writes_no_further_piece(
+        pool_path, monkeypatch, remote_env):
+    """Stopped in the middle of writing 4 MiB into its reserved slot, for
+    longer than the grace: its quarantine ends, the slot is freed and handed
+    out again.  Resumed, it writes nothing more than the piece it was in
+    (writes go in 1 MiB pieces, the deadline checked between them)."""
+    rack = Rack(pool_path, "cas", monkeypatch)
+    nb = 4 * MiB
+    r = NodeProc(env=remote_env(CXLKV_PAUSE_AT="write.piece:1"))
+    r.attach(rack.path)
+    try:
+        r.send(op="alloc_publish", nbytes=nb, reserved=1, published=0)
+        wait_for(lambda: stopped(r), what="the writer to stop between two pieces")
+        with cxlkv.open_pool(rack.path) as pool:
+            wait_for(lambda: freed(rack.path, r), what="the writer's quarantine to end")
+            mine = []
+            with pytest.raises(PoolFullError):
+                while True:
+                    mine.append(pool.alloc(nb))
+            data = {o: o.to_bytes(8, "little") * (nb // 8) for o in mine}
+            for o, b in data.items():
+                pool.mapping.write(o, b)
+            pool.publish(mine)
+            os.kill(r.p.pid, signal.SIGCONT)
+            out = r.reply()
+            assert out.get("error") == "NodeFenced", out
+            bad = [o for o, b in data.items() if pool.mapping.read(o, nb) != b]
+            assert bad == [], f"{len(bad)} of {len(mine)} published slots overwritten"
+            assert pool.free_batch(mine) == len(mine)
+    finally:
+        if r.p.poll() is None:
+            os.kill(r.p.pid, signal.SIGCONT)
+        r.close()
+        rack.close()
+    assert_clean(rack.path)
+
+
 # -- the node side: guard, acknowledgement, the C copy deadline -----------------------------
 
 def test_guard_beats_when_stale_and_acknowledges_fencing(small_pool):

@@ -31,9 +31,10 @@ shared memory a node re-reads its state word and proves its own heartbeat
 fresh (`guard()`: its last successful beat is less than FRESH_SHARE of a
 lease old, else it beats now); every write primitive of the C core checks
 the mapping's write deadline and calls guard() once it has passed
-(Mapping.set_guard), and the C loops that copy blocks, insert entries, free
-slots (also between the 256 KiB pieces a slot is zeroed in) or release slabs
-stop before each one once it has passed - a reaper stalled in a recovery
+(Mapping.set_guard) - a long write or zeroing between its 1 MiB pieces too -
+and the C loops that copy blocks, insert entries, free slots (also between
+the 256 KiB pieces a slot is zeroed in) or release slabs stop before each
+one once it has passed - a reaper stalled in a recovery
 writes nothing after its lock turn went to another reaper.  Remaining
 window: a pause between the check and the store itself (nanoseconds in the
 C loops, one Python statement for a guarded step).  A write landing there goes into memory that is still quarantined -

@@ -463,6 +463,44 @@ Mapping_invalidate(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* Write `src` (NULL: zeros) to [off, off+len) with the GIL released, in
+ * pieces of WRITE_PIECE bytes: once the write deadline has passed between
+ * two pieces, the GIL is taken back and check_writable runs the node's
+ * guard, which proves the node fresh (it beats) or raises NodeFenced - so a
+ * writer stalled in a long write past its lease, its memory recovered and
+ * handed out meanwhile, writes at most the piece it was in.  -1 with an
+ * exception set (the range then partly written). */
+#define WRITE_PIECE (1u << 20)
+static int
+write_pieces(Mapping *m, uint64_t off, const char *src, uint64_t len, int nt, const char *what)
+{
+    uint64_t done = 0;
+    int rc = 0;
+    while (done < len) {
+        if (done && check_writable(m, what) < 0)
+            return -1;
+        m->busy++;
+        Py_BEGIN_ALLOW_THREADS
+        do {
+            uint64_t n = len - done < WRITE_PIECE ? len - done : WRITE_PIECE;
+            if (src)
+                rc = pool_write(m, off + done, src + done, n, nt);
+            else
+                pool_zero(m, off + done, n, nt);
+            done += n;
+            if (done < len)
+                cxlkv_crashpoint("write.piece");
+        } while (rc == 0 && done < len && !write_deadline_passed(m));
+        Py_END_ALLOW_THREADS
+        m->busy--;
+        if (rc < 0) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* write(off, buffer, nt=None): copy a buffer into the pool; flushed on return */
 PyObject *
 Mapping_write(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
@@ -478,17 +516,10 @@ Mapping_write(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     if (check_range(m, off, (uint64_t)b.len, "write") < 0 || check_writable(m, "write") < 0 ||
         parse_nt(m, nargs > 2 ? args[2] : NULL, (uint64_t)b.len, &nt) < 0)
         goto out;
-    int rc;
     if (b.len >= GIL_RELEASE_MIN) {
-        m->busy++;
-        Py_BEGIN_ALLOW_THREADS
-        rc = pool_write(m, off, b.buf, (uint64_t)b.len, nt);
-        Py_END_ALLOW_THREADS
-        m->busy--;
-    } else {
-        rc = pool_write(m, off, b.buf, (uint64_t)b.len, nt);
-    }
-    if (rc < 0) {
+        if (write_pieces(m, off, b.buf, (uint64_t)b.len, nt, "write") < 0)
+            goto out;
+    } else if (pool_write(m, off, b.buf, (uint64_t)b.len, nt) < 0) {
         PyErr_NoMemory();
         goto out;
     }
@@ -508,11 +539,8 @@ Mapping_zero(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         as_u64(args[1], &len, "length") < 0 || check_range(m, off, len, "zero") < 0 ||
         check_writable(m, "zero") < 0 || parse_nt(m, nargs > 2 ? args[2] : NULL, len, &nt) < 0)
         return NULL;
-    m->busy++;
-    Py_BEGIN_ALLOW_THREADS
-    pool_zero(m, off, len, nt);
-    Py_END_ALLOW_THREADS
-    m->busy--;
+    if (write_pieces(m, off, NULL, len, nt, "zero") < 0)
+        return NULL;
     Py_RETURN_NONE;
 }
 

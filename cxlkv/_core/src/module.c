@@ -17,7 +17,7 @@
 /* Bump when the Python-visible interface changes; cxlkv/_core/__init__.py
  * refuses to import a build with a different number (a stale build must fail
  * loudly, not strangely). */
-#define CXLKV_NATIVE_ABI 20
+#define CXLKV_NATIVE_ABI 21
 
 PyObject *cxlkv_RangeError;   /* set by _native.set_error_types() */
 PyObject *cxlkv_CorruptError; /* impossible pool metadata; set by set_error_types() */
@@ -136,8 +136,8 @@ static PyMethodDef Mapping_methods[] = {
     FAST(kv_scatter, "kv_scatter(offsets, block_bytes, src_offset, buf, buf_offsets, shape, src_strides, buf_strides, run) -> blocks written: kv_copy's store walk straight into the pool slots at offsets (write copy mode, lines in memory on return); stops before a block once write_deadline_ns passed"),
     FAST(flush, "flush(off, length): write back the cache lines of a range, then fence"),
     FAST(invalidate, "invalidate(off, length): drop the cache lines of a range"),
-    FAST(write, "write(off, buffer, nt=None): copy into the pool; flushed on return"),
-    FAST(zero, "zero(off, length, nt=None): zero a range; flushed on return"),
+    FAST(write, "write(off, buffer, nt=None): copy into the pool; flushed on return; a long one in 1 MiB pieces, the guard run between two once the write deadline passed (NodeFenced: partly written)"),
+    FAST(zero, "zero(off, length, nt=None): zero a range; flushed on return; in pieces, as write"),
     FAST(read, "read(off, length) -> bytes"),
     FAST(readinto, "readinto(off, buffer) -> int: copy out of the pool"),
     FAST(view, "view(off, length, writable=False) -> memoryview (zero-copy; under CXLKV_NONCOHERENT=1 it shows the emulated cache, read-only)"),
