@@ -584,6 +584,59 @@ def test_a_paused_lock_manager_steps_down_when_it_resumes(pool_path, monkeypatch
     assert_clean(rack.path)
 
 
+def test_a_manager_paused_in_a_recovery_writes_nothing_after_its_standby_took_over(
+        pool_path, remote_env):
+    """Sync mode manager: the active lock manager recovers dead node D -
+    freeing D's unpublished slots in one C call - and is stopped between two
+    of them.  The standby takes over after a lease, recovers D again, and the
+    slots are handed out and published.  Resumed, the old manager writes
+    nothing more (its recovery runs under a write deadline half a lease after
+    its last beat; the guard then finds the lease gone) and steps down."""
+    init_pool(pool_path, {"size": 16 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8,
+                          "sync": "manager", "lease_ms": LEASE_MS, "grace_ms": GRACE_MS})
+    cmd = [sys.executable, "-m", "cxlkv", "lock-manager", "--pool", pool_path]
+    old = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "CXLKV_PAUSE_AT": "free.next:2"})
+    assert "active" in old.stderr.readline()
+    standby = subprocess.Popen(cmd + ["--standby"], stderr=subprocess.PIPE, text=True)
+    d = NodeProc(env=remote_env())
+    try:
+        d.attach(pool_path)
+        left = d.call(op="alloc_publish", nbytes=64 * 1024, reserved=4,
+                      published=0)["reserved"]
+        d.kill()
+        wait_for(lambda: psutil.Process(old.pid).status() == psutil.STATUS_STOPPED,
+                 what="the manager to stop between D's slots")
+        lines = [standby.stderr.readline()]             # "standing by ...", then
+        while lines[-1] and "active" not in lines[-1]:   # took over after a lease
+            lines.append(standby.stderr.readline())
+        assert "active" in lines[-1], lines
+        with cxlkv.open_pool(pool_path) as pool:
+            wait_for(lambda: freed(pool_path, d), what="the standby to recover D")
+            mine = []
+            with pytest.raises(PoolFullError):
+                while True:
+                    mine.append(pool.alloc(64 * 1024))
+            assert set(left) <= set(mine), "D's slots were not handed out again"
+            data = {o: o.to_bytes(8, "little") * (8 * 1024) for o in mine}
+            for o, b in data.items():
+                pool.mapping.write(o, b)
+            pool.publish(mine)
+            os.kill(old.pid, signal.SIGCONT)
+            old.wait(30)
+            assert "stepping down" in old.stderr.read()
+            bad = [o for o, b in data.items() if pool.mapping.read(o, 64 * 1024) != b]
+            assert bad == [], f"{len(bad)} published slots overwritten"
+            assert pool.free_batch(mine) == len(mine)
+    finally:
+        for p in (old, standby):
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.terminate()
+                p.wait(10)
+    assert_clean(pool_path)
+
+
 def test_hash_table_inserts_stop_at_the_write_deadline(small_pool):
     """kv_insert writes no entry once the node's freshness ran out (a stall in
     the middle of a long prefix); the store proves it fresh and carries on."""

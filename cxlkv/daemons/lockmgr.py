@@ -43,6 +43,7 @@ other structures, so it must not write another one).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -237,6 +238,29 @@ class LockManager:
             raise ManagerExists("another lock manager took over", path=self.path)
         self.beat()
 
+    @contextlib.contextmanager
+    def _recovery_deadline(self):
+        """A recovery's writes under the manager's lease, as a node's under its
+        heartbeat: the mapping's write deadline is half a lease after the last
+        beat, and once it passes every write primitive - and the C loops,
+        before each slot, chunk or 1 MiB piece - calls guard(), which beats
+        while this manager still holds the lease or steps down.  A manager
+        paused in a recovery, whose standby took over, redid the recovery and
+        handed the memory out again, writes nothing more when it resumes."""
+        m = self.m
+
+        def renew():
+            self.guard()
+            m.write_deadline_ns = int((self.beat_at + self.lease / 2) * 1e9)
+
+        renew()
+        m.set_guard(renew)
+        try:
+            yield
+        finally:
+            m.set_guard(None)
+            m.write_deadline_ns = 0
+
     # -- one round -----------------------------------------------------------------
     def step(self, slots: bool = True) -> bool:
         """One round: node slots (claims, liveness) when `slots`, then the lock.
@@ -356,7 +380,8 @@ class LockManager:
             self.recover_pending = True             # recover only while nobody holds the
             return changed                          # lock: step() grants nothing until then
         self.guard()
-        node_table.run_recoveries(pool, slot, epoch)
+        with self._recovery_deadline():
+            node_table.run_recoveries(pool, slot, epoch)
         protocol.set_mgr(pool, slot, layout.node_control(layout.NODE_FREE, epoch), granted)
         self.log(f"node {slot} recovered and freed ({_REASONS[reason]})")
         return True
