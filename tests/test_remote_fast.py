@@ -19,6 +19,7 @@ import pytest
 import xxhash
 
 from cxlkv.remote import Batch, RemoteClient, RemoteConfig, RemoteTier, key_name, value
+from cxlkv.remote import fastpath
 from cxlkv.remote.fastpath import FastCluster, command
 from cxlkv.testing.checks import wait_for
 from cxlkv.testing.data import random_blocks
@@ -236,13 +237,15 @@ def test_a_moved_slot_is_followed_and_the_table_refreshed(cluster):
 
 class FakeMaster:
     """A one-node "cluster" on loopback speaking just enough RESP2: CLUSTER
-    SLOTS (itself, every slot) and GET (the value b"v:" + name); a GET of
-    b"bad" answers a bulk length no buffer can have.  Counts connections."""
+    SLOTS (itself, every slot), GET (the value b"v:" + name) and SET (+OK,
+    the value kept in `sets`); a GET of b"bad" answers a bulk length no
+    buffer can have.  Counts connections."""
 
     def __init__(self):
         self.lsock = socket.create_server(("127.0.0.1", 0))
         self.port = self.lsock.getsockname()[1]
         self.accepted = 0
+        self.sets: dict = {}
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self):
@@ -268,6 +271,9 @@ class FakeMaster:
                 if args[0].upper() == b"CLUSTER":
                     out = b"*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n" \
                         % self.port
+                elif args[0].upper() == b"SET":
+                    self.sets[args[1]] = args[2]
+                    out = b"+OK\r\n"
                 elif args[1] == b"bad":
                     out = b"$99999999999999999999\r\n"
                 else:
@@ -296,6 +302,38 @@ def test_a_call_cut_by_any_exception_never_hands_its_connections_on():
         vals, timed_out, err, _ = fc.get_many([b"k2"], time.monotonic() + 10)
         assert vals == [bytearray(b"v:k2")] and not timed_out and err is None
         assert srv.accepted == 2                     # the cut connection was not reused
+    finally:
+        fc.close()
+        srv.close()
+
+
+def test_a_pipeline_ending_a_sendmsg_on_an_empty_value_is_sent_whole(monkeypatch):
+    """SET of empty values (plain bytes: the command's head, the value, its
+    tail - three buffers each) on one master: the second sendmsg of IOV_MAX
+    buffers ends on an empty value.  Every write is answered; sendmsg is
+    never asked to send nothing (it sends 0 bytes, and the pipeline spun on
+    the empty buffer left pending, holding the writer forever)."""
+    calls = []
+    real = socket.socket.sendmsg
+
+    def sendmsg(self, bufs, *a):
+        sizes = [memoryview(b).nbytes for b in bufs]
+        calls.append(sum(sizes))
+        if len(calls) > 1000:
+            raise AssertionError(f"sendmsg called {len(calls)} times; last sizes {sizes[-3:]}")
+        return real(self, bufs, *a)
+
+    srv = FakeMaster()
+    fc = FastCluster(RemoteConfig(nodes=(f"127.0.0.1:{srv.port}",)))
+    try:
+        fc.get_many([b"k"], time.monotonic() + 10)          # the slot table, outside the count
+        monkeypatch.setattr(socket.socket, "sendmsg", sendmsg)
+        items = [(b"empty:%d" % i, b"") for i in range(700)]
+        assert (2 * fastpath.IOV_MAX - 1) % 3 == 1           # the second sendmsg ends on a value
+        res, _, failed, err = fc.put_many(items, 0, deadline=time.monotonic() + 10)
+        assert res == [True] * 700 and failed == 0 and err is None
+        assert srv.sets == {nm: b"" for nm, _ in items}
+        assert 0 not in calls
     finally:
         fc.close()
         srv.close()

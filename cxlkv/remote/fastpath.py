@@ -94,13 +94,18 @@ class _Conn:
         self.sock.settimeout(max(1e-3, s))
 
     def sendv(self, bufs: list) -> None:
-        """Send every buffer, in order (sendmsg, IOV_MAX at a time)."""
+        """Send every buffer, in order (sendmsg, IOV_MAX at a time).  Empty
+        buffers are left out: a sendmsg of only empty ones sends 0 bytes,
+        and a pending list left holding just those would never drain."""
         i, n = 0, len(bufs)
         pending: list = []
         while i < n or pending:
             if not pending:
-                pending = [memoryview(b).cast("B") for b in bufs[i:i + IOV_MAX]]
-                i += len(pending)
+                pending = [m for m in (memoryview(b).cast("B") for b in bufs[i:i + IOV_MAX])
+                           if m.nbytes]
+                i += IOV_MAX
+                if not pending:
+                    continue
             sent = self.sock.sendmsg(pending)
             while sent and pending:
                 k = pending[0].nbytes
