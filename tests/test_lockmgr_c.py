@@ -256,6 +256,35 @@ def test_a_release_of_another_epoch_is_not_a_release(mpool, manager, mode):
     h.close()
 
 
+def test_a_stale_release_written_while_the_manager_reads_the_line_is_not_a_release(
+        mpool, manager, mode):
+    """The manager stopped in the middle of reading the holder's line (after
+    its release words, before its epoch): another incarnation's epoch, then
+    its release, land meanwhile.  The release is judged by the epoch it came
+    with, and the hold revoked (reading the epoch first took the stale
+    release for the holder's own: a CI flake of the test above)."""
+    mgr = manager(env={"CXLKV_PAUSE_AT": "mgr.held:1"})
+    h = NodeProc(_env(mode))
+    h.attach(mpool)
+    h.send(op="lock")
+    wait_for(lambda: psutil.Process(mgr.p.pid).status() == psutil.STATUS_STOPPED,
+             what="the manager to stop reading the holder's line")
+    assert h.reply() == {"locked": True}
+    with Pool.open(mpool) as p:
+        m, e = p.mapping, protocol.entry_offset(p, h.slot)
+        m.invalidate(e, layout.LOCK_ENTRY_SIZE)
+        grant = m.load64(e + protocol.E_GRANT)
+        m.store64(e + protocol.E_EPOCH, h.epoch + 1)            # another epoch ...
+        m.store64(e + protocol.E_RELEASE, grant)                # ... releases
+        m.flush(e, 64)
+        os.kill(mgr.p.pid, signal.SIGCONT)
+        wait_for(lambda: (m.invalidate(e + protocol.E_REVOKE, 8),
+                          m.load64(e + protocol.E_REVOKE))[1] == grant,
+                 what="the hold revoked")
+    assert h.call(op="guard").get("error") == "LockLost"
+    h.close()
+
+
 # -- failover ---------------------------------------------------------------------------
 
 def test_standby_takes_over_a_killed_manager_with_clients_running(mpool, manager, mode):

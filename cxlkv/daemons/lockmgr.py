@@ -278,13 +278,18 @@ class LockManager:
         # the lock
         if self.holder >= 0:
             e = ents[self.holder]
-            if int(e["epoch"]) != int(e["grant_epoch"]):
+            # the epoch read again, after the release words (in `ents`): a line
+            # rewritten epoch first, then release, is judged by the epoch its
+            # release came with, never the one from before it
+            off = protocol.entry_offset(pool, self.holder) + protocol.E_EPOCH
+            self.m.invalidate(off, 8)
+            if self.m.load64(off) != int(e["grant_epoch"]):
                 # the holder's line now carries another epoch: a stale
                 # incarnation of the slot wrote it (paused past its quarantine)
                 # or it is damaged - its release can no longer be told, so the
                 # hold is revoked (the holder learns LockLost) rather than the
                 # lock never being granted again
-                self.log(f"node {self.holder}'s lock line shows epoch {int(e['epoch'])}, "
+                self.log(f"node {self.holder}'s lock line shows epoch {self.m.load64(off)}, "
                          f"granted to epoch {int(e['grant_epoch'])}: revoking the hold")
                 self.guard()
                 protocol.revoke(pool, self.holder, int(e["grant_seq"]))

@@ -288,11 +288,17 @@ lock_round(struct mgr *g)
     if (holder >= 0) {
         uint64_t e = ent(g, holder);
         pool_invalidate(m, e, CXLKV_LOCK_ENTRY_SIZE);
-        uint64_t epoch = pool_load64(m, e + LE_EPOCH);
         uint64_t grant = pool_load64(m, e + LE_GRANT);
+        /* the release before the epoch: a line rewritten epoch first, then
+         * release, is judged by the epoch its release came with (epoch read
+         * first, the release after, took a stale release for the holder's) */
+        uint64_t rel = pool_load64(m, e + LE_RELEASE), rev = pool_load64(m, e + LE_REVOKE);
+        cxlkv_crashpoint("mgr.held");
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        uint64_t epoch = pool_load64(m, e + LE_EPOCH);
         if (epoch != pool_load64(m, e + LE_GRANT_EPOCH))
             return -R_PYSTEP;       /* a stale incarnation wrote the line: Python revokes */
-        if (pool_load64(m, e + LE_RELEASE) >= grant || pool_load64(m, e + LE_REVOKE) >= grant) {
+        if (rel >= grant || rev >= grant) {
             g->st[MS_HOLDER] = holder = -1;
             changed = 1;
         }
