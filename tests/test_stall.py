@@ -107,6 +107,25 @@ def toks(tag: int, blocks: int) -> np.ndarray:
     return np.arange(blocks * 16, dtype=np.int64) + tag * 1_000_000
 
 
+def fill_with_published(pool, nb: int) -> dict:
+    """Allocate slots of nb bytes until the pool is full, fill each with a
+    pattern of its own offset, publish them all: {offset: bytes}."""
+    mine = []
+    with pytest.raises(PoolFullError):
+        while True:
+            mine.append(pool.alloc(nb))
+    data = {o: o.to_bytes(8, "little") * (nb // 8) for o in mine}
+    for o, b in data.items():
+        pool.mapping.write(o, b)
+    pool.publish(mine)
+    return data
+
+
+def overwritten(pool, data: dict) -> list:
+    """The slots of fill_with_published whose bytes changed."""
+    return [o for o, b in data.items() if pool.mapping.read(o, len(b)) != b]
+
+
 # -- 1. a writer paused between reserving and copying ---------------------------------
 
 def test_writer_paused_before_its_copy_cannot_overwrite_others_blocks(rack, remote_env):
@@ -325,19 +344,12 @@ def test_a_reaper_paused_in_a_dead_nodes_recovery_writes_nothing_after_it(
         with cxlkv.open_pool(rack.path) as pool:
             wait_for(lambda: fenced(rack.path, r), what="the paused reaper to be fenced")
             wait_for(lambda: freed(rack.path, d), what="D to be recovered by this node")
-            mine = []
-            with pytest.raises(PoolFullError):
-                while True:
-                    mine.append(pool.alloc(nb))
+            data = fill_with_published(pool, nb)
+            mine = list(data)
             assert set(left) <= set(mine), "D's memory was not handed out again"
-            tag = pool.node.owner_token.to_bytes(8, "little")
-            data = {o: tag + o.to_bytes(8, "little") * (nb // 8 - 1) for o in mine}
-            for o, b in data.items():
-                pool.mapping.write(o, b)
-            pool.publish(mine)
             os.kill(r.p.pid, signal.SIGCONT)
             wait_for(lambda: freed(rack.path, r), what="the resumed reaper's quarantine to end")
-            bad = [o for o, b in data.items() if pool.mapping.read(o, nb) != b]
+            bad = overwritten(pool, data)
             assert bad == [], f"{len(bad)} published slots overwritten, D's among them: " \
                               f"{sorted(set(bad) & set(left))}"
             with Pool.open(rack.path, writable=False) as p:
@@ -365,19 +377,13 @@ def test_a_node_paused_making_a_slab_does_not_make_it_over_another_nodes(
         wait_for(lambda: stopped(r), what="the node to stop making its slab")
         with cxlkv.open_pool(rack.path) as pool:
             wait_for(lambda: fenced(rack.path, r), what="the paused node to be fenced")
-            mine = []
-            with pytest.raises(PoolFullError):
-                while True:
-                    mine.append(pool.alloc(64 * 1024))
-            data = {o: o.to_bytes(8, "little") * (8 * 1024) for o in mine}
-            for o, b in data.items():
-                pool.mapping.write(o, b)
-            pool.publish(mine)
+            data = fill_with_published(pool, 64 * 1024)
+            mine = list(data)
             os.kill(r.p.pid, signal.SIGCONT)
             out = r.reply()
             assert out.get("error") in ("NodeFenced", "LockLost"), out
             wait_for(lambda: freed(rack.path, r), what="the resumed node's quarantine to end")
-            assert [o for o, b in data.items() if pool.mapping.read(o, 64 * 1024) != b] == []
+            assert overwritten(pool, data) == []
             with Pool.open(rack.path, writable=False) as p:
                 rep = fsck.check(p)
             assert rep.clean, [f.to_json() for f in rep.errors]
@@ -405,18 +411,12 @@ def test_a_writer_paused_in_a_long_write_past_the_grace_writes_no_further_piece(
         wait_for(lambda: stopped(r), what="the writer to stop between two pieces")
         with cxlkv.open_pool(rack.path) as pool:
             wait_for(lambda: freed(rack.path, r), what="the writer's quarantine to end")
-            mine = []
-            with pytest.raises(PoolFullError):
-                while True:
-                    mine.append(pool.alloc(nb))
-            data = {o: o.to_bytes(8, "little") * (nb // 8) for o in mine}
-            for o, b in data.items():
-                pool.mapping.write(o, b)
-            pool.publish(mine)
+            data = fill_with_published(pool, nb)
+            mine = list(data)
             os.kill(r.p.pid, signal.SIGCONT)
             out = r.reply()
             assert out.get("error") == "NodeFenced", out
-            bad = [o for o, b in data.items() if pool.mapping.read(o, nb) != b]
+            bad = overwritten(pool, data)
             assert bad == [], f"{len(bad)} of {len(mine)} published slots overwritten"
             assert pool.free_batch(mine) == len(mine)
     finally:
@@ -613,19 +613,13 @@ def test_a_manager_paused_in_a_recovery_writes_nothing_after_its_standby_took_ov
         assert "active" in lines[-1], lines
         with cxlkv.open_pool(pool_path) as pool:
             wait_for(lambda: freed(pool_path, d), what="the standby to recover D")
-            mine = []
-            with pytest.raises(PoolFullError):
-                while True:
-                    mine.append(pool.alloc(64 * 1024))
+            data = fill_with_published(pool, 64 * 1024)
+            mine = list(data)
             assert set(left) <= set(mine), "D's slots were not handed out again"
-            data = {o: o.to_bytes(8, "little") * (8 * 1024) for o in mine}
-            for o, b in data.items():
-                pool.mapping.write(o, b)
-            pool.publish(mine)
             os.kill(old.pid, signal.SIGCONT)
             old.wait(30)
             assert "stepping down" in old.stderr.read()
-            bad = [o for o, b in data.items() if pool.mapping.read(o, 64 * 1024) != b]
+            bad = overwritten(pool, data)
             assert bad == [], f"{len(bad)} published slots overwritten"
             assert pool.free_batch(mine) == len(mine)
     finally:
