@@ -9,12 +9,13 @@ alternating 32 MiB chunks, `--rounds` times: a shared disk stalls for a
 while now and then, and each stall then lands on all of them alike; the
 median of the rounds' ratios is reported.
 
-`--read-path pread` reads the store the older way (preadv, then the
-checksum) instead of the copy out of a mapping with the checksum fused, for
-an A/B of the two in the same hour.
+The store picks its read path by timing its own reads (`--read-path auto`,
+cxlkv/kv/tiers/spill/readpath.py; each round says which it took and what
+each path measured); `--read-path mapped` or `pread` fixes one, for an A/B
+of the two in the same hour.
 
     cxlkv bench run spill [--dir DIR] [--mib N] [--rounds R]
-                          [--read-path mapped|pread] [--json]
+                          [--read-path auto|mapped|pread] [--json]
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from cxlkv.bench import harness
 from cxlkv.kv.cache import KVCache
 from cxlkv.errors import BenchRefused
 from cxlkv.kv.tiers import spill
-from cxlkv.kv.tiers.spill import files as spill_files
+from cxlkv.kv.tiers.spill import readpath
 from cxlkv.kv.tiers.spill import store as spill_store
 
 MiB = harness.MiB
@@ -146,10 +147,12 @@ def interleaved(d, nbytes, chunk=32 * MiB):
         st.close()
         shutil.rmtree(os.path.join(d, "direct"))
     n = len(keys) * BB
+    paths = {k: v for k, v in st.stats().items() if k.startswith("read_")}
     h1 = _core.spill_helper_stats()
     hu, cu = (h1[k] - h0[k] for k in ("helper_units", "caller_units"))
     return {**{k: (n / v if v else 0.0) for k, v in t.items()},
-            "helper_share": hu / (hu + cu) if hu + cu else 0.0, "helpers": h1["helpers"]}
+            "helper_share": hu / (hu + cu) if hu + cu else 0.0, "helpers": h1["helpers"],
+            "paths": paths}
 
 
 def raw_files(d, nbytes):
@@ -286,10 +289,11 @@ def add_arguments(ap) -> None:
     ap.add_argument("--read-helpers", type=int, default=None,
                     help="helper threads of the spill read path (this process's; default: "
                          f"the store's, {spill_store.READ_HELPERS} on this machine)")
-    ap.add_argument("--read-path", choices=("mapped", "pread"), default="mapped",
+    ap.add_argument("--read-path", choices=readpath.CHOICES, default="auto",
                     help="how the store reads payloads: copied out of a mapping of the slot "
-                         "file and hashed in the same pass (mapped, the store's default), or "
-                         "preadv and then hashed (pread)")
+                         "file and hashed in the same pass (mapped), preadv and then hashed "
+                         "(pread), or whichever its own reads time faster (auto, the store's "
+                         "default)")
 
 
 def run(a, progress) -> dict:
@@ -303,7 +307,7 @@ def run(a, progress) -> dict:
             raise BenchRefused(f"--read-helpers must be 0..{spill_store.MAX_READ_HELPERS}")
         _core.spill_helpers(helpers)            # process-wide; a store only ever adds some
         spill_store.READ_HELPERS = helpers      # the default of the stores made below
-        spill_files.READ_MAPPED = a.read_path == "mapped"
+        readpath.DEFAULT = a.read_path          # likewise
         rounds = []
         for i in range(max(1, a.rounds)):
             progress(f"round {i + 1}: raw I/O, the spill store alone, raw O_DIRECT, interleaved")
@@ -317,6 +321,9 @@ def run(a, progress) -> dict:
                            "raw_read_cpu_Bps": f["raw_r_cpu"],
                            "store_read_cpu_Bps": f["store_r_cpu"],
                            "read_helpers": f["helpers"], "helper_unit_share": f["helper_share"],
+                           "read_path": f["paths"]["read_path"],
+                           "read_mapped_Bps": f["paths"]["read_mapped_Bps"],
+                           "read_pread_Bps": f["paths"]["read_pread_Bps"],
                            "store_vs_raw_write": f["store_w"] / f["raw_w"],
                            "store_vs_raw_read": f["store_r"] / f["raw_r"],
                            "store_vs_raw_read_run_bufs": f["store_r"] / f["bufs_r"],
@@ -336,7 +343,8 @@ def run(a, progress) -> dict:
         h1 = hit_rate(d, pool_path, True)
         progress("hit rate, spill as a reader")
         h2 = hit_rate(d, pool_path, True, reader=True)
-        med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+        med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]
+               if k != "read_path"}
         return {"dir": d, "rounds": rounds,
                 "store_vs_raw_write": med["store_vs_raw_write"],
                 "store_vs_raw_read": med["store_vs_raw_read"],
@@ -346,6 +354,7 @@ def run(a, progress) -> dict:
                 "store_vs_raw_read_cpu": med["store_read_cpu_Bps"] / med["raw_read_cpu_Bps"],
                 "store_vs_raw_write_cpu": med["store_write_cpu_Bps"] / med["raw_write_cpu_Bps"],
                 "read_helpers": rounds[0]["read_helpers"], "read_path": a.read_path,
+                "read_paths_taken": [r["read_path"] for r in rounds],
                 "helper_unit_share": med["helper_unit_share"],
                 "store_write_Bps": med["store_write_Bps"], "store_read_Bps": med["store_read_Bps"],
                 "raw_write_Bps": (rw, rw2), "raw_read_Bps": (rr, rr2), **sp,
@@ -376,7 +385,10 @@ def render(rep: dict) -> str:
             f"the process: raw write {r['raw_write_cpu_Bps'] / G:.2f}, store write "
             f"{r['store_write_cpu_Bps'] / G:.2f}, raw read {r['raw_read_cpu_Bps'] / G:.2f}, store "
             f"read {r['store_read_cpu_Bps'] / G:.2f} GiB (helpers read "
-            f"{r['helper_unit_share']:.0%} of the units)")
+            f"{r['helper_unit_share']:.0%} of the units); read path {r['read_path']}"
+            + (f" (its runs: mapped {r['read_mapped_Bps'] / G:.2f}, pread "
+               f"{r['read_pread_Bps'] / G:.2f} GiB/s, medians)" if rep["read_path"] == "auto"
+               else ""))
     lines += [
         f"SpillStore alone (median of {len(rep['rounds'])} rounds): write "
         f"{rep['store_vs_raw_write']:.2f}x a raw sequential write of the same bytes, "

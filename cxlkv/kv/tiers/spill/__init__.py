@@ -46,8 +46,10 @@ local disk instead of being dropped, and come back on a later hit.
 * Reads (`fetch`, `get`): one C call per run of slots, the GIL released
   (`_core.spill_read`), into page-aligned buffers that fetch reuses; the
   payloads are copied out of a read-only mapping of the slot file with their
-  checksum in the same pass (`files.READ_MAPPED`; a file cut short under
-  the copy is a miss, not a SIGBUS);
+  checksum in the same pass (a file cut short under the copy is a miss, not
+  a SIGBUS), or read with ``preadv`` and then checksummed - whichever the
+  store's own reads time faster on this host (``read_path="auto"``;
+  ``mapped``, ``pread`` or CXLKV_SPILL_READ fix it: readpath.py);
   ``read_helpers`` (0 by default) helper threads can share a run's units
   (cxlkv/_core/src/spill_pool.c; measured in the README).
 * The size limit is the owner's (``max_bytes``: slot and header bytes),

@@ -110,7 +110,8 @@ IOERR = STATUS["ioerr"]
 #: read_run reads adjacent full slots together, up to this many bytes
 READ_BYTES = 1 << 20
 #: read_run copies payloads out of a mapping of the file, each hashed in the
-#: same pass (False: preadv, then a second pass to hash; spill.c)
+#: same pass (False: preadv, then a second pass to hash; spill.c) - unless
+#: its caller says which (SpillStore learns which is faster: readpath.py)
 READ_MAPPED = True
 ALIGN = 4096
 #: where the payload area starts (a multiple of; version 3)
@@ -349,17 +350,20 @@ class SlotFile:
         return out
 
     def read_run(self, slots, keys: bytes, ns_digest: bytes, length: int, bufs,
-                 snap=None) -> tuple[int, int, int]:
+                 snap=None, mapped: bool | None = None) -> tuple[int, int, int]:
         """Read and verify `slots` (uint64 array) into `bufs` (a writable
         buffer of >= length bytes each), block i expected to hold key
         keys[16i:16i+16] of namespace ns_digest and `length` payload bytes:
         (good leading blocks, the status of the slot it stopped at, errno).
-        `snap` (64 bytes) receives that slot's header as checked.  Raises
-        ValueError for out-of-range arguments or a closed file."""
+        `snap` (64 bytes) receives that slot's header as checked.  `mapped`:
+        copy out of the file's mapping (True) or preadv (False); None:
+        READ_MAPPED.  Raises ValueError for out-of-range arguments or a
+        closed file."""
         return _core.spill_read(self.fd, self.mm, self.geo["hdr_off"], self.nslots,
                                 self.data_off, self.sbytes, slots, keys, ns_digest, length,
                                 bufs, READ_BYTES, snap,
-                                self.data_map() if READ_MAPPED else None)
+                                self.data_map() if (READ_MAPPED if mapped is None else mapped)
+                                else None)
 
     def data_map(self) -> mmap.mmap | None:
         """The file mapped read-only from offset 0 to its current end, made

@@ -26,7 +26,7 @@ import xxhash
 from cxlkv import _core
 from cxlkv.errors import SpillDirBusy, SpillOldFormat, UsageError
 from cxlkv.kv.tiers.base import Tier
-from cxlkv.kv.tiers.spill import files
+from cxlkv.kv.tiers.spill import files, readpath
 from cxlkv.kv.tiers.spill.lru import READER_INDEX, Index, second_chance
 from cxlkv.kv.tiers.spill.usage import Usage, owner_pid
 
@@ -73,7 +73,8 @@ class SpillStore(Tier):
 
     def __init__(self, path, max_bytes: int, *, queue_bytes: int = QUEUE_BYTES,
                  writers: int = WRITERS, mode: str = "auto", logger: logging.Logger | None = None,
-                 reader_room: float = READER_ROOM, read_helpers: int | None = None):
+                 reader_room: float = READER_ROOM, read_helpers: int | None = None,
+                 read_path: str | None = None):
         if not isinstance(max_bytes, int) or max_bytes < 0:
             raise UsageError("spill_bytes must be a byte count >= 0")
         if not isinstance(queue_bytes, int) or queue_bytes < 0:
@@ -86,6 +87,7 @@ class SpillStore(Tier):
             read_helpers = READ_HELPERS
         if not isinstance(read_helpers, int) or not 0 <= read_helpers <= MAX_READ_HELPERS:
             raise UsageError(f"read_helpers must be 0..{MAX_READ_HELPERS}")
+        self._paths = readpath.ReadPaths(readpath.from_env(read_path))
         # the helpers are the process's: as many as the store that asked most wants
         if read_helpers > _core.spill_helper_stats()["helpers"]:
             _core.spill_helpers(read_helpers)
@@ -994,12 +996,16 @@ class SpillStore(Tier):
             ok = 0
             if slots:
                 bufs = self._buffers(length, len(slots))
+                path = self._paths.pick()
+                t0 = time.perf_counter()
                 try:
                     ok, _, _ = sf.read_run(np.array(slots, dtype=np.uint64),
                                            b"".join(keys[i:i + len(slots)]), ns_digest,
-                                           length, bufs)
+                                           length, bufs, mapped=path == "mapped")
                 except (OSError, ValueError):
                     ok = 0
+                if ok == len(slots):
+                    self._paths.record(path, ok * length, time.perf_counter() - t0)
                 for m in range(ok):
                     if self.mode == "reader":
                         sf.touch(slots[m])
@@ -1047,6 +1053,8 @@ class SpillStore(Tier):
         # threads) and its readers reading and verifying blocks
         out["write_s"] = counters.get("write_s", 0.0)
         out["read_s"] = counters.get("read_s", 0.0)
+        # the read path fetch takes and what each measured (readpath.py)
+        out.update(self._paths.stats())
         return out
 
     def close(self, timeout: float | None = None) -> bool:
