@@ -364,6 +364,52 @@ def test_a_reaper_paused_in_a_dead_nodes_recovery_writes_nothing_after_it(
     assert_clean(rack.path)
 
 
+def test_an_evictor_paused_marking_its_victims_marks_no_further_entry(
+        pool_path, monkeypatch, remote_env):
+    """E drops a namespace: under the pool lock it marks the victims
+    EVICTING in one C call and is stopped there, between two entries, past
+    its lease.  Fenced, its lock turn passes on.  Resumed, E must mark no
+    further entry: the loop proves E fresh before each one (it once went on
+    marking the rest - other nodes' published blocks turned into misses
+    until E's quarantine ended and its recovery put them back)."""
+    rack = Rack(pool_path, "cas", monkeypatch)
+    e = NodeProc(env=remote_env(CXLKV_PAUSE_AT="kv.state.next:4"))
+    e.attach(rack.path)
+    try:
+        with cxlkv.open_pool(rack.path) as pool:
+            kv = pool.kv(**KV_ARGS)
+            prefixes = [toks(10 + i, 1) for i in range(12)]     # 12 leaves: one batch
+            for ts in prefixes:
+                kv.store(ts, b"".join(pattern(kv, ts)))
+            before = kv.area.entries()["ctl"].copy()
+            e.call(op="kv_open", args=KV_ARGS)
+            e.send(op="kv_drop")
+            wait_for(lambda: stopped(e), what="the evictor to stop between two victims")
+            wait_for(lambda: fenced(rack.path, e), what="the paused evictor to be fenced")
+            with pool.lock():                       # its turn passed on
+                pass
+            os.kill(e.p.pid, signal.SIGCONT)
+            out = e.reply()
+            assert out.get("error") in ("NodeFenced", "LockLost"), out
+            wait_for(lambda: freed(rack.path, e), what="the evictor's quarantine to end")
+            changed = np.flatnonzero(kv.area.entries()["ctl"] != before)
+            # the 3 marked before the stop (put back by E's recovery), no more
+            assert len(changed) == 3, f"{len(changed)} entries changed: {changed.tolist()}"
+            for ts in prefixes:
+                assert kv.match(ts) == 16
+                with kv.load(ts) as views:
+                    assert bytes(views[0]) == pattern(kv, ts)[0]
+            with Pool.open(rack.path, writable=False) as p:
+                rep = fsck.check(p)
+            assert rep.clean, [f.to_json() for f in rep.errors]
+    finally:
+        if e.p.poll() is None:
+            os.kill(e.p.pid, signal.SIGCONT)
+        e.close()
+        rack.close()
+    assert_clean(rack.path)
+
+
 def test_a_node_paused_making_a_slab_does_not_make_it_over_another_nodes(
         pool_path, monkeypatch, remote_env):
     """Stopped past its lease between finding free chunks and writing the new

@@ -133,6 +133,8 @@ def main() -> None:
             elif op == "kv_verify":
                 n, bad = verify(kv, cmd["tokens"])
                 r = {"blocks": n, "bad": bad}
+            elif op == "kv_drop":
+                r = {"dropped": kv.drop()}
             elif op == "kv_hold":
                 h = kv.load(cmd["tokens"])
                 h.views()

@@ -598,6 +598,17 @@ Mapping_kv_set_state(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
             PyBuffer_Release(&b);
             return NULL;
         }
+        /* a node stalled past its write deadline proves itself fresh before
+         * each entry (its guard beats, or raises NodeFenced): resumed after
+         * it was fenced, it must not go on marking entries that another
+         * node's recovery and stores have dealt with meanwhile */
+        cxlkv_crashpoint("kv.state.next");
+        if (write_deadline_passed(m) && check_writable(m, "kv_set_state") < 0) {
+            if (lr)
+                lru_end(m);                               /* exception set: no write */
+            PyBuffer_Release(&b);
+            return NULL;
+        }
         uint64_t e = ent(&t, ix[i]);
         meta_inval(m, e, CXLKV_HASH_ENTRY_SIZE);
         uint64_t c = pool_load64(m, e + E_CTL);
@@ -649,6 +660,12 @@ Mapping_kv_stamp(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     for (uint64_t i = 0; i < n; i++) {
         if (ix[i] >= t.nslots)
             continue;
+        if (write_deadline_passed(m) && check_writable(m, "kv_stamp") < 0) {
+            if (lr)                                       /* as in kv_set_state */
+                lru_end(m);
+            PyBuffer_Release(&b);
+            return NULL;
+        }
         uint64_t e = ent(&t, ix[i]);
         meta_inval(m, e, CXLKV_HASH_ENTRY_SIZE);
         if (ST(pool_load64(m, e + E_CTL)) != CXLKV_KV_PUBLISHED)
