@@ -410,6 +410,66 @@ def test_an_evictor_paused_marking_its_victims_marks_no_further_entry(
     assert_clean(rack.path)
 
 
+def test_a_node_paused_purging_tombstones_writes_no_further_slot(
+        pool_path, monkeypatch, remote_env):
+    """E turns tombstones back into EMPTY slots (pool lock held, one C call
+    over the table's clusters) and is stopped between two of them, past its
+    lease.  Fenced, its lock turn passes on.  Resumed, its view of the
+    clusters is stale (a tombstone may hold another node's entry by then):
+    it must write no further slot, and its recovery recounts the header."""
+    rack = Rack(pool_path, "cas", monkeypatch)
+    args = {"model": "purge", "block_bytes": 1024, "block_tokens": 16}
+    e = NodeProc(env=remote_env(CXLKV_PAUSE_AT="kv.purge.next:2"))
+    e.attach(rack.path)
+    try:
+        with cxlkv.open_pool(rack.path) as pool:
+            kv = pool.kv(**args)
+            n = int(kv.area.nslots * 0.3)
+            prefixes = [toks(20 + i, 1) for i in range(n)]
+            for ts in prefixes:
+                kv.store(ts, b"".join(pattern(kv, ts)))
+            # tombstones no live entry's probe path crosses, as removals leave
+            # them when the entries after them go too: EMPTY slots followed
+            # by an EMPTY one, turned into tombstones (and counted)
+            a = kv.area
+            with pool.lock():
+                ctl = a.entries()["ctl"]
+                empty = (ctl & 0xFF) == layout.KV_EMPTY
+                ends = np.flatnonzero(empty & np.roll(empty, -1))[::7][:24]
+                for i in ends.tolist():
+                    off = a.table + i * layout.HASH_ENTRY_SIZE
+                    a.m.store64(off, layout.KV_TOMBSTONE | (((int(ctl[i]) >> 8) + 1) << 8))
+                    a.m.flush(off, 8)
+                a.set_hdr(tombstones=a.header().tombstones + len(ends))
+            assert len(ends) == 24
+            e.call(op="kv_open", args=args)
+            e.send(op="kv_purge")
+            wait_for(lambda: stopped(e), what="the purger to stop between two tombstones")
+            wait_for(lambda: fenced(rack.path, e), what="the paused purger to be fenced")
+            before = kv.area.entries()["ctl"].copy()
+            with pool.lock():                       # its turn passed on
+                pass
+            os.kill(e.p.pid, signal.SIGCONT)
+            out = e.reply()
+            assert out.get("error") in ("NodeFenced", "LockLost"), out
+            wait_for(lambda: freed(rack.path, e), what="the purger's quarantine to end")
+            changed = np.flatnonzero(kv.area.entries()["ctl"] != before)
+            assert len(changed) == 0, f"{len(changed)} slots written after the fencing"
+            for ts in prefixes:
+                assert kv.match(ts) == 16
+                with kv.load(ts) as views:
+                    assert bytes(views[0]) == pattern(kv, ts)[0]
+            with Pool.open(rack.path, writable=False) as p:
+                rep = fsck.check(p)
+            assert rep.clean, [f.to_json() for f in rep.errors]
+    finally:
+        if e.p.poll() is None:
+            os.kill(e.p.pid, signal.SIGCONT)
+        e.close()
+        rack.close()
+    assert_clean(rack.path)
+
+
 def test_a_node_paused_making_a_slab_does_not_make_it_over_another_nodes(
         pool_path, monkeypatch, remote_env):
     """Stopped past its lease between finding free chunks and writing the new

@@ -133,6 +133,9 @@ def main() -> None:
             elif op == "kv_verify":
                 n, bad = verify(kv, cmd["tokens"])
                 r = {"blocks": n, "bad": bad}
+            elif op == "kv_purge":
+                with pool.lock():
+                    r = {"freed": kv.area.purge_tombstones(force=True, budget=kv.area.nslots)}
             elif op == "kv_drop":
                 r = {"dropped": kv.drop()}
             elif op == "kv_hold":
