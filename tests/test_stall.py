@@ -470,6 +470,94 @@ def test_a_node_paused_purging_tombstones_writes_no_further_slot(
     assert_clean(rack.path)
 
 
+def test_a_node_paused_rebuilding_the_lru_lists_relinks_nothing_after_it(
+        pool_path, monkeypatch, remote_env):
+    """E relinks every leaf of the table into the LRU lists (a recount, pool
+    lock held) and is stopped between sorting the leaves and writing the
+    links, past its lease.  Fenced, its lock turn passes on; this node
+    stores and evicts, which rebuilds the lists E left dirty.  Resumed, E
+    must not write its stale links over them."""
+    rack = Rack(pool_path, "cas", monkeypatch)
+    e = NodeProc(env=remote_env(CXLKV_PAUSE_AT="kv.lru.rebuild:1"))
+    e.attach(rack.path)
+    try:
+        with cxlkv.open_pool(rack.path) as pool:
+            kv = pool.kv(**KV_ARGS)
+            for i in range(40):
+                kv.store(toks(30 + i, 1), b"".join(pattern(kv, toks(30 + i, 1))))
+            e.call(op="kv_open", args=KV_ARGS)
+            e.send(op="kv_recount")
+            wait_for(lambda: stopped(e), what="the node to stop in its rebuild")
+            wait_for(lambda: fenced(rack.path, e), what="the paused node to be fenced")
+            for i in range(40, 80):                 # new leaves, linked by this node
+                kv.store(toks(30 + i, 1), b"".join(pattern(kv, toks(30 + i, 1))))
+            with pool.lock():
+                assert kv.area.evict(need_entries=16)[0] == 16
+            with pool.lock():                       # no recovery of E meanwhile
+                assert kv.area.m.kv_lru_check()[0] == 0
+                os.kill(e.p.pid, signal.SIGCONT)
+                out = e.reply()
+                assert out.get("error") in ("NodeFenced", "LockLost"), out
+                problems, first, _, leaves = kv.area.m.kv_lru_check()
+                assert problems == 0, f"{problems} problems in the LRU lists ({first})"
+            wait_for(lambda: freed(rack.path, e), what="the node's quarantine to end")
+            assert sum(kv.match(toks(30 + i, 1)) == 16 for i in range(80)) == 80 - 16
+            with Pool.open(rack.path, writable=False) as p:
+                rep = fsck.check(p)
+            assert rep.clean, [f.to_json() for f in rep.errors]
+    finally:
+        if e.p.poll() is None:
+            os.kill(e.p.pid, signal.SIGCONT)
+        e.close()
+        rack.close()
+    assert_clean(rack.path)
+
+
+def test_an_evictor_paused_marking_its_frees_marks_no_slot_after_its_recovery(
+        pool_path, monkeypatch, remote_env):
+    """E drops a namespace: it marks its victims EVICTING, then marks their
+    slots "free begun" in one C call and is stopped there, between two
+    slots, past the grace: its quarantine ends, its recovery finishes the
+    two frees it marked and publishes the other victims again.  Resumed, E
+    must mark no further slot: each is a published block again, and a
+    begun-free mark on it would have its owner's recovery free it."""
+    rack = Rack(pool_path, "cas", monkeypatch)
+    e = NodeProc(env=remote_env(CXLKV_PAUSE_AT="slot.bits.next:3"))
+    e.attach(rack.path)
+    try:
+        with cxlkv.open_pool(rack.path) as pool:
+            kv = pool.kv(**KV_ARGS)
+            prefixes = [toks(50 + i, 1) for i in range(12)]     # 12 leaves: one batch
+            for ts in prefixes:
+                kv.store(ts, b"".join(pattern(kv, ts)))
+            e.call(op="kv_open", args=KV_ARGS)
+            e.send(op="kv_drop")
+            wait_for(lambda: stopped(e), what="the evictor to stop between two slots")
+            wait_for(lambda: freed(rack.path, e), what="the evictor's quarantine to end")
+            left = [ts for ts in prefixes if kv.match(ts)]
+            assert len(left) == 10
+            os.kill(e.p.pid, signal.SIGCONT)
+            out = e.reply()
+            assert out.get("error") in ("NodeFenced", "LockLost"), out
+            t = kv.area.entries()
+            pub = t[(t["ctl"] & 0xFF) == layout.KV_PUBLISHED]
+            with Pool.open(rack.path, writable=False) as p:
+                marked = [int(o) for o in pub["payload"] if alloc.slot_bits(p, int(o))[2]]
+            assert marked == [], f"{len(marked)} published slots marked free-begun"
+            for ts in left:
+                with kv.load(ts) as views:
+                    assert bytes(views[0]) == pattern(kv, ts)[0]
+            with Pool.open(rack.path, writable=False) as p:
+                rep = fsck.check(p)
+            assert rep.clean, [f.to_json() for f in rep.errors]
+    finally:
+        if e.p.poll() is None:
+            os.kill(e.p.pid, signal.SIGCONT)
+        e.close()
+        rack.close()
+    assert_clean(rack.path)
+
+
 def test_a_node_paused_making_a_slab_does_not_make_it_over_another_nodes(
         pool_path, monkeypatch, remote_env):
     """Stopped past its lease between finding free chunks and writing the new

@@ -136,6 +136,10 @@ def main() -> None:
             elif op == "kv_purge":
                 with pool.lock():
                     r = {"freed": kv.area.purge_tombstones(force=True, budget=kv.area.nslots)}
+            elif op == "kv_recount":
+                with pool.lock():
+                    kv.area.recount()
+                r = {"recounted": True}
             elif op == "kv_drop":
                 r = {"dropped": kv.drop()}
             elif op == "kv_hold":

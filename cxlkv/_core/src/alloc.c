@@ -414,6 +414,15 @@ set_slot_bits(Mapping *m, PyObject *const *args, Py_ssize_t nargs, uint64_t fiel
     const char *err = NULL;
     int corrupt = 0;
     for (i = 0; i < n; i++) {
+        /* a node stalled past its write deadline proves itself fresh before
+         * each slot: resumed after its quarantine was recovered, the slots
+         * on its list may be published blocks of other nodes by then (a
+         * begun-free mark on one would have its owner's recovery free it) */
+        cxlkv_crashpoint("slot.bits.next");
+        if (write_deadline_passed(m) && check_writable(m, what) < 0) {
+            PyBuffer_Release(&in);
+            return NULL;
+        }
         uint64_t head, slot, ss;
         if ((err = decode_slot(m, offs[i], &head, &slot, &ss, &corrupt)))
             break;

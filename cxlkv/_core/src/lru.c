@@ -278,8 +278,22 @@ leaf_cmp(const void *a, const void *b)
     return x->idx < y->idx ? -1 : x->idx > y->idx;
 }
 
+/* A rebuilder stalled past its write deadline proves itself fresh before it
+ * writes on (its guard beats, or raises NodeFenced): resumed after it was
+ * fenced, its leaves are a stale view of a table others have edited and
+ * relinked meanwhile.  Checked once the leaves are sorted, then every
+ * REBUILD_CHECK link writes.  -1 with the exception set. */
+#define REBUILD_CHECK 256
+
+static int
+rebuild_fresh(Mapping *m)
+{
+    return write_deadline_passed(m) && check_writable(m, "kv lru rebuild") < 0 ? -1 : 0;
+}
+
 /* Relink every leaf from the table, in stamp order (dirty set by the caller).
- * -1 with MemoryError set when the scratch arrays cannot be had. */
+ * -1 with MemoryError set when the scratch arrays cannot be had, or with
+ * NodeFenced from the guard (rebuild_fresh). */
 static int
 rebuild(Mapping *m)
 {
@@ -299,10 +313,20 @@ rebuild(Mapping *m)
         }
     }
     qsort(lv, nl, sizeof(Leaf), leaf_cmp);
+    cxlkv_crashpoint("kv.lru.rebuild");
     uint64_t head[CXLKV_KV_LRU_LISTS] = {0}, tail[CXLKV_KV_LRU_LISTS] = {0};
-    for (uint64_t i = 0; i < n; i++)
+    for (uint64_t i = 0; i < n; i++) {
+        if (!(i % REBUILD_CHECK) && rebuild_fresh(m) < 0) {
+            free(lv);
+            return -1;
+        }
         pool_store64(m, m->lru_links + i * 8, 0);
+    }
     for (uint64_t k = 0; k < nl; k++) {
+        if (!(k % REBUILD_CHECK) && rebuild_fresh(m) < 0) {
+            free(lv);
+            return -1;
+        }
         uint64_t i = lv[k].idx, t = (pool_load64(m, eoff(m, i) + E_LEN) >> 48) % CXLKV_KV_LRU_LISTS;
         pool_store64(m, m->lru_links + i * 8, tail[t]);
         if (tail[t]) {
@@ -315,6 +339,10 @@ rebuild(Mapping *m)
         tail[t] = i + 1;
     }
     mflush(m, m->lru_links, n * 8);
+    if (rebuild_fresh(m) < 0) {
+        free(lv);
+        return -1;
+    }
     for (uint64_t t = 0; t < CXLKV_KV_LRU_LISTS; t++)
         pool_store64(m, list_off(m, t), head[t] | tail[t] << 32);
     mflush(m, list_off(m, 0), CXLKV_KV_LRU_LISTS * 8);
