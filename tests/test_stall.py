@@ -558,6 +558,50 @@ def test_an_evictor_paused_marking_its_frees_marks_no_slot_after_its_recovery(
     assert_clean(rack.path)
 
 
+def test_a_reader_paused_pinning_past_the_grace_pins_nothing_in_its_slots_next_holder(
+        pool_path, monkeypatch, remote_env):
+    """E pins a prefix's blocks (one C call, a record per block in its
+    slot's pin area) and is stopped between two of them past the grace: its
+    quarantine ends, its pins are cleared and its slot goes to a new node N,
+    which pins the same blocks in that area.  Resumed, E must pin nothing
+    more: a record it wrote there would be a pin nobody owns, keeping the
+    block from eviction for as long as N lives."""
+    rack = Rack(pool_path, "cas", monkeypatch, max_nodes=2)     # N must take E's slot
+    e = NodeProc(env=remote_env(CXLKV_PAUSE_AT="kv.pin.next:3"))
+    e.attach(rack.path)
+    n = None
+    try:
+        with cxlkv.open_pool(rack.path) as pool:
+            kv = pool.kv(**KV_ARGS)
+            ts = toks(60, 4)
+            kv.store(ts, b"".join(pattern(kv, ts)))
+            e.call(op="kv_open", args=KV_ARGS)
+            e.send(op="kv_hold", tokens=ts.tolist())
+            wait_for(lambda: stopped(e), what="the reader to stop between two pins")
+            wait_for(lambda: freed(rack.path, e), what="the reader's quarantine to end")
+            assert len(kv.area.pinned()) == 0
+            n = rack.node(remote_env)
+            assert n.slot == e.slot, (n.slot, e.slot)
+            n.call(op="kv_open", args=KV_ARGS)
+            assert n.call(op="kv_hold", tokens=ts.tolist()) == {"blocks": 4}
+            os.kill(e.p.pid, signal.SIGCONT)
+            out = e.reply()
+            assert out.get("error") in ("NodeFenced", "LockLost", "StaleViews"), out
+            assert n.call(op="kv_release") == {"released": True}
+            left = kv.area.pinned()
+            assert len(left) == 0, f"entries {left.tolist()} still pinned by nobody"
+            with pool.lock():
+                assert kv.area.evict(need_entries=4)[0] == 4       # nothing holds them
+    finally:
+        if e.p.poll() is None:
+            os.kill(e.p.pid, signal.SIGCONT)
+        e.close()
+        if n is not None:
+            n.close()
+        rack.close()
+    assert_clean(rack.path)
+
+
 def test_a_node_paused_making_a_slab_does_not_make_it_over_another_nodes(
         pool_path, monkeypatch, remote_env):
     """Stopped past its lease between finding free chunks and writing the new

@@ -211,6 +211,14 @@ Mapping_journal_append(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     uint64_t recs = ring + 64;
     uint64_t w[7];
     for (uint64_t i = 0; i < n; i++) {
+        /* a writer stalled past its write deadline proves itself fresh
+         * before each record: resumed after its quarantine ended, the ring
+         * may be the next holder's of its slot, records past our head its
+         * published ones */
+        if (write_deadline_passed(m) && check_writable(m, "journal_append") < 0) {
+            PyBuffer_Release(&b);
+            return NULL;
+        }
         if (op == CXLKV_JOURNAL_NS_CLEARED) {
             w[0] = w[1] = w[2] = w[3] = 0;
             w[4] = ns << 32;

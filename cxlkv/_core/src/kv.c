@@ -854,6 +854,12 @@ Mapping_kv_pin(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     uint64_t *po = bo.buf;
     hint %= npins;
     for (; i < n; i++) {
+        /* a node stalled past its write deadline proves itself fresh before
+         * each pin: resumed after its quarantine ended, these records may
+         * be the pins of the node that took its slot over */
+        cxlkv_crashpoint("kv.pin.next");
+        if (write_deadline_passed(m) && check_writable(m, "kv_pin") < 0)
+            goto done;
         if (ix[i] >= t.nslots) {
             PyErr_SetString(PyExc_ValueError, "kv_pin: entry out of range");
             goto done;
@@ -909,6 +915,10 @@ Mapping_kv_unpin(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     const uint64_t *r = b.buf;
     uint64_t n = (uint64_t)b.len / 8, done = 0;
     for (uint64_t i = 0; i < n; i++) {
+        if (write_deadline_passed(m) && check_writable(m, "kv_unpin") < 0) {   /* as kv_pin */
+            PyBuffer_Release(&b);
+            return NULL;
+        }
         if (r[i] >= npins)
             continue;
         pool_store64(m, pins + r[i] * 8, 0);
@@ -940,8 +950,19 @@ Mapping_kv_touch(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
     uint64_t n = (uint64_t)b.len / 8, head = pool_load64(m, head_off);
     uint64_t first = n > nring ? n - nring : 0;
     for (uint64_t i = first; i < n; i++) {
+        /* as kv_pin: the ring may be the next holder's of this slot (every
+         * 64 entries and before the head: a stale touch only moves a stamp) */
+        if (!((i - first) % 64) && write_deadline_passed(m) &&
+            check_writable(m, "kv_touch") < 0) {
+            PyBuffer_Release(&b);
+            return NULL;
+        }
         uint64_t r = ring + ((head + i - first) % nring) * 8;
         pool_store64(m, r, ix[i] + 1);
+    }
+    if (write_deadline_passed(m) && check_writable(m, "kv_touch") < 0) {
+        PyBuffer_Release(&b);
+        return NULL;
     }
     if (m->flush_meta && n > first) {
         uint64_t a = (head % nring), cnt = n - first;
