@@ -8,6 +8,7 @@ the paused node must be told.  Each test pauses at one exact step
 sync mode cas, manager, and manager under the non-coherence emulation."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -98,7 +99,7 @@ def freed(path: str, p: NodeProc) -> bool:
 
 
 def assert_clean(path: str) -> None:
-    with Pool.open(path) as p:
+    with Pool.open(path, writable=False) as p:
         rep = fsck.check(p)
     assert rep.clean, [f.to_json() for f in rep.errors]
 
@@ -364,198 +365,169 @@ def test_a_reaper_paused_in_a_dead_nodes_recovery_writes_nothing_after_it(
     assert_clean(rack.path)
 
 
-def test_an_evictor_paused_marking_its_victims_marks_no_further_entry(
-        pool_path, monkeypatch, remote_env):
+@contextlib.contextmanager
+def paused_at(rack: Rack, remote_env, site: str):
+    """A node process attached to the rack's pool that stops itself
+    (SIGSTOP) the Nth time it passes crash point `site` ("name:N"); resumed
+    if need be and closed on exit."""
+    p = NodeProc(env=remote_env(CXLKV_PAUSE_AT=site, **rack.env))
+    p.attach(rack.path)
+    try:
+        yield p
+    finally:
+        if p.p.poll() is None:
+            os.kill(p.p.pid, signal.SIGCONT)
+        p.close()
+
+
+def resume(p: NodeProc, told=("NodeFenced", "LockLost")) -> dict:
+    """SIGCONT a paused node; the call it was stopped in must fail, as fenced."""
+    os.kill(p.p.pid, signal.SIGCONT)
+    out = p.reply()
+    assert out.get("error") in told, out
+    return out
+
+
+def stop_in(e: NodeProc, op: str, what: str, args=KV_ARGS, **kw) -> None:
+    """Open the KV cache in paused-to-be node E, send it `op` and wait until
+    it stopped at its crash point in it."""
+    e.call(op="kv_open", args=args)
+    e.send(op=op, **kw)
+    wait_for(lambda: stopped(e), what=what)
+
+
+def store_leaves(kv, first: int, n: int) -> list:
+    """n one-block prefixes (n leaves: one eviction batch)."""
+    prefixes = [toks(first + i, 1) for i in range(n)]
+    for ts in prefixes:
+        kv.store(ts, b"".join(pattern(kv, ts)))
+    return prefixes
+
+
+def assert_intact(kv, prefixes) -> None:
+    for ts in prefixes:
+        with kv.load(ts) as views:
+            assert len(views) == len(ts) // 16
+            assert [bytes(v) for v in views] == pattern(kv, ts)
+
+
+@pytest.fixture
+def cas_rack(pool_path, monkeypatch):
+    r = Rack(pool_path, "cas", monkeypatch)
+    yield r
+    r.close()
+    assert_clean(r.path)
+
+
+def test_an_evictor_paused_marking_its_victims_marks_no_further_entry(cas_rack, remote_env):
     """E drops a namespace: under the pool lock it marks the victims
     EVICTING in one C call and is stopped there, between two entries, past
     its lease.  Fenced, its lock turn passes on.  Resumed, E must mark no
     further entry: the loop proves E fresh before each one (it once went on
     marking the rest - other nodes' published blocks turned into misses
     until E's quarantine ended and its recovery put them back)."""
-    rack = Rack(pool_path, "cas", monkeypatch)
-    e = NodeProc(env=remote_env(CXLKV_PAUSE_AT="kv.state.next:4"))
-    e.attach(rack.path)
-    try:
-        with cxlkv.open_pool(rack.path) as pool:
-            kv = pool.kv(**KV_ARGS)
-            prefixes = [toks(10 + i, 1) for i in range(12)]     # 12 leaves: one batch
-            for ts in prefixes:
-                kv.store(ts, b"".join(pattern(kv, ts)))
-            before = kv.area.entries()["ctl"].copy()
-            e.call(op="kv_open", args=KV_ARGS)
-            e.send(op="kv_drop")
-            wait_for(lambda: stopped(e), what="the evictor to stop between two victims")
-            wait_for(lambda: fenced(rack.path, e), what="the paused evictor to be fenced")
-            with pool.lock():                       # its turn passed on
-                pass
-            os.kill(e.p.pid, signal.SIGCONT)
-            out = e.reply()
-            assert out.get("error") in ("NodeFenced", "LockLost"), out
-            wait_for(lambda: freed(rack.path, e), what="the evictor's quarantine to end")
-            changed = np.flatnonzero(kv.area.entries()["ctl"] != before)
-            # the 3 marked before the stop (put back by E's recovery), no more
-            assert len(changed) == 3, f"{len(changed)} entries changed: {changed.tolist()}"
-            for ts in prefixes:
-                assert kv.match(ts) == 16
-                with kv.load(ts) as views:
-                    assert bytes(views[0]) == pattern(kv, ts)[0]
-            with Pool.open(rack.path, writable=False) as p:
-                rep = fsck.check(p)
-            assert rep.clean, [f.to_json() for f in rep.errors]
-    finally:
-        if e.p.poll() is None:
-            os.kill(e.p.pid, signal.SIGCONT)
-        e.close()
-        rack.close()
-    assert_clean(rack.path)
+    with paused_at(cas_rack, remote_env, "kv.state.next:4") as e, \
+            cxlkv.open_pool(cas_rack.path) as pool:
+        kv = pool.kv(**KV_ARGS)
+        prefixes = store_leaves(kv, 10, 12)
+        before = kv.area.entries()["ctl"].copy()
+        stop_in(e, "kv_drop", "the evictor to stop between two victims")
+        wait_for(lambda: fenced(cas_rack.path, e), what="the paused evictor to be fenced")
+        with pool.lock():                           # its turn passed on
+            pass
+        resume(e)
+        wait_for(lambda: freed(cas_rack.path, e), what="the evictor's quarantine to end")
+        changed = np.flatnonzero(kv.area.entries()["ctl"] != before)
+        # the 3 marked before the stop (put back by E's recovery), no more
+        assert len(changed) == 3, f"{len(changed)} entries changed: {changed.tolist()}"
+        assert_intact(kv, prefixes)
 
 
-def test_a_node_paused_purging_tombstones_writes_no_further_slot(
-        pool_path, monkeypatch, remote_env):
+def test_a_node_paused_purging_tombstones_writes_no_further_slot(cas_rack, remote_env):
     """E turns tombstones back into EMPTY slots (pool lock held, one C call
     over the table's clusters) and is stopped between two of them, past its
     lease.  Fenced, its lock turn passes on.  Resumed, its view of the
     clusters is stale (a tombstone may hold another node's entry by then):
     it must write no further slot, and its recovery recounts the header."""
-    rack = Rack(pool_path, "cas", monkeypatch)
     args = {"model": "purge", "block_bytes": 1024, "block_tokens": 16}
-    e = NodeProc(env=remote_env(CXLKV_PAUSE_AT="kv.purge.next:2"))
-    e.attach(rack.path)
-    try:
-        with cxlkv.open_pool(rack.path) as pool:
-            kv = pool.kv(**args)
-            n = int(kv.area.nslots * 0.3)
-            prefixes = [toks(20 + i, 1) for i in range(n)]
-            for ts in prefixes:
-                kv.store(ts, b"".join(pattern(kv, ts)))
-            # tombstones no live entry's probe path crosses, as removals leave
-            # them when the entries after them go too: EMPTY slots followed
-            # by an EMPTY one, turned into tombstones (and counted)
-            a = kv.area
-            with pool.lock():
-                ctl = a.entries()["ctl"]
-                empty = (ctl & 0xFF) == layout.KV_EMPTY
-                ends = np.flatnonzero(empty & np.roll(empty, -1))[::7][:24]
-                for i in ends.tolist():
-                    off = a.table + i * layout.HASH_ENTRY_SIZE
-                    a.m.store64(off, layout.KV_TOMBSTONE | (((int(ctl[i]) >> 8) + 1) << 8))
-                    a.m.flush(off, 8)
-                a.set_hdr(tombstones=a.header().tombstones + len(ends))
-            assert len(ends) == 24
-            e.call(op="kv_open", args=args)
-            e.send(op="kv_purge")
-            wait_for(lambda: stopped(e), what="the purger to stop between two tombstones")
-            wait_for(lambda: fenced(rack.path, e), what="the paused purger to be fenced")
-            before = kv.area.entries()["ctl"].copy()
-            with pool.lock():                       # its turn passed on
-                pass
-            os.kill(e.p.pid, signal.SIGCONT)
-            out = e.reply()
-            assert out.get("error") in ("NodeFenced", "LockLost"), out
-            wait_for(lambda: freed(rack.path, e), what="the purger's quarantine to end")
-            changed = np.flatnonzero(kv.area.entries()["ctl"] != before)
-            assert len(changed) == 0, f"{len(changed)} slots written after the fencing"
-            for ts in prefixes:
-                assert kv.match(ts) == 16
-                with kv.load(ts) as views:
-                    assert bytes(views[0]) == pattern(kv, ts)[0]
-            with Pool.open(rack.path, writable=False) as p:
-                rep = fsck.check(p)
-            assert rep.clean, [f.to_json() for f in rep.errors]
-    finally:
-        if e.p.poll() is None:
-            os.kill(e.p.pid, signal.SIGCONT)
-        e.close()
-        rack.close()
-    assert_clean(rack.path)
+    with paused_at(cas_rack, remote_env, "kv.purge.next:2") as e, \
+            cxlkv.open_pool(cas_rack.path) as pool:
+        kv = pool.kv(**args)
+        prefixes = store_leaves(kv, 20, int(kv.area.nslots * 0.3))
+        # tombstones no live entry's probe path crosses, as removals leave
+        # them when the entries after them go too: EMPTY slots followed by
+        # an EMPTY one, turned into tombstones (and counted)
+        a = kv.area
+        with pool.lock():
+            ctl = a.entries()["ctl"]
+            empty = (ctl & 0xFF) == layout.KV_EMPTY
+            ends = np.flatnonzero(empty & np.roll(empty, -1))[::7][:24]
+            for i in ends.tolist():
+                off = a.table + i * layout.HASH_ENTRY_SIZE
+                a.m.store64(off, layout.KV_TOMBSTONE | (((int(ctl[i]) >> 8) + 1) << 8))
+                a.m.flush(off, 8)
+            a.set_hdr(tombstones=a.header().tombstones + len(ends))
+        assert len(ends) == 24
+        stop_in(e, "kv_purge", "the purger to stop between two tombstones", args=args)
+        wait_for(lambda: fenced(cas_rack.path, e), what="the paused purger to be fenced")
+        before = a.entries()["ctl"].copy()
+        with pool.lock():                           # its turn passed on
+            pass
+        resume(e)
+        wait_for(lambda: freed(cas_rack.path, e), what="the purger's quarantine to end")
+        changed = np.flatnonzero(a.entries()["ctl"] != before)
+        assert len(changed) == 0, f"{len(changed)} slots written after the fencing"
+        assert_intact(kv, prefixes)
 
 
-def test_a_node_paused_rebuilding_the_lru_lists_relinks_nothing_after_it(
-        pool_path, monkeypatch, remote_env):
+def test_a_node_paused_rebuilding_the_lru_lists_relinks_nothing_after_it(cas_rack, remote_env):
     """E relinks every leaf of the table into the LRU lists (a recount, pool
     lock held) and is stopped between sorting the leaves and writing the
     links, past its lease.  Fenced, its lock turn passes on; this node
     stores and evicts, which rebuilds the lists E left dirty.  Resumed, E
     must not write its stale links over them."""
-    rack = Rack(pool_path, "cas", monkeypatch)
-    e = NodeProc(env=remote_env(CXLKV_PAUSE_AT="kv.lru.rebuild:1"))
-    e.attach(rack.path)
-    try:
-        with cxlkv.open_pool(rack.path) as pool:
-            kv = pool.kv(**KV_ARGS)
-            for i in range(40):
-                kv.store(toks(30 + i, 1), b"".join(pattern(kv, toks(30 + i, 1))))
-            e.call(op="kv_open", args=KV_ARGS)
-            e.send(op="kv_recount")
-            wait_for(lambda: stopped(e), what="the node to stop in its rebuild")
-            wait_for(lambda: fenced(rack.path, e), what="the paused node to be fenced")
-            for i in range(40, 80):                 # new leaves, linked by this node
-                kv.store(toks(30 + i, 1), b"".join(pattern(kv, toks(30 + i, 1))))
-            with pool.lock():
-                assert kv.area.evict(need_entries=16)[0] == 16
-            with pool.lock():                       # no recovery of E meanwhile
-                assert kv.area.m.kv_lru_check()[0] == 0
-                os.kill(e.p.pid, signal.SIGCONT)
-                out = e.reply()
-                assert out.get("error") in ("NodeFenced", "LockLost"), out
-                problems, first, _, leaves = kv.area.m.kv_lru_check()
-                assert problems == 0, f"{problems} problems in the LRU lists ({first})"
-            wait_for(lambda: freed(rack.path, e), what="the node's quarantine to end")
-            assert sum(kv.match(toks(30 + i, 1)) == 16 for i in range(80)) == 80 - 16
-            with Pool.open(rack.path, writable=False) as p:
-                rep = fsck.check(p)
-            assert rep.clean, [f.to_json() for f in rep.errors]
-    finally:
-        if e.p.poll() is None:
-            os.kill(e.p.pid, signal.SIGCONT)
-        e.close()
-        rack.close()
-    assert_clean(rack.path)
+    with paused_at(cas_rack, remote_env, "kv.lru.rebuild:1") as e, \
+            cxlkv.open_pool(cas_rack.path) as pool:
+        kv = pool.kv(**KV_ARGS)
+        prefixes = store_leaves(kv, 30, 40)
+        stop_in(e, "kv_recount", "the node to stop in its rebuild")
+        wait_for(lambda: fenced(cas_rack.path, e), what="the paused node to be fenced")
+        prefixes += store_leaves(kv, 70, 40)        # new leaves, linked by this node
+        with pool.lock():
+            assert kv.area.evict(need_entries=16)[0] == 16
+        with pool.lock():                           # no recovery of E meanwhile
+            assert kv.area.m.kv_lru_check()[0] == 0
+            resume(e)
+            problems, first, _, _ = kv.area.m.kv_lru_check()
+            assert problems == 0, f"{problems} problems in the LRU lists ({first})"
+        wait_for(lambda: freed(cas_rack.path, e), what="the node's quarantine to end")
+        assert_intact(kv, [ts for ts in prefixes if kv.match(ts)])
+        assert sum(kv.match(ts) == 16 for ts in prefixes) == 80 - 16
 
 
 def test_an_evictor_paused_marking_its_frees_marks_no_slot_after_its_recovery(
-        pool_path, monkeypatch, remote_env):
+        cas_rack, remote_env):
     """E drops a namespace: it marks its victims EVICTING, then marks their
     slots "free begun" in one C call and is stopped there, between two
     slots, past the grace: its quarantine ends, its recovery finishes the
     two frees it marked and publishes the other victims again.  Resumed, E
     must mark no further slot: each is a published block again, and a
     begun-free mark on it would have its owner's recovery free it."""
-    rack = Rack(pool_path, "cas", monkeypatch)
-    e = NodeProc(env=remote_env(CXLKV_PAUSE_AT="slot.bits.next:3"))
-    e.attach(rack.path)
-    try:
-        with cxlkv.open_pool(rack.path) as pool:
-            kv = pool.kv(**KV_ARGS)
-            prefixes = [toks(50 + i, 1) for i in range(12)]     # 12 leaves: one batch
-            for ts in prefixes:
-                kv.store(ts, b"".join(pattern(kv, ts)))
-            e.call(op="kv_open", args=KV_ARGS)
-            e.send(op="kv_drop")
-            wait_for(lambda: stopped(e), what="the evictor to stop between two slots")
-            wait_for(lambda: freed(rack.path, e), what="the evictor's quarantine to end")
-            left = [ts for ts in prefixes if kv.match(ts)]
-            assert len(left) == 10
-            os.kill(e.p.pid, signal.SIGCONT)
-            out = e.reply()
-            assert out.get("error") in ("NodeFenced", "LockLost"), out
-            t = kv.area.entries()
-            pub = t[(t["ctl"] & 0xFF) == layout.KV_PUBLISHED]
-            with Pool.open(rack.path, writable=False) as p:
-                marked = [int(o) for o in pub["payload"] if alloc.slot_bits(p, int(o))[2]]
-            assert marked == [], f"{len(marked)} published slots marked free-begun"
-            for ts in left:
-                with kv.load(ts) as views:
-                    assert bytes(views[0]) == pattern(kv, ts)[0]
-            with Pool.open(rack.path, writable=False) as p:
-                rep = fsck.check(p)
-            assert rep.clean, [f.to_json() for f in rep.errors]
-    finally:
-        if e.p.poll() is None:
-            os.kill(e.p.pid, signal.SIGCONT)
-        e.close()
-        rack.close()
-    assert_clean(rack.path)
+    with paused_at(cas_rack, remote_env, "slot.bits.next:3") as e, \
+            cxlkv.open_pool(cas_rack.path) as pool:
+        kv = pool.kv(**KV_ARGS)
+        prefixes = store_leaves(kv, 50, 12)
+        stop_in(e, "kv_drop", "the evictor to stop between two slots")
+        wait_for(lambda: freed(cas_rack.path, e), what="the evictor's quarantine to end")
+        left = [ts for ts in prefixes if kv.match(ts)]
+        assert len(left) == 10
+        resume(e)
+        t = kv.area.entries()
+        pub = t[(t["ctl"] & 0xFF) == layout.KV_PUBLISHED]
+        with Pool.open(cas_rack.path, writable=False) as p:
+            marked = [int(o) for o in pub["payload"] if alloc.slot_bits(p, int(o))[2]]
+        assert marked == [], f"{len(marked)} published slots marked free-begun"
+        assert_intact(kv, left)
 
 
 def test_a_reader_paused_pinning_past_the_grace_pins_nothing_in_its_slots_next_holder(
@@ -567,37 +539,29 @@ def test_a_reader_paused_pinning_past_the_grace_pins_nothing_in_its_slots_next_h
     more: a record it wrote there would be a pin nobody owns, keeping the
     block from eviction for as long as N lives."""
     rack = Rack(pool_path, "cas", monkeypatch, max_nodes=2)     # N must take E's slot
-    e = NodeProc(env=remote_env(CXLKV_PAUSE_AT="kv.pin.next:3"))
-    e.attach(rack.path)
-    n = None
     try:
-        with cxlkv.open_pool(rack.path) as pool:
+        with paused_at(rack, remote_env, "kv.pin.next:3") as e, \
+                cxlkv.open_pool(rack.path) as pool:
             kv = pool.kv(**KV_ARGS)
             ts = toks(60, 4)
             kv.store(ts, b"".join(pattern(kv, ts)))
-            e.call(op="kv_open", args=KV_ARGS)
-            e.send(op="kv_hold", tokens=ts.tolist())
-            wait_for(lambda: stopped(e), what="the reader to stop between two pins")
+            stop_in(e, "kv_hold", "the reader to stop between two pins", tokens=ts.tolist())
             wait_for(lambda: freed(rack.path, e), what="the reader's quarantine to end")
             assert len(kv.area.pinned()) == 0
             n = rack.node(remote_env)
-            assert n.slot == e.slot, (n.slot, e.slot)
-            n.call(op="kv_open", args=KV_ARGS)
-            assert n.call(op="kv_hold", tokens=ts.tolist()) == {"blocks": 4}
-            os.kill(e.p.pid, signal.SIGCONT)
-            out = e.reply()
-            assert out.get("error") in ("NodeFenced", "LockLost", "StaleViews"), out
-            assert n.call(op="kv_release") == {"released": True}
+            try:
+                assert n.slot == e.slot, (n.slot, e.slot)
+                n.call(op="kv_open", args=KV_ARGS)
+                assert n.call(op="kv_hold", tokens=ts.tolist()) == {"blocks": 4}
+                resume(e, told=("NodeFenced", "LockLost", "StaleViews"))
+                assert n.call(op="kv_release") == {"released": True}
+            finally:
+                n.close()
             left = kv.area.pinned()
             assert len(left) == 0, f"entries {left.tolist()} still pinned by nobody"
             with pool.lock():
                 assert kv.area.evict(need_entries=4)[0] == 4       # nothing holds them
     finally:
-        if e.p.poll() is None:
-            os.kill(e.p.pid, signal.SIGCONT)
-        e.close()
-        if n is not None:
-            n.close()
         rack.close()
     assert_clean(rack.path)
 
