@@ -229,6 +229,24 @@ def test_a_killed_local_holder_is_revoked_at_once(mpool, manager, mode):
         wait_for(lambda: node_table.read_slot(pool, h.slot).state == "free", what="the slot freed")
 
 
+def release_as_another_epoch(mpool, h, resume=None) -> None:
+    """Rewrite holder h's lock line as another incarnation of its slot would
+    (its epoch, then a release of the current grant); SIGCONT `resume` (a
+    stopped manager) once written; wait until the manager revoked the hold."""
+    with Pool.open(mpool) as p:
+        m, e = p.mapping, protocol.entry_offset(p, h.slot)
+        m.invalidate(e, layout.LOCK_ENTRY_SIZE)
+        grant = m.load64(e + protocol.E_GRANT)
+        m.store64(e + protocol.E_EPOCH, h.epoch + 1)            # another epoch ...
+        m.store64(e + protocol.E_RELEASE, grant)                # ... releases
+        m.flush(e, 64)
+        if resume is not None:
+            os.kill(resume.p.pid, signal.SIGCONT)
+        wait_for(lambda: (m.invalidate(e + protocol.E_REVOKE, 8),
+                          m.load64(e + protocol.E_REVOKE))[1] == grant,
+                 what="the hold revoked")
+
+
 def test_a_release_of_another_epoch_is_not_a_release(mpool, manager, mode):
     """The holder's line rewritten by another incarnation of its slot (a stale
     epoch) with a release: the manager does not count it as a release - it
@@ -237,16 +255,7 @@ def test_a_release_of_another_epoch_is_not_a_release(mpool, manager, mode):
     h = NodeProc(_env(mode))
     h.attach(mpool)
     assert h.call(op="lock") == {"locked": True}
-    with Pool.open(mpool) as p:
-        m, e = p.mapping, protocol.entry_offset(p, h.slot)
-        m.invalidate(e, layout.LOCK_ENTRY_SIZE)
-        grant = m.load64(e + protocol.E_GRANT)
-        m.store64(e + protocol.E_EPOCH, h.epoch + 1)            # another epoch ...
-        m.store64(e + protocol.E_RELEASE, grant)                # ... releases
-        m.flush(e, 64)
-        wait_for(lambda: (m.invalidate(e + protocol.E_REVOKE, 8),
-                          m.load64(e + protocol.E_REVOKE))[1] == grant,
-                 what="the hold revoked")
+    release_as_another_epoch(mpool, h)
     assert "revoking the hold" in mgr.line()
     assert h.call(op="guard").get("error") == "LockLost"
     assert h.call(op="unlock").get("error") == "LockLost"
@@ -270,17 +279,7 @@ def test_a_stale_release_written_while_the_manager_reads_the_line_is_not_a_relea
     wait_for(lambda: psutil.Process(mgr.p.pid).status() == psutil.STATUS_STOPPED,
              what="the manager to stop reading the holder's line")
     assert h.reply() == {"locked": True}
-    with Pool.open(mpool) as p:
-        m, e = p.mapping, protocol.entry_offset(p, h.slot)
-        m.invalidate(e, layout.LOCK_ENTRY_SIZE)
-        grant = m.load64(e + protocol.E_GRANT)
-        m.store64(e + protocol.E_EPOCH, h.epoch + 1)            # another epoch ...
-        m.store64(e + protocol.E_RELEASE, grant)                # ... releases
-        m.flush(e, 64)
-        os.kill(mgr.p.pid, signal.SIGCONT)
-        wait_for(lambda: (m.invalidate(e + protocol.E_REVOKE, 8),
-                          m.load64(e + protocol.E_REVOKE))[1] == grant,
-                 what="the hold revoked")
+    release_as_another_epoch(mpool, h, resume=mgr)
     assert h.call(op="guard").get("error") == "LockLost"
     h.close()
 

@@ -566,67 +566,42 @@ def test_a_reader_paused_pinning_past_the_grace_pins_nothing_in_its_slots_next_h
     assert_clean(rack.path)
 
 
-def test_a_node_paused_making_a_slab_does_not_make_it_over_another_nodes(
-        pool_path, monkeypatch, remote_env):
+def test_a_node_paused_making_a_slab_does_not_make_it_over_another_nodes(cas_rack, remote_env):
     """Stopped past its lease between finding free chunks and writing the new
     slab's descriptors (pool lock held): fenced, the lock goes on, another
     node makes its slabs there.  Resumed, it writes nothing and is told."""
-    rack = Rack(pool_path, "cas", monkeypatch)
-    r = NodeProc(env=remote_env(CXLKV_PAUSE_AT="slab.search:1"))
-    r.attach(rack.path)
-    try:
+    with paused_at(cas_rack, remote_env, "slab.search:1") as r:
         r.send(op="alloc_publish", nbytes=64 * 1024, reserved=0, published=1)
         wait_for(lambda: stopped(r), what="the node to stop making its slab")
-        with cxlkv.open_pool(rack.path) as pool:
-            wait_for(lambda: fenced(rack.path, r), what="the paused node to be fenced")
+        with cxlkv.open_pool(cas_rack.path) as pool:
+            wait_for(lambda: fenced(cas_rack.path, r), what="the paused node to be fenced")
             data = fill_with_published(pool, 64 * 1024)
             mine = list(data)
-            os.kill(r.p.pid, signal.SIGCONT)
-            out = r.reply()
-            assert out.get("error") in ("NodeFenced", "LockLost"), out
-            wait_for(lambda: freed(rack.path, r), what="the resumed node's quarantine to end")
+            resume(r)
+            wait_for(lambda: freed(cas_rack.path, r), what="the resumed node's quarantine to end")
             assert overwritten(pool, data) == []
-            with Pool.open(rack.path, writable=False) as p:
-                rep = fsck.check(p)
-            assert rep.clean, [f.to_json() for f in rep.errors]
+            assert_clean(cas_rack.path)
             assert pool.free_batch(mine) == len(mine)
-    finally:
-        if r.p.poll() is None:
-            os.kill(r.p.pid, signal.SIGCONT)
-        r.close()
-        rack.close()
-    assert_clean(rack.path)
 
 
 def test_a_writer_paused_in_a_long_write_past_the_grace_writes_no_further_piece(
-        pool_path, monkeypatch, remote_env):
+        cas_rack, remote_env):
     """Stopped in the middle of writing 4 MiB into its reserved slot, for
     longer than the grace: its quarantine ends, the slot is freed and handed
     out again.  Resumed, it writes nothing more than the piece it was in
     (writes go in 1 MiB pieces, the deadline checked between them)."""
-    rack = Rack(pool_path, "cas", monkeypatch)
     nb = 4 * MiB
-    r = NodeProc(env=remote_env(CXLKV_PAUSE_AT="write.piece:1"))
-    r.attach(rack.path)
-    try:
+    with paused_at(cas_rack, remote_env, "write.piece:1") as r:
         r.send(op="alloc_publish", nbytes=nb, reserved=1, published=0)
         wait_for(lambda: stopped(r), what="the writer to stop between two pieces")
-        with cxlkv.open_pool(rack.path) as pool:
-            wait_for(lambda: freed(rack.path, r), what="the writer's quarantine to end")
+        with cxlkv.open_pool(cas_rack.path) as pool:
+            wait_for(lambda: freed(cas_rack.path, r), what="the writer's quarantine to end")
             data = fill_with_published(pool, nb)
             mine = list(data)
-            os.kill(r.p.pid, signal.SIGCONT)
-            out = r.reply()
-            assert out.get("error") == "NodeFenced", out
+            resume(r, told=("NodeFenced",))
             bad = overwritten(pool, data)
             assert bad == [], f"{len(bad)} of {len(mine)} published slots overwritten"
             assert pool.free_batch(mine) == len(mine)
-    finally:
-        if r.p.poll() is None:
-            os.kill(r.p.pid, signal.SIGCONT)
-        r.close()
-        rack.close()
-    assert_clean(rack.path)
 
 
 # -- the node side: guard, acknowledgement, the C copy deadline -----------------------------
