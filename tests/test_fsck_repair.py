@@ -197,6 +197,27 @@ def test_kv_damage_is_repaired(cli, kv_pool, code, fn):
     assert kv_intact(kv_pool, *CHAINS) == want, doc["repairs"]
 
 
+def test_live_block_whose_free_has_begun(cli, kv_pool):
+    """A published block whose slot a free has marked (begun, not finished:
+    its bytes may be zeroed already): fsck names the slab and the entry;
+    the repair finishes the free and drops exactly that entry."""
+    def mark(p):
+        a, t, i = leaf(p)
+        p.mapping.slab_mark_freeing(np.array([int(t["payload"][i])], dtype=np.uint64))
+        return int(t["payload"][i])
+
+    off = damage(kv_pool, mark)
+    rc, doc = fsck(cli, kv_pool)
+    assert rc == 4 and {"slab-dirty", "kv-payload"} <= codes(doc), doc
+    assert any(f"{off:#x}" in f["message"] and "free has begun" in f["message"]
+               for f in doc["findings"] if f["code"] == "kv-payload"), doc["findings"]
+    doc = check_repairs(cli, kv_pool, "kv-payload")
+    assert {"slab-dirty", "kv-payload"} <= repaired_codes(doc), doc["repairs"]
+    with Pool.open(kv_pool, writable=False) as p:
+        assert alloc.slot_bits(p, off) == (False, False, False)
+    assert kv_intact(kv_pool, *CHAINS) == 7
+
+
 def test_entry_pointing_at_a_foreign_block(cli, kv_pool):
     """An entry whose payload is a live node's reservation: the entry goes
     (with --live, under the pool lock), the reservation stays the node's."""

@@ -86,6 +86,9 @@ def check_kv(pool, rep, live: set[int]) -> None:
                                            "allocated slot")
         elif st[i] == layout.KV_PUBLISHED and not bits[1]:
             rep.error("kv-payload", where, "published block in an unpublished slot")
+        elif bits[2]:
+            rep.error("kv-payload", where, f"payload {int(e['payload']):#x} is a slot whose free "
+                                           "has begun (its bytes may be zeroed)")
     for slot in _dead_pin_slots(a):
         rep.error("kv-dead-pins", f"node {slot}", "pins blocks but the node is not attached "
                                                   "(its recovery did not finish)")
@@ -269,6 +272,11 @@ def repair_kv(pool, rep, live: set[int]) -> None:
             elif st[i] == layout.KV_PUBLISHED and not bits[1]:
                 bad[i] = ("kv-payload", f"payload {pay:#x} is an unpublished slot (another "
                                         "node's reservation)", False)
+            elif bits[2]:
+                # a free begun on a live block (the slab repair, run first,
+                # finishes such frees): the entry goes, the free is finished
+                bad[i] = ("kv-payload", f"payload {pay:#x} is a slot whose free has begun",
+                          True)
     for i, (code, why, free) in sorted(bad.items()):
         drop(i, code, why, free)
     for p in sorted(shared):                 # nobody refers to a shared payload any more

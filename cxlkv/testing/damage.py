@@ -64,9 +64,10 @@ def desc_off(pool, chunk: int) -> int:
     return alloc.geometry(pool)[3] + chunk * layout.CHUNK_DESC_SIZE
 
 
-def damage(path: str, fn) -> None:
+def damage(path: str, fn):
     """Open the pool at path (its allocator geometry set on the mapping, so
-    the C allocator calls work) and call fn(pool) to damage it."""
+    the C allocator calls work) and call fn(pool) to damage it; returns what
+    fn returned."""
     with Pool.open(path) as p:
         p.mapping.set_geometry(*alloc.geometry(p))
-        fn(p)
+        return fn(p)
