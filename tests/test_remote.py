@@ -178,11 +178,17 @@ def node_client(c: TestCluster, name: bytes):
     return c.client(c.master_of_key(name))
 
 
+#: the wire: cxlkv's own pipelines (the default) and redis-py's cluster client
+WIRES = pytest.mark.parametrize("fast", [True, False], ids=["fastpath", "redis-py"])
+
+
 @needs_redis
-def test_round_trip_bit_exact(cluster):
-    ns_name = f"model-{os.getpid()}"
+@WIRES
+def test_round_trip_bit_exact(cluster, fast):
+    ns_name = f"model-{os.getpid()}-{fast}"
     ns = xxhash.xxh3_128_digest(ns_name.encode())
-    with RemoteClient(cfg_of(cluster, ttl_s=600)) as rc:
+    with RemoteClient(cfg_of(cluster, ttl_s=600, fast=fast)) as rc:
+        assert (rc.fast is not None) == fast
         rc.register_namespace(ns, ns_name)
         for size in (256 * KiB, 64 * KiB, 1000):
             keys, data = random_blocks(24, size, seed=size)
@@ -221,10 +227,11 @@ def test_round_trip_bit_exact(cluster):
 
 
 @needs_redis
-def test_damaged_values_are_misses_and_deleted(cluster, caplog):
+@WIRES
+def test_damaged_values_are_misses_and_deleted(cluster, caplog, fast):
     size = 8 * KiB
-    keys, data = random_blocks(6, size, seed=99)
-    with RemoteClient(cfg_of(cluster)) as rc:
+    keys, data = random_blocks(6, size, seed=99 + fast)
+    with RemoteClient(cfg_of(cluster, fast=fast)) as rc:
         for k, d in zip(keys, data):
             rc.push(k, NS, d)
         assert rc.flush(10)

@@ -70,7 +70,7 @@ class RemoteConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_verify: bool = True
-    fast: bool = False          # puts and lookups through cxlkv.remote.fastpath (plain TCP)
+    fast: bool = True           # puts and lookups through cxlkv.remote.fastpath (plain TCP)
     ttl_s: int = DEFAULT_TTL_S
     max_bytes: int = 0
     prefix: str = DEFAULT_PREFIX

@@ -111,8 +111,7 @@ class RemoteClient:
     a callable returning one (called on the client's loop thread); default:
     RedisClusterTier(config).  `fast`: GETs and SETs through
     cxlkv.remote.fastpath when the tier is the default one on plain TCP
-    (default: the config's `fast`, off: the fast path is opt-in while an
-    intermittent stall of a first flush or exists seen in CI is open)."""
+    (default: the config's `fast`, on unless the config turns it off)."""
 
     def __init__(self, config: RemoteConfig | None = None, *, tier=None,
                  batch_bytes: int = BATCH_BYTES, chunk_bytes: int = CHUNK_BYTES,
