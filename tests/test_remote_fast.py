@@ -1,8 +1,9 @@
-"""The remote tier's fast path (cxlkv.remote.fastpath, opt-in: the client's
+"""The remote tier's fast path (cxlkv.remote.fastpath, the default: the client's
 GETs and SETs with fast = true) against a real Redis Cluster on loopback: the same
 verification as the redis-py path (a corrupt value, a value of another
 namespace or another tenant's block is a miss, never a wrong block);
-lookups pipelined in windows sized by bytes come back whole and in order;
+lookups pipelined in windows sized by bytes come back whole and in order,
+into value buffers reused only once nothing refers to them;
 the writer's batches are sized by bytes; AUTH; no exception for a cluster
 that refuses; a call cut by any exception never hands its connections (and
 their unread answers) to the next call.  Skipped with the reason when
@@ -15,6 +16,7 @@ import socket
 import threading
 import time
 
+import numpy as np
 import pytest
 import xxhash
 
@@ -42,6 +44,37 @@ def raw_set(c, name: bytes, val: bytes) -> None:
 
 def test_command_encoding():
     assert command(b"GET", "k", 12) == b"*3\r\n$3\r\nGET\r\n$1\r\nk\r\n$2\r\n12\r\n"
+
+
+@needs_redis
+def test_value_buffers_are_reused_only_once_nothing_refers_to_them(cluster):
+    size = 32 * KiB
+    keys, data = random_blocks(24, size, seed=5)
+    with RemoteClient(cfg_of(cluster)) as rc:
+        for k, d in zip(keys, data):
+            assert rc.push(k, NS, d)
+        assert rc.flush(30)
+        a, b, c = keys[:8], keys[8:16], keys[16:]
+        held = rc.lookup(NS, a, size, budget_s=10.0)
+        held_bufs = {id(g.obj) for g in held}
+        assert len(held_bufs) == 8
+        got = rc.lookup(NS, b, size, budget_s=10.0)     # a's values are still referred to
+        assert [bytes(g) for g in got] == data[8:16]
+        assert not {id(g.obj) for g in got} & held_bufs
+        assert [bytes(g) for g in held] == data[:8]      # untouched by b's lookup
+        b_bufs = {id(g.obj) for g in got}
+        del got                                         # b's values dropped: reused for c
+        got = rc.lookup(NS, c, size, budget_s=10.0)
+        assert [bytes(g) for g in got] == data[16:]
+        assert {id(g.obj) for g in got} == b_bufs
+        assert [bytes(g) for g in held] == data[:8]
+        # a view kept of one value (a numpy array over it) keeps that buffer out
+        arr = np.frombuffer(got[0], dtype=np.uint8)
+        kept = id(got[0].obj)
+        del got
+        got = rc.lookup(NS, b, size, budget_s=10.0)
+        assert kept not in {id(g.obj) for g in got}
+        assert arr.tobytes() == data[16] and [bytes(g) for g in got] == data[8:16]
 
 
 @needs_redis

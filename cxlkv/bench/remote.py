@@ -3,9 +3,9 @@
 a plain pipelined redis-py cluster client moving the same bytes (SET / GET
 pipelines of the same batch size), on the same cluster, in the same run.
 "tier" is the client with the fast path on (cxlkv.remote.fastpath: its own
-pipelines on the caller's thread; opt-in, RemoteConfig.fast); "tier_redispy"
+pipelines on the caller's thread; the default, RemoteConfig.fast); "tier_redispy"
 the same client through its redis-py tier (per-node asyncio pipelines on the
-loop thread: the default, and the path TLS and test seams take).
+loop thread: fast = false, and the path TLS and test seams take).
 
     cxlkv bench run remote [--mib N] [--batch N] [--reps N] [--nodes H:P,...] [--json]
 
@@ -173,8 +173,11 @@ def run(a, progress) -> dict:
         for bs in (256 * KiB, 64 * KiB):
             keys, vals = data_set(a.mib * MiB, bs, seed=bs)
             runs = {"tier": [], "tier_redispy": [], "plain_sync": [], "plain_async": []}
+            names = list(runs)
             for r in range(a.reps):
-                for name in runs:
+                # the order turns each rep: none is always the first after a
+                # cleanup (the servers give freed memory back meanwhile)
+                for name in names[r % len(names):] + names[:r % len(names)]:
                     progress(f"{bs // KiB} KiB blocks, {name}, rep {r + 1}/{a.reps}")
                     cleanup(cfg)
                     if name.startswith("tier"):
