@@ -89,6 +89,9 @@ class KVCache:
         self.area.journal.require()
         self._names = block_names.Names.of(pool)
         self.m = pool.mapping
+        warm = getattr(pool, "warm_metadata", None)
+        if warm is not None:
+            warm()                          # the hash and name tables, in the background
         self.name = model
         self._name0 = name + b"\0"           # as the record holds it (NUL-padded)
         self.block_tokens = block_tokens
