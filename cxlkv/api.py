@@ -19,7 +19,7 @@ from cxlkv.kv import area  # noqa: F401  (registers the KV part of a dead node's
 from cxlkv.kv.cache import KVCache
 from cxlkv.kv.tiers.base import Tiers
 from cxlkv.pool.image import PoolImage
-from cxlkv.state.alloc import Allocator
+from cxlkv.state.alloc import Allocator, geometry
 from cxlkv.state.locks import ManagerLock, PoolLock
 from cxlkv.state.nodes import Attachment
 
@@ -177,8 +177,7 @@ class Pool(PoolImage):
         with _LOCK_INIT:
             if self._warm is not None and self._warm[0] == os.getpid():
                 return True                 # (a forked child warms its own mapping)
-            from cxlkv.state import alloc
-            end = alloc.geometry(self)[0]
+            end = geometry(self)[0]
             stop = threading.Event()
             t = threading.Thread(target=self._warm_run, args=(end, stop), name="cxlkv-warm",
                                  daemon=True)
