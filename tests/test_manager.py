@@ -9,6 +9,8 @@ import pytest
 
 import cxlkv
 from cxlkv.api import Pool
+from cxlkv.errors import CxlkvError
+from cxlkv.ops import lockmgr
 from cxlkv.ops.init import init_pool
 from cxlkv.state import nodes, protocol
 from cxlkv.testing.nodes import Manager, NodeProc, incr_together, lock_turn_gaps
@@ -242,3 +244,28 @@ def test_managers_step_down_when_the_pool_is_reformatted(mpool, manager, monkeyp
         assert pool.sb.max_nodes == 64
         with pool.lock(timeout=10):
             pass
+
+
+# -- a manager for one run (cxlkv.ops.lockmgr.ensure_manager: stress, bench) ----------------
+def test_a_manager_for_a_run_that_cannot_start_says_why(pool_path):
+    init_pool(pool_path, {"size": 16 << 20, "chunk_size": 1 << 20, "max_nodes": 8})   # cas
+    with pytest.raises(CxlkvError) as e:
+        lockmgr.ensure_manager(pool_path)
+    assert "sync mode 'cas'" in str(e.value) and "Traceback" not in str(e.value)
+
+
+def test_a_run_uses_a_manager_started_beside_it(mpool, manager, monkeypatch):
+    """An operator's manager that became active between the run's check and
+    its own manager's start: the run uses it (its own stops, refused)."""
+    theirs = manager()
+    real, calls = lockmgr.manager_running, []
+
+    def first_none(path):
+        calls.append(path)
+        return False if len(calls) == 1 else real(path)
+
+    monkeypatch.setattr(lockmgr, "manager_running", first_none)
+    started, stop = lockmgr.ensure_manager(mpool)
+    assert (started, len(calls)) == (False, 2)
+    stop()
+    assert theirs.p.poll() is None and real(mpool)        # theirs still serves the pool

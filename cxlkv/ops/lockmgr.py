@@ -27,8 +27,20 @@ def ensure_manager(path: str):
                                stderr=spawn.PIPE, text=True)
     line = proc.stderr.readline()
     if "active" not in line:
-        proc.kill()
-        raise CxlkvError(f"could not start a lock manager for {path}: {line.strip()}")
+        # it is stopping: its last line says why (the exception, after the
+        # traceback); one that does not end is ended
+        try:
+            rest = proc.communicate(timeout=30)[1]
+        except spawn.TimeoutExpired:
+            proc.kill()
+            rest = proc.communicate()[1]
+        if manager_running(path):
+            # another one became active since the check above (an operator's,
+            # started at the same moment): the run uses that one
+            return False, lambda: None
+        said = [x.strip() for x in (line + rest).splitlines() if x.strip()]
+        why = said[-1] if said else f"it exited with status {proc.returncode} saying nothing"
+        raise CxlkvError(f"could not start a lock manager for {path}: {why}")
     # keep reading what it logs (a line or two per reap): a full pipe would stall it
     threading.Thread(target=proc.stderr.read, name="cxlkv-lock-manager-log",
                      daemon=True).start()
