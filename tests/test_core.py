@@ -320,6 +320,24 @@ def test_prefault_range_maps_ahead_of_the_writes(shm_pool):
         assert _page_writes(m, 0) >= 400                # nothing was mapped ahead
 
 
+def test_a_populated_mapping_needs_no_granule_mapped_again(shm_pool):
+    """MAP_POPULATE mapped every page: the bulk copies skip their granule's
+    populate call (a walk of 512 mapped pages, half a 2 MiB copy's time)."""
+    fd = os.open(shm_pool, os.O_RDWR)
+    try:
+        m = _core.Mapping(fd, 4 * GRAN, True, populate=True)
+    finally:
+        os.close(fd)
+    with m:
+        assert m.mapped_granules == 4
+        assert _page_writes(m, 2) <= 8 + SHADOW         # mapped: no fault either
+    with open_map(shm_pool) as m:                       # not populated: as the copies go
+        assert m.mapped_granules == 0
+        m.write(GRAN, b"\x01" * 65536)                  # a bulk copy maps its granule
+        assert m.mapped_granules == 1
+        assert m.prefault_range(0, 4 * GRAN) and m.mapped_granules == 4
+
+
 def test_prefault_needs_a_mapping_of_its_own():
     m = _core.Mapping.from_buffer(bytearray(1 << 16))
     assert not m.prefault
