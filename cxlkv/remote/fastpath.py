@@ -14,9 +14,10 @@ a bytes object).  Here a batch for one master is one sendmsg of an iovec
 list (the values are sent from the caller's buffers, never joined), every
 master's requests go out before any reply is read, and a value read is
 received straight into a bytearray (recv_into: the kernel's copy only),
-reused for a later value once nothing refers to it (_Buffers).  What the slow path keeps: TLS, EXISTS / DEL / HSETNX / INFO and
-every test seam (RemoteTier implementations) - RemoteClient uses this path
-only for its own plain-TCP RedisClusterTier.
+reused for a later value once nothing refers to it (_Buffers).  What the
+slow path keeps: TLS, EXISTS / DEL / HSETNX / INFO and every test seam
+(RemoteTier implementations) - RemoteClient uses this path only for its
+own plain-TCP RedisClusterTier.
 
 Slots map to masters from CLUSTER SLOTS, asked again after a connection
 error or a MOVED answer.  A MOVED / ASK answer is followed once (ASKING
@@ -52,6 +53,9 @@ UNANSWERED = object()
 REUSE_MIN = 16 << 10
 #: bytes of such buffers kept for reuse, per FastCluster
 REUSE_BYTES = 32 << 20
+#: kept buffers of one size looked at per value (from where the last was
+#: found): a caller holding many values costs a new buffer, not a long scan
+REUSE_SCAN = 32
 
 
 class ReplyError:
@@ -95,7 +99,7 @@ class _Buffers:
             kept = self._by_size.setdefault(n, [])
             k = len(kept)
             start = self._next.get(n, 0)
-            for j in range(k):
+            for j in range(min(k, REUSE_SCAN)):
                 i = (start + j) % k
                 # references: the list, the loop's `a`, getrefcount's argument
                 a = kept[i]
