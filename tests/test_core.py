@@ -14,6 +14,7 @@ import pytest
 
 from cxlkv import _core
 from cxlkv.errors import InternalError, PoolRangeError, PoolReadOnly
+from cxlkv.testing.checks import mapped_bytes
 
 SIZE = 1 << 20
 
@@ -338,19 +339,6 @@ def test_a_populated_mapping_needs_no_granule_mapped_again(shm_pool):
         assert m.prefault_range(0, 4 * GRAN) and m.mapped_granules == 4
 
 
-def _rss_of(path: str) -> int:
-    """Bytes of `path` mapped into this process now (smaps Rss)."""
-    real, total, cur = os.path.realpath(path), 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            w = line.split()
-            if w and "-" in w[0] and len(w) >= 5:
-                cur = line.rstrip().endswith(real)
-            elif cur and line.startswith("Rss:"):
-                total += int(w[1]) * 1024
-    return total
-
-
 def test_a_read_maps_what_it_reads_not_its_granule(shm_pool):
     """A block read out of a granule this process never touched costs its
     own pages (read faults map 16 at a time), not the whole 2 MiB."""
@@ -360,9 +348,9 @@ def test_a_read_maps_what_it_reads_not_its_granule(shm_pool):
         m.readinto(GRAN + 3 * block, out)
         assert bytes(out) == bytes(block)               # the file's zeros
         assert m.mapped_granules == 0
-        assert block <= _rss_of(shm_pool) <= 2 * block   # its pages and fault-around's
+        assert block <= mapped_bytes(shm_pool) <= 2 * block   # its pages and fault-around's
         m.write(2 * GRAN, b"\x01" * 65536)              # a write maps its granule
-        assert m.mapped_granules == 1 and _rss_of(shm_pool) >= GRAN
+        assert m.mapped_granules == 1 and mapped_bytes(shm_pool) >= GRAN
 
 
 def test_prefault_needs_a_mapping_of_its_own():

@@ -22,7 +22,7 @@ from cxlkv.api import Pool
 from cxlkv.ops.fsck import check
 from cxlkv.state import alloc
 
-from cxlkv.testing.checks import fsck_clean
+from cxlkv.testing.checks import fsck_clean, mapped_bytes
 from cxlkv.testing.data import pattern
 from cxlkv.testing.nodes import NodeProc, lock_manager
 
@@ -718,19 +718,6 @@ def test_an_eviction_interrupted_before_its_counters_is_recounted_at_detach(kvpo
 
 
 # -- the metadata warm-up (Pool.warm_metadata) ------------------------------------------
-def _mapped_bytes(path: str) -> int:
-    """Bytes of `path` mapped into this process now (Rss of its mappings)."""
-    real, total, cur = os.path.realpath(path), 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            w = line.split()
-            if w and "-" in w[0] and len(w) >= 5:
-                cur = line.rstrip().endswith(real)
-            elif cur and line.startswith("Rss:"):
-                total += int(w[1]) * 1024
-    return total
-
-
 def _warmers() -> list:
     return [t for t in threading.enumerate() if t.name == "cxlkv-warm"]
 
@@ -746,11 +733,11 @@ def gib_pool(pool_path):
 def test_a_kv_cache_maps_the_pool_metadata_in_the_background(gib_pool, monkeypatch):
     with cxlkv.open_pool(gib_pool) as pool:
         meta = alloc.geometry(pool)[0]
-        assert _mapped_bytes(gib_pool) < meta // 4         # attaching maps little of it
+        assert mapped_bytes(gib_pool) < meta // 4         # attaching maps little of it
         kv = pool.kv(model="warm", block_bytes=4096)
         for t in _warmers():                                # (it may be done already)
             t.join()
-        assert _mapped_bytes(gib_pool) >= meta
+        assert mapped_bytes(gib_pool) >= meta
         assert pool.warm_metadata() is True                 # once per process: not again
         assert not _warmers()
         toks = list(range(64))
@@ -762,5 +749,5 @@ def test_a_kv_cache_maps_the_pool_metadata_in_the_background(gib_pool, monkeypat
     with cxlkv.open_pool(gib_pool) as pool:
         pool.kv(model="warm", block_bytes=4096)
         assert pool.warm_metadata() is False and not _warmers()
-        assert _mapped_bytes(gib_pool) < meta // 4
+        assert mapped_bytes(gib_pool) < meta // 4
     fsck_clean(gib_pool)

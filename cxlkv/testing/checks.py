@@ -57,3 +57,17 @@ def digest(path: str) -> str:
     """SHA-256 of a file's bytes (to show a check left a pool untouched)."""
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
+
+
+def mapped_bytes(path: str) -> int:
+    """Bytes of the file at `path` mapped into this process's page tables
+    now (the Rss of its mappings in /proc/self/smaps)."""
+    real, total, cur = os.path.realpath(path), 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            w = line.split()
+            if w and "-" in w[0] and len(w) >= 5:
+                cur = line.rstrip().endswith(real)
+            elif cur and line.startswith("Rss:"):
+                total += int(w[1]) * 1024
+    return total
