@@ -28,12 +28,16 @@ def ensure_manager(path: str):
     line = proc.stderr.readline()
     if "active" not in line:
         # it is stopping: its last line says why (the exception, after the
-        # traceback); one that does not end is ended
+        # traceback); one that does not end is ended.  Read through the same
+        # text stream as the first line: communicate() would read the pipe
+        # itself and miss what readline() buffered (often all the rest)
+        killer = threading.Timer(30, proc.kill)
+        killer.start()
         try:
-            rest = proc.communicate(timeout=30)[1]
-        except spawn.TimeoutExpired:
-            proc.kill()
-            rest = proc.communicate()[1]
+            rest = proc.stderr.read()
+        finally:
+            killer.cancel()
+        proc.wait()
         if manager_running(path):
             # another one became active since the check above (an operator's,
             # started at the same moment): the run uses that one
