@@ -24,6 +24,7 @@ from cxlkv.pool import layout
 from cxlkv.ops.init import init_pool
 from cxlkv.api import Pool
 from cxlkv.ops import fsck
+from cxlkv.kv.area import quarantine_report
 from cxlkv.state import alloc, locks
 from cxlkv.state import nodes as node_table
 
@@ -357,6 +358,65 @@ def test_a_reaper_paused_in_a_dead_nodes_recovery_writes_nothing_after_it(
                 rep = fsck.check(p)
             assert rep.clean, [f.to_json() for f in rep.errors]
             assert pool.free_batch(mine) == len(mine)           # none freed under us
+    finally:
+        if r.p.poll() is None:
+            os.kill(r.p.pid, signal.SIGCONT)
+        r.close()
+        rack.close()
+    assert_clean(rack.path)
+
+
+@pytest.mark.parametrize("site,left_by_d", [
+    ("free.pub:1", "reserved"),                   # past the check, before zeroing D's slot
+    ("release.zeroing:1", "dirty-slab"),          # past the check, before zeroing a chunk
+], ids=["free-past-its-check", "release-past-its-check"])
+def test_no_recovery_runs_while_a_reaper_fenced_inside_one_may_still_write(
+        pool_path, monkeypatch, remote_env, site, left_by_d):
+    """Node R is recovering dead node D and is stopped inside one C call
+    after that call's last freshness check, before it zeroes D's slot (or a
+    chunk of D's slab) - what it stores when it resumes no check can stop.
+    R was fenced holding the pool lock: the lock goes on, but D's recovery
+    does not run again until R's quarantine ends (R acknowledges once the
+    call returned), so D's memory is handed out only after R's last write
+    (it once was at once, and R's late zeroing wiped a payload published
+    there: the stress run's "body does not match its checksum")."""
+    nb = MiB
+    rack = Rack(pool_path, "cas", monkeypatch)
+    d = rack.node(remote_env)
+    if left_by_d == "reserved":
+        left = d.call(op="alloc_publish", nbytes=nb, reserved=2, published=0)["reserved"]
+    else:
+        left = d.call(op="alloc_publish", nbytes=nb, reserved=1, published=0)["reserved"]
+        assert d.call(op="free_all", offsets=left, zero=False) == {"freed": 1}
+    d.kill()
+    r = NodeProc(env=remote_env(CXLKV_PAUSE_AT=site))
+    r.attach(rack.path)
+    try:
+        wait_for(lambda: stopped(r), what=f"the reaper to stop at {site} recovering D")
+        with cxlkv.open_pool(rack.path) as pool:
+            wait_for(lambda: fenced(rack.path, r), what="the paused reaper to be fenced")
+            held = [n.slot for n in node_table.fenced_holders(pool)]
+            assert held == [r.slot], held
+            q = quarantine_report(pool)
+            assert {x["slot"]: x["held_pool_lock"] for x in q["nodes"]} == \
+                {r.slot: True, d.slot: False}
+            dn = node_table.read_slot(pool, d.slot)
+            assert dn.state == "fenced" and dn.epoch == d.epoch
+            assert not node_table.release(pool, d.slot, dn.control), \
+                "D recovered while R may still write into its memory"
+            with pool.lock(timeout=10):         # the lock itself goes on
+                pass
+            data = fill_with_published(pool, nb)      # everything but D's memory
+            assert not set(left) & set(data), "D's memory handed out while R is stopped"
+            os.kill(r.p.pid, signal.SIGCONT)
+            wait_for(lambda: freed(rack.path, r), what="the resumed reaper's quarantine to end")
+            wait_for(lambda: freed(rack.path, d), what="D to be recovered after R")
+            bad = overwritten(pool, data)
+            assert bad == [], f"{len(bad)} published slots overwritten, D's among them: " \
+                              f"{sorted(set(bad) & set(left))}"
+            more = fill_with_published(pool, nb)
+            assert set(left) <= set(more), "D's memory was not handed out after R's recovery"
+            assert pool.free_batch(list(data) + list(more)) == len(data) + len(more)
     finally:
         if r.p.poll() is None:
             os.kill(r.p.pid, signal.SIGCONT)

@@ -311,6 +311,27 @@ def test_pauses_and_kills_are_survived(cli, pause_pool):
     assert_empty(pause_pool)
 
 
+def test_damaged_payload_bodies_say_what_landed_on_them():
+    import numpy as np
+
+    class Buf:
+        def __init__(self, b):
+            self.b = b
+
+        def view(self, off, n):
+            return memoryview(self.b)[off:off + n]
+
+    h = stress.HEADER.size
+    p = stress.Payload(0, 1, 7, h + 8 * 4096)
+    buf = bytearray(np.random.default_rng(1).bytes(p.length))
+    assert stress.describe_body(Buf(buf), p) == "no page of zeros or of a KV pattern"
+    buf[h + 2 * 4096:h + 5 * 4096] = bytes(3 * 4096)
+    buf[h + 6 * 4096:h + 7 * 4096] = bytes(range(16)) * 256
+    said = stress.describe_body(Buf(buf), p)
+    assert said.startswith("3 of 8 pages zeros (pages 2-4, body bytes 0x2000-0x5000)"), said
+    assert "1 of 8 pages a KV block's pattern (pages 6-6" in said
+
+
 def test_kv_blocks_name_what_overwrote_them():
     import numpy as np
 

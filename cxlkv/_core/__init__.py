@@ -19,7 +19,7 @@ except ImportError as e:  # pragma: no cover - depends on the build
 
 #: The interface version this Python code was written against; a stale or
 #: foreign build of the extension is refused at import.
-EXPECTED_ABI = 22
+EXPECTED_ABI = 23
 if _native.ABI_VERSION != EXPECTED_ABI:  # pragma: no cover - depends on the build
     raise ImportError(
         f"cxlkv C core ABI {_native.ABI_VERSION} does not match the Python code "

@@ -372,6 +372,9 @@ class LockManager:
         if int(e["grant_seq"]) > max(int(e["release_seq"]), int(e["revoke_seq"])) or \
                 int(e["req_seq"]) > max(int(e["grant_seq"]), int(e["revoke_seq"])):
             self.guard()
+            if int(e["grant_seq"]) > max(int(e["release_seq"]), int(e["revoke_seq"])):
+                # it holds the lock: nobody else is recovered until it is
+                protocol.mark_held_when_fenced(pool, slot, (slot + 1) | epoch << 16)
             protocol.revoke(pool, slot, max(int(e["req_seq"]), int(e["grant_seq"])))
             if self.holder == slot:
                 self.holder = -1
@@ -384,6 +387,8 @@ class LockManager:
         if self.holder >= 0:
             self.recover_pending = True             # recover only while nobody holds the
             return changed                          # lock: step() grants nothing until then
+        if node_table.waits_for_holders(pool, slot):
+            return changed                          # one fenced holding the lock goes first
         self.guard()
         with self._recovery_deadline():
             node_table.run_recoveries(pool, slot, epoch)

@@ -733,6 +733,7 @@ def quarantine_report(pool, observer: node_table.Observer | None = None) -> dict
     observer that watched them: how long each has been seen fenced."""
     fenced = [n for n in node_table.read_nodes(pool) if n.state == "fenced"]
     tokens = {(n.slot + 1) | n.epoch << 16: n for n in fenced}
+    holders = {n.slot for n in node_table.fenced_holders(pool)} if fenced else set()
     reserved = alloc.reserved_by_owner(pool, tokens)
     area = None
     if fenced and pool.sb.compat & layout.COMPAT_KV:
@@ -757,6 +758,8 @@ def quarantine_report(pool, observer: node_table.Observer | None = None) -> dict
             seen = observer.quarantined_for(n)
         nodes.append({"slot": n.slot, "epoch": n.epoch, "hostname": n.hostname, "pid": n.pid,
                       "acknowledged": n.acknowledged, "reserved_slots": slots,
+                      # fenced holding the pool lock: other recoveries wait for its own
+                      "held_pool_lock": n.slot in holders,
                       "reserved_bytes": nbytes, "pending_entries": pending,
                       "pinned_blocks": pinned, "pinned_bytes": pinned_bytes,
                       "seen_fenced_s": None if seen is None else round(seen, 3)})

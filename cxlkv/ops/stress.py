@@ -195,6 +195,24 @@ def read_payload(m, off: int, room: int) -> tuple[str, Payload | None]:
     return ("ok" if ok else "checksum-mismatch"), p
 
 
+def describe_body(m, p: Payload) -> str:
+    """What a payload body that fails its checksum holds: its 4 KiB pages of
+    zeros (a late zeroing: a free or a release that landed on it) or of a KV
+    block's pattern (a late block copy); a body of random bytes has none."""
+    n = (p.length - HEADER.size) // 4096
+    if n == 0:
+        return "less than a page"
+    with m.view(p.offset + HEADER.size, n * 4096) as body:
+        pages = np.frombuffer(body, dtype=np.uint8).reshape(n, 4096)
+        zero = np.flatnonzero(~pages.any(axis=1))
+        kv = np.flatnonzero((pages[:, 16:] == pages[:, :-16]).all(axis=1) & pages.any(axis=1))
+        del pages
+    what = [f"{len(idx)} of {n} pages {name} (pages {idx[0]}-{idx[-1]}, body bytes "
+            f"{idx[0] * 4096:#x}-{(idx[-1] + 1) * 4096:#x})"
+            for idx, name in ((zero, "zeros"), (kv, "a KV block's pattern")) if len(idx)]
+    return "; ".join(what) or "no page of zeros or of a KV pattern"
+
+
 def allocated_slots(pool) -> list[tuple[int, int, bool]]:
     """(offset, slot size, published) of every allocated slot, from the slab descriptors."""
     data_off, chunk, _, _ = allocator.geometry(pool)
@@ -340,7 +358,7 @@ class Worker:
                 continue
             if verdict != "ok":
                 self.violation("payloads", verdict, f"adopting {p.describe()}: body does not "
-                                                    "match its checksum")
+                                                    f"match its checksum: {describe_body(self.m, p)}")
             self.owned.append(p)
             self.live_bytes += p.length
 
@@ -407,7 +425,7 @@ class Worker:
                            f"{got.describe() if got else 'something else'}")
         elif verdict != "ok":
             self.violation("payloads", verdict, f"{p.describe()}: body does not match its "
-                                                "checksum")
+                                                f"checksum: {describe_body(self.m, p)}")
 
     def _lock(self) -> str:
         """A read-modify-write of the shared counter under the pool lock; the
@@ -1047,7 +1065,7 @@ class Supervisor:
                               f"{off:#x} now reads as {p.describe() if p else 'something else'}")
                 elif verdict != "ok":
                     self.fail("payloads", verdict, f"{p.describe()}: body does not match its "
-                                                   "checksum")
+                                                   f"checksum: {describe_body(m, p)}")
             elif off in self.interrupted:
                 self.res.interrupted_frees += 1
             elif p is None:
@@ -1055,7 +1073,7 @@ class Supervisor:
                           f"published slot {off:#x} ({ss} bytes) holds no payload")
             elif verdict != "ok":
                 self.fail("payloads", verdict, f"{p.describe()}: body does not match its "
-                                               "checksum")
+                                               f"checksum: {describe_body(m, p)}")
             elif p.worker in self.finals:
                 self.fail("ownership", "unowned-payload",
                           f"{p.describe()} is owned by no worker: leaked")

@@ -729,6 +729,11 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
             m.flush(rec, 8)
         live = live_tokens(pool)
         releasing, mine, interrupted, dangling, leaked, empty = census(pool, token, live)
+        # a node fenced holding the pool lock may still be finishing what it
+        # left half done (a release, a free): only this node's own things then
+        others = not nodes.fenced_holders(pool, but=slot)
+        if not others:
+            releasing, empty = releasing[:0], empty[:0]
         for head in releasing:                  # only a dead lock holder leaves these
             if not release_slab(pool, int(head), resume=True) and \
                     m.load64(base + int(head) * layout.CHUNK_DESC_SIZE + _F["owner"]) == token:
@@ -739,6 +744,8 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
         guard(pool)
         # unpublished, or published but being freed (dirty): not data any more
         gone = rows["alloc_bits"] & (~rows["pub_bits"] | rows["dirty_bits"])
+        if not others:          # a begun free may be that node's (its `freeing`): it waits
+            gone &= ~rows["dirty_bits"]
         offs = _slot_offsets(rows, mine, gone, data_off, chunk)
         held = _held_elsewhere(pool)
         if len(held) and len(offs):
@@ -754,8 +761,9 @@ def _recover_allocations(pool, slot: int, epoch: int) -> None:
         _release_batch(pool, np.concatenate((mine.astype(np.uint64),
                                              np.frombuffer(raw, dtype=np.uint64),
                                              empty.astype(np.uint64))))
-        finish_interrupted_frees(pool, live, heads=interrupted)
-        repair_dangling(pool, dangling=dangling, leaked=leaked)
+        if others:
+            finish_interrupted_frees(pool, live, heads=interrupted)
+            repair_dangling(pool, dangling=dangling, leaked=leaked)
 
 
 def census(pool, token: int = 0, live=()) -> tuple[np.ndarray, ...]:

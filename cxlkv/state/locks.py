@@ -237,9 +237,24 @@ def _recover_lock_entry(pool, slot: int, epoch: int) -> None:
     if e.epoch != epoch or e.state == layout.LOCK_IDLE:
         return
     hdr, _ = lock_offsets(pool)
-    m.cas64(hdr + _OWNER, (slot + 1) | epoch << 16, 0)
+    token = (slot + 1) | epoch << 16
+    m.invalidate(hdr + _OWNER, 8)
+    if e.state == layout.LOCK_LOCKED or m.load64(hdr + _OWNER) == token:
+        protocol.mark_held_when_fenced(pool, slot, token)   # before the turn passes on
+    m.cas64(hdr + _OWNER, token, 0)
     m.store64(off, layout.LOCK_ABANDONED)
     m.cas64(hdr + _SERVING, e.ticket, e.ticket + 1)
+
+
+@nodes.register_recovery(order=90)
+def _forget_held_when_fenced(pool, slot: int, epoch: int) -> None:
+    """The end of a recovery (its quarantine over, everything it held
+    recovered): the node's mark of having been fenced holding the lock goes,
+    so other nodes' recoveries may run again (nodes.fenced_holders)."""
+    off = entry_offset(pool, slot) + protocol.E_HELD_WHEN_FENCED
+    pool.mapping.invalidate(off, 8)
+    if pool.mapping.load64(off):
+        protocol.mark_held_when_fenced(pool, slot, 0)
 
 
 def describe_owner(pool) -> str:

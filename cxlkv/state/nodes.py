@@ -432,12 +432,39 @@ def fence(pool, slot: int, control: int, heartbeat: int | None = None) -> bool:
     return True
 
 
+def fenced_holders(pool, but: int = -1) -> list[NodeInfo]:
+    """Fenced nodes, other than slot `but`, that were fenced while they held
+    the pool lock (protocol.mark_held_when_fenced).  The lock went on to the
+    next node at once, but such a node may have been stopped in the middle of
+    one C call of lock work - zeroing a dead node's slot it was recovering,
+    zeroing the chunks of a slab it was releasing - past that call's last
+    freshness check: resumed, it finishes that piece.  Another recovery
+    would finish the same work and hand the memory out first; so while one of
+    these is fenced (quarantined) no other node is recovered and no other
+    node's half-done work is finished."""
+    ents = protocol.read_entries(pool)
+    return [n for n in read_nodes(pool) if n.slot != but and n.state == "fenced" and
+            int(ents["held_when_fenced"][n.slot]) == (n.slot + 1) | n.epoch << 16]
+
+
+def waits_for_holders(pool, slot: int) -> bool:
+    """Must the recovery of fenced node `slot` wait (fenced_holders)?  Yes
+    while another node fenced holding the pool lock is quarantined - unless
+    this one was fenced holding it too: holders are recovered in any order
+    (each recovers only its own things while others remain; the last one
+    finishes the rest), or two of them would wait for each other."""
+    holders = {n.slot for n in fenced_holders(pool)}
+    return bool(holders - {slot}) and slot not in holders
+
+
 def release(pool, slot: int, control: int) -> bool:
     """End a fenced node's quarantine (cas mode): under the pool lock (this
     process's own node's, when it has a usable one), re-check that the slot
     still holds `control` (FENCED, same epoch), run every recovery, free the
     slot.  The caller decided the quarantine may end (Observer.release_reason).
-    True when this call freed the slot."""
+    Nothing happens while another node fenced holding the pool lock is
+    quarantined (waits_for_holders): its own release comes first.  True
+    when this call freed the slot."""
     state, epoch = layout.node_state(control)
     if state != layout.NODE_FENCED:
         return False
@@ -448,6 +475,8 @@ def release(pool, slot: int, control: int) -> bool:
         m.invalidate(off, 8)
         if m.load64(off) != control:
             return False                # another reaper finished it, or it changed
+        if waits_for_holders(pool, slot):
+            return False                # one may still be writing lock work: it goes first
         run_recoveries(pool, slot, epoch)
         return m.cas64(off, control, layout.node_control(layout.NODE_FREE, epoch)) == control
 
@@ -596,7 +625,9 @@ class Attachment:
             # in start(), under the pool lock, once we are attached.  Never a
             # fenced slot: its quarantine is a reaper's to end (release()),
             # which may be recovering it right now.
-            dead = {} if attempt == 0 else {
+            # (none while a node fenced holding the pool lock is quarantined:
+            # see fenced_holders)
+            dead = {} if attempt == 0 or fenced_holders(self.pool) else {
                 nd.slot: nd for nd, v in self.observer.scan()
                 if v == "dead" and nd.state in ("attached", "claimed")
                 and nd.same_process_space(self.observer.boot_id, self.observer.pidns)}

@@ -33,6 +33,7 @@ E_RELEASE = layout.field_offset(layout.LockEntryStruct, "release_seq")
 E_GRANT = layout.field_offset(layout.LockEntryStruct, "grant_seq")
 E_REVOKE = layout.field_offset(layout.LockEntryStruct, "revoke_seq")
 E_GRANT_EPOCH = layout.field_offset(layout.LockEntryStruct, "grant_epoch")
+E_HELD_WHEN_FENCED = layout.field_offset(layout.LockEntryStruct, "held_when_fenced")
 
 _NODE_LINES = np.dtype([("control", "<u8"), ("heartbeat", "<u8"), ("claim_token", "<u8"),
                         ("grant_token", "<u8"), ("pad", "V416"), ("mgr_control", "<u8"),
@@ -41,7 +42,7 @@ assert _NODE_LINES.itemsize == layout.NODE_SIZE
 #: a node's lock entry (cas mode's ticket words and manager mode's lines)
 ENTRY_DTYPE = np.dtype([("state", "<u8"), ("ticket", "<u8"), ("epoch", "<u8"),
                         ("req_seq", "<u8"), ("release_seq", "<u8"), ("freeing", "<u8"),
-                        ("pad0", "V16"),
+                        ("held_when_fenced", "<u8"), ("pad0", "V8"),
                         ("grant_seq", "<u8"), ("revoke_seq", "<u8"), ("grant_epoch", "<u8"),
                         ("pad1", "V40")])
 assert ENTRY_DTYPE.itemsize == layout.LOCK_ENTRY_SIZE
@@ -102,6 +103,18 @@ def revoke(pool, slot: int, seq: int) -> None:
     m, off = pool.mapping, entry_offset(pool, slot)
     m.store64(off + E_REVOKE, seq)
     m.flush(off + E_REVOKE, 8)
+
+
+def mark_held_when_fenced(pool, slot: int, token: int) -> None:
+    """Whoever fences node `slot` while it holds the pool lock records it (its
+    owner token) in the node's lock entry: what the node was doing under the
+    lock - zeroing a dead node's slots, releasing a slab - it may still be
+    doing when it resumes, so no other node's recovery may run (and finish
+    that work, and hand its memory out) until this node's quarantine ends
+    (nodes.fenced_holders).  token 0 clears it (at the end of its recovery)."""
+    m, off = pool.mapping, entry_offset(pool, slot) + E_HELD_WHEN_FENCED
+    m.store64(off, token)
+    m.flush(off, 8)
 
 
 def current_holder(pool) -> int:

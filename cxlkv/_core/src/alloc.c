@@ -363,7 +363,7 @@ Mapping_slab_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         bit_clear(m, d + CD_PUB + w * 8, bit);
         if (m->flush_meta && zero)      /* the begun free is visible before the zeroing */
             pool_flush(m, d + CD_ALLOC, 192);
-        cxlkv_crashpoint("free.pub");
+        cxlkv_crashpoint("free.pub");   /* tests: a stall past the check, before zeroing */
         if (zero && !zero_until_deadline(m, offs[i], ss))
             break;                                  /* a begun free, left dirty */
         cxlkv_crashpoint("free.zeroed");

@@ -187,7 +187,10 @@ struct cxlkv_lock_entry {
     uint64_t release_seq;       /*   32 manager: requests released */
     uint64_t freeing;           /*   40 slot being freed in another node's slab (under
                                           the lock), 0 = none: recovery finishes it */
-    uint8_t  line0_pad[16];     /*   48 */
+    uint64_t held_when_fenced;  /*   48 the node's owner token, written by whoever fenced
+                                          it while it held the pool lock (0 = it did not):
+                                          no other node's recovery runs until its own */
+    uint8_t  line0_pad[8];      /*   56 */
     /* line 1: written only by the lock manager */
     uint64_t grant_seq;         /*   64 manager: request granted */
     uint64_t revoke_seq;        /*   72 manager: request revoked (dead holder) */

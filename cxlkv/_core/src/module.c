@@ -17,7 +17,7 @@
 /* Bump when the Python-visible interface changes; cxlkv/_core/__init__.py
  * refuses to import a build with a different number (a stale build must fail
  * loudly, not strangely). */
-#define CXLKV_NATIVE_ABI 22
+#define CXLKV_NATIVE_ABI 23
 
 PyObject *cxlkv_RangeError;   /* set by _native.set_error_types() */
 PyObject *cxlkv_CorruptError; /* impossible pool metadata; set by set_error_types() */

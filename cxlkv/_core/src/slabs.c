@@ -411,6 +411,7 @@ release_one(Mapping *m, uint64_t bm, uint64_t heaps, uint64_t max_nodes, uint64_
             cxlkv_crashpoint("release.zero");
             if (write_deadline_passed(m))
                 return 2;
+            cxlkv_crashpoint("release.zeroing");    /* tests: a stall past the check */
             pool_zero(m, m->data_off + ours[j] * m->chunk_size, m->chunk_size, 1);
         }
     if (write_deadline_passed(m))
