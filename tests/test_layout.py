@@ -40,7 +40,8 @@ PINNED = {
         "next_ticket": (0, 8), "line0_pad": (8, 56), "now_serving": (64, 8), "owner": (72, 8),
         "acquisitions": (80, 8), "line1_pad": (88, 40), "mgr_token": (128, 8),
         "mgr_epoch": (136, 8), "mgr_heartbeat": (144, 8), "mgr_pid": (152, 8),
-        "mgr_boot_id": (160, 16), "mgr_hostname": (176, 64), "reserved": (240, 3856),
+        "mgr_boot_id": (160, 16), "mgr_hostname": (176, 64), "mgr_recovering": (240, 8),
+        "mgr_pidns": (248, 8), "reserved": (256, 3840),
     }),
     "chunk": (256, {
         "control": (0, 8), "owner": (8, 8), "slot_size": (16, 8), "nslots": (24, 8),

@@ -868,6 +868,56 @@ def test_a_manager_paused_in_a_recovery_writes_nothing_after_its_standby_took_ov
     assert_clean(pool_path)
 
 
+def test_a_manager_stopped_past_its_check_in_a_recovery_holds_up_its_successors_recoveries(
+        pool_path, remote_env):
+    """Sync mode manager: the active lock manager recovers dead node D and is
+    stopped inside the C call that frees D's slots, past its freshness check,
+    before it zeroes the first (what it stores when it resumes no check can
+    stop).  The standby takes over, sees that its predecessor stopped in a
+    recovery (mgr_recovering) and recovers nobody until it is gone (or the
+    grace passed: a minute here); only then is D's memory handed out."""
+    init_pool(pool_path, {"size": 16 * MiB, "chunk_size": 256 * 1024, "max_nodes": 8,
+                          "sync": "manager", "lease_ms": LEASE_MS, "grace_ms": 60_000})
+    cmd = [sys.executable, "-m", "cxlkv", "lock-manager", "--pool", pool_path]
+    old = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "CXLKV_PAUSE_AT": "free.pub:1"})
+    assert "active" in old.stderr.readline()
+    standby = subprocess.Popen(cmd + ["--standby"], stderr=subprocess.PIPE, text=True)
+    d = NodeProc()           # of this host: recovered as soon as it is gone
+    try:
+        d.attach(pool_path)
+        left = d.call(op="alloc_publish", nbytes=MiB, reserved=2, published=0)["reserved"]
+        d.kill()
+        wait_for(lambda: psutil.Process(old.pid).status() == psutil.STATUS_STOPPED,
+                 what="the manager to stop before zeroing D's slot")
+        lines = [standby.stderr.readline()]
+        while lines[-1] and "active" not in lines[-1]:
+            lines.append(standby.stderr.readline())
+        assert "stopped in a recovery" in "".join(lines), lines
+        with cxlkv.open_pool(pool_path) as pool:
+            assert slot_state(pool_path, d.slot).state == "fenced"
+            data = fill_with_published(pool, MiB)
+            assert not set(left) & set(data), "D's memory handed out while the manager is stopped"
+            os.kill(old.pid, signal.SIGCONT)
+            old.wait(30)
+            assert "stepping down" in old.stderr.read()
+            line = standby.stderr.readline()
+            assert "recovering nodes again" in line and "gone" in line, line
+            wait_for(lambda: freed(pool_path, d), what="the standby to recover D")
+            bad = overwritten(pool, data)
+            assert bad == [], f"{len(bad)} published slots overwritten"
+            more = fill_with_published(pool, MiB)
+            assert set(left) <= set(more), "D's memory was not handed out after the old manager"
+            assert pool.free_batch(list(data) + list(more)) == len(data) + len(more)
+    finally:
+        for p in (old, standby):
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.terminate()
+                p.wait(10)
+    assert_clean(pool_path)
+
+
 def test_hash_table_inserts_stop_at_the_write_deadline(small_pool):
     """kv_insert writes no entry once the node's freshness ran out (a stall in
     the middle of a long prefix); the store proves it fresh and carries on."""

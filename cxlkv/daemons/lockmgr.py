@@ -123,6 +123,9 @@ class LockManager:
         self.observer = node_table.Observer(self.pool)
         self.holder = -1                       # slot holding the lock, -1 = none
         self.recover_pending = False           # a fenced slot waits for the lock to be free
+        # (pid, boot id, pid namespace, until): the manager this one took over
+        # from was stopped in a recovery - no recovery until it is gone or `until`
+        self.recover_hold: tuple[int, bytes, int, float] | None = None
         self.beat_at = 0.0                     # monotonic time of the last heartbeat
         self.last = -1                         # last slot granted (round-robin)
         self.stop = False
@@ -207,8 +210,21 @@ class LockManager:
 
     def _take_office(self) -> None:
         m, h = self.m, self.hdr
+        m.invalidate(h + protocol.MGR_TOKEN, 128)
+        if m.load64(h + protocol.MGR_RECOVERING) not in (0, self.token):
+            # the last manager stopped (or died) inside a recovery, perhaps past
+            # the last freshness check of a C call zeroing a dead node's slot:
+            # resumed, it finishes that piece - so nothing it was recovering is
+            # recovered again and handed out before it is gone or the grace passed
+            grace = self.pool.sb.quarantine_grace_ms / 1000.0
+            self.recover_hold = (m.load64(h + protocol.MGR_PID), m.read(h + protocol.MGR_BOOT, 16),
+                                 m.load64(h + protocol.MGR_PIDNS), time.monotonic() + grace)
+            self.log(f"the last lock manager ({protocol.describe_manager(self.pool)}) stopped "
+                     f"in a recovery: no node is recovered until it is gone or {grace:g} s "
+                     "have passed")
         m.store64(h + protocol.MGR_EPOCH, m.load64(h + protocol.MGR_EPOCH) + 1)
         m.store64(h + protocol.MGR_PID, os.getpid())
+        m.store64(h + protocol.MGR_PIDNS, self.observer.pidns)
         m.write(h + protocol.MGR_BOOT, uuidlib.UUID(self.observer.boot_id).bytes)
         m.write(h + protocol.MGR_HOST, socket.gethostname().encode()[:63].ljust(64, b"\0"))
         m.flush(h + protocol.MGR_TOKEN, 128)
@@ -389,11 +405,37 @@ class LockManager:
             return changed                          # lock: step() grants nothing until then
         if node_table.waits_for_holders(pool, slot):
             return changed                          # one fenced holding the lock goes first
+        if self._held_by_last_manager():
+            return changed
         self.guard()
+        self._recovering(self.token)
         with self._recovery_deadline():
             node_table.run_recoveries(pool, slot, epoch)
+        self._recovering(0)
         protocol.set_mgr(pool, slot, layout.node_control(layout.NODE_FREE, epoch), granted)
         self.log(f"node {slot} recovered and freed ({_REASONS[reason]})")
+        return True
+
+    def _recovering(self, token: int) -> None:
+        off = self.hdr + protocol.MGR_RECOVERING
+        self.m.store64(off, token)
+        self.m.flush(off, 8)
+
+    def _held_by_last_manager(self) -> bool:
+        """Recoveries wait while the manager this one took over from, stopped
+        in a recovery, may still resume: until its process is seen gone (same
+        host) or the pool's grace has passed since the take-over."""
+        if self.recover_hold is None:
+            return False
+        pid, boot, pidns, until = self.recover_hold
+        gone = bool(pid) and (boot, pidns) == (uuidlib.UUID(self.observer.boot_id).bytes,
+                                               self.observer.pidns) and \
+            node_table.process_start_ns(pid) is None
+        if gone or time.monotonic() >= until:
+            self.recover_hold = None
+            self.log("recovering nodes again: the last lock manager is "
+                     + ("gone" if gone else "past its grace"))
+            return False
         return True
 
     # -- the loop --------------------------------------------------------------------

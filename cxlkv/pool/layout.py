@@ -175,7 +175,9 @@ class LockHdrStruct(ctypes.LittleEndianStructure):
         ("mgr_pid", c_uint64),
         ("mgr_boot_id", c_uint8 * 16),
         ("mgr_hostname", c_char * 64),
-        ("reserved", c_uint8 * 3856),
+        ("mgr_recovering", c_uint64),
+        ("mgr_pidns", c_uint64),
+        ("reserved", c_uint8 * 3840),
     ]
 
 

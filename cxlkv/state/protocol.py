@@ -20,6 +20,8 @@ MGR_HEARTBEAT = layout.field_offset(layout.LockHdrStruct, "mgr_heartbeat")
 MGR_PID = layout.field_offset(layout.LockHdrStruct, "mgr_pid")
 MGR_BOOT = layout.field_offset(layout.LockHdrStruct, "mgr_boot_id")
 MGR_HOST = layout.field_offset(layout.LockHdrStruct, "mgr_hostname")
+MGR_RECOVERING = layout.field_offset(layout.LockHdrStruct, "mgr_recovering")
+MGR_PIDNS = layout.field_offset(layout.LockHdrStruct, "mgr_pidns")
 
 N_CONTROL = layout.field_offset(layout.NodeStruct, "control")
 N_HEARTBEAT = layout.field_offset(layout.NodeStruct, "heartbeat")

@@ -175,7 +175,11 @@ struct cxlkv_lock_hdr {
     uint64_t mgr_pid;           /*  152 */
     uint8_t  mgr_boot_id[16];   /*  160 */
     char     mgr_hostname[64];  /*  176 */
-    uint8_t  reserved[3856];    /*  240 */
+    uint64_t mgr_recovering;    /*  240 the active manager's token while it recovers a
+                                          node, else 0: one that takes over from a manager
+                                          stopped there recovers nothing for a grace */
+    uint64_t mgr_pidns;         /*  248 the active manager's pid namespace (inode) */
+    uint8_t  reserved[3840];    /*  256 */
 };
 
 struct cxlkv_lock_entry {

@@ -126,6 +126,8 @@ mod_layout(PyObject *self, PyObject *Py_UNUSED(ignored))
     FIELD(f, cxlkv_lock_hdr, mgr_pid);
     FIELD(f, cxlkv_lock_hdr, mgr_boot_id);
     FIELD(f, cxlkv_lock_hdr, mgr_hostname);
+    FIELD(f, cxlkv_lock_hdr, mgr_recovering);
+    FIELD(f, cxlkv_lock_hdr, mgr_pidns);
     FIELD(f, cxlkv_lock_hdr, reserved);
     if (add_struct(out, "lock_hdr", sizeof(struct cxlkv_lock_hdr), f) < 0)
         goto fail;
