@@ -14,7 +14,7 @@ import cxlkv
 from cxlkv.api import Pool
 from cxlkv.ops.init import init_pool
 from cxlkv.pool import layout
-from cxlkv.state import alloc, locks, nodes
+from cxlkv.state import alloc, locks, nodes, protocol
 from cxlkv.testing.checks import codes, fsck
 from cxlkv.testing.damage import damage, desc_off, fake_node, patch_bytes
 from cxlkv.testing.data import pattern
@@ -479,6 +479,25 @@ def test_repair_ends_a_quarantine_the_reaper_never_ended(cli, kv_pool):
     assert rc == 0 and any(f["code"] == "node-quarantined" for f in doc["findings"]), doc
     rc, doc = fsck(cli, kv_pool, "--repair")
     assert rc == 1 and "node-reaped" in repaired_codes(doc), doc
+    rc, doc = fsck(cli, kv_pool)
+    assert rc == 0 and not doc["findings"], doc
+    assert kv_intact(kv_pool, *CHAINS) == 8
+
+
+def test_repair_reaps_a_node_fenced_holding_the_lock_before_the_others(cli, kv_pool):
+    """Two fenced nodes, slot 3 fenced while it held the pool lock (its lock
+    entry says so): no other node's recovery runs before its own, so the
+    repair takes it first and then reaps slot 1 as well, in one run."""
+    def fence_two(p):
+        for slot in (1, 3):
+            p.mapping.store64(nodes.node_offset(p, slot), layout.node_control(layout.NODE_FENCED, 4))
+        protocol.mark_held_when_fenced(p, 3, 4 | 4 << 16)
+        assert [n.slot for n in nodes.fenced_holders(p)] == [3]
+        assert nodes.waits_for_holders(p, 1) and not nodes.waits_for_holders(p, 3)
+    damage(kv_pool, fence_two)
+    rc, doc = fsck(cli, kv_pool, "--repair")
+    assert rc == 1 and [a["where"] for a in doc["repairs"] if a["code"] == "node-reaped"] == \
+        ["node 3", "node 1"], doc
     rc, doc = fsck(cli, kv_pool)
     assert rc == 0 and not doc["findings"], doc
     assert kv_intact(kv_pool, *CHAINS) == 8

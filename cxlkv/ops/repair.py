@@ -309,8 +309,11 @@ def _superblock(pool, rep: Repair) -> None:
 # -- 2. nodes --------------------------------------------------------------------------
 
 def _nodes(pool, rep: Repair, judged: dict) -> None:
-    """Reap the slots judged dead, each with the control word that was judged."""
-    for slot, (n, v) in judged.items():
+    """Reap the slots judged dead, each with the control word that was judged:
+    nodes fenced holding the pool lock first (no other recovery runs before
+    theirs: nodes.waits_for_holders)."""
+    first = {x.slot for x in nodes.fenced_holders(pool)}
+    for slot, (n, v) in sorted(judged.items(), key=lambda kv: kv[0] not in first):
         if v != "dead":
             continue
         where = f"node {n.slot}"
