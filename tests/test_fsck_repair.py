@@ -484,16 +484,17 @@ def test_repair_ends_a_quarantine_the_reaper_never_ended(cli, kv_pool):
     assert kv_intact(kv_pool, *CHAINS) == 8
 
 
-def test_repair_reaps_a_node_fenced_holding_the_lock_before_the_others(cli, kv_pool):
-    """Two fenced nodes, slot 3 fenced while it held the pool lock (its lock
-    entry says so): no other node's recovery runs before its own, so the
-    repair takes it first and then reaps slot 1 as well, in one run."""
+def test_repair_reaps_a_node_fenced_recovering_another_before_that_one(cli, kv_pool):
+    """Two fenced nodes, slot 3 fenced while it was recovering slot 1 (its
+    lock entry says so): slot 1's recovery waits for slot 3's, so the repair
+    takes slot 3 first and then reaps slot 1 as well, in one run."""
     def fence_two(p):
         for slot in (1, 3):
             p.mapping.store64(nodes.node_offset(p, slot), layout.node_control(layout.NODE_FENCED, 4))
         protocol.mark_held_when_fenced(p, 3, 4 | 4 << 16)
-        assert [n.slot for n in nodes.fenced_holders(p)] == [3]
-        assert nodes.waits_for_holders(p, 1) and not nodes.waits_for_holders(p, 3)
+        protocol.mark_recovering(p, 3, 2 | 4 << 16)
+        assert [n.slot for n in nodes.recovered_by_fenced(p, 1, 4)] == [3]
+        assert nodes.recovered_by_fenced(p, 3, 4) == []
     damage(kv_pool, fence_two)
     rc, doc = fsck(cli, kv_pool, "--repair")
     assert rc == 1 and [a["where"] for a in doc["repairs"] if a["code"] == "node-reaped"] == \

@@ -52,7 +52,7 @@ PINNED = {
     "lock_entry": (128, {
         "state": (0, 8), "ticket": (8, 8), "epoch": (16, 8), "req_seq": (24, 8),
         "release_seq": (32, 8), "freeing": (40, 8), "held_when_fenced": (48, 8),
-        "line0_pad": (56, 8),
+        "recovering": (56, 8),
         "grant_seq": (64, 8),
         "revoke_seq": (72, 8), "grant_epoch": (80, 8), "line1_pad": (88, 40),
     }),

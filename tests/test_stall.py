@@ -397,6 +397,8 @@ def test_no_recovery_runs_while_a_reaper_fenced_inside_one_may_still_write(
             wait_for(lambda: fenced(rack.path, r), what="the paused reaper to be fenced")
             held = [n.slot for n in node_table.fenced_holders(pool)]
             assert held == [r.slot], held
+            by = [n.slot for n in node_table.recovered_by_fenced(pool, d.slot, d.epoch)]
+            assert by == [r.slot], by
             q = quarantine_report(pool)
             assert {x["slot"]: x["held_pool_lock"] for x in q["nodes"]} == \
                 {r.slot: True, d.slot: False}

@@ -403,8 +403,6 @@ class LockManager:
         if self.holder >= 0:
             self.recover_pending = True             # recover only while nobody holds the
             return changed                          # lock: step() grants nothing until then
-        if node_table.waits_for_holders(pool, slot):
-            return changed                          # one fenced holding the lock goes first
         if self._held_by_last_manager():
             return changed
         self.guard()

@@ -47,7 +47,7 @@ from cxlkv.errors import (  # noqa: F401
 )
 from cxlkv.kv import journal
 from cxlkv.pool import layout
-from cxlkv.state import alloc
+from cxlkv.state import alloc, protocol
 from cxlkv.state import nodes as node_table
 from cxlkv.state.locks import entry_offset as lock_entry_offset
 from cxlkv.state.locks import guard, held_lock
@@ -727,6 +727,10 @@ def _evicting_payloads(pool) -> np.ndarray:
     return np.array(pays, dtype=np.uint64)
 
 
+def _slot_of(token: int) -> int | None:
+    return (token & 0xFFFF) - 1 if token else None
+
+
 def quarantine_report(pool, observer: node_table.Observer | None = None) -> dict:
     """The fenced nodes and what their quarantine keeps from reuse: reserved
     payload slots, unpublished entries, pinned blocks (read only).  With an
@@ -734,6 +738,7 @@ def quarantine_report(pool, observer: node_table.Observer | None = None) -> dict
     fenced = [n for n in node_table.read_nodes(pool) if n.state == "fenced"]
     tokens = {(n.slot + 1) | n.epoch << 16: n for n in fenced}
     holders = {n.slot for n in node_table.fenced_holders(pool)} if fenced else set()
+    ents = protocol.read_entries(pool) if fenced else None
     reserved = alloc.reserved_by_owner(pool, tokens)
     area = None
     if fenced and pool.sb.compat & layout.COMPAT_KV:
@@ -758,8 +763,11 @@ def quarantine_report(pool, observer: node_table.Observer | None = None) -> dict
             seen = observer.quarantined_for(n)
         nodes.append({"slot": n.slot, "epoch": n.epoch, "hostname": n.hostname, "pid": n.pid,
                       "acknowledged": n.acknowledged, "reserved_slots": slots,
-                      # fenced holding the pool lock: other recoveries wait for its own
+                      # fenced holding the pool lock: recoveries finish no other
+                      # node's half-done work until its own
                       "held_pool_lock": n.slot in holders,
+                      # the slot of the node it was recovering (which waits for it)
+                      "recovering": _slot_of(int(ents["recovering"][n.slot])),
                       "reserved_bytes": nbytes, "pending_entries": pending,
                       "pinned_blocks": pinned, "pinned_bytes": pinned_bytes,
                       "seen_fenced_s": None if seen is None else round(seen, 3)})

@@ -437,8 +437,8 @@ def add_quarantine(h: Health, pool, observer) -> None:
         return
     held = ", ".join(f"node {x['slot']} ({x['hostname']} pid {x['pid']}"
                      + (", acknowledged" if x["acknowledged"] else "")
-                     + (", fenced holding the pool lock: other nodes' recoveries wait for "
-                        "it" if x.get("held_pool_lock") else "")
+                     + (f", fenced while recovering node {x['recovering']}, which waits for it"
+                        if x.get("recovering") is not None else "")
                      + f": {x['reserved_bytes'] + x['pinned_bytes']} bytes)"
                      for x in q["nodes"])
     h.add("quarantine", WARNING,

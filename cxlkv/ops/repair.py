@@ -310,9 +310,11 @@ def _superblock(pool, rep: Repair) -> None:
 
 def _nodes(pool, rep: Repair, judged: dict) -> None:
     """Reap the slots judged dead, each with the control word that was judged:
-    nodes fenced holding the pool lock first (no other recovery runs before
-    theirs: nodes.waits_for_holders)."""
-    first = {x.slot for x in nodes.fenced_holders(pool)}
+    fenced nodes that were recovering another node first (that node waits
+    for them: nodes.recovered_by_fenced)."""
+    ents = protocol.read_entries(pool)
+    first = {x.slot for x in nodes.read_nodes(pool)
+             if x.state == "fenced" and int(ents["recovering"][x.slot])}
     for slot, (n, v) in sorted(judged.items(), key=lambda kv: kv[0] not in first):
         if v != "dead":
             continue

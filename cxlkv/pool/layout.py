@@ -235,7 +235,7 @@ class LockEntryStruct(ctypes.LittleEndianStructure):
         ("release_seq", c_uint64),
         ("freeing", c_uint64),
         ("held_when_fenced", c_uint64),
-        ("line0_pad", c_uint8 * 8),
+        ("recovering", c_uint64),
         ("grant_seq", c_uint64),
         ("revoke_seq", c_uint64),
         ("grant_epoch", c_uint64),

@@ -43,6 +43,7 @@ generous multiple of the lease for that.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -436,25 +437,26 @@ def fenced_holders(pool, but: int = -1) -> list[NodeInfo]:
     """Fenced nodes, other than slot `but`, that were fenced while they held
     the pool lock (protocol.mark_held_when_fenced).  The lock went on to the
     next node at once, but such a node may have been stopped in the middle of
-    one C call of lock work - zeroing a dead node's slot it was recovering,
-    zeroing the chunks of a slab it was releasing - past that call's last
-    freshness check: resumed, it finishes that piece.  Another recovery
-    would finish the same work and hand the memory out first; so while one of
-    these is fenced (quarantined) no other node is recovered and no other
-    node's half-done work is finished."""
+    one C call of lock work - zeroing the chunks of a slab it was releasing,
+    a slot it was freeing - past that call's last freshness check: resumed,
+    it finishes that piece.  Another recovery would finish the same work and
+    hand the memory out first; so while one of these is fenced (quarantined)
+    recoveries recover only their own node's things (state.alloc)."""
     ents = protocol.read_entries(pool)
     return [n for n in read_nodes(pool) if n.slot != but and n.state == "fenced" and
             int(ents["held_when_fenced"][n.slot]) == (n.slot + 1) | n.epoch << 16]
 
 
-def waits_for_holders(pool, slot: int) -> bool:
-    """Must the recovery of fenced node `slot` wait (fenced_holders)?  Yes
-    while another node fenced holding the pool lock is quarantined - unless
-    this one was fenced holding it too: holders are recovered in any order
-    (each recovers only its own things while others remain; the last one
-    finishes the rest), or two of them would wait for each other."""
-    holders = {n.slot for n in fenced_holders(pool)}
-    return bool(holders - {slot}) and slot not in holders
+def recovered_by_fenced(pool, slot: int, epoch: int) -> list[NodeInfo]:
+    """Fenced nodes that were recovering node (slot, epoch) when they were
+    fenced (protocol.mark_recovering): stopped past a C call's last check,
+    one may still zero that node's slots or chunks when it resumes, so the
+    node is not recovered again - and its memory not handed out - until
+    their quarantine ends."""
+    token = (slot + 1) | epoch << 16
+    ents = protocol.read_entries(pool)
+    return [n for n in read_nodes(pool) if n.slot != slot and n.state == "fenced" and
+            int(ents["recovering"][n.slot]) == token]
 
 
 def release(pool, slot: int, control: int) -> bool:
@@ -462,9 +464,9 @@ def release(pool, slot: int, control: int) -> bool:
     process's own node's, when it has a usable one), re-check that the slot
     still holds `control` (FENCED, same epoch), run every recovery, free the
     slot.  The caller decided the quarantine may end (Observer.release_reason).
-    Nothing happens while another node fenced holding the pool lock is
-    quarantined (waits_for_holders): its own release comes first.  True
-    when this call freed the slot."""
+    Nothing happens while a node fenced in the middle of recovering this one
+    is quarantined (recovered_by_fenced).  True when this call freed the
+    slot."""
     state, epoch = layout.node_state(control)
     if state != layout.NODE_FENCED:
         return False
@@ -475,10 +477,19 @@ def release(pool, slot: int, control: int) -> bool:
         m.invalidate(off, 8)
         if m.load64(off) != control:
             return False                # another reaper finished it, or it changed
-        if waits_for_holders(pool, slot):
-            return False                # one may still be writing lock work: it goes first
-        run_recoveries(pool, slot, epoch)
-        return m.cas64(off, control, layout.node_control(layout.NODE_FREE, epoch)) == control
+        if recovered_by_fenced(pool, slot, epoch):
+            return False                # one may still be zeroing its memory: it goes first
+        me = pool.node
+        mine = me is not None and me.slot >= 0
+        if mine:
+            protocol.mark_recovering(pool, me.slot, (slot + 1) | epoch << 16)
+        try:
+            run_recoveries(pool, slot, epoch)
+            return m.cas64(off, control, layout.node_control(layout.NODE_FREE, epoch)) == control
+        finally:
+            if mine:
+                with contextlib.suppress(NodeFenced):   # fenced: the mark stays, and counts
+                    protocol.mark_recovering(pool, me.slot, 0)
 
 
 def reap(pool, slot: int, control: int) -> bool:
@@ -625,9 +636,7 @@ class Attachment:
             # in start(), under the pool lock, once we are attached.  Never a
             # fenced slot: its quarantine is a reaper's to end (release()),
             # which may be recovering it right now.
-            # (none while a node fenced holding the pool lock is quarantined:
-            # see fenced_holders)
-            dead = {} if attempt == 0 or fenced_holders(self.pool) else {
+            dead = {} if attempt == 0 else {
                 nd.slot: nd for nd, v in self.observer.scan()
                 if v == "dead" and nd.state in ("attached", "claimed")
                 and nd.same_process_space(self.observer.boot_id, self.observer.pidns)}

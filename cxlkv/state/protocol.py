@@ -36,6 +36,7 @@ E_GRANT = layout.field_offset(layout.LockEntryStruct, "grant_seq")
 E_REVOKE = layout.field_offset(layout.LockEntryStruct, "revoke_seq")
 E_GRANT_EPOCH = layout.field_offset(layout.LockEntryStruct, "grant_epoch")
 E_HELD_WHEN_FENCED = layout.field_offset(layout.LockEntryStruct, "held_when_fenced")
+E_RECOVERING = layout.field_offset(layout.LockEntryStruct, "recovering")
 
 _NODE_LINES = np.dtype([("control", "<u8"), ("heartbeat", "<u8"), ("claim_token", "<u8"),
                         ("grant_token", "<u8"), ("pad", "V416"), ("mgr_control", "<u8"),
@@ -44,7 +45,7 @@ assert _NODE_LINES.itemsize == layout.NODE_SIZE
 #: a node's lock entry (cas mode's ticket words and manager mode's lines)
 ENTRY_DTYPE = np.dtype([("state", "<u8"), ("ticket", "<u8"), ("epoch", "<u8"),
                         ("req_seq", "<u8"), ("release_seq", "<u8"), ("freeing", "<u8"),
-                        ("held_when_fenced", "<u8"), ("pad0", "V8"),
+                        ("held_when_fenced", "<u8"), ("recovering", "<u8"),
                         ("grant_seq", "<u8"), ("revoke_seq", "<u8"), ("grant_epoch", "<u8"),
                         ("pad1", "V40")])
 assert ENTRY_DTYPE.itemsize == layout.LOCK_ENTRY_SIZE
@@ -110,11 +111,21 @@ def revoke(pool, slot: int, seq: int) -> None:
 def mark_held_when_fenced(pool, slot: int, token: int) -> None:
     """Whoever fences node `slot` while it holds the pool lock records it (its
     owner token) in the node's lock entry: what the node was doing under the
-    lock - zeroing a dead node's slots, releasing a slab - it may still be
-    doing when it resumes, so no other node's recovery may run (and finish
-    that work, and hand its memory out) until this node's quarantine ends
-    (nodes.fenced_holders).  token 0 clears it (at the end of its recovery)."""
+    lock - releasing a slab, finishing a free - it may still be doing when it
+    resumes, so no recovery finishes other nodes' half-done work (and hands
+    that memory out) until this node's quarantine ends (nodes.fenced_holders).
+    token 0 clears it (at the end of its recovery)."""
     m, off = pool.mapping, entry_offset(pool, slot) + E_HELD_WHEN_FENCED
+    m.store64(off, token)
+    m.flush(off, 8)
+
+
+def mark_recovering(pool, slot: int, token: int) -> None:
+    """Node `slot` records, under the pool lock, the token of the node it is
+    about to recover (0 when done): fenced in the middle, it may still zero
+    that node's memory when it resumes, so that node is not recovered again
+    until this one's quarantine ends (nodes.recovered_by_fenced)."""
+    m, off = pool.mapping, entry_offset(pool, slot) + E_RECOVERING
     m.store64(off, token)
     m.flush(off, 8)
 

@@ -193,8 +193,11 @@ struct cxlkv_lock_entry {
                                           the lock), 0 = none: recovery finishes it */
     uint64_t held_when_fenced;  /*   48 the node's owner token, written by whoever fenced
                                           it while it held the pool lock (0 = it did not):
-                                          no other node's recovery runs until its own */
-    uint8_t  line0_pad[8];      /*   56 */
+                                          no recovery finishes other nodes' half-done work
+                                          until its own */
+    uint64_t recovering;        /*   56 while it recovers a node (under the pool lock):
+                                          that node's token, else 0 - fenced meanwhile, it
+                                          may still write into that node's memory */
     /* line 1: written only by the lock manager */
     uint64_t grant_seq;         /*   64 manager: request granted */
     uint64_t revoke_seq;        /*   72 manager: request revoked (dead holder) */

@@ -142,7 +142,7 @@ mod_layout(PyObject *self, PyObject *Py_UNUSED(ignored))
     FIELD(f, cxlkv_lock_entry, release_seq);
     FIELD(f, cxlkv_lock_entry, freeing);
     FIELD(f, cxlkv_lock_entry, held_when_fenced);
-    FIELD(f, cxlkv_lock_entry, line0_pad);
+    FIELD(f, cxlkv_lock_entry, recovering);
     FIELD(f, cxlkv_lock_entry, grant_seq);
     FIELD(f, cxlkv_lock_entry, revoke_seq);
     FIELD(f, cxlkv_lock_entry, grant_epoch);
