@@ -250,11 +250,14 @@ def _recover_lock_entry(pool, slot: int, epoch: int) -> None:
 def _forget_held_when_fenced(pool, slot: int, epoch: int) -> None:
     """The end of a recovery (its quarantine over, everything it held
     recovered): the node's mark of having been fenced holding the lock goes,
-    so other nodes' recoveries may run again (nodes.fenced_holders)."""
-    off = entry_offset(pool, slot) + protocol.E_HELD_WHEN_FENCED
-    pool.mapping.invalidate(off, 8)
-    if pool.mapping.load64(off):
+    so recoveries finish others' half-done work again (nodes.fenced_holders),
+    and so does the node it was recovering (nodes.recovered_by_fenced)."""
+    base = entry_offset(pool, slot)
+    pool.mapping.invalidate(base + protocol.E_HELD_WHEN_FENCED, 16)
+    if pool.mapping.load64(base + protocol.E_HELD_WHEN_FENCED):
         protocol.mark_held_when_fenced(pool, slot, 0)
+    if pool.mapping.load64(base + protocol.E_RECOVERING):
+        protocol.mark_recovering(pool, slot, 0)
 
 
 def describe_owner(pool) -> str:
