@@ -309,6 +309,30 @@ def test_reader_paused_with_views_keeps_its_pins_and_is_told(rack, remote_env, p
 
 # -- 6. a reaper paused in the middle of a dead node's recovery ------------------------------
 
+def reaper_stopped_recovering(rack: Rack, remote_env, site: str, nb: int, left_by_d: str):
+    """Node D leaves memory for its recovery and dies - slots of nb bytes
+    reserved and unpublished ("reserved": 4, or 2 of a MiB and more), or an
+    empty slab of several chunks, dirty ("dirty-slab") - then node R attaches
+    (and so recovers D), stopping itself at crash point `site`.
+    Returns (D, D's offsets, R) once R is stopped."""
+    d = rack.node(remote_env)
+    if left_by_d == "reserved":
+        left = d.call(op="alloc_publish", nbytes=nb, reserved=4 if nb < MiB else 2,
+                      published=0)["reserved"]
+    else:
+        left = d.call(op="alloc_publish", nbytes=nb, reserved=1, published=0)["reserved"]
+        assert d.call(op="free_all", offsets=left, zero=False) == {"freed": 1}
+    d.kill()
+    r = NodeProc(env=remote_env(CXLKV_PAUSE_AT=site))
+    r.attach(rack.path)
+    try:
+        wait_for(lambda: stopped(r), what=f"the reaper to stop at {site} recovering D")
+    except BaseException:
+        r.close()
+        raise
+    return d, left, r
+
+
 @pytest.mark.parametrize("site,nb,left_by_d", [
     ("free.next:2", 64 * 1024, "reserved"),        # freeing its slots: between two of them
     ("free.piece:1", MiB, "reserved"),             # zeroing the first, between two pieces
@@ -326,18 +350,8 @@ def test_a_reaper_paused_in_a_dead_nodes_recovery_writes_nothing_after_it(
     a slab (they once went on, zeroing and freeing the new owner's memory -
     the stress run's "overwritten" payloads and their later double free)."""
     rack = Rack(pool_path, "cas", monkeypatch)
-    d = rack.node(remote_env)
-    if left_by_d == "reserved":
-        left = d.call(op="alloc_publish", nbytes=nb, reserved=4 if nb < MiB else 2,
-                      published=0)["reserved"]
-    else:                                   # an empty slab of several chunks, dirty
-        left = d.call(op="alloc_publish", nbytes=nb, reserved=1, published=0)["reserved"]
-        assert d.call(op="free_all", offsets=left, zero=False) == {"freed": 1}
-    d.kill()
-    r = NodeProc(env=remote_env(CXLKV_PAUSE_AT=site))
-    r.attach(rack.path)
+    d, left, r = reaper_stopped_recovering(rack, remote_env, site, nb, left_by_d)
     try:
-        wait_for(lambda: stopped(r), what=f"the reaper to stop at {site} recovering D")
         if left_by_d == "reserved":
             with Pool.open(rack.path, writable=False) as p:
                 allocated = [alloc.slot_bits(p, o)[0] for o in left]
@@ -382,17 +396,8 @@ def test_no_recovery_runs_while_a_reaper_fenced_inside_one_may_still_write(
     there: the stress run's "body does not match its checksum")."""
     nb = MiB
     rack = Rack(pool_path, "cas", monkeypatch)
-    d = rack.node(remote_env)
-    if left_by_d == "reserved":
-        left = d.call(op="alloc_publish", nbytes=nb, reserved=2, published=0)["reserved"]
-    else:
-        left = d.call(op="alloc_publish", nbytes=nb, reserved=1, published=0)["reserved"]
-        assert d.call(op="free_all", offsets=left, zero=False) == {"freed": 1}
-    d.kill()
-    r = NodeProc(env=remote_env(CXLKV_PAUSE_AT=site))
-    r.attach(rack.path)
+    d, left, r = reaper_stopped_recovering(rack, remote_env, site, nb, left_by_d)
     try:
-        wait_for(lambda: stopped(r), what=f"the reaper to stop at {site} recovering D")
         with cxlkv.open_pool(rack.path) as pool:
             wait_for(lambda: fenced(rack.path, r), what="the paused reaper to be fenced")
             held = [n.slot for n in node_table.fenced_holders(pool)]
