@@ -381,15 +381,15 @@ print(ok, status, err, good, _core.spill_helper_stats()["helper_units"] - before
 @pytest.mark.parametrize("mode", ["caller"], indirect=True)
 @pytest.mark.parametrize("path", ["mapped"], indirect=True)
 @pytest.mark.parametrize("copier", ["caller", "helper"])
-def test_a_file_cut_short_between_populate_and_copy_is_a_miss_not_a_sigbus(tmp_path, copier):
-    """The reader stops after its populate (CXLKV_PAUSE_AT=spill.map), the
+def test_a_file_cut_short_before_the_copy_is_a_miss_not_a_sigbus(tmp_path, copier):
+    """The reader stops just before its copy (CXLKV_PAUSE_AT=spill.map), the
     file is cut inside slot 3's payload, the reader goes on: the copy of
     slot 3 faults (SIGBUS), the handler takes it back out of the copy, and
     preadv finds the cut - the run is slots 0-2, status short, the process
     alive.  caller: the run is one unit, copied by the calling thread;
     helper: a unit per slot, every one taken by a read helper thread
     (spill_pool.c; the jump is the copying thread's own), and the file is
-    cut inside slot 0, so whichever unit a helper had populated when the
+    cut inside slot 0, so whichever unit a helper was about to copy when the
     process stopped faults in its copy; the run is then empty."""
     sf = make(tmp_path, L)
     sf.close()
@@ -403,7 +403,7 @@ def test_a_file_cut_short_between_populate_and_copy_is_a_miss_not_a_sigbus(tmp_p
         def stopped() -> bool:
             with open(f"/proc/{p.pid}/stat") as f:
                 return f.read().rsplit(")", 1)[1].split()[0] == "T"
-        wait_for(stopped, what="the reader to stop after its populate", timeout=60)
+        wait_for(stopped, what="the reader to stop before its copy", timeout=60)
         geo_sf = files.SlotFile.open(files.Path(sf_path))
         try:
             cut = 0 if copier == "helper" else 3

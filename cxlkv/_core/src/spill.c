@@ -42,17 +42,19 @@
  * a torn or damaged slot is never a wrong block.  Nothing in the file is
  * written.
  *
- * The mapped path: a unit's payload range in `data` is populated with
- * MADV_POPULATE_READ (which fails, instead of raising SIGBUS, where the file
- * ends early or the disk fails; cheap where the pages are mapped already),
- * then each payload is copied 16 KiB at a time and hashed while the piece
- * is in L1 (spill_copysum.h).  A raw pread copies as fast as this copy, but
- * leaves the hash a second pass over the bytes from memory.  A file cut
- * short between the populate and the copy raises SIGBUS in the copy: a
- * handler (installed once, chaining to the one before it for any other
+ * The mapped path: each payload of a unit is copied out of `data` 64 KiB
+ * at a time and hashed while the piece is in cache (spill_copysum.h).  A
+ * raw pread copies as fast as this copy, but leaves the hash a second pass
+ * over the bytes from memory.  Pages not mapped yet are faulted in by the
+ * copy (the kernel maps a fault's neighbours with it, 64 KiB by default); a
+ * MADV_POPULATE_READ of the unit first, as this path once did, made it
+ * slower both for pages mapped already (a walk of 512 page-table entries
+ * per 2 MiB: 11 against 17-21 GB/s, 2026-12-07) and for pages touched for
+ * the first time (the bench's store read 0.35x against 0.58x a raw read).
+ * A file cut short (or a disk failing) under the copy raises SIGBUS in it:
+ * a handler (installed once, chaining to the one before it for any other
  * fault) jumps back out of it, and the rest of the unit is read with
- * preadv, which says what went wrong (cut short, an I/O error).  Where the
- * kernel lacks MADV_POPULATE_READ (before 5.14) preadv does all the reading.
+ * preadv, which says what went wrong (cut short, an I/O error).
  *
  * Bounds, before anything is read: the header area lies inside meta; every
  * slot < nslots; every payload offset fits off_t (data_off + nslots x
@@ -73,7 +75,6 @@
 #include <signal.h>
 #include <stdatomic.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -81,10 +82,6 @@
 #include <xxhash.h>
 
 #include "spill_copysum.h"
-
-#ifndef MADV_POPULATE_READ
-#define MADV_POPULATE_READ 22               /* Linux 5.14 */
-#endif
 
 /* per-slot statuses (spill_layout()["status"]) */
 enum {
@@ -144,7 +141,6 @@ static __thread const char *bus_hi __attribute__((tls_model("initial-exec")));
 static struct sigaction bus_prev;
 static pthread_once_t bus_once = PTHREAD_ONCE_INIT;
 static atomic_int bus_ready;                /* 1: installed; -1: not, pread only */
-static atomic_int map_ok = 1;               /* 0: MADV_POPULATE_READ unknown here */
 
 static void
 bus_handler(int sig, siginfo_t *si, void *uc)
@@ -194,17 +190,12 @@ map_read(const char *data, uint64_t data_len, uint64_t off, char **dst, uint64_t
 {
     uint64_t len = (uint64_t)n * length, end;
     if (!data || n <= 0 || length == 0 || __builtin_add_overflow(off, len, &end) ||
-        end > data_len || !atomic_load_explicit(&map_ok, memory_order_relaxed))
+        end > data_len)
         return 0;                           /* past the mapping (a shorter file): preadv */
     pthread_once(&bus_once, bus_install);
     if (atomic_load(&bus_ready) != 1)
         return 0;
     uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE), base = off & ~(page - 1);
-    if (madvise((void *)(data + base), (size_t)(end - base), MADV_POPULATE_READ) != 0) {
-        if (errno == EINVAL)
-            atomic_store(&map_ok, 0);       /* a kernel before 5.14 */
-        return 0;                           /* EFAULT: cut short; EIO...: preadv says */
-    }
     cxlkv_crashpoint("spill.map");          /* tests: cut the file short here */
     const char *src = data + off;
     volatile Py_ssize_t done = 0;

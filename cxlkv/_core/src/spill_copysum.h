@@ -2,8 +2,11 @@
  * The fused copy-and-checksum of the spill read's mapped path (spill.c):
  * a payload copied out of the slot file's mapping into the caller's buffer
  * COPYSUM_CHUNK bytes at a time, each piece hashed (streaming xxh3-64) right
- * after it was written, while it is still in L1 - so the hash costs no
+ * after it was written, while it is still in L1/L2 - so the hash costs no
  * second trip to memory.  Same result as XXH3_64bits over the whole payload.
+ * 64 KiB pieces: 24-25 GB/s against 22 for 16 KiB and 16 for 4 KiB (the
+ * streaming update's cost per call), a copy then one hash of the whole
+ * 256 KiB 24-25 (AMD EPYC, 2026-12-07).
  * Included after xxhash.h by each vector unit's translation unit.
  */
 #ifndef CXLKV_SPILL_COPYSUM_H
@@ -11,7 +14,7 @@
 
 #include <string.h>
 
-#define COPYSUM_CHUNK 16384
+#define COPYSUM_CHUNK 65536
 
 static inline uint64_t
 copysum(void *dst, const void *src, size_t n)

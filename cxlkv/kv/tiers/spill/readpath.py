@@ -1,8 +1,8 @@
 """Which of the spill read's two paths a store takes, learnt from its own reads.
 
     mapped   payloads copied out of a read-only mapping of the slot file,
-             each hashed in the same pass (one pass over the bytes; the
-             mapping's page tables are populated per unit)
+             each hashed in the same pass (one pass over the bytes; pages
+             not mapped yet are faulted in by the copy)
     pread    preadv into the buffers (the kernel's copy, no page tables),
              then the hash as a second pass over them
 
