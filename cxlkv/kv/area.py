@@ -175,6 +175,14 @@ class Area:
             self.m.invalidate(off, size)
         return self.m.read(off, size)
 
+    def _read_into(self, off: int, size: int, dst) -> None:
+        """`size` bytes at pool offset `off` into `dst` (a writable buffer
+        of exactly that size)."""
+        if self.m.flush_meta:
+            self.m.invalidate(off, size)
+        if self.m.readinto(off, dst) != size:
+            raise ValueError(f"copied {len(dst)} bytes of a {size}-byte block")
+
     def entries(self) -> np.ndarray:
         """A snapshot (copy) of the whole hash table."""
         return np.frombuffer(self._read(self.table, self.nslots * layout.HASH_ENTRY_SIZE),
@@ -516,12 +524,13 @@ class Area:
         what the tier refuses is dropped and counted there."""
         digests: dict[int, bytes] = {}
 
-        def copy(ns: int, payload: int, ln: int) -> tuple[bytes, bytes]:
+        def copy(ns: int, payload: int, ln: int, dst) -> bytes:
             d = digests.get(ns)
             if d is None:
                 d = digests[ns] = (bytes(self.ns_record(ns).digest) if ns < self.max_ns
                                    else bytes(16))
-            return d, self._read(payload, ln)
+            self._read_into(payload, ln, dst)
+            return d
 
         for i in idx:
             e = t[int(i)]
@@ -529,7 +538,8 @@ class Area:
             if not ln:
                 continue
             key = int(e["key_lo"]).to_bytes(8, "little") + int(e["key_hi"]).to_bytes(8, "little")
-            tier.take(key, ln, lambda e=e, ln=ln: copy(int(e["ns"]), int(e["payload"]), ln))
+            tier.take(key, ln,
+                      lambda dst, e=e, ln=ln: copy(int(e["ns"]), int(e["payload"]), ln, dst))
 
     def evict_on_path(self, key_lo: int, keep=None) -> int:
         """Evict the least recently used evictable leaf on the probe path of

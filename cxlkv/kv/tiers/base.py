@@ -73,8 +73,9 @@ class Tier(abc.ABC):
     def take(self, key: bytes, nbytes: int, copy) -> bool:
         """A published block of nbytes leaves the pool (called by the
         evictor under the pool lock: memory work only, no I/O, never
-        raises).  `copy()` copies it out of the pool and returns (namespace
-        digest, payload bytes); the tier calls it only for a block it keeps.
+        raises).  `copy(dst)` copies it out of the pool into `dst` (a
+        writable buffer of nbytes) and returns its namespace digest; the
+        tier calls it only for a block it keeps.
         Returns whether the block was taken."""
         return False
 

@@ -9,6 +9,8 @@ METRIC_COUNTERS = (
     ("written_blocks", "written", "Blocks this process wrote to the spill store."),
     ("written_bytes", "written_bytes", "Payload bytes this process wrote to the spill store."),
     ("hits", "hits", "Spilled blocks this process read back and verified."),
+    ("queued_hits", "queued_hits",
+     "Of the hits, blocks read from the writer queue before they reached the disk."),
     ("misses", "misses", "Spilled blocks looked for and not found."),
     ("promoted_blocks", "promoted", "Spilled blocks stored back into the pool."),
     ("promote_failed", "promote_failed", "Promotions the pool refused (pinned full, quota)."),

@@ -102,6 +102,9 @@ class SpillStore(Tier):
         self._index = Index(READER_INDEX if self.mode == "reader" else None)
         self._pending = 0                 # payload bytes queued, not yet written
         self._queued: set[bytes] = set()
+        # key -> (namespace digest, payload) of the blocks put() queued and
+        # the writers have not finished: a hit from memory meanwhile
+        self._inflight: dict[bytes, tuple] = {}
         self._logged: set[str] = set()
         self.counters = collections.Counter()
         self._cmu = threading.Lock()           # counters (bumped with or without _mu)
@@ -116,8 +119,13 @@ class SpillStore(Tier):
         self._files: dict[int, files.SlotFile] = {}   # slot bytes -> its slot file
         self._retired: list[files.SlotFile] = []      # replaced (made again): closed at close
         self._gen = -1                          # DIR/.usage's slot-file generation seen
-        self._bmu = threading.Lock()            # guards _bufs
+        self._bmu = threading.Lock()            # guards _bufs and _spare
         self._bufs: dict[int, list] = {}        # fetch's reusable buffers, by size
+        # take()'s copy buffers back from the writers, by size (at most
+        # queue_bytes of them): a copy under the pool lock into fresh memory
+        # faults every page in (2 GB/s here), into a reused one it does not
+        self._spare: dict[int, list] = {}
+        self._spare_bytes = 0
         try:
             self._open(mode)
         except SpillDirBusy:
@@ -595,7 +603,10 @@ class SpillStore(Tier):
             return True
 
     def put(self, key: bytes, ns_digest: bytes, payload: bytes) -> None:
-        """Hand a reserved block's bytes to the writer thread (never blocks)."""
+        """Hand a reserved block's bytes to the writer thread (never blocks);
+        until it is written (or dropped) a fetch of it reads it from here."""
+        with self._mu:
+            self._inflight[key] = (ns_digest, payload)
         self._q.put((key, ns_digest, payload))
 
     def unreserve(self, key: bytes, nbytes: int) -> None:
@@ -610,21 +621,41 @@ class SpillStore(Tier):
         return True
 
     def take(self, key: bytes, nbytes: int, copy) -> bool:
-        """The Tier's eviction hand-off: reserve, copy out of the pool, queue
-        (a failed copy is dropped, counted `dropped_copy`)."""
+        """The Tier's eviction hand-off: reserve, copy out of the pool into
+        a buffer the writers gave back (or a new one), queue (a failed copy
+        is dropped, counted `dropped_copy`)."""
         try:
             if not self.reserve(key, nbytes):
                 return False
         except Exception:                             # pragma: no cover - defensive
             return False
+        buf = self._spare_buffer(nbytes)
         try:
-            ns_digest, data = copy()
+            ns_digest = copy(buf)
         except Exception as err:                      # pragma: no cover - defensive
+            self._give_back([buf])
             self.unreserve(key, nbytes)
             self._fail("copy", err)
             return False
-        self.put(key, ns_digest, data)
+        self.put(key, ns_digest, buf)
         return True
+
+    def _spare_buffer(self, nbytes: int) -> "_CopyBuffer":
+        with self._bmu:
+            free = self._spare.get(nbytes)
+            if free:
+                self._spare_bytes -= nbytes
+                return free.pop()
+        return _CopyBuffer(nbytes)
+
+    def _give_back(self, payloads) -> None:
+        """take()'s buffers among `payloads` (written or dropped: nothing
+        refers to them any more) to the spare list, up to queue_bytes."""
+        with self._bmu:
+            for b in payloads:
+                if type(b) is _CopyBuffer and self._spare_bytes + len(b) <= self.queue_bytes:
+                    self._spare.setdefault(len(b), []).append(b)
+                    self._spare_bytes += len(b)
 
     # -- the writer threads and the owner's maintenance -------------------------------------
     def _writer(self) -> None:
@@ -655,6 +686,8 @@ class SpillStore(Tier):
                     for it in items:
                         self._pending -= len(it[2])
                         self._queued.discard(it[0])
+                        self._inflight.pop(it[0], None)
+                self._give_back([it[2] for it in items])
                 for _ in batch:
                     self._q.task_done()
             if len(items) < len(batch):
@@ -871,12 +904,20 @@ class SpillStore(Tier):
         per key."""
         if self.mode == "owner":
             with self._mu:
-                return self._index.run(keys)
+                n = self._index.run(keys)
+                while n < len(keys) and self._inflight:
+                    m = n
+                    while m < len(keys) and bytes(keys[m]) in self._inflight:
+                        m += 1
+                    if m == n:
+                        break
+                    n = m + self._index.run(keys[m:])
+                return n
         n = 0
         for k in keys:
             kb = bytes(k)
             with self._mu:
-                if kb in self._index:
+                if kb in self._index or kb in self._inflight:
                     n += 1
                     continue
             loc = self.locate_slot(kb)
@@ -895,11 +936,28 @@ class SpillStore(Tier):
         finally:
             self._bump("read_s", time.perf_counter() - t0)
 
+    def _queued_copy(self, key: bytes, ns_digest: bytes, length: int) -> memoryview | None:
+        """A copy of block `key` while it waits for the writers (the bytes
+        the evictor copied out of the pool), or None.  Copied under the
+        lock: the writers take the entry out under it before the buffer is
+        reused."""
+        with self._mu:
+            ent = self._inflight.get(key)
+            if ent is None or ent[0] != ns_digest or len(ent[1]) != length:
+                return None
+            buf = aligned_buffer(length)
+            buf[:] = np.frombuffer(ent[1], dtype=np.uint8)
+        self._bump("hits", 1)
+        self._bump("queued_hits", 1)
+        return memoryview(buf)
+
     def _get(self, key: bytes, ns_digest: bytes, length: int) -> memoryview | None:
         where = self._where(key, length)
         if where is None:
-            self._bump("misses", 1)
-            return None
+            b = self._queued_copy(key, ns_digest, length)
+            if b is None:
+                self._bump("misses", 1)
+            return b
         sf, slot = where
         buf = np.empty(length, dtype=np.uint8)       # not zeroed: read over at once
         snap = bytearray(files.SNAP)
@@ -957,7 +1015,9 @@ class SpillStore(Tier):
         the slot file's mapping, checksummed in the same pass, into buffers
         reused across calls); the first block
         that does not verify goes through get() (a miss, freed when
-        corrupt; the run ends there unless get() finds it after all)."""
+        corrupt; the run ends there unless get() finds it after all), as
+        does one still waiting for this process's writers (copied from
+        the queue)."""
         out: list = []
         if not self.run(keys[:1]):
             return out
@@ -1094,10 +1154,17 @@ class SpillStore(Tier):
 
 
 #: the counters stats() reports (beside the figures and "dropped", their sum)
-COUNTERS = ("written", "written_bytes", "hits", "misses", "corrupt", "evicted", "second_chance",
-            "discovered", "already", "promoted", "promote_failed", "dropped_queue-full",
+COUNTERS = ("written", "written_bytes", "hits", "queued_hits", "misses", "corrupt", "evicted",
+            "second_chance", "discovered", "already", "promoted", "promote_failed",
+            "dropped_queue-full",
             "dropped_store-full", "dropped_disk", "dropped_copy", "dropped_gone")
 DROP_REASONS = ("queue-full", "store-full", "disk", "copy", "gone")
+
+
+class _CopyBuffer(bytearray):
+    """A buffer take() copied an evicted block into: given back to the
+    store's spare list once written or dropped."""
+    __slots__ = ()
 
 
 def aligned_buffer(length: int) -> np.ndarray:
