@@ -40,6 +40,7 @@ from cxlkv.kv.tiers.spill import store as spill_store
 MiB = harness.MiB
 BB = 256 * 1024
 RUN = 8                      # blocks per sequence (a promotion fetches such a run)
+COLD_MAX = 128 * MiB         # bytes of each round of reads from the disk
 
 
 def mkpool(path, size):
@@ -153,6 +154,70 @@ def interleaved(d, nbytes, chunk=32 * MiB):
     return {**{k: (n / v if v else 0.0) for k, v in t.items()},
             "helper_share": hu / (hu + cu) if hu + cu else 0.0, "helpers": h1["helpers"],
             "paths": paths}
+
+
+def _drop_cached(root) -> None:
+    """Write the files under `root` to disk and drop their pages from the
+    page cache (pages mapped into a process stay: the store's data mapping
+    is made on its first mapped read, after this)."""
+    for dirpath, _, names in os.walk(root):
+        for nm in names:
+            fd = os.open(os.path.join(dirpath, nm), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def cold_reads(d, nbytes, rounds):
+    """Reads from the disk rather than the page cache: per round a fresh
+    store and a raw file of the same blocks, both written, synced and
+    dropped from the page cache; then the raw file read back (a pread per
+    256 KiB block) and the store's fetch + verify of runs of 8 blocks, the
+    order turning each round, the cache dropped again between the two.
+    Bytes/s of each, per round."""
+    buf = os.urandom(BB)
+    out = []
+    for r in range(rounds):
+        root = os.path.join(d, "cold")
+        os.makedirs(root)
+        st = spill.SpillStore(os.path.join(root, "store"), 4 * nbytes, queue_bytes=2 * nbytes)
+        try:
+            keys = [os.urandom(16) for _ in range(nbytes // BB)]
+            for k in keys:
+                if not st.offer(k, b"c" * 16, buf):
+                    raise RuntimeError("spill bench: the store refused a block (cold reads)")
+            st.flush()
+            raw_f = os.path.join(root, "raw.dat")
+            fd = os.open(raw_f, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                for _ in keys:
+                    os.write(fd, buf)
+                t = {}
+                for what in (("raw", "store") if r % 2 == 0 else ("store", "raw")):
+                    _drop_cached(root)
+                    t0 = time.perf_counter()
+                    if what == "raw":
+                        for i in range(len(keys)):
+                            if len(os.pread(fd, BB, i * BB)) != BB:
+                                raise RuntimeError("spill bench: short raw read")
+                    else:
+                        for i in range(0, len(keys), RUN):
+                            if len(st.fetch(keys[i:i + RUN], b"c" * 16, BB)) != \
+                                    len(keys[i:i + RUN]):
+                                raise RuntimeError("spill bench: a block offered to the store "
+                                                   "is not there (cold reads)")
+                    t[what] = len(keys) * BB / (time.perf_counter() - t0)
+            finally:
+                os.close(fd)
+            out.append({"raw_read_Bps": t["raw"], "store_read_Bps": t["store"],
+                        "store_vs_raw_read": t["store"] / t["raw"],
+                        "read_path": st.stats()["read_path"]})
+        finally:
+            st.close()
+            shutil.rmtree(root)
+    return out
 
 
 def raw_files(d, nbytes):
@@ -329,6 +394,8 @@ def run(a, progress) -> dict:
                            "store_vs_raw_read_run_bufs": f["store_r"] / f["bufs_r"],
                            "direct_vs_raw_write": f["dir_w"] / f["raw_w"],
                            "direct_vs_raw_read": f["dir_r"] / f["raw_r"]})
+        progress("reads from the disk (page cache dropped)")
+        cold = cold_reads(d, min(nbytes, COLD_MAX), max(1, a.rounds))
         progress("raw I/O")
         rw, rr = raw_io(d, nbytes)
         progress("spill and promote")
@@ -357,6 +424,10 @@ def run(a, progress) -> dict:
                 "read_paths_taken": [r["read_path"] for r in rounds],
                 "helper_unit_share": med["helper_unit_share"],
                 "store_write_Bps": med["store_write_Bps"], "store_read_Bps": med["store_read_Bps"],
+                "cold_rounds": cold,
+                "store_vs_raw_read_cold": statistics.median(c["store_vs_raw_read"] for c in cold),
+                "cold_raw_read_Bps": statistics.median(c["raw_read_Bps"] for c in cold),
+                "cold_store_read_Bps": statistics.median(c["store_read_Bps"] for c in cold),
                 "raw_write_Bps": (rw, rw2), "raw_read_Bps": (rr, rr2), **sp,
                 "spill_vs_raw_write": sp["spill_write_Bps"] / ((rw + rw2) / 2),
                 "promote_vs_raw_read": sp["promote_Bps"] / ((rr + rr2) / 2),
@@ -372,6 +443,7 @@ def render(rep: dict) -> str:
     G = 1 << 30
     (rw, rw2), (rr, rr2) = rep["raw_write_Bps"], rep["raw_read_Bps"]
     fw, fr = rep["raw_files_write_Bps"], rep["raw_files_read_Bps"]
+    cold = ", ".join(f"{c['store_vs_raw_read']:.2f}" for c in rep["cold_rounds"])
     lines = [f"disk dir {rep['dir']}"]
     for i, r in enumerate(rep["rounds"]):
         lines.append(
@@ -395,6 +467,10 @@ def render(rep: dict) -> str:
         f"fetch+verify {rep['store_vs_raw_read']:.2f}x a raw read "
         f"({rep['store_vs_raw_read_run_bufs']:.2f}x one into a run's 8 reused buffers); O_DIRECT "
         f"{rep['direct_vs_raw_write']:.2f}x / {rep['direct_vs_raw_read']:.2f}x buffered",
+        f"from the disk (page cache dropped, {len(rep['cold_rounds'])} rounds): store "
+        f"fetch+verify {rep['cold_store_read_Bps'] / G:.2f} GiB/s, raw read "
+        f"{rep['cold_raw_read_Bps'] / G:.2f} GiB/s: {rep['store_vs_raw_read_cold']:.2f}x "
+        f"(rounds {cold})",
         f"CPU per byte (the process's, medians): store write {rep['store_vs_raw_write_cpu']:.2f}x, "
         f"store read {rep['store_vs_raw_read_cpu']:.2f}x the raw I/O's bytes per CPU second "
         f"({rep['read_helpers']} read helper threads took {rep['helper_unit_share']:.0%} of the "
