@@ -463,8 +463,8 @@ class RemoteClient:
     def push(self, key, ns_digest: bytes, payload) -> bool:
         """Queue block `key` of namespace `ns_digest` for writing (a payload
         that is `bytes` is kept as it is - immutable - any other buffer is
-        copied before returning).  False: dropped (counted) or already
-        queued."""
+        copied before returning; its header and checksum are made by the
+        sender).  False: dropped (counted) or already queued."""
         key = _keys16([key])[0]
         ns_digest = _digest16(ns_digest)
         size = value.HEADER_SIZE + memoryview(payload).nbytes
@@ -485,12 +485,14 @@ class RemoteClient:
             self._drop(kind)
             return False
         try:
-            val = value.encode_parts(key, ns_digest, payload)
+            # the header (and the payload's checksum) is made by the sender,
+            # off the caller's thread
+            data = payload if type(payload) is bytes else bytes(memoryview(payload).cast("B"))
         except Exception:
             self._release([(None, key, None, size)])
             raise
         with self._mu:
-            self._q.append((self._name(ns_digest, key), key, val, size))
+            self._q.append((self._name(ns_digest, key), key, (ns_digest, data), size))
             wake = not self._writer_busy and not self._wake_sent
             self._wake_sent = self._wake_sent or wake
         if wake:
@@ -573,18 +575,16 @@ class RemoteClient:
         if self._is_down():
             self._drop("unavailable", len(batch))
             return
-        # the fast path sends header and payload from their own buffers
-        items = [(name, val if self._fast is not None else val[0] + val[1])
-                 for name, _, val, _ in batch]
         wait_s = min(cfg.timeout_s, 5.0)
         try:
             if self._fast is not None:
                 vals, rep, failed, error = await asyncio.get_running_loop().run_in_executor(
-                    self._sender, self._fast.put_many, items, cfg.ttl_s, cfg.wait_replicas,
-                    wait_s)
+                    self._sender, self._put_fast, batch, wait_s)
                 res = Batch(vals, failed=failed, error=error,
                             replicated=rep if cfg.wait_replicas else None)
             else:
+                items = [(name, b"".join(value.encode_parts(key, nsd, data)))
+                         for name, key, (nsd, data), _ in batch]
                 res = await self.tier.put_many(items, cfg.ttl_s,
                                                wait_replicas=cfg.wait_replicas,
                                                wait_timeout_s=wait_s)
@@ -627,6 +627,13 @@ class RemoteClient:
         if cfg.wait_replicas and stored > repl:
             self._log_once("replicas", f"{stored - repl} pushed blocks not confirmed on "
                                        f"{cfg.wait_replicas} replica(s) within {wait_s:g} s")
+
+    def _put_fast(self, batch, wait_s: float):
+        """The sender thread: the batch's values made (header and payload
+        sent from their own buffers) and written by the fast path."""
+        items = [(name, value.encode_parts(key, nsd, data))
+                 for name, key, (nsd, data), _ in batch]
+        return self._fast.put_many(items, self.config.ttl_s, self.config.wait_replicas, wait_s)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued block is written or dropped; False if
