@@ -697,7 +697,7 @@ def test_a_block_read_from_the_queue_keeps_its_bytes_when_the_buffer_is_reused(t
 
         def copier(payload):
             def copy(dst):
-                dst[:] = payload
+                memoryview(dst).cast("B")[:] = payload
                 return ns
             return copy
 

@@ -646,7 +646,7 @@ class SpillStore(Tier):
             if free:
                 self._spare_bytes -= nbytes
                 return free.pop()
-        return _CopyBuffer(nbytes)
+        return _CopyBuffer.make(nbytes)
 
     def _give_back(self, payloads) -> None:
         """take()'s buffers among `payloads` (written or dropped: nothing
@@ -1161,10 +1161,13 @@ COUNTERS = ("written", "written_bytes", "hits", "queued_hits", "misses", "corrup
 DROP_REASONS = ("queue-full", "store-full", "disk", "copy", "gone")
 
 
-class _CopyBuffer(bytearray):
+class _CopyBuffer(np.ndarray):
     """A buffer take() copied an evicted block into: given back to the
     store's spare list once written or dropped."""
-    __slots__ = ()
+
+    @staticmethod
+    def make(nbytes: int) -> "_CopyBuffer":
+        return np.empty(nbytes, dtype=np.uint8).view(_CopyBuffer)
 
 
 def aligned_buffer(length: int) -> np.ndarray:
