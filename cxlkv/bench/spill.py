@@ -1,5 +1,6 @@
 """Spill tier figures: spill write and promote throughput vs raw
-sequential file I/O on the same disk (same run), and the hit rate of a trace
+sequential file I/O on the same disk (same run; reads both from the page
+cache and from the disk with the page cache dropped), and the hit rate of a trace
 larger than the pool without the spill tier, with it (this process owns the
 store) and as a reader of a store another process owns (as under
 `cxlkv serve --spill-dir`).
