@@ -370,3 +370,37 @@ def test_a_pipeline_ending_a_sendmsg_on_an_empty_value_is_sent_whole(monkeypatch
     finally:
         fc.close()
         srv.close()
+
+
+@needs_redis
+def test_wait_connected_returns_once_the_background_connection_is_up(cluster):
+    """The tier's connection (exists, names, INFO) is made in the background
+    at start; wait_connected() returns when it is up - what a bench or a
+    serving process waits for before its first timed call."""
+    with RemoteClient(cfg_of(cluster)) as rc:
+        assert rc.wait_connected(30.0)
+        assert rc.tier._rc is not None                  # connected, not connecting
+        assert rc.wait_connected(0.0)                   # and at once from then on
+
+
+def test_wait_connected_without_a_background_connection_returns_at_once():
+    """With a tier of the caller's (no fast path) nothing connects in the
+    background: nothing to wait for."""
+    class Quiet(RemoteTier):
+        async def put_many(self, items, ttl_s, wait_replicas=0, wait_timeout_s=1.0):
+            return Batch([True] * len(items))
+
+        async def get_many(self, names, budget_s):
+            return Batch([None] * len(names))
+
+        async def exists_many(self, names, budget_s):
+            return Batch([False] * len(names))
+
+        async def used_memory(self):
+            return 0
+
+        async def close(self):
+            pass
+
+    with RemoteClient(RemoteConfig(nodes=("127.0.0.1:1",)), tier=Quiet()) as rc:
+        assert rc.wait_connected(0.0)

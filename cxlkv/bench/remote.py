@@ -58,6 +58,8 @@ def tier_run(cfg, keys, vals, bs, batch, fast):
     tier = None if fast else (lambda: RedisClusterTier(cfg))
     with RemoteClient(cfg, tier=tier, batch_bytes=batch * (bs + 72), fast=fast) as rc:
         rc.lookup(NS, keys[:1], bs, 5.0)                       # connect
+        if not rc.wait_connected(10.0):                          # and the tier's connection
+            raise RuntimeError("remote bench: the client's tier did not connect in 10 s")
         t0 = time.perf_counter()
         for k, v in zip(keys, vals):
             while not rc.push(k, NS, v):                         # queue full: wait a little

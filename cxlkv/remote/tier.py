@@ -152,6 +152,7 @@ class RemoteClient:
         self._names_done: set[bytes] = set()
         self._naming: set = set()             # name records in flight (close waits)
         self._closed = False
+        self._warming: concurrent.futures.Future | None = None
         self.loop = asyncio.new_event_loop()
         self._wake: asyncio.Event | None = None
         #: the fast path (None: everything goes through the tier) and the
@@ -173,11 +174,26 @@ class RemoteClient:
                 # puts and lookups take the fast path; exists, names and INFO
                 # still go through the tier: connect it now, off any caller's
                 # budget (its first connection is a cluster discovery)
-                self._spawn(self._warm())
+                self._warming = self._spawn(self._warm())
         except BaseException:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(5.0)
             raise
+
+    def wait_connected(self, timeout: float | None = None) -> bool:
+        """Wait until the connection made in the background at start (the
+        tier's, which exists, names and INFO take while the fast path does
+        puts and lookups) is up or has failed; False if `timeout` seconds
+        passed first.  Nothing needs to wait for it: a call that needs it
+        meanwhile waits itself."""
+        fut = self._warming
+        if fut is None:
+            return True
+        try:
+            fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            return False
+        return True
 
     @property
     def fast(self) -> FastCluster | None:
