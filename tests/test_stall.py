@@ -711,6 +711,55 @@ def test_copies_stop_at_the_write_deadline(small_pool):
         assert m.read(int(offs[3]), 4096) == src[3 * 4096:]
 
 
+_DEADLINE_RUN = """
+import os, sys, time
+import numpy as np
+from cxlkv import _core
+path = sys.argv[1]
+fd = os.open(path, os.O_RDWR)
+m = _core.Mapping(fd, os.path.getsize(path))
+os.close(fd)
+offs = np.arange(16, dtype=np.uint64) * 4096
+src = bytes(range(256)) * 256
+span = 30_000_000                           # the deadline, 30 ms ahead
+d = time.monotonic_ns() + span
+m.write_deadline_ns = d
+calls = 0
+while True:
+    t0 = time.monotonic_ns()
+    n = m.write_blocks(offs, src, 4096)
+    calls += 1
+    if n < len(offs):
+        break
+    # a copy that began after the deadline must not have written anything
+    assert t0 <= d, ("wrote past the deadline", t0 - d)
+early = d - t0
+assert early <= span // 50, ("stopped too early", early)   # the TSC's margin is 1 %
+print(_core.cpu_info()["deadline_clock"], calls)
+"""
+
+
+@pytest.mark.parametrize("clock", ["auto", "clock"])
+def test_a_near_deadline_ends_copies_on_time_with_either_clock(tmp_path, clock):
+    """A deadline 30 ms ahead: copies go on until it, none starts after it,
+    and they stop no more than 2 % of it early - checked with the TSC where
+    the host allows it (auto) and with clock_gettime."""
+    p = tmp_path / "m.bin"
+    with open(p, "wb") as f:
+        f.truncate(1 << 20)
+    r = subprocess.run([sys.executable, "-c", _DEADLINE_RUN, str(p)], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "CXLKV_DEADLINE_CLOCK": clock})
+    assert r.returncode == 0, r.stderr
+    used, calls = r.stdout.split()
+    assert int(calls) > 1
+    if clock == "clock":
+        assert used == "clock"
+    else:
+        with open("/sys/devices/system/clocksource/clocksource0/current_clocksource") as f:
+            if f.read().strip() != "tsc":
+                assert used == "clock"
+
+
 def test_frees_stop_at_the_write_deadline_and_free_batch_goes_on_once_fresh(small_pool):
     with cxlkv.open_pool(small_pool, heartbeat=False) as pool:
         m = pool.mapping

@@ -19,7 +19,7 @@ except ImportError as e:  # pragma: no cover - depends on the build
 
 #: The interface version this Python code was written against; a stale or
 #: foreign build of the extension is refused at import.
-EXPECTED_ABI = 23
+EXPECTED_ABI = 24
 if _native.ABI_VERSION != EXPECTED_ABI:  # pragma: no cover - depends on the build
     raise ImportError(
         f"cxlkv C core ABI {_native.ABI_VERSION} does not match the Python code "
@@ -56,6 +56,7 @@ spill_helpers = _native.spill_helpers
 spill_helper_stats = _native.spill_helper_stats
 
 from cxlkv._core import copymode  # noqa: E402  (needs _native; sets the copy modes)
+from cxlkv._core import deadline_clock  # noqa: E402  (needs _native; picks the deadline clock)
 
 try:
     copymode.apply()                 # CXLKV_COPY, else this host's cached calibration
@@ -64,5 +65,5 @@ except UsageError as e:              # a bad CXLKV_COPY: the defaults, and say s
 
 __all__ = ["Mapping", "fence", "sfence", "cpu_info", "layout", "constants", "kv_chain", "kv_keys", "gather", "kv_copy",
            "spill_read", "spill_layout", "spill_helpers", "spill_helper_stats",
-           "copymode", "crashpoint",
+           "copymode", "deadline_clock", "crashpoint",
            "CRASH_ENABLED"]

@@ -339,7 +339,8 @@ def render(app: Application, rep: dict) -> None:
         ("size", f"{human_size(sb['pool_size'])} ({sb['pool_size']} bytes)"),
         ("sync", sb["sync"]),
         ("memory", f"{rep['memory_model']}; flush {rep['cpu']['flush']}, "
-                   f"invalidate {rep['cpu']['invalidate']}"),
+                   f"invalidate {rep['cpu']['invalidate']}; write deadlines by "
+                   f"{rep['cpu']['deadline_clock']}"),
         ("chunks", f"{sb['nchunks']} x {human_size(sb['chunk_size'])}"),
         ("nodes", f"{use['nodes_in_table']} of {sb['max_nodes']} slots in use, "
                   f"lease {sb['lease_ms'] / 1000:g}s, quarantine grace "

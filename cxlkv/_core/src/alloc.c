@@ -359,8 +359,13 @@ Mapping_slab_free(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
             err = "slot is not allocated (double free?)";
             break;
         }
-        bit_set(m, d + CD_DIRTY + w * 8, bit);
-        bit_clear(m, d + CD_PUB + w * 8, bit);
+        /* (each skipped where the bit is as wanted already - a slot freed
+         * unzeroed before stays dirty, one never published has no pub bit:
+         * nobody else writes this slot's bits while it is being freed) */
+        if (!(pool_load64(m, d + CD_DIRTY + w * 8) & bit))
+            bit_set(m, d + CD_DIRTY + w * 8, bit);
+        if (pool_load64(m, d + CD_PUB + w * 8) & bit)
+            bit_clear(m, d + CD_PUB + w * 8, bit);
         if (m->flush_meta && zero)      /* the begun free is visible before the zeroing */
             pool_flush(m, d + CD_ALLOC, 192);
         cxlkv_crashpoint("free.pub");   /* tests: a stall past the check, before zeroing */

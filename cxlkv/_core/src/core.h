@@ -108,9 +108,7 @@ write_deadline_passed(const Mapping *m)
     int64_t d = __atomic_load_n(&m->write_deadline_ns, __ATOMIC_RELAXED);
     if (d == 0)
         return 0;
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec > d;
+    return cxlkv_deadline_passed(d);
 }
 
 /* module.c: the exception types (set_error_types) */

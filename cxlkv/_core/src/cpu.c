@@ -3,8 +3,50 @@
 
 #include <stdlib.h>
 #include <strings.h>
+#include <time.h>
 
 struct cxlkv_cpu cxlkv_cpu;
+
+/* -- the write deadline's clock (see cpu.h) -------------------------------------------- */
+__thread struct cxlkv_dl_cache cxlkv_dl_cache __attribute__((tls_model("initial-exec")));
+static int tsc_invariant;           /* CPUID: the TSC ticks at one rate, also in sleep */
+int cxlkv_tsc_on;                   /* and Python said the kernel keeps time with it */
+static int64_t tsc_base_ns;         /* CLOCK_MONOTONIC and the TSC when the module loaded */
+static uint64_t tsc_base __attribute__((unused));
+#define TSC_CALIBRATE_NS 20000000ll  /* the rate is measured over at least this long */
+
+static int64_t
+mono_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+int
+cxlkv_deadline_tsc(int on)
+{
+    __atomic_store_n(&cxlkv_tsc_on, on && tsc_invariant, __ATOMIC_RELAXED);
+    return on && tsc_invariant;
+}
+
+int
+cxlkv_deadline_slow(int64_t deadline_ns)
+{
+    int64_t now = mono_now_ns();
+    if (now > deadline_ns)
+        return 1;
+#if defined(__x86_64__)
+    if (__atomic_load_n(&cxlkv_tsc_on, __ATOMIC_RELAXED) && now - tsc_base_ns >= TSC_CALIBRATE_NS) {
+        uint64_t t = __rdtsc();
+        double rate = (double)(t - tsc_base) / (double)(now - tsc_base_ns);   /* ticks/ns */
+        uint64_t left = (uint64_t)((double)(deadline_ns - now) * rate * 0.99);
+        cxlkv_dl_cache.deadline_ns = deadline_ns;
+        cxlkv_dl_cache.tsc = t + left;
+    }
+#endif
+    return 0;
+}
 
 const char *cxlkv_flush_name(enum cxlkv_flush_kind k)
 {
@@ -30,6 +72,11 @@ void cxlkv_cpu_init(void)
         cxlkv_cpu.has_clflushopt = (b >> 23) & 1;
         cxlkv_cpu.has_clwb = (b >> 24) & 1;
     }
+    if (__get_cpuid(0x80000000, &a, &b, &c, &d) && a >= 0x80000007 &&
+        __get_cpuid(0x80000007, &a, &b, &c, &d))
+        tsc_invariant = (d >> 8) & 1;
+    tsc_base_ns = mono_now_ns();
+    tsc_base = __rdtsc();
     __builtin_cpu_init();
     cxlkv_cpu.has_avx2 = __builtin_cpu_supports("avx2");
     cxlkv_cpu.has_avx512f = __builtin_cpu_supports("avx512f");

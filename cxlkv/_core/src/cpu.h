@@ -118,6 +118,37 @@ extern int cxlkv_write_clwb;
 void cxlkv_cpu_init(void);
 const char *cxlkv_flush_name(enum cxlkv_flush_kind k);
 
+/* The write deadline's clock (cpu.c).  Checking a deadline before every
+ * slot or block with clock_gettime costs ~20 ns a time; where the TSC is
+ * invariant and the kernel keeps time with it (cxlkv_deadline_tsc(1), from
+ * Python once it has read the clocksource), a deadline is turned into a TSC
+ * value once (on its first check: one clock_gettime and one rdtsc, the rate
+ * measured against CLOCK_MONOTONIC since the module loaded, the remaining
+ * time cut by 1% so that an error in the rate ends it early, never late)
+ * and each later check of the same deadline is one rdtsc (~9 ns).  The TSC
+ * goes on counting while a process is stopped, so a stall ends it as it
+ * ends the clock.  Before 20 ms have passed since load, or elsewhere: the
+ * clock.  -> 1 once `deadline_ns` (CLOCK_MONOTONIC) has passed. */
+struct cxlkv_dl_cache {
+    int64_t deadline_ns;       /* the deadline this thread turned into ... */
+    uint64_t tsc;              /* ... this TSC value (0: none) */
+};
+extern __thread struct cxlkv_dl_cache cxlkv_dl_cache __attribute__((tls_model("initial-exec")));
+extern int cxlkv_tsc_on;
+int cxlkv_deadline_slow(int64_t deadline_ns);
+/* on: use the TSC where this CPU's is invariant; -> whether it is used */
+int cxlkv_deadline_tsc(int on);
+
+static inline int cxlkv_deadline_passed(int64_t deadline_ns)
+{
+#if defined(__x86_64__)
+    if (cxlkv_dl_cache.deadline_ns == deadline_ns && cxlkv_dl_cache.tsc &&
+        __atomic_load_n(&cxlkv_tsc_on, __ATOMIC_RELAXED))
+        return __rdtsc() > cxlkv_dl_cache.tsc;
+#endif
+    return cxlkv_deadline_slow(deadline_ns);
+}
+
 /* Copy into pool memory.  Large copies use non-temporal stores (which bypass
  * the cache, so they also serve as the flush); the unaligned head and tail
  * are copied normally and flushed.  Ends with a store fence. */

@@ -17,7 +17,7 @@
 /* Bump when the Python-visible interface changes; cxlkv/_core/__init__.py
  * refuses to import a build with a different number (a stale build must fail
  * loudly, not strangely). */
-#define CXLKV_NATIVE_ABI 23
+#define CXLKV_NATIVE_ABI 24
 
 PyObject *cxlkv_RangeError;   /* set by _native.set_error_types() */
 PyObject *cxlkv_CorruptError; /* impossible pool metadata; set by set_error_types() */
@@ -45,7 +45,9 @@ static PyObject *
 mod_cpu_info(PyObject *self, PyObject *Py_UNUSED(ignored))
 {
     (void)self;
-    return Py_BuildValue("{s:O,s:O,s:O,s:O,s:O,s:s,s:s}",
+    return Py_BuildValue("{s:s,s:O,s:O,s:O,s:O,s:O,s:s,s:s}",
+                         "deadline_clock",
+                         __atomic_load_n(&cxlkv_tsc_on, __ATOMIC_RELAXED) ? "tsc" : "clock",
                          "clflush", cxlkv_cpu.has_clflush ? Py_True : Py_False,
                          "clflushopt", cxlkv_cpu.has_clflushopt ? Py_True : Py_False,
                          "clwb", cxlkv_cpu.has_clwb ? Py_True : Py_False,
@@ -53,6 +55,16 @@ mod_cpu_info(PyObject *self, PyObject *Py_UNUSED(ignored))
                          "avx512f", cxlkv_cpu.has_avx512f ? Py_True : Py_False,
                          "flush", cxlkv_flush_name(cxlkv_cpu.flush),
                          "invalidate", cxlkv_flush_name(cxlkv_cpu.invalidate));
+}
+
+static PyObject *
+mod_deadline_tsc(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    int on = PyObject_IsTrue(arg);
+    if (on < 0)
+        return NULL;
+    return PyBool_FromLong(cxlkv_deadline_tsc(on));
 }
 
 static PyObject *
@@ -207,7 +219,8 @@ static PyMethodDef module_methods[] = {
      "crashpoint(site): SIGKILL this process at the Nth pass when CXLKV_CRASH_AT=site:N, "
      "SIGSTOP it when CXLKV_PAUSE_AT=site:N"},
     {"sfence", mod_sfence, METH_NOARGS, "store fence"},
-    {"cpu_info", mod_cpu_info, METH_NOARGS, "CPU features and the flush/invalidate instructions in use"},
+    {"cpu_info", mod_cpu_info, METH_NOARGS, "CPU features, the flush/invalidate instructions in use and the write deadline's clock"},
+    {"deadline_tsc", mod_deadline_tsc, METH_O, "deadline_tsc(on) -> used: check write deadlines with the TSC where this CPU's is invariant (on: the kernel keeps time with it), else with clock_gettime"},
     {"layout", mod_layout, METH_NOARGS, "on-media structure offsets and sizes, from the C header"},
     {"constants", mod_constants, METH_NOARGS, "on-media constants, from the C header"},
     {"set_error_types", mod_set_error_types, METH_VARARGS,
