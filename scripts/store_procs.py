@@ -9,9 +9,11 @@ given their memory first (4 GiB in all: with --separate, K pools of 4/K GiB,
 so nothing is shared between the processes - no pool lock, no host lock, no
 cache line of pool metadata).  Prints stores/s of all processes together,
 and per store: CPU (user, sys), page faults, voluntary and involuntary
-context switches.  Comparing K=8 with K=2, shared and --separate, tells the
-cost of sharing a pool apart from what running four times more processes
-than cores costs by itself.
+context switches; and how idle the CPUs were over the window.  Comparing
+K=8 with K=2, shared and --separate, tells the cost of sharing a pool apart
+from what running four times more processes than cores costs by itself.
+SECONDS 0.5 as the bench: at 25-30 K stores/s of 128 KiB the 4 GiB fill
+past the low watermark in about a second, and stores then evict.
 """
 import argparse
 import multiprocessing as mp
@@ -74,6 +76,12 @@ def one_run(k: int, seconds: float, separate: bool, d: str) -> dict:
              for i in range(k)]
     for p in procs:
         p.start()
+    # the CPUs' idle share over the window (all processes blocked at once:
+    # a lock convoy leaves a CPU idle although there is work)
+    time.sleep(max(0.0, t0 + 0.05 * seconds - time.time()))
+    i0 = _cpu_idle()
+    time.sleep(0.9 * seconds)
+    i1 = _cpu_idle()
     res = [q.get() for _ in procs]
     for p in procs:
         p.join()
@@ -82,7 +90,15 @@ def one_run(k: int, seconds: float, separate: bool, d: str) -> dict:
     n = sum(r[0] for r in res)
     per = lambda j, scale=1.0: sum(r[j] for r in res) / n * scale   # noqa: E731
     return {"stores_per_s": n / seconds, "user_us": per(1, 1e6), "sys_us": per(2, 1e6),
-            "faults": per(3), "vol_csw": per(4), "invol_csw": per(5)}
+            "faults": per(3), "vol_csw": per(4), "invol_csw": per(5),
+            "idle": (i1[0] - i0[0]) / max(1, i1[1] - i0[1])}
+
+
+def _cpu_idle() -> tuple[int, int]:
+    """(idle + iowait ticks, all ticks) of all CPUs so far (/proc/stat)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return v[3] + v[4], sum(v)
 
 
 def main() -> None:
@@ -98,7 +114,8 @@ def main() -> None:
             print(f"K={a.k} {'separate' if a.separate else 'shared'} "
                   f"stores/s={r['stores_per_s']:.0f} per store: user {r['user_us']:.1f} us "
                   f"sys {r['sys_us']:.1f} us faults {r['faults']:.1f} "
-                  f"vol csw {r['vol_csw']:.3f} invol csw {r['invol_csw']:.3f}", flush=True)
+                  f"vol csw {r['vol_csw']:.3f} invol csw {r['invol_csw']:.3f} "
+                  f"CPUs idle {r['idle']:.1%}", flush=True)
 
 
 if __name__ == "__main__":
