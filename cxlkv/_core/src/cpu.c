@@ -39,9 +39,14 @@ cxlkv_deadline_slow(int64_t deadline_ns)
 #if defined(__x86_64__)
     if (__atomic_load_n(&cxlkv_tsc_on, __ATOMIC_RELAXED) && now - tsc_base_ns >= TSC_CALIBRATE_NS) {
         uint64_t t = __rdtsc();
+        if (t <= tsc_base)
+            return 0;                   /* the TSC went back (a suspend reset it): the clock */
         double rate = (double)(t - tsc_base) / (double)(now - tsc_base_ns);   /* ticks/ns */
+        if (!(rate > 0.05 && rate < 100.0))
+            return 0;                   /* not a TSC that ticks with time: the clock */
         uint64_t left = (uint64_t)((double)(deadline_ns - now) * rate * 0.99);
         cxlkv_dl_cache.deadline_ns = deadline_ns;
+        cxlkv_dl_cache.tsc_from = t;
         cxlkv_dl_cache.tsc = t + left;
     }
 #endif

@@ -131,7 +131,9 @@ const char *cxlkv_flush_name(enum cxlkv_flush_kind k);
  * clock.  -> 1 once `deadline_ns` (CLOCK_MONOTONIC) has passed. */
 struct cxlkv_dl_cache {
     int64_t deadline_ns;       /* the deadline this thread turned into ... */
-    uint64_t tsc;              /* ... this TSC value (0: none) */
+    uint64_t tsc;              /* ... this TSC value (0: none), ... */
+    uint64_t tsc_from;         /* ... when the TSC read this (a TSC below it - reset
+                                * by a suspend, say - sends the check to the clock) */
 };
 extern __thread struct cxlkv_dl_cache cxlkv_dl_cache __attribute__((tls_model("initial-exec")));
 extern int cxlkv_tsc_on;
@@ -143,8 +145,11 @@ static inline int cxlkv_deadline_passed(int64_t deadline_ns)
 {
 #if defined(__x86_64__)
     if (cxlkv_dl_cache.deadline_ns == deadline_ns && cxlkv_dl_cache.tsc &&
-        __atomic_load_n(&cxlkv_tsc_on, __ATOMIC_RELAXED))
-        return __rdtsc() > cxlkv_dl_cache.tsc;
+        __atomic_load_n(&cxlkv_tsc_on, __ATOMIC_RELAXED)) {
+        uint64_t t = __rdtsc();
+        if (t >= cxlkv_dl_cache.tsc_from)
+            return t > cxlkv_dl_cache.tsc;
+    }
 #endif
     return cxlkv_deadline_slow(deadline_ns);
 }
