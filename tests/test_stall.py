@@ -735,6 +735,13 @@ while True:
     assert t0 <= d, ("wrote past the deadline", t0 - d)
 early = d - t0
 assert early <= span // 50, ("stopped too early", early)   # the TSC's margin is 1 %
+# the guard's check agrees with the copies' from then on: stale, so it beats
+# (a copy stopped at once and called again with the same deadline would spin)
+assert not m.node_fresh(8 * 1024 * 16, 0, d)
+# and while the copies go on, it says fresh
+d2 = time.monotonic_ns() + span
+m.write_deadline_ns = d2
+assert m.write_blocks(offs, src, 4096) == len(offs) and m.node_fresh(8 * 1024 * 16, 0, d2)
 print(_core.cpu_info()["deadline_clock"], calls)
 """
 
@@ -742,8 +749,9 @@ print(_core.cpu_info()["deadline_clock"], calls)
 @pytest.mark.parametrize("clock", ["auto", "clock"])
 def test_a_near_deadline_ends_copies_on_time_with_either_clock(tmp_path, clock):
     """A deadline 30 ms ahead: copies go on until it, none starts after it,
-    and they stop no more than 2 % of it early - checked with the TSC where
-    the host allows it (auto) and with clock_gettime."""
+    and they stop no more than 2 % of it early, and the guard's freshness
+    check (node_fresh) says stale as soon as they stop - checked with the
+    TSC where the host allows it (auto) and with clock_gettime."""
     p = tmp_path / "m.bin"
     with open(p, "wb") as f:
         f.truncate(1 << 20)

@@ -745,8 +745,9 @@ Mapping_set_guard(Mapping *m, PyObject *fn)
     Py_RETURN_NONE;
 }
 
-/* node_fresh(off, word, deadline_ns) -> True when CLOCK_MONOTONIC has not
- * passed deadline_ns (the attached node's freshness, which the caller keeps)
+/* node_fresh(off, word, deadline_ns) -> True when deadline_ns (CLOCK_MONOTONIC;
+ * the attached node's freshness, which the caller keeps) has not passed by
+ * the copies' own check (write_deadline_passed)
  * and the word at off, invalidated first, is `word` (its state word: not
  * fenced meanwhile).  False means nothing: the caller runs the full check
  * (Attachment.guard beats or raises). */
@@ -758,9 +759,11 @@ Mapping_node_fresh(Mapping *m, PyObject *const *args, Py_ssize_t nargs)
         as_u64(args[0], &off, "offset") < 0 || as_u64(args[1], &want, "word") < 0 ||
         as_u64(args[2], &deadline, "deadline_ns") < 0 || check_word(m, off, "node_fresh") < 0)
         return NULL;
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    if ((uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec > deadline)
+    /* the copies' own check (the TSC's may end a deadline up to 1 % early:
+     * then this says stale too, and the guard beats rather than letting a
+     * copy that stops at once be called again and again) */
+    if (deadline == 0 || deadline > (uint64_t)INT64_MAX ||
+        cxlkv_deadline_passed((int64_t)deadline))
         Py_RETURN_FALSE;
     pool_invalidate(m, off, 8);
     if (pool_load64(m, off) != want)
