@@ -150,7 +150,8 @@ def _slot_size(pool, off: int) -> int:
     m.invalidate(base + head * layout.CHUNK_DESC_SIZE, layout.CHUNK_DESC_SIZE)
     if m.load64(base + head * layout.CHUNK_DESC_SIZE) & 0xFF != layout.CHUNK_HEAD:
         return 0
-    return int(m.load64(base + head * layout.CHUNK_DESC_SIZE + layout.field_offset(layout.ChunkStruct, "slot_size")))
+    slot_size = layout.field_offset(layout.ChunkStruct, "slot_size")
+    return int(m.load64(base + head * layout.CHUNK_DESC_SIZE + slot_size))
 
 
 def repair_kv(pool, rep, live: set[int]) -> None:
