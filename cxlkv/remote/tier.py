@@ -503,7 +503,7 @@ class RemoteClient:
         try:
             # the header (and the payload's checksum) is made by the sender,
             # off the caller's thread
-            data = payload if type(payload) is bytes else bytes(memoryview(payload).cast("B"))
+            data = value.payload_bytes(payload)
         except Exception:
             self._release([(None, key, None, size)])
             raise

@@ -64,10 +64,15 @@ def encode(key, ns_digest, payload) -> bytes:
     return header(key, ns_digest, payload) + payload
 
 
+def payload_bytes(payload) -> bytes:
+    """`payload` itself when it is bytes (immutable: no copy), else one copy
+    of its bytes."""
+    return payload if type(payload) is bytes else bytes(memoryview(payload).cast("B"))
+
+
 def encode_parts(key, ns_digest, payload) -> tuple[bytes, bytes]:
-    """(header, payload) of the value, the payload as bytes: `payload` itself
-    when it is bytes (immutable: no copy), else one copy of it."""
-    data = payload if type(payload) is bytes else bytes(memoryview(payload).cast("B"))
+    """(header, payload) of the value, the payload as bytes (payload_bytes)."""
+    data = payload_bytes(payload)
     return header(key, ns_digest, data), data
 
 
