@@ -40,9 +40,13 @@ WRITERS = 2
 #: claim their slots, one to publish them; adjacent slots in one pwritev)
 BATCH_BLOCKS = 32
 BATCH_BYTES = 8 << 20
-#: adjacent slots are written with one pwritev up to this many bytes (larger
-#: single writes met the kernel's dirty-page throttling harder here)
-WRITE_BYTES = 1 << 20
+#: adjacent slots are written with one pwritev up to this many bytes.  Larger
+#: calls met the kernel's dirty-page throttling here: bursts of 1 MiB calls
+#: were paused 2.4-4.7 ms a call from 160-320 MiB dirty on (about 0.4 GiB/s),
+#: in 5 of 11 bursts of 256 MiB and 2 of 2 of 1 GiB, calls of 256 or 512 KiB
+#: in none (Linux 6.18, ext4, 2026-12-07: scripts/write_sizes.py); 8 MiB
+#: calls were worse still
+WRITE_BYTES = 512 << 10
 #: buffers fetch keeps per block size for reuse (see SpillStore._buffers)
 FETCH_BUFFERS = 64
 #: fetch's buffers start on a page (4 KiB) boundary: the kernel's copy into
