@@ -28,6 +28,7 @@ import subprocess
 import time
 
 import numpy as np
+import xxhash
 
 import cxlkv
 from cxlkv import _core
@@ -71,13 +72,15 @@ def interleaved(d, nbytes, chunk=32 * MiB):
     """The spill store alone against raw sequential I/O and raw O_DIRECT I/O
     of the same bytes, in alternating chunks (a shared disk stalls for a
     while now and then: each stall lands on all of them alike).  Writes: raw
-    appends to one file (no fsync, as the spill writers), the store's offer
+    sequential writes of one file (no fsync, as the spill writers), the store's offer
     of the chunk's 256 KiB blocks and its writers drained, O_DIRECT appends;
     reads: the raw file read back (a new bytes object per 256 KiB pread, as
     the issue's baseline), the store's fetch (read + verify) of runs of 8
     blocks as promotion asks for them, the O_DIRECT file read back, and the
     raw file read back into 8 reused buffers, one per block of a run (the
-    destination the store's fetch has: a run's blocks are alive together).
+    destination the store's fetch has: a run's blocks are alive together),
+    and that again with an xxh3-64 of each block after its read (the least
+    a verified read does: the store's check is that hash).
     Returns bytes/s for each, and bytes per CPU second of the process (all
     its threads: the store's writers and read helpers count) for the raw
     and store phases ("*_cpu"), and the units the read helpers took."""
@@ -89,7 +92,8 @@ def interleaved(d, nbytes, chunk=32 * MiB):
     keys = [os.urandom(16) for _ in range(nbytes // BB)]
     per = chunk // BB
     runbufs = [np.empty(BB, dtype=np.uint8) for _ in range(RUN)]
-    t = dict.fromkeys(("raw_w", "store_w", "dir_w", "raw_r", "store_r", "dir_r", "bufs_r",
+    want = xxhash.xxh3_64_intdigest(buf)               # every block's checksum
+    t = dict.fromkeys(("raw_w", "store_w", "dir_w", "raw_r", "store_r", "dir_r", "bufs_r", "sum_r",
                        "raw_w_cpu", "store_w_cpu", "raw_r_cpu", "store_r_cpu"), 0.0)
     h0 = _core.spill_helper_stats()
     rfd = os.open(raw_f, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -99,23 +103,26 @@ def interleaved(d, nbytes, chunk=32 * MiB):
         dfd = None
     try:
         for c in range(0, len(keys), per):
-            c0, t0 = time.process_time(), time.perf_counter()
-            for _ in range(per):
-                os.write(rfd, buf)
-            c1, t1 = time.process_time(), time.perf_counter()
-            for k in keys[c:c + per]:
-                st.offer(k, b"n" * 16, buf)
-            st.flush()
-            c2, t2 = time.process_time(), time.perf_counter()
+            # the raw and the store's writes, the order turning each chunk:
+            # the one that takes the page cache past the kernel's dirty
+            # threshold is throttled (at a process's start its disk's share
+            # of that threshold is small: 160-190 MiB here, 2026-12-07)
+            for what in (("raw", "store") if (c // per) % 2 == 0 else ("store", "raw")):
+                c0, t0 = time.process_time(), time.perf_counter()
+                if what == "raw":
+                    for i in range(c, c + per):
+                        os.pwrite(rfd, buf, i * BB)
+                else:
+                    for k in keys[c:c + per]:
+                        st.offer(k, b"n" * 16, buf)
+                    st.flush()
+                t[what + "_w"] += time.perf_counter() - t0
+                t[what + "_w_cpu"] += time.process_time() - c0
+            t2 = time.perf_counter()
             if dfd is not None:
                 for i in range(c, c + per):
                     os.pwritev(dfd, [al], i * BB)
-            t3 = time.perf_counter()
-            t["raw_w"] += t1 - t0
-            t["store_w"] += t2 - t1
-            t["dir_w"] += t3 - t2
-            t["raw_w_cpu"] += c1 - c0
-            t["store_w_cpu"] += c2 - c1
+            t["dir_w"] += time.perf_counter() - t2
         for c in range(0, len(keys), per):
             c0, t0 = time.process_time(), time.perf_counter()
             for i in range(c, c + per):
@@ -130,14 +137,20 @@ def interleaved(d, nbytes, chunk=32 * MiB):
                 for i in range(c, c + per):
                     os.preadv(dfd, [al], i * BB)
             t3 = time.perf_counter()
-            for i in range(c, c + per):
-                if os.preadv(rfd, [runbufs[i % RUN]], i * BB) != BB:
-                    raise RuntimeError("spill bench: short raw read")
-            t4 = time.perf_counter()
+            # the two reads into a run's buffers, the order turning each
+            # chunk (the second finds what the first left in the CPU's caches)
+            for what in (("bufs_r", "sum_r") if (c // per) % 2 == 0 else ("sum_r", "bufs_r")):
+                t4 = time.perf_counter()
+                for i in range(c, c + per):
+                    b = runbufs[i % RUN]
+                    if os.preadv(rfd, [b], i * BB) != BB:
+                        raise RuntimeError("spill bench: short raw read")
+                    if what == "sum_r" and xxhash.xxh3_64_intdigest(b) != want:
+                        raise RuntimeError("spill bench: the raw file read back other bytes")
+                t[what] += time.perf_counter() - t4
             t["raw_r"] += t1 - t0
             t["store_r"] += t2 - t1
             t["dir_r"] += t3 - t2
-            t["bufs_r"] += t4 - t3
             t["raw_r_cpu"] += c1 - c0
             t["store_r_cpu"] += c2 - c1
     finally:
@@ -389,6 +402,7 @@ def run(a, progress) -> dict:
                            "store_write_Bps": f["store_w"], "store_read_Bps": f["store_r"],
                            "direct_write_Bps": f["dir_w"], "direct_read_Bps": f["dir_r"],
                            "raw_read_run_bufs_Bps": f["bufs_r"],
+                           "raw_read_verify_Bps": f["sum_r"],
                            "raw_write_cpu_Bps": f["raw_w_cpu"],
                            "store_write_cpu_Bps": f["store_w_cpu"],
                            "raw_read_cpu_Bps": f["raw_r_cpu"],
@@ -400,6 +414,8 @@ def run(a, progress) -> dict:
                            "store_vs_raw_write": f["store_w"] / f["raw_w"],
                            "store_vs_raw_read": f["store_r"] / f["raw_r"],
                            "store_vs_raw_read_run_bufs": f["store_r"] / f["bufs_r"],
+                           "store_vs_raw_read_verify": f["store_r"] / f["sum_r"],
+                           "raw_read_verify_vs_raw_read": f["sum_r"] / f["raw_r"],
                            "direct_vs_raw_write": f["dir_w"] / f["raw_w"],
                            "direct_vs_raw_read": f["dir_r"] / f["raw_r"]})
         progress("reads from the disk (page cache dropped)")
@@ -424,6 +440,8 @@ def run(a, progress) -> dict:
                 "store_vs_raw_write": med["store_vs_raw_write"],
                 "store_vs_raw_read": med["store_vs_raw_read"],
                 "store_vs_raw_read_run_bufs": med["store_vs_raw_read_run_bufs"],
+                "store_vs_raw_read_verify": med["store_vs_raw_read_verify"],
+                "raw_read_verify_vs_raw_read": med["raw_read_verify_vs_raw_read"],
                 "direct_vs_raw_write": med["direct_vs_raw_write"],
                 "direct_vs_raw_read": med["direct_vs_raw_read"],
                 "store_vs_raw_read_cpu": med["store_read_cpu_Bps"] / med["raw_read_cpu_Bps"],
@@ -460,7 +478,9 @@ def render(rep: dict) -> str:
             f"{r['direct_write_Bps'] / G:.2f} ({r['direct_vs_raw_write']:.2f}x); raw read "
             f"{r['raw_read_Bps'] / G:.2f}, store fetch+verify {r['store_read_Bps'] / G:.2f} "
             f"({r['store_vs_raw_read']:.2f}x; {r['store_vs_raw_read_run_bufs']:.2f}x raw into a "
-            f"run's buffers, {r['raw_read_run_bufs_Bps'] / G:.2f}), O_DIRECT read "
+            f"run's buffers, {r['raw_read_run_bufs_Bps'] / G:.2f}; "
+            f"{r['store_vs_raw_read_verify']:.2f}x those with an xxh3 of each, "
+            f"{r['raw_read_verify_Bps'] / G:.2f}), O_DIRECT read "
             f"{r['direct_read_Bps'] / G:.2f} ({r['direct_vs_raw_read']:.2f}x); per CPU second of "
             f"the process: raw write {r['raw_write_cpu_Bps'] / G:.2f}, store write "
             f"{r['store_write_cpu_Bps'] / G:.2f}, raw read {r['raw_read_cpu_Bps'] / G:.2f}, store "
@@ -473,7 +493,9 @@ def render(rep: dict) -> str:
         f"SpillStore alone (median of {len(rep['rounds'])} rounds): write "
         f"{rep['store_vs_raw_write']:.2f}x a raw sequential write of the same bytes, "
         f"fetch+verify {rep['store_vs_raw_read']:.2f}x a raw read "
-        f"({rep['store_vs_raw_read_run_bufs']:.2f}x one into a run's 8 reused buffers); O_DIRECT "
+        f"({rep['store_vs_raw_read_run_bufs']:.2f}x one into a run's 8 reused buffers, "
+        f"{rep['store_vs_raw_read_verify']:.2f}x that with an xxh3 of each block, itself "
+        f"{rep['raw_read_verify_vs_raw_read']:.2f}x the raw read); O_DIRECT "
         f"{rep['direct_vs_raw_write']:.2f}x / {rep['direct_vs_raw_read']:.2f}x buffered",
         f"from the disk (page cache dropped, {len(rep['cold_rounds'])} rounds): store "
         f"fetch+verify {rep['cold_store_read_Bps'] / G:.2f} GiB/s, raw read "
