@@ -9,12 +9,14 @@ import shutil
 import statistics
 import sys
 import tempfile
+import types
 
 import numpy as np
 import pytest
 
 import cxlkv
 from cxlkv.bench import handoff, harness, scale, suite
+from cxlkv.bench import spill as spill_bench
 from cxlkv.ops.lockmgr import ensure_manager
 from cxlkv.errors import EXIT_REFUSED
 from cxlkv.kv.cache import kv_report
@@ -382,6 +384,25 @@ def test_run_lists_every_scenario(cli):
     assert r.code == 0 and set(r.json()) == set(harness.SCENARIOS)
     r = cli("bench", "run", "spill", "--help")
     assert r.code == 0 and "--mib" in r.out and "--json" in r.out
+
+
+def test_spill_rounds_time_every_phase_and_check_the_raw_reads(tmp_path, monkeypatch):
+    """One interleaved round of the spill bench at a small size: every
+    phase timed (the raw reads with an xxh3 of each block among them),
+    and a raw read that comes back other bytes is an error, not a figure."""
+    r = spill_bench.interleaved(str(tmp_path), 8 << 20, chunk=4 << 20)
+    for k in ("raw_w", "store_w", "raw_r", "store_r", "bufs_r", "sum_r"):
+        assert r[k] > 0, k
+    real, calls = spill_bench.xxhash.xxh3_64_intdigest, []
+
+    def wrong_after_first(b):                     # the expected sum right, the reads' not
+        calls.append(1)
+        return real(b) ^ (len(calls) > 1)
+
+    monkeypatch.setattr(spill_bench, "xxhash", types.SimpleNamespace(
+        xxh3_64_intdigest=wrong_after_first))
+    with pytest.raises(RuntimeError, match="read back other bytes"):
+        spill_bench.interleaved(str(tmp_path), 8 << 20, chunk=4 << 20)
 
 
 def test_run_refuses_what_does_not_apply(cli):
