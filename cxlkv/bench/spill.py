@@ -104,9 +104,8 @@ def interleaved(d, nbytes, chunk=32 * MiB):
     try:
         for c in range(0, len(keys), per):
             # the raw and the store's writes, the order turning each chunk:
-            # the one that takes the page cache past the kernel's dirty
-            # threshold is throttled (at a process's start its disk's share
-            # of that threshold is small: 160-190 MiB here, 2026-12-07)
+            # neither always writes into the page cache the other left
+            # dirty (the kernel's dirty throttling: scripts/write_sizes.py)
             for what in (("raw", "store") if (c // per) % 2 == 0 else ("store", "raw")):
                 c0, t0 = time.process_time(), time.perf_counter()
                 if what == "raw":
